@@ -1,0 +1,564 @@
+"""faast.FastWeights: the streaming fast-weight memory.
+
+It never stores keys. It keeps the sufficient statistics S = K^T K [dk, dk], T = K^T diag(s) V [dk, dv], the row
+count N and the squared target norm sum ||s v||^2 in float64, so memory is O(d^2) whatever N is, and the solution is
+the exact least-squares one over all rows seen (method.md §2). Because the statistics add, merging memories is
+addition, unlearning is subtraction, and discounting is a scale.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from . import _blend, _checks, _persist, ops
+from ._version import __version__
+from .ops.solve import SolveInfo, solve_from_eigh
+
+FORMAT = "faast.FastWeights"
+FORMAT_VERSION = 1
+# numerics.md §1: statistics summed from float32 GEMMs resolve eigenvalues only down to about this fraction of λmax.
+FLOAT32_EPS2_FLOOR = 1e-7
+
+_STATISTICS = ("gram", "cross", "count", "target_sqnorm")
+# Configuration that fixes the shape or meaning of the statistics: a file must match it to be loaded into a memory.
+_STRUCTURE = ("dim_key", "dim_value", "batch_shape", "mode", "blend_window", "blend_chunk", "weighted_least_squares")
+
+
+class FastWeights(nn.Module):
+    """Streaming closed-form fast weights W = pinv_eps(K) diag(s) V, with eps = N^-alpha (method.md §1–3).
+
+    Args:
+        dim_key: dk, the width of the keys.
+        dim_value: dv, the width of the values.
+        alpha: spectral filter exponent (keep σ > N^-alpha·σmax), or 'auto' to choose the kept rank by generalized
+            cross-validation (GCV) from the statistics alone.
+        rtol: a fixed relative cut on singular values instead of N^-alpha.
+        ridge: None (truncated pseudo-inverse, the paper's estimator), a penalty μ >= 0 (W = (S + μI)^+ T), or 'auto'
+            for the GCV-best μ. Ridge replaces the spectral cut, so alpha is unused with it.
+        batch_shape: leading dims of independent memories held together (e.g. (num_layers,)); every update then
+            takes keys [*batch_shape, ..., dk].
+        discount: γ in (0, 1]: before each update S, T, N (and the GCV statistic) are multiplied by γ, which forgets
+            old rows geometrically (0.9 while training a readout). 1 keeps everything.
+        prior: a pretrained projection W0 [dk, dv] (or [*batch_shape, dk, dv]), or 'identity' (dk == dv, e.g.
+            zero-shot CLIP); with prior_count N0 > 0 the weights are (N0·W0 + N·W*) / (N0 + N).
+        prior_count: N0, the pseudo-count of the prior.
+        weighted_least_squares: let scores weight whole rows (S = K^T diag(s) K) instead of the values only. A
+            different estimator from the authors'; off by default.
+        compute_dtype: float64 (default) or float32 to compute each chunk's GEMMs in float32 (summed in float64).
+            float32 warns when eps² drops below its resolution, where rank-deficient memories gain false directions.
+        drop_nonfinite: drop rows with NaN/Inf (counted in `num_dropped`) instead of raising.
+        mode: 'exact' (default) or 'blend', the authors' compatibility mode: a window of at most `blend_window` rows
+            is solved jointly, and whenever it is full the oldest `blend_chunk` rows are solved alone (eps =
+            blend_chunk^-alpha) and blended into a running W0 with weight u / (γ·N0 + u), γ = blend_discount.
+            It reproduces their results; it is a different, usually worse, estimator (numerics.md §4).
+        dtype: dtype of the returned weights (statistics are always float64).
+        device: device of the statistics.
+
+    The memory is an nn.Module so that it moves with its model (`.to(device)`); dtype casts of the model leave the
+    float64 statistics alone. Its buffers form its state_dict; `save`/`load` write them with the configuration.
+    """
+
+    def __init__(
+        self,
+        dim_key: int,
+        dim_value: int,
+        *,
+        alpha: float | Literal["auto"] = 1.0,
+        rtol: float | None = None,
+        ridge: float | Literal["auto"] | None = None,
+        batch_shape: Sequence[int] = (),
+        discount: float = 1.0,
+        prior: torch.Tensor | Literal["identity"] | None = None,
+        prior_count: float = 0.0,
+        weighted_least_squares: bool = False,
+        compute_dtype: torch.dtype = torch.float64,
+        drop_nonfinite: bool = False,
+        mode: Literal["exact", "blend"] = "exact",
+        blend_window: int = 65536,
+        blend_chunk: int = 8192,
+        blend_discount: float = 1.0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.dim_key = _checks.require_positive_int("dim_key", dim_key)
+        self.dim_value = _checks.require_positive_int("dim_value", dim_value)
+        self.batch_shape = tuple(_checks.require_positive_int("batch_shape", int(s)) for s in batch_shape)
+        ops.check_solve_options(alpha, rtol, ridge, target_sqnorm=True)
+        self.alpha, self.rtol, self.ridge = alpha, rtol, ridge
+        self.discount = _check_fraction("discount", discount)
+        self.prior_count = _checks.require_nonnegative_number("prior_count", prior_count)
+        self.weighted_least_squares = bool(weighted_least_squares)
+        if compute_dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"compute_dtype: expected torch.float32 or torch.float64, got {compute_dtype}")
+        self.compute_dtype = compute_dtype
+        self.drop_nonfinite = bool(drop_nonfinite)
+        if mode not in ("exact", "blend"):
+            raise ValueError(f"mode: expected 'exact' or 'blend', got {mode!r}")
+        self.mode = mode
+        self.blend_window = _checks.require_positive_int("blend_window", blend_window)
+        self.blend_chunk = _checks.require_positive_int("blend_chunk", blend_chunk)
+        self.blend_discount = _check_fraction("blend_discount", blend_discount)
+        if mode == "blend":
+            if self.blend_window < self.blend_chunk:
+                raise ValueError(f"blend_window: expected >= blend_chunk ({blend_chunk}), got {blend_window}")
+            if self.discount != 1.0:
+                raise ValueError("discount: mode='blend' discounts through blend_discount; leave discount at 1.0")
+            if self.drop_nonfinite:
+                raise ValueError("drop_nonfinite: not supported with mode='blend' (its chunks count rows exactly)")
+        _checks.require_tensor("dtype", torch.empty(0, dtype=dtype))
+        self.dtype = dtype
+
+        dk, dv, batch = self.dim_key, self.dim_value, self.batch_shape
+        f64 = {"dtype": torch.float64, "device": device}
+        self.register_buffer("gram", torch.zeros((*batch, dk, dk), **f64))
+        self.register_buffer("cross", torch.zeros((*batch, dk, dv), **f64))
+        self.register_buffer("count", torch.zeros(batch, **f64))
+        self.register_buffer("target_sqnorm", torch.zeros(batch, **f64))
+        self.register_buffer("num_dropped", torch.zeros(batch, dtype=torch.int64, device=device))
+        self.register_buffer("prior", self._make_prior(prior, device))
+        if self.prior is None and self.prior_count > 0:
+            raise ValueError("prior_count: a positive pseudo-count needs a prior (prior=tensor or 'identity')")
+        if mode == "blend":
+            _blend.register_state(self, device)
+        self._version = 0
+        self._cache: dict = {}
+        self._last_info: SolveInfo | None = None
+        self._warned_float32 = False
+
+    # ------------------------------------------------------------------ configuration and bookkeeping
+
+    def _make_prior(self, prior: object, device: object) -> torch.Tensor | None:
+        dk, dv, batch = self.dim_key, self.dim_value, self.batch_shape
+        if prior is None:
+            return None
+        if isinstance(prior, str):
+            if prior != "identity":
+                raise ValueError(f"prior: expected a tensor [dim_key, dim_value], 'identity' or None, got {prior!r}")
+            if dk != dv:
+                raise ValueError(f"prior: 'identity' needs dim_key == dim_value, got {dk} and {dv}")
+            return torch.eye(dk, dtype=torch.float64, device=device).expand(*batch, dk, dk).clone()
+        _checks.require_tensor("prior", prior)
+        if tuple(prior.shape) not in ((dk, dv), (*batch, dk, dv)):
+            raise ValueError(
+                f"prior: expected shape [dim_key, dim_value] = {[dk, dv]} or {[*batch, dk, dv]}, got {list(prior.shape)}"
+            )
+        _checks.require_finite("prior", prior)
+        return prior.detach().to(device=device, dtype=torch.float64).expand(*batch, dk, dv).clone()
+
+    def config(self) -> dict:
+        """The constructor arguments (JSON-serialisable) that rebuild this memory, except the prior tensor."""
+        return {
+            "dim_key": self.dim_key,
+            "dim_value": self.dim_value,
+            "alpha": self.alpha,
+            "rtol": self.rtol,
+            "ridge": self.ridge,
+            "batch_shape": list(self.batch_shape),
+            "discount": self.discount,
+            "prior_count": self.prior_count,
+            "weighted_least_squares": self.weighted_least_squares,
+            "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
+            "drop_nonfinite": self.drop_nonfinite,
+            "mode": self.mode,
+            "blend_window": self.blend_window,
+            "blend_chunk": self.blend_chunk,
+            "blend_discount": self.blend_discount,
+            "dtype": str(self.dtype).replace("torch.", ""),
+        }
+
+    @property
+    def device(self) -> torch.device:
+        return self.gram.device
+
+    @property
+    def version(self) -> int:
+        """Monotonic counter, incremented by every change of the statistics."""
+        return self._version
+
+    def _changed(self) -> None:
+        self._version += 1
+        self._cache.clear()
+
+    def _state_key(self) -> tuple:
+        # Tensor version counters catch in-place edits made behind our back (e.g. memory.gram.mul_(2)).
+        return (self._version, *(t._version for t in self.buffers()))
+
+    def extra_repr(self) -> str:
+        count = self.count.tolist()
+        return (
+            f"dim_key={self.dim_key}, dim_value={self.dim_value}, batch_shape={self.batch_shape}, mode={self.mode}, "
+            f"alpha={self.alpha}, rtol={self.rtol}, ridge={self.ridge}, count={count}"
+        )
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        # Follow device moves of the parent model, but never a dtype cast: model.half() must not turn float64
+        # statistics into fp16. A cast result is discarded and the original moved to the result's device instead.
+        for name, buf in self._buffers.items():
+            if buf is None:
+                continue
+            moved = fn(buf)
+            if moved.dtype != buf.dtype:
+                moved = buf.to(device=moved.device)
+            self._buffers[name] = moved
+        self._changed()
+        return self
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - nn.Module's signature
+        super()._load_from_state_dict(*args, **kwargs)
+        self._changed()
+
+    # ------------------------------------------------------------------ learning
+
+    def _rows(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scores: torch.Tensor | None,
+        mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Validate and flatten to keys [*batch, N, dk] etc.; row dims after the batch dims are flattened."""
+        ops.check_rows(keys, values, scores, mask)
+        batch, dk, dv = self.batch_shape, self.dim_key, self.dim_value
+        layout = "[" + ", ".join([*map(str, batch), "...", "{}"]) + "]"
+        if keys.shape[-1] != dk or keys.dim() < len(batch) + 2 or tuple(keys.shape[: len(batch)]) != batch:
+            raise ValueError(f"keys: expected shape {layout.format(dk)} (batch_shape, rows, dim_key), got {list(keys.shape)}")
+        if values.shape[-1] != dv:
+            raise ValueError(f"values: expected shape {layout.format(dv)} (batch_shape, rows, dim_value), got {list(values.shape)}")
+        _checks.require_same_device("the memory", self.gram, keys=keys)
+        n = math.prod(keys.shape[len(batch) : -1])
+        keys, values = keys.reshape(*batch, n, dk), values.reshape(*batch, n, dv)
+        scores = None if scores is None else scores.reshape(*batch, n)
+        mask = None if mask is None else mask.reshape(*batch, n)
+        return keys, values, scores, mask
+
+    def _keep_finite_rows(
+        self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """drop_nonfinite: the mask of rows to learn, and how many rows were dropped per memory."""
+        if not self.drop_nonfinite:
+            return mask, torch.zeros(self.batch_shape, dtype=torch.int64, device=self.device)
+        good = torch.isfinite(keys).all(-1) & torch.isfinite(values).all(-1)
+        if scores is not None:
+            good &= torch.isfinite(scores)
+        considered = torch.ones_like(good) if mask is None else mask
+        dropped = (considered & ~good).sum(-1)
+        return considered & good, dropped
+
+    def _row_counts(self, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if mask is None:
+            return torch.full(self.batch_shape, float(keys.shape[-2]), dtype=torch.float64, device=self.device)
+        return mask.sum(-1).to(torch.float64)
+
+    def _statistics(self, keys, values, scores, mask):  # noqa: ANN001, ANN202 - internal
+        with torch.no_grad():
+            return ops.gram_statistics(
+                keys, values, scores, mask,
+                weighted_least_squares=self.weighted_least_squares, compute_dtype=self.compute_dtype,
+            )  # fmt: skip
+
+    @torch.no_grad()
+    def update(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scores: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+    ) -> FastWeights:
+        """Learn a batch of rows: S += K^T K, T += K^T diag(s) V, N += rows (after the discount, if any).
+
+        Args:
+            keys: [*batch_shape, ..., dk]; every dim between the batch dims and dk indexes rows (e.g. [B, T]).
+            values: [*batch_shape, ..., dv] with the same row dims.
+            scores: [*batch_shape, ...] non-negative weights of the values, or None.
+            mask: [*batch_shape, ...] bool; False rows are not learned or counted (padding).
+
+        Returns self. Raises TypeError/ValueError naming the argument on bad input, with the memory untouched.
+        """
+        keys, values, scores, mask = self._rows(keys, values, scores, mask)
+        mask, dropped = self._keep_finite_rows(keys, values, scores, mask)
+        if self.mode == "blend":
+            _blend.update(self, keys, values, scores, mask)
+        else:
+            d_gram, d_cross, d_sqnorm = self._statistics(keys, values, scores, mask)
+            if self.discount != 1.0:
+                for name in _STATISTICS:
+                    getattr(self, name).mul_(self.discount)
+            self.gram.add_(d_gram)
+            self.cross.add_(d_cross)
+            self.target_sqnorm.add_(d_sqnorm)
+            self.count.add_(self._row_counts(keys, mask))
+        self.num_dropped.add_(dropped)
+        self._changed()
+        return self
+
+    def _require_exact(self, what: str) -> None:
+        if self.mode != "exact":
+            raise ValueError(f"{what}: only defined for mode='exact' (blended chunk solutions do not add)")
+
+    @torch.no_grad()
+    def forget(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scores: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+    ) -> FastWeights:
+        """Unlearn rows that were learned before, exactly: S -= K^T K, T -= K^T diag(s) V, N -= rows.
+
+        Exact when the rows were learned with the same scores and no discount was applied since. Raises ValueError
+        (memory untouched) if it would take the count below zero. When the count reaches zero the statistics are
+        reset to exact zeros, so rounding residue cannot masquerade as data.
+        """
+        self._require_exact("forget")
+        keys, values, scores, mask = self._rows(keys, values, scores, mask)
+        mask, _ = self._keep_finite_rows(keys, values, scores, mask)
+        removed = self._row_counts(keys, mask)
+        remaining = self.count - removed
+        if bool((remaining < -1e-9 * removed.clamp_min(1)).any()):
+            raise ValueError(
+                f"keys: forget would remove {removed.tolist()} rows but the memory holds {self.count.tolist()}; "
+                "nothing was forgotten"
+            )
+        d_gram, d_cross, d_sqnorm = self._statistics(keys, values, scores, mask)
+        self.gram.sub_(d_gram)
+        self.cross.sub_(d_cross)
+        self.target_sqnorm.sub_(d_sqnorm)
+        self.count.copy_(remaining.clamp_min(0))
+        self._zero_where_empty()
+        self._changed()
+        return self
+
+    def _zero_where_empty(self) -> None:
+        empty = self.count <= 0
+        if bool(empty.any()):
+            for name in _STATISTICS:
+                t = getattr(self, name)
+                t.masked_fill_(empty.reshape(*empty.shape, *([1] * (t.dim() - empty.dim()))), 0)
+
+    @torch.no_grad()
+    def merge(self, other: FastWeights) -> FastWeights:
+        """Add another memory's statistics (another process, device or task): the result is the union's solution.
+
+        The memories must share dim_key, dim_value, batch_shape, mode='exact' and the score semantics. Priors are
+        configuration, not statistics: self's prior is kept.
+        """
+        if not isinstance(other, FastWeights):
+            raise TypeError(f"other: expected a faast.FastWeights, got {type(other).__name__}")
+        self._require_exact("merge")
+        other._require_exact("merge")
+        for field in ("dim_key", "dim_value", "batch_shape", "weighted_least_squares"):
+            if getattr(self, field) != getattr(other, field):
+                raise ValueError(f"other: expected {field}={getattr(self, field)}, got {getattr(other, field)}")
+        for name in (*_STATISTICS, "num_dropped"):
+            getattr(self, name).add_(getattr(other, name).to(self.device))
+        self._changed()
+        return self
+
+    @torch.no_grad()
+    def apply_discount(self, gamma: float) -> FastWeights:
+        """Multiply S, T, N and the GCV statistic by gamma in (0, 1] now (the constructor's discount does it per
+        update)."""
+        self._require_exact("apply_discount")
+        gamma = _check_fraction("gamma", gamma)
+        for name in _STATISTICS:
+            getattr(self, name).mul_(gamma)
+        self._changed()
+        return self
+
+    @torch.no_grad()
+    def reset(self) -> FastWeights:
+        """Forget everything: zero statistics and counters (the prior stays)."""
+        for name in (*_STATISTICS, "num_dropped"):
+            getattr(self, name).zero_()
+        if self.mode == "blend":
+            _blend.reset(self)
+        self._changed()
+        return self
+
+    # ------------------------------------------------------------------ solving
+
+    def _eigh(self) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("eigh", self._state_key())
+        if key not in self._cache:
+            lam, vecs = ops.eigh_gram(self.gram)
+            self._cache[key] = (lam.reshape(-1, self.dim_key), vecs.reshape(-1, self.dim_key, self.dim_key))
+        return self._cache[key]
+
+    def _solve_statistics(
+        self, gram: torch.Tensor, cross: torch.Tensor, count: torch.Tensor, sqnorm: torch.Tensor, options: dict
+    ) -> tuple[torch.Tensor, SolveInfo]:
+        """float64 W* [*batch, dk, dv] of the given statistics; the memory's own are eigendecomposed once."""
+        if gram is self.gram:
+            lam, vecs = self._eigh()
+        else:
+            lam, vecs = ops.eigh_gram(gram)
+            lam, vecs = lam.reshape(-1, self.dim_key), vecs.reshape(-1, self.dim_key, self.dim_key)
+        weights, info = solve_from_eigh(
+            lam, vecs, cross.reshape(-1, self.dim_key, self.dim_value), count.reshape(-1).to(torch.float64),
+            target_sqnorm=sqnorm.reshape(-1), **options,
+        )  # fmt: skip
+        batch = self.batch_shape
+        info = SolveInfo(*(None if f is None else f.reshape(batch) for f in info))
+        return weights.reshape(*batch, self.dim_key, self.dim_value), info
+
+    def _warn_float32(self, options: dict) -> None:
+        if self.compute_dtype != torch.float32 or self._warned_float32 or options["ridge"] is not None:
+            return
+        if options["rtol"] is not None:
+            eps2 = options["rtol"] ** 2
+        elif options["alpha"] == "auto":
+            return
+        else:
+            eps2 = float(self.count.max()) ** (-2 * options["alpha"]) if float(self.count.max()) > 0 else 1.0
+        if eps2 < FLOAT32_EPS2_FLOOR:
+            self._warned_float32 = True
+            warnings.warn(
+                f"FastWeights(compute_dtype=float32): eps² = {eps2:.2e} is below the ~{FLOAT32_EPS2_FLOOR:g}·λmax "
+                "resolution of float32 GEMMs; rank-deficient memories (repeated rows, N < d, LayerNorm outputs) can "
+                "gain spurious directions. Use the float64 default for exact results.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _options(self, alpha: object, rtol: object, ridge: object) -> dict:
+        if alpha is None and rtol is None and ridge is None:
+            return {"alpha": self.alpha, "rtol": self.rtol, "ridge": self.ridge}
+        options = {"alpha": 1.0 if alpha is None else alpha, "rtol": rtol, "ridge": ridge}
+        ops.check_solve_options(**options, target_sqnorm=True)
+        return options
+
+    def solve(
+        self,
+        *,
+        alpha: float | Literal["auto"] | None = None,
+        rtol: float | None = None,
+        ridge: float | Literal["auto"] | None = None,
+    ) -> torch.Tensor:
+        """Fast weights [*batch_shape, dk, dv] in `dtype`, solved lazily and cached until the statistics change.
+
+        Without arguments the memory's configuration is used. Passing any of alpha / rtol / ridge solves with exactly
+        those (the others at their defaults) without changing the configuration; the eigendecomposition is shared.
+        """
+        options = self._options(alpha, rtol, ridge)
+        key = ("weights", self._state_key(), tuple(sorted(options.items())))
+        if key not in self._cache:
+            self._warn_float32(options)
+            if self.mode == "blend":
+                weights, info = _blend.weights(self, options)
+            else:
+                weights, info = self._solve_statistics(self.gram, self.cross, self.count, self.target_sqnorm, options)
+                weights = self._with_prior(weights, self.count)
+            self._cache[key] = (weights.to(self.dtype), info)
+        weights, self._last_info = self._cache[key]
+        return weights
+
+    def _with_prior(self, weights: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """(N0·W0 + N·W*) / (N0 + N); W* alone when there is no prior."""
+        if self.prior is None or self.prior_count == 0:
+            return weights
+        n = count.to(torch.float64).reshape(*self.batch_shape, 1, 1)
+        return (self.prior_count * self.prior + n * weights) / (self.prior_count + n)
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """W [*batch_shape, dk, dv] with the configured filter (see solve)."""
+        return self.solve()
+
+    @property
+    def solve_info(self) -> SolveInfo | None:
+        """Rank, cut, ridge and GCV score of the most recent solve (None before the first)."""
+        return self._last_info
+
+    def forward(self, query: torch.Tensor) -> torch.Tensor:
+        """Read the memory: query [*batch_shape, ..., dk] -> query @ W [*batch_shape, ..., dv]."""
+        _checks.require_tensor("query", query)
+        if query.shape[-1] != self.dim_key:
+            raise ValueError(f"query: expected last dim dim_key={self.dim_key}, got shape {list(query.shape)}")
+        _checks.require_same_device("the memory", self.gram, query=query)
+        weights = self.weights
+        dtype = torch.promote_types(query.dtype, weights.dtype)
+        if self.batch_shape:
+            lead = len(self.batch_shape)
+            rows = query.reshape(*self.batch_shape, -1, self.dim_key)
+            return (rows.to(dtype) @ weights.to(dtype)).reshape(*query.shape[:-1], self.dim_value)
+        return query.to(dtype) @ weights.to(dtype)
+
+    # ------------------------------------------------------------------ persistence
+
+    def save(self, path: str | Path) -> Path:
+        """Write the statistics and configuration to a safetensors file, atomically. Returns the path."""
+        metadata = {
+            "format": FORMAT,
+            "format_version": str(FORMAT_VERSION),
+            "faast_version": __version__,
+            "config": json.dumps(self.config(), sort_keys=True),
+        }
+        return _persist.write_atomic(path, dict(self.state_dict()), metadata)
+
+    @staticmethod
+    def _read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+        tensors, metadata = _persist.read_verified(path)
+        if metadata.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a {FORMAT} file (format={metadata.get('format')!r})")
+        if int(metadata.get("format_version", "0")) > FORMAT_VERSION:
+            raise ValueError(
+                f"{path}: written by a newer faast (format_version {metadata['format_version']}, this version reads "
+                f"{FORMAT_VERSION}); upgrade faast"
+            )
+        return tensors, json.loads(metadata["config"])
+
+    @classmethod
+    def load(cls, path: str | Path, *, device: torch.device | str | None = None) -> FastWeights:
+        """Rebuild a memory saved with `save`, bit-exact, on `device` (default CPU)."""
+        tensors, config = cls._read(path)
+        for key in ("compute_dtype", "dtype"):
+            config[key] = getattr(torch, config[key])
+        prior = tensors.get("prior")
+        memory = cls(**config, prior=prior, device=device)
+        memory._load_tensors(tensors, path)
+        return memory
+
+    def load_state(self, path: str | Path) -> FastWeights:
+        """Load statistics saved with `save` into this memory; the file's structure must match this memory's."""
+        tensors, config = self._read(path)
+        mine = self.config()
+        for field in _STRUCTURE:
+            if config.get(field) != mine[field]:
+                raise ValueError(f"{path}: saved with {field}={config.get(field)!r}, this memory has {mine[field]!r}")
+        if ("prior" in tensors) != (self.prior is not None):
+            raise ValueError(f"{path}: saved {'with' if 'prior' in tensors else 'without'} a prior, this memory differs")
+        self._load_tensors(tensors, path)
+        return self
+
+    @torch.no_grad()
+    def _load_tensors(self, tensors: dict[str, torch.Tensor], path: object) -> None:
+        expected = dict(self.state_dict())
+        if set(tensors) != set(expected):
+            raise ValueError(f"{path}: expected tensors {sorted(expected)}, found {sorted(tensors)}")
+        for name, t in tensors.items():
+            if t.shape != expected[name].shape or t.dtype != expected[name].dtype:
+                raise ValueError(
+                    f"{path}: tensor {name} has shape {list(t.shape)} {t.dtype}, expected "
+                    f"{list(expected[name].shape)} {expected[name].dtype}"
+                )
+        for name, t in tensors.items():
+            self._buffers[name].copy_(t)
+        self._changed()
+
+
+def _check_fraction(name: str, value: object) -> float:
+    value = _checks.require_nonnegative_number(name, value, allow_zero=False)
+    if value > 1:
+        raise ValueError(f"{name}: expected a number in (0, 1], got {value}")
+    return value

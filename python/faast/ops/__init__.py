@@ -1,0 +1,428 @@
+"""Functional ops of faast.
+
+Conventions (method.md §1): keys K [*, N, dk], values V [*, N, dv], fast weights W [*, dk, dv]; a query q [..., dk]
+reads q @ W. Every op accepts leading batch dims (one per memory layer, or per task), which must agree between
+arguments. The implementation of each op is chosen by faast.ops._dispatch (FAAST_BACKEND); the pure-torch backend
+in faast.ops.reference runs everywhere and is the oracle for the others.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _checks
+from . import _dispatch, reference
+from .solve import SolveInfo, solve_from_eigh
+
+__all__ = [
+    "SolveInfo",
+    "accumulate_gram",
+    "eigh_gram",
+    "fold_readout",
+    "pinv_fast_weights",
+    "residual_project",
+    "solve_fast_weights",
+    "solve_fast_weights_ex",
+]
+
+_dispatch.register_backend(
+    _dispatch.Backend(
+        name="torch",
+        ops={
+            "accumulate_gram": reference.accumulate_gram_streaming,
+            "eigh": reference.eigh,
+            "residual_project": reference.residual_project,
+        },
+    )
+)
+
+_ROWS = "[*, N, dim]"
+
+
+def check_rows(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor | None,
+    mask: torch.Tensor | None,
+) -> None:
+    """Validate one batch of (keys, values, scores, mask) rows; shared by the ops and faast.FastWeights."""
+    _checks.require_tensor("keys", keys)
+    _checks.require_ndim("keys", keys, 2, "[*, N, dim_key]")
+    _checks.require_tensor("values", values)
+    _checks.require_ndim("values", values, 2, "[*, N, dim_value]")
+    if keys.shape[-1] == 0 or values.shape[-1] == 0:
+        raise ValueError(
+            f"keys/values: expected at least one feature, got dim_key={keys.shape[-1]}, dim_value={values.shape[-1]}"
+        )
+    rows = tuple(keys.shape[:-1])
+    if tuple(values.shape[:-1]) != rows:
+        raise ValueError(
+            f"values: expected shape [*, N, dim_value] with [*, N] = {list(rows)} as in keys, got {list(values.shape)}"
+        )
+    if scores is not None:
+        _checks.require_tensor("scores", scores)
+        _checks.require_shape("scores", scores, rows, "[*, N] (one score per key)")
+    if mask is not None:
+        _checks.require_tensor("mask", mask, dtypes=(torch.bool,))
+        _checks.require_shape("mask", mask, rows, "[*, N] (one flag per key)")
+    _checks.require_same_device("keys", keys, values=values, scores=scores, mask=mask)
+    if scores is not None:
+        negative = scores < 0
+        if mask is not None:
+            negative &= mask
+        if bool(negative.any()):
+            index = [int(i) for i in negative.nonzero()[0]]
+            raise ValueError(
+                f"scores: expected non-negative weights (e.g. sigmoid outputs), found {scores[tuple(index)].item()} "
+                f"at index {index}"
+            )
+
+
+def explain_nonfinite(
+    keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, mask: torch.Tensor | None
+) -> ValueError:
+    """The error for a batch whose statistics are not finite: names the first bad input, or reports an overflow."""
+    for name, t in (("keys", keys), ("values", values), ("scores", scores)):
+        if t is None:
+            continue
+        bad = ~torch.isfinite(t)
+        if mask is not None:
+            bad &= mask.unsqueeze(-1) if t.dim() > mask.dim() else mask
+        if bool(bad.any()):
+            index = [int(i) for i in bad.nonzero()[0]]
+            return ValueError(
+                f"{name}: expected finite values, found {t[tuple(index)].item()} at index {index}; nothing was "
+                "accumulated (pass drop_nonfinite=True to faast.FastWeights to drop such rows instead)"
+            )
+    return ValueError(
+        "keys/values: the statistics of this batch overflow float64 (entries too large to square); nothing was "
+        "accumulated"
+    )
+
+
+def gram_statistics(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    *,
+    weighted_least_squares: bool = False,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contribution of one batch of validated rows: (dS [*, dk, dk], dT [*, dk, dv], dyy [*]), finite-checked.
+
+    dyy is the squared norm of the regression targets (sum ||s_n v_n||^2, or sum s_n ||v_n||^2 for weighted least
+    squares), the extra statistic generalized cross-validation needs. Raises ValueError if any of them is not finite.
+    """
+    if compute_dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"compute_dtype: expected torch.float32 or torch.float64, got {compute_dtype}")
+    batch = tuple(keys.shape[:-2])
+    n, dk, dv = keys.shape[-2], keys.shape[-1], values.shape[-1]
+    flat = (
+        keys.reshape(-1, n, dk),
+        values.reshape(-1, n, dv),
+        None if scores is None else scores.reshape(-1, n),
+        None if mask is None else mask.reshape(-1, n),
+    )
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in flat[:3])
+    if needs_grad:
+        impl = reference.accumulate_gram_differentiable
+    else:
+        _, impl = _dispatch.resolve("accumulate_gram", keys.device)
+    gram, cross, sqnorm = impl(*flat, weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype)
+    finite = torch.isfinite(gram).all() & torch.isfinite(cross).all() & torch.isfinite(sqnorm).all()
+    if not bool(finite):
+        raise explain_nonfinite(keys, values, scores, mask)
+    gram, cross, sqnorm = gram.to(torch.float64), cross.to(torch.float64), sqnorm.to(torch.float64)
+    return gram.reshape(*batch, dk, dk), cross.reshape(*batch, dk, dv), sqnorm.reshape(batch)
+
+
+def _check_accumulator(name: str, acc: torch.Tensor | None, shape: tuple[int, ...], layout: str, keys: torch.Tensor):
+    if acc is None:
+        return
+    _checks.require_tensor(name, acc, dtypes=_checks.ACCUMULATOR_DTYPES)
+    _checks.require_shape(name, acc, shape, layout)
+    _checks.require_same_device("keys", keys, **{name: acc})
+
+
+def accumulate_gram(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor | None = None,
+    *,
+    gram: torch.Tensor | None = None,
+    cross: torch.Tensor | None = None,
+    target_sqnorm: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    weighted_least_squares: bool = False,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add one batch of rows to the streamed statistics: S += K^T K and T += K^T diag(scores) V, in place.
+
+    Args:
+        keys: [*, N, dk], any floating dtype (upcast per chunk: a Gram is never formed in fp16/bf16).
+        values: [*, N, dv], same leading dims as keys.
+        scores: [*, N] non-negative weights or None (all ones). They weight the values only, reproducing the
+            authors' vals * score; S stays unweighted and N counts rows, not the sum of scores.
+        gram: [*, dk, dk] float32/float64 accumulator, updated in place; None creates float64 zeros.
+        cross: [*, dk, dv] float32/float64 accumulator, updated in place; None creates float64 zeros.
+        target_sqnorm: optional [*] float32/float64 accumulator of the squared target norms (sum ||s_n v_n||^2),
+            which alpha='auto' and ridge='auto' need; updated in place when given.
+        mask: [*, N] bool or None; rows where it is False are skipped entirely (padding).
+        weighted_least_squares: use S = K^T diag(s) K instead (a different estimator, explicitly opt-in).
+        compute_dtype: float64 (default, exact products and sums) or float32 (per-4096-row float32 GEMMs summed in
+            float64: faster, but loses directions below ~1e-7·λmax; numerics.md §1).
+
+    Returns:
+        (gram, cross): the updated accumulators (the given tensors, or new float64 ones).
+
+    Raises:
+        TypeError / ValueError naming the argument for a wrong type, dtype, shape or device, negative scores, or
+        NaN/Inf in a row that is not masked out. The accumulators are untouched when it raises.
+    """
+    check_rows(keys, values, scores, mask)
+    batch, dk, dv = tuple(keys.shape[:-2]), keys.shape[-1], values.shape[-1]
+    _check_accumulator("gram", gram, (*batch, dk, dk), "[*, dim_key, dim_key]", keys)
+    _check_accumulator("cross", cross, (*batch, dk, dv), "[*, dim_key, dim_value]", keys)
+    _check_accumulator("target_sqnorm", target_sqnorm, batch, "[*] (the batch dims of keys)", keys)
+    d_gram, d_cross, d_sqnorm = gram_statistics(
+        keys, values, scores, mask, weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype
+    )
+    if gram is None:
+        gram = d_gram
+    else:
+        gram.add_(d_gram)
+    if cross is None:
+        cross = d_cross
+    else:
+        cross.add_(d_cross)
+    if target_sqnorm is not None:
+        target_sqnorm.add_(d_sqnorm)
+    return gram, cross
+
+
+def as_count(count: object, batch: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    if isinstance(count, torch.Tensor):
+        if count.dtype == torch.bool or count.is_complex():
+            raise TypeError(f"count: expected a real number or real tensor, got dtype {count.dtype}")
+        counts = count.detach().to(device=device, dtype=torch.float64)
+        try:
+            counts = counts.expand(batch)
+        except RuntimeError:
+            raise ValueError(
+                f"count: expected a number or a tensor broadcastable to the batch shape {list(batch)}, "
+                f"got shape {list(count.shape)}"
+            ) from None
+        if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
+            raise ValueError(f"count: expected finite counts >= 0, got {count}")
+        return counts.reshape(-1)
+    value = _checks.require_nonnegative_number("count", count)
+    return torch.full((math.prod(batch),), value, dtype=torch.float64, device=device)
+
+
+def check_solve_options(alpha: object, rtol: object, ridge: object, target_sqnorm: object) -> None:
+    if alpha != "auto":
+        if isinstance(alpha, str):
+            raise ValueError(f"alpha: expected a number >= 0 or 'auto', got {alpha!r}")
+        _checks.require_nonnegative_number("alpha", alpha)
+    if rtol is not None:
+        _checks.require_nonnegative_number("rtol", rtol)
+        if alpha == "auto":
+            raise ValueError("rtol: a fixed rtol contradicts alpha='auto'; pass one or the other")
+    if ridge is not None:
+        if ridge != "auto":
+            if isinstance(ridge, str):
+                raise ValueError(f"ridge: expected None, a number >= 0 or 'auto', got {ridge!r}")
+            _checks.require_nonnegative_number("ridge", ridge)
+        if rtol is not None or alpha == "auto":
+            raise ValueError("ridge: ridge replaces the spectral cut; do not combine it with rtol or alpha='auto'")
+    if (alpha == "auto" or ridge == "auto") and target_sqnorm is None:
+        raise ValueError(
+            "target_sqnorm: alpha='auto' and ridge='auto' choose by generalized cross-validation, which needs the "
+            "accumulated squared target norms (pass target_sqnorm= to accumulate_gram and here)"
+        )
+
+
+def eigh_gram(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 eigendecomposition of symmetric matrices [*, d, d]: (λ [*, d] ascending, E [*, d, d]).
+
+    Only the lower triangle is read. Batched across the leading dims by the selected backend (the cuSOLVER batched
+    solver where available). Never runs in float32: it would lose every direction below ~1e-5·λmax.
+    """
+    _checks.require_tensor("gram", gram, dtypes=_checks.ACCUMULATOR_DTYPES)
+    _checks.require_ndim("gram", gram, 2, "[*, d, d]")
+    d = gram.shape[-1]
+    if gram.shape[-2] != d:
+        raise ValueError(f"gram: expected square matrices [*, d, d], got {list(gram.shape)}")
+    _, impl = _dispatch.resolve("eigh", gram.device)
+    lam, vecs = impl(gram.reshape(-1, d, d))
+    return lam.reshape(*gram.shape[:-1]), vecs.reshape(gram.shape)
+
+
+def solve_fast_weights_ex(
+    gram: torch.Tensor,
+    cross: torch.Tensor,
+    *,
+    count: float | torch.Tensor,
+    alpha: float | str = 1.0,
+    rtol: float | None = None,
+    ridge: float | str | None = None,
+    target_sqnorm: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, SolveInfo]:
+    """solve_fast_weights that also returns a SolveInfo (kept rank, cut, ridge, GCV score) per batch element."""
+    _checks.require_tensor("gram", gram, dtypes=_checks.ACCUMULATOR_DTYPES)
+    _checks.require_ndim("gram", gram, 2, "[*, dim_key, dim_key]")
+    dk = gram.shape[-1]
+    if gram.shape[-2] != dk or dk == 0:
+        raise ValueError(f"gram: expected a non-empty square matrix [*, dim_key, dim_key], got {list(gram.shape)}")
+    batch = tuple(gram.shape[:-2])
+    _checks.require_tensor("cross", cross, dtypes=_checks.ACCUMULATOR_DTYPES)
+    _checks.require_ndim("cross", cross, 2, "[*, dim_key, dim_value]")
+    if tuple(cross.shape[:-1]) != (*batch, dk) or cross.shape[-1] == 0:
+        raise ValueError(
+            f"cross: expected shape [*, dim_key, dim_value] with [*, dim_key] = {[*batch, dk]} as in gram, "
+            f"got {list(cross.shape)}"
+        )
+    check_solve_options(alpha, rtol, ridge, target_sqnorm)
+    if target_sqnorm is not None:
+        _checks.require_tensor("target_sqnorm", target_sqnorm, dtypes=_checks.ACCUMULATOR_DTYPES)
+        _checks.require_shape("target_sqnorm", target_sqnorm, batch, "[*] (the batch dims of gram)")
+    _checks.require_same_device("gram", gram, cross=cross, target_sqnorm=target_sqnorm)
+    _checks.require_finite("gram", gram)
+    _checks.require_finite("cross", cross)
+    counts = as_count(count, batch, gram.device)
+    lam, vecs = eigh_gram(gram.detach())
+    lam, vecs = lam.reshape(-1, dk), vecs.reshape(-1, dk, dk)
+    yy = None if target_sqnorm is None else target_sqnorm.detach().reshape(-1).to(torch.float64)
+    # The gradient flows through T only: S^+ is a constant, as in the authors' detached pinv (method.md §6).
+    weights, info = solve_from_eigh(
+        lam, vecs, cross.reshape(-1, dk, cross.shape[-1]), counts,
+        alpha=alpha, rtol=rtol, ridge=ridge, target_sqnorm=yy,
+    )  # fmt: skip
+    weights = weights.reshape(*batch, dk, cross.shape[-1]).to(out_dtype or cross.dtype)
+    info = SolveInfo(*(None if f is None else f.reshape(batch) for f in info))
+    return weights, info
+
+
+def solve_fast_weights(
+    gram: torch.Tensor,
+    cross: torch.Tensor,
+    *,
+    count: float | torch.Tensor,
+    alpha: float | str = 1.0,
+    rtol: float | None = None,
+    ridge: float | str | None = None,
+    target_sqnorm: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Fast weights W = pinv_eps(K) diag(s) V from the streamed statistics, via a float64 eigendecomposition of S.
+
+    Args:
+        gram: S [*, dk, dk] float32/float64 (only the lower triangle is read). The eigensolver always runs in
+            float64: in float32 it loses every direction below ~1e-5·λmax (numerics.md §1).
+        cross: T [*, dk, dv] float32/float64.
+        count: N, the number of rows learned (a number, or a tensor broadcastable to the batch dims); it sets
+            eps = N^-alpha. N = 0 gives W = 0.
+        alpha: spectral filter exponent (keep σ > N^-alpha·σmax, i.e. λ > N^-2alpha·λmax), or 'auto' to choose the
+            kept rank by generalized cross-validation (needs target_sqnorm). alpha = 0 keeps nothing (W = 0).
+        rtol: a fixed relative cut on singular values instead of N^-alpha (like torch.linalg.pinv(rtol=...)).
+        ridge: None for the truncated pseudo-inverse (default); a penalty μ >= 0 for W = (S + μI)^+ T; or 'auto'
+            for the μ that minimises GCV (needs target_sqnorm). Ridge replaces the N^-alpha cut, so alpha is unused.
+        target_sqnorm: [*] squared target norms accumulated by accumulate_gram(target_sqnorm=...).
+        out_dtype: dtype of W (default: cross.dtype). W is computed in float64 and cast once.
+
+    Returns:
+        W: [*, dk, dv]. Eigenvalues are kept when λ > max(eps², dk·2^-52)·max(λmax, 0), strictly, exactly like
+        torch.linalg.pinv(K, atol=0, rtol=eps) on the stored keys.
+    """
+    weights, _ = solve_fast_weights_ex(
+        gram, cross, count=count, alpha=alpha, rtol=rtol, ridge=ridge, target_sqnorm=target_sqnorm,
+        out_dtype=out_dtype,
+    )  # fmt: skip
+    return weights
+
+
+def residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """h = x + x @ m: a memory layer's output with the readout folded in (m = W·P, see fold_readout).
+
+    Args:
+        x: [..., d] hidden states, any floating dtype.
+        m: [d, d] folded projection, any floating dtype.
+
+    Returns:
+        [..., d] in x.dtype, accumulated in float32 (float64 if either input is float64).
+    """
+    _checks.require_tensor("x", x)
+    _checks.require_ndim("x", x, 1, "[..., d]")
+    _checks.require_tensor("m", m)
+    d = x.shape[-1]
+    _checks.require_shape("m", m, (d, d), "[d, d] with d = x.shape[-1]")
+    _checks.require_same_device("x", x, m=m)
+    _, impl = _dispatch.resolve("residual_project", x.device)
+    return impl(x, m)
+
+
+def fold_readout(weights: torch.Tensor, readout: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """M = W @ P, folded once per solve so that inference costs one GEMM: h + (h W) P = h + h M.
+
+    Args:
+        weights: W [*, dk, dv].
+        readout: P [dv, d_out] or [*, dv, d_out], row convention. For an nn.Linear `proj` (y = x A^T) pass
+            proj.weight.mT.
+        out_dtype: dtype of M (default: the promoted dtype of the inputs). The product is computed in float64.
+
+    Returns:
+        M [*, dk, d_out].
+    """
+    _checks.require_tensor("weights", weights)
+    _checks.require_ndim("weights", weights, 2, "[*, dim_key, dim_value]")
+    _checks.require_tensor("readout", readout)
+    _checks.require_ndim("readout", readout, 2, "[dim_value, d_out]")
+    if readout.shape[-2] != weights.shape[-1]:
+        raise ValueError(
+            f"readout: expected shape [dim_value, d_out] with dim_value = {weights.shape[-1]} (the last dim of "
+            f"weights), got {list(readout.shape)}"
+        )
+    _checks.require_same_device("weights", weights, readout=readout)
+    dtype = out_dtype or torch.promote_types(weights.dtype, readout.dtype)
+    return (weights.to(torch.float64) @ readout.to(torch.float64)).to(dtype)
+
+
+def pinv_fast_weights(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rtol: float | torch.Tensor,
+    scores: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The stored-key reference: W = torch.linalg.pinv(K, atol=0, rtol=rtol) @ diag(scores) V.
+
+    This is the authors' estimator (an SVD of the N x dk key matrix). It is the oracle of the streaming path and the
+    baseline of the benchmarks; it needs all keys in memory. Computed in float64 for float64 keys (the truth the
+    tests use) and in float32 otherwise, like the authors' keys.float().
+
+    Args:
+        keys: [*, N, dk]; values: [*, N, dv]; scores: [*, N] or None.
+        rtol: relative cut on singular values (σ > rtol·σmax kept), a number or a tensor of the batch shape.
+
+    Returns:
+        W [*, dk, dv] in the compute dtype. N = 0 gives zeros.
+    """
+    check_rows(keys, values, scores, None)
+    compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    batch = tuple(keys.shape[:-2])
+    if isinstance(rtol, torch.Tensor):
+        rtol = rtol.to(device=keys.device, dtype=compute).expand(batch).unsqueeze(-1)
+    else:
+        rtol = _checks.require_nonnegative_number("rtol", rtol)
+    k = keys.to(compute)
+    v = values.to(compute)
+    if scores is not None:
+        v = v * scores.to(compute).unsqueeze(-1)
+    if keys.shape[-2] == 0:
+        return torch.zeros((*batch, keys.shape[-1], values.shape[-1]), dtype=compute, device=keys.device)
+    return torch.linalg.pinv(k, atol=0.0, rtol=rtol) @ v
+
+

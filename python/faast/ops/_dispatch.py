@@ -1,0 +1,86 @@
+"""The one place that chooses which backend runs an op.
+
+Backends: ``torch`` (pure PyTorch, any device: the CPU path and the test oracle), ``triton`` (faast_kernels) and
+``cuda`` (the cuSOLVER extension). The Triton and CUDA backends register themselves here when they exist; this
+version ships only ``torch``.
+
+``FAAST_BACKEND`` (auto | torch | triton | cuda, default auto) overrides the choice for every op:
+
+* ``auto`` walks a per-device preference list and takes the first backend that is available and implements the op.
+  Skipping a preferred backend is logged once per (op, backend), so a silent slow path cannot go unnoticed.
+* an explicit name is a request: if that backend cannot run the op, the call raises with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+ENV_VAR = "FAAST_BACKEND"
+BACKEND_NAMES = ("torch", "triton", "cuda")
+
+logger = logging.getLogger("faast")
+
+
+@dataclass
+class Backend:
+    """A set of op implementations and a probe that says why they cannot run (None when they can)."""
+
+    name: str
+    ops: dict[str, Callable] = field(default_factory=dict)
+    devices: tuple[str, ...] | None = None  # None: any device type
+    unavailable_reason: Callable[[], str | None] = lambda: None
+
+
+_REGISTRY: dict[str, Backend] = {}
+# Fastest first. torch is last everywhere because it runs on every device.
+_PREFERENCE = {"cuda": ("cuda", "triton", "torch")}
+_DEFAULT_PREFERENCE = ("torch",)
+_logged: set[tuple[str, str]] = set()
+
+
+def register_backend(backend: Backend) -> None:
+    if backend.name not in BACKEND_NAMES:
+        raise ValueError(f"backend.name: expected one of {BACKEND_NAMES}, got {backend.name!r}")
+    _REGISTRY[backend.name] = backend
+
+
+def requested_backend() -> str:
+    """The value of FAAST_BACKEND, validated: 'auto' or one of BACKEND_NAMES."""
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value != "auto" and value not in BACKEND_NAMES:
+        raise ValueError(f"{ENV_VAR}: expected one of auto, {', '.join(BACKEND_NAMES)}; got {value!r}")
+    return value
+
+
+def _why_not(name: str, op: str, device: torch.device) -> str | None:
+    backend = _REGISTRY.get(name)
+    if backend is None:
+        return f"this version of faast has no {name} backend"
+    if op not in backend.ops:
+        return f"the {name} backend does not implement {op}"
+    if backend.devices is not None and device.type not in backend.devices:
+        return f"the {name} backend does not run on {device.type} tensors"
+    return backend.unavailable_reason()
+
+
+def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
+    """Return (backend name, implementation) for `op` on `device`, following FAAST_BACKEND."""
+    requested = requested_backend()
+    if requested != "auto":
+        reason = _why_not(requested, op, device)
+        if reason is not None:
+            raise RuntimeError(f"{ENV_VAR}={requested} was requested for {op} on {device.type}, but {reason}")
+        return requested, _REGISTRY[requested].ops[op]
+    for name in _PREFERENCE.get(device.type, _DEFAULT_PREFERENCE):
+        reason = _why_not(name, op, device)
+        if reason is None:
+            return name, _REGISTRY[name].ops[op]
+        if (op, name) not in _logged:
+            _logged.add((op, name))
+            logger.info("faast: %s on %s skips the %s backend: %s", op, device.type, name, reason)
+    raise RuntimeError(f"no faast backend can run {op} on {device.type}")

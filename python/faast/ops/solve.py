@@ -1,0 +1,172 @@
+"""Fast weights from an eigendecomposition of S = K^T K: the spectral filter, ridge, and their choice by GCV.
+
+Everything here is float64 and backend-independent: a backend supplies (λ, E) and this module does the rest.
+Shapes use one flattened batch dim B: λ [B, d] ascending, E [B, d, d], T [B, d, dv], counts [B].
+
+With P = E^T T (the targets' coefficients in the eigenbasis) and c_i = ||P_i||^2, the least-squares fit of the
+targets Y (Y = diag(s) V, so T = K^T Y) keeping the top-k directions has
+    RSS(k) = ||Y||^2 - sum_{i <= k} c_i / λ_i,
+and ridge with penalty μ has
+    RSS(μ) = ||Y||^2 - sum_i c_i (λ_i + 2μ) / (λ_i + μ)^2,   df(μ) = sum_i λ_i / (λ_i + μ).
+Generalized cross-validation, GCV = N·RSS / (N - df)^2 (Golub, Heath & Wahba 1979), therefore needs only the
+streamed statistics plus ||Y||^2 (`target_sqnorm`), and every candidate costs O(d) once P is known.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+# Eigenvalues at or below d·2^-52·λmax are rounding noise of a float64 eigensolver: never invert them.
+MACHINE_FLOOR = 2.0**-52
+# GCV ridge search: a log grid over μ/λmax, then two zoom rounds around the best point.
+_RIDGE_GRID = torch.linspace(-12.0, 2.0, 141, dtype=torch.float64)
+_RIDGE_ZOOM_POINTS = 41
+_RIDGE_ZOOM_ROUNDS = 2
+
+
+class SolveInfo(NamedTuple):
+    """What a solve kept. Every field has the batch shape of the solve.
+
+    rank:  int64, eigen-directions used (for ridge: those above the float64 noise floor).
+    rtol:  float64, relative singular-value cut: directions with σ > rtol·σmax are kept. For alpha='auto' it is
+           σ_(k+1)/σmax of the first dropped direction; for ridge, the noise floor sqrt(d·2^-52).
+    ridge: float64 penalty μ in units of S (W = (S + μI)^+ T), or None for a truncated solve.
+    gcv:   float64 GCV score of the returned solution, or None when it was not computed.
+    """
+
+    rank: torch.Tensor
+    rtol: torch.Tensor
+    ridge: torch.Tensor | None
+    gcv: torch.Tensor | None
+
+
+def _safe_inverse(lam: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.where(keep, 1.0 / torch.where(keep, lam, torch.ones_like(lam)), torch.zeros_like(lam))
+
+
+def _truncation_cut(count: torch.Tensor, alpha: float, rtol: float | None, floor: float) -> torch.Tensor:
+    """Relative eigenvalue cut max(eps², floor) with eps = rtol or count^-alpha (count > 0)."""
+    if rtol is not None:
+        eps2 = torch.full_like(count, float(rtol) * float(rtol))
+    else:
+        # float64 pow: eps² reaches ~1e-16 at N = 1e8, below what float32 can even represent next to 1.
+        safe = torch.where(count > 0, count, torch.ones_like(count))
+        eps2 = safe.pow(-2.0 * float(alpha))
+    return eps2.clamp_min(floor)
+
+
+def gcv_truncation(
+    lam: torch.Tensor, coef_sq: torch.Tensor, count: torch.Tensor, target_sqnorm: torch.Tensor, floor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank k in 0..d minimising GCV(k) = N·RSS(k)/(N-k)^2, per batch element. Returns (k [B] int64, gcv [B]).
+
+    Only k < N and directions above the noise floor are candidates; ties go to the smaller k.
+    """
+    dim = lam.shape[-1]
+    lam_max = lam[:, -1].clamp_min(0)
+    lam_desc, c_desc = lam.flip(-1), coef_sq.flip(-1)
+    valid = lam_desc > floor * lam_max.unsqueeze(-1)
+    gain = torch.where(valid, c_desc / torch.where(valid, lam_desc, torch.ones_like(lam_desc)), 0.0)
+    explained = torch.cat([torch.zeros_like(gain[:, :1]), gain.cumsum(-1)], dim=-1)
+    rss = (target_sqnorm.unsqueeze(-1) - explained).clamp_min(0)
+    k = torch.arange(dim + 1, device=lam.device, dtype=torch.float64)
+    n = count.unsqueeze(-1)
+    allowed = (k <= valid.sum(-1, keepdim=True)) & (k < n)
+    score = torch.where(allowed, n * rss / (n - k).clamp_min(1e-300).square(), math.inf)
+    best = score.argmin(-1)
+    return best, score.gather(-1, best.unsqueeze(-1)).squeeze(-1)
+
+
+def _ridge_gcv(
+    lam: torch.Tensor, coef_sq: torch.Tensor, valid: torch.Tensor, count: torch.Tensor, yy: torch.Tensor, mu: torch.Tensor
+) -> torch.Tensor:
+    """GCV(μ) for candidates mu [B, G]; lam/coef_sq/valid [B, d]. Returns [B, G]."""
+    lam_ = torch.where(valid, lam, torch.zeros_like(lam)).unsqueeze(1)  # [B, 1, d]
+    c_ = torch.where(valid, coef_sq, torch.zeros_like(coef_sq)).unsqueeze(1)
+    m = mu.unsqueeze(-1)  # [B, G, 1]
+    denom = lam_ + m
+    df = (lam_ / denom).sum(-1)
+    fit = (c_ * (lam_ + 2 * m) / denom.square()).sum(-1)
+    rss = (yy.unsqueeze(-1) - fit).clamp_min(0)
+    n = count.unsqueeze(-1)
+    return torch.where(n - df > 0, n * rss / (n - df).clamp_min(1e-300).square(), math.inf)
+
+
+def gcv_ridge(
+    lam: torch.Tensor, coef_sq: torch.Tensor, count: torch.Tensor, target_sqnorm: torch.Tensor, floor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ridge penalty μ minimising GCV(μ), searched over λmax·10^[-12, 2]. Returns (μ [B], gcv [B])."""
+    lam_max = lam[:, -1].clamp_min(0)
+    valid = lam > floor * lam_max.unsqueeze(-1)
+    scale = torch.where(lam_max > 0, lam_max, torch.ones_like(lam_max)).unsqueeze(-1)
+    exps = _RIDGE_GRID.to(lam.device).expand(lam.shape[0], -1)
+    score = _ridge_gcv(lam, coef_sq, valid, count, target_sqnorm, scale * 10.0**exps)
+    best = score.argmin(-1, keepdim=True)
+    step = float(_RIDGE_GRID[1] - _RIDGE_GRID[0])
+    centre = exps.gather(-1, best)
+    for _ in range(_RIDGE_ZOOM_ROUNDS):
+        offsets = torch.linspace(-step, step, _RIDGE_ZOOM_POINTS, dtype=torch.float64, device=lam.device)
+        exps = centre + offsets
+        score = _ridge_gcv(lam, coef_sq, valid, count, target_sqnorm, scale * 10.0**exps)
+        best = score.argmin(-1, keepdim=True)
+        centre = exps.gather(-1, best)
+        step = step / ((_RIDGE_ZOOM_POINTS - 1) / 2)
+    return (scale * 10.0**centre).squeeze(-1), score.gather(-1, best).squeeze(-1)
+
+
+def solve_from_eigh(
+    lam: torch.Tensor,
+    vecs: torch.Tensor,
+    cross: torch.Tensor,
+    count: torch.Tensor,
+    *,
+    alpha: float | str,
+    rtol: float | None,
+    ridge: float | str | None,
+    target_sqnorm: torch.Tensor | None,
+) -> tuple[torch.Tensor, SolveInfo]:
+    """W [B, d, dv] float64 from λ [B, d] (ascending), E [B, d, d], T [B, d, dv], counts [B] float64.
+
+    Truncation (ridge None): keep λ_i > max(eps², d·2^-52)·max(λmax, 0) with eps = rtol, or count^-alpha, or the
+    GCV-best rank for alpha='auto'. Ridge: W = Σ_i E_i E_i^T T / (λ_i + μ) over λ_i above the noise floor, μ fixed
+    or chosen by GCV (ridge='auto'). Empty memories (count 0) and all-zero keys give W = 0.
+    """
+    dim = lam.shape[-1]
+    floor = dim * MACHINE_FLOOR
+    cross = cross.to(torch.float64)
+    coef = vecs.mT @ cross  # P = E^T T, [B, d, dv]
+    lam_max = lam[:, -1].clamp_min(0)
+    live = ((count > 0) & (lam_max > 0)).unsqueeze(-1)
+    gcv_score = None
+    ridge_used = None
+    if ridge is None and alpha != "auto":
+        cut = _truncation_cut(count, alpha, rtol, floor)
+        keep = (lam > (cut * lam_max).unsqueeze(-1)) & live
+        inverse = _safe_inverse(lam, keep)
+        rtol_used = cut.sqrt()
+    elif ridge is None:
+        coef_sq = coef.square().sum(-1)
+        rank, gcv_score = gcv_truncation(lam, coef_sq, count, target_sqnorm, floor)
+        position = torch.arange(dim, device=lam.device)
+        keep = (position >= dim - rank.unsqueeze(-1)) & live
+        inverse = _safe_inverse(lam, keep)
+        # σ of the first dropped direction relative to σmax: the cut that reproduces this rank.
+        dropped = lam.flip(-1).gather(-1, rank.clamp_max(dim - 1).unsqueeze(-1)).squeeze(-1)
+        ratio = torch.where(rank < dim, dropped.clamp_min(0) / torch.where(lam_max > 0, lam_max, 1.0), floor)
+        rtol_used = ratio.clamp_min(floor).sqrt()
+    else:
+        keep = (lam > floor * lam_max.unsqueeze(-1)) & live
+        if ridge == "auto":
+            coef_sq = coef.square().sum(-1)
+            mu, gcv_score = gcv_ridge(lam, coef_sq, count, target_sqnorm, floor)
+        else:
+            mu = torch.full_like(count, float(ridge))
+        ridge_used = mu
+        inverse = _safe_inverse(lam + mu.unsqueeze(-1), keep)
+        rtol_used = torch.full_like(count, math.sqrt(floor))
+    weights = vecs @ (inverse.unsqueeze(-1) * coef)
+    info = SolveInfo(rank=keep.sum(-1), rtol=rtol_used, ridge=ridge_used, gcv=gcv_score)
+    return weights, info
