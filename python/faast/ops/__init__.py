@@ -14,6 +14,7 @@ import torch
 
 from .. import _checks
 from . import _dispatch, reference
+from ._validate import as_count, check_accumulator, check_rows, check_scores, check_solve_options, explain_nonfinite
 from .solve import SolveInfo, solve_from_eigh
 
 __all__ = [
@@ -38,70 +39,6 @@ _dispatch.register_backend(
     )
 )
 
-_ROWS = "[*, N, dim]"
-
-
-def check_rows(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scores: torch.Tensor | None,
-    mask: torch.Tensor | None,
-) -> None:
-    """Validate one batch of (keys, values, scores, mask) rows; shared by the ops and faast.FastWeights."""
-    _checks.require_tensor("keys", keys)
-    _checks.require_ndim("keys", keys, 2, "[*, N, dim_key]")
-    _checks.require_tensor("values", values)
-    _checks.require_ndim("values", values, 2, "[*, N, dim_value]")
-    if keys.shape[-1] == 0 or values.shape[-1] == 0:
-        raise ValueError(
-            f"keys/values: expected at least one feature, got dim_key={keys.shape[-1]}, dim_value={values.shape[-1]}"
-        )
-    rows = tuple(keys.shape[:-1])
-    if tuple(values.shape[:-1]) != rows:
-        raise ValueError(
-            f"values: expected shape [*, N, dim_value] with [*, N] = {list(rows)} as in keys, got {list(values.shape)}"
-        )
-    if scores is not None:
-        _checks.require_tensor("scores", scores)
-        _checks.require_shape("scores", scores, rows, "[*, N] (one score per key)")
-    if mask is not None:
-        _checks.require_tensor("mask", mask, dtypes=(torch.bool,))
-        _checks.require_shape("mask", mask, rows, "[*, N] (one flag per key)")
-    _checks.require_same_device("keys", keys, values=values, scores=scores, mask=mask)
-    if scores is not None:
-        negative = scores < 0
-        if mask is not None:
-            negative &= mask
-        if bool(negative.any()):
-            index = [int(i) for i in negative.nonzero()[0]]
-            raise ValueError(
-                f"scores: expected non-negative weights (e.g. sigmoid outputs), found {scores[tuple(index)].item()} "
-                f"at index {index}"
-            )
-
-
-def explain_nonfinite(
-    keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, mask: torch.Tensor | None
-) -> ValueError:
-    """The error for a batch whose statistics are not finite: names the first bad input, or reports an overflow."""
-    for name, t in (("keys", keys), ("values", values), ("scores", scores)):
-        if t is None:
-            continue
-        bad = ~torch.isfinite(t)
-        if mask is not None:
-            bad &= mask.unsqueeze(-1) if t.dim() > mask.dim() else mask
-        if bool(bad.any()):
-            index = [int(i) for i in bad.nonzero()[0]]
-            return ValueError(
-                f"{name}: expected finite values, found {t[tuple(index)].item()} at index {index}; nothing was "
-                "accumulated (pass drop_nonfinite=True to faast.FastWeights to drop such rows instead)"
-            )
-    return ValueError(
-        "keys/values: the statistics of this batch overflow float64 (entries too large to square); nothing was "
-        "accumulated"
-    )
-
-
 def gram_statistics(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -111,7 +48,8 @@ def gram_statistics(
     weighted_least_squares: bool = False,
     compute_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contribution of one batch of validated rows: (dS [*, dk, dk], dT [*, dk, dv], dyy [*]), finite-checked.
+    """The contribution of one batch of rows (validated by check_rows and check_scores): (dS [*, dk, dk],
+    dT [*, dk, dv], dyy [*]), finite-checked.
 
     dyy is the squared norm of the regression targets (sum ||s_n v_n||^2, or sum s_n ||v_n||^2 for weighted least
     squares), the extra statistic generalized cross-validation needs. Raises ValueError if any of them is not finite.
@@ -120,11 +58,12 @@ def gram_statistics(
         raise TypeError(f"compute_dtype: expected torch.float32 or torch.float64, got {compute_dtype}")
     batch = tuple(keys.shape[:-2])
     n, dk, dv = keys.shape[-2], keys.shape[-1], values.shape[-1]
+    size = math.prod(batch)  # explicit: reshape(-1, 0, dk) is ambiguous when N = 0
     flat = (
-        keys.reshape(-1, n, dk),
-        values.reshape(-1, n, dv),
-        None if scores is None else scores.reshape(-1, n),
-        None if mask is None else mask.reshape(-1, n),
+        keys.reshape(size, n, dk),
+        values.reshape(size, n, dv),
+        None if scores is None else scores.reshape(size, n),
+        None if mask is None else mask.reshape(size, n),
     )
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in flat[:3])
     if needs_grad:
@@ -137,14 +76,6 @@ def gram_statistics(
         raise explain_nonfinite(keys, values, scores, mask)
     gram, cross, sqnorm = gram.to(torch.float64), cross.to(torch.float64), sqnorm.to(torch.float64)
     return gram.reshape(*batch, dk, dk), cross.reshape(*batch, dk, dv), sqnorm.reshape(batch)
-
-
-def _check_accumulator(name: str, acc: torch.Tensor | None, shape: tuple[int, ...], layout: str, keys: torch.Tensor):
-    if acc is None:
-        return
-    _checks.require_tensor(name, acc, dtypes=_checks.ACCUMULATOR_DTYPES)
-    _checks.require_shape(name, acc, shape, layout)
-    _checks.require_same_device("keys", keys, **{name: acc})
 
 
 def accumulate_gram(
@@ -184,9 +115,10 @@ def accumulate_gram(
     """
     check_rows(keys, values, scores, mask)
     batch, dk, dv = tuple(keys.shape[:-2]), keys.shape[-1], values.shape[-1]
-    _check_accumulator("gram", gram, (*batch, dk, dk), "[*, dim_key, dim_key]", keys)
-    _check_accumulator("cross", cross, (*batch, dk, dv), "[*, dim_key, dim_value]", keys)
-    _check_accumulator("target_sqnorm", target_sqnorm, batch, "[*] (the batch dims of keys)", keys)
+    check_accumulator("gram", gram, (*batch, dk, dk), "[*, dim_key, dim_key]", keys)
+    check_accumulator("cross", cross, (*batch, dk, dv), "[*, dim_key, dim_value]", keys)
+    check_accumulator("target_sqnorm", target_sqnorm, batch, "[*] (the batch dims of keys)", keys)
+    check_scores(scores, mask)
     d_gram, d_cross, d_sqnorm = gram_statistics(
         keys, values, scores, mask, weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype
     )
@@ -201,48 +133,6 @@ def accumulate_gram(
     if target_sqnorm is not None:
         target_sqnorm.add_(d_sqnorm)
     return gram, cross
-
-
-def as_count(count: object, batch: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    if isinstance(count, torch.Tensor):
-        if count.dtype == torch.bool or count.is_complex():
-            raise TypeError(f"count: expected a real number or real tensor, got dtype {count.dtype}")
-        counts = count.detach().to(device=device, dtype=torch.float64)
-        try:
-            counts = counts.expand(batch)
-        except RuntimeError:
-            raise ValueError(
-                f"count: expected a number or a tensor broadcastable to the batch shape {list(batch)}, "
-                f"got shape {list(count.shape)}"
-            ) from None
-        if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
-            raise ValueError(f"count: expected finite counts >= 0, got {count}")
-        return counts.reshape(-1)
-    value = _checks.require_nonnegative_number("count", count)
-    return torch.full((math.prod(batch),), value, dtype=torch.float64, device=device)
-
-
-def check_solve_options(alpha: object, rtol: object, ridge: object, target_sqnorm: object) -> None:
-    if alpha != "auto":
-        if isinstance(alpha, str):
-            raise ValueError(f"alpha: expected a number >= 0 or 'auto', got {alpha!r}")
-        _checks.require_nonnegative_number("alpha", alpha)
-    if rtol is not None:
-        _checks.require_nonnegative_number("rtol", rtol)
-        if alpha == "auto":
-            raise ValueError("rtol: a fixed rtol contradicts alpha='auto'; pass one or the other")
-    if ridge is not None:
-        if ridge != "auto":
-            if isinstance(ridge, str):
-                raise ValueError(f"ridge: expected None, a number >= 0 or 'auto', got {ridge!r}")
-            _checks.require_nonnegative_number("ridge", ridge)
-        if rtol is not None or alpha == "auto":
-            raise ValueError("ridge: ridge replaces the spectral cut; do not combine it with rtol or alpha='auto'")
-    if (alpha == "auto" or ridge == "auto") and target_sqnorm is None:
-        raise ValueError(
-            "target_sqnorm: alpha='auto' and ridge='auto' choose by generalized cross-validation, which needs the "
-            "accumulated squared target norms (pass target_sqnorm= to accumulate_gram and here)"
-        )
 
 
 def eigh_gram(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,10 +271,11 @@ def fold_readout(weights: torch.Tensor, readout: torch.Tensor, *, out_dtype: tor
     _checks.require_ndim("weights", weights, 2, "[*, dim_key, dim_value]")
     _checks.require_tensor("readout", readout)
     _checks.require_ndim("readout", readout, 2, "[dim_value, d_out]")
-    if readout.shape[-2] != weights.shape[-1]:
+    batch = tuple(weights.shape[:-2])
+    if readout.shape[-2] != weights.shape[-1] or (readout.dim() > 2 and tuple(readout.shape[:-2]) != batch):
         raise ValueError(
-            f"readout: expected shape [dim_value, d_out] with dim_value = {weights.shape[-1]} (the last dim of "
-            f"weights), got {list(readout.shape)}"
+            f"readout: expected shape [dim_value, d_out] or [*, dim_value, d_out] with dim_value = "
+            f"{weights.shape[-1]} and * = {list(batch)} as in weights, got {list(readout.shape)}"
         )
     _checks.require_same_device("weights", weights, readout=readout)
     dtype = out_dtype or torch.promote_types(weights.dtype, readout.dtype)
@@ -411,10 +302,22 @@ def pinv_fast_weights(
         W [*, dk, dv] in the compute dtype. N = 0 gives zeros.
     """
     check_rows(keys, values, scores, None)
+    check_scores(scores, None)
+    for name, t in (("keys", keys), ("values", values), ("scores", scores)):
+        if t is not None:
+            _checks.require_finite(name, t)
     compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     batch = tuple(keys.shape[:-2])
     if isinstance(rtol, torch.Tensor):
-        rtol = rtol.to(device=keys.device, dtype=compute).expand(batch).unsqueeze(-1)
+        try:
+            rtol = rtol.detach().to(device=keys.device, dtype=compute).expand(batch)  # torch adds the singular-value dim
+        except RuntimeError:
+            raise ValueError(
+                f"rtol: expected a number or a tensor broadcastable to the batch shape {list(batch)}, "
+                f"got shape {list(rtol.shape)}"
+            ) from None
+        if not bool(torch.isfinite(rtol).all()) or bool((rtol < 0).any()):
+            raise ValueError("rtol: expected finite values >= 0")
     else:
         rtol = _checks.require_nonnegative_number("rtol", rtol)
     k = keys.to(compute)
@@ -423,6 +326,5 @@ def pinv_fast_weights(
         v = v * scores.to(compute).unsqueeze(-1)
     if keys.shape[-2] == 0:
         return torch.zeros((*batch, keys.shape[-1], values.shape[-1]), dtype=compute, device=keys.device)
-    return torch.linalg.pinv(k, atol=0.0, rtol=rtol) @ v
-
-
+    # atol left unset (= 0 once rtol is given): torch rejects a float atol next to a tensor rtol.
+    return torch.linalg.pinv(k, rtol=rtol) @ v

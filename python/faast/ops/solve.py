@@ -3,11 +3,13 @@
 Everything here is float64 and backend-independent: a backend supplies (λ, E) and this module does the rest.
 Shapes use one flattened batch dim B: λ [B, d] ascending, E [B, d, d], T [B, d, dv], counts [B].
 
-With P = E^T T (the targets' coefficients in the eigenbasis) and c_i = ||P_i||^2, the least-squares fit of the
-targets Y (Y = diag(s) V, so T = K^T Y) keeping the top-k directions has
-    RSS(k) = ||Y||^2 - sum_{i <= k} c_i / λ_i,
-and ridge with penalty μ has
-    RSS(μ) = ||Y||^2 - sum_i c_i (λ_i + 2μ) / (λ_i + μ)^2,   df(μ) = sum_i λ_i / (λ_i + μ).
+With P = E^T T (the targets' coefficients in the eigenbasis), c_i = ||P_i||^2 and g_i = c_i / λ_i (the part of
+||Y||^2 that direction i explains), the least-squares fit of the targets Y (Y = diag(s) V, so T = K^T Y) has
+    RSS(k) = RSS⊥ + sum_{i > k} g_i                      keeping the top-k directions (df = k),
+    RSS(μ) = RSS⊥ + sum_i g_i (μ / (λ_i + μ))^2          with ridge μ (N - df = N - r + sum_i μ / (λ_i + μ)),
+where r counts the directions above the noise floor and RSS⊥ = ||Y||^2 - sum_i g_i is what no direction explains
+(exactly 0 when r >= N: the keys then have full row rank). Writing them as sums of what is left out, rather than as
+||Y||^2 minus what is explained, keeps them accurate when the fit nearly interpolates (N close to or below d).
 Generalized cross-validation, GCV = N·RSS / (N - df)^2 (Golub, Heath & Wahba 1979), therefore needs only the
 streamed statistics plus ||Y||^2 (`target_sqnorm`), and every candidate costs O(d) once P is known.
 """
@@ -58,6 +60,20 @@ def _truncation_cut(count: torch.Tensor, alpha: float, rtol: float | None, floor
     return eps2.clamp_min(floor)
 
 
+def _explained(lam: torch.Tensor, coef_sq: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid [B, d]: directions above the noise floor, g [B, d]: c_i / λ_i on them, 0 elsewhere)."""
+    lam_max = lam[:, -1].clamp_min(0)
+    valid = lam > floor * lam_max.unsqueeze(-1)
+    gain = torch.where(valid, coef_sq / torch.where(valid, lam, torch.ones_like(lam)), torch.zeros_like(lam))
+    return valid, gain
+
+
+def _unexplained(gain: torch.Tensor, valid: torch.Tensor, count: torch.Tensor, target_sqnorm: torch.Tensor):
+    """RSS⊥ [B]: the residual of the full fit; exactly 0 when the valid directions reach the row count."""
+    residual = (target_sqnorm - gain.sum(-1)).clamp_min(0)
+    return torch.where(valid.sum(-1).to(count.dtype) >= count, torch.zeros_like(residual), residual)
+
+
 def gcv_truncation(
     lam: torch.Tensor, coef_sq: torch.Tensor, count: torch.Tensor, target_sqnorm: torch.Tensor, floor: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,12 +82,12 @@ def gcv_truncation(
     Only k < N and directions above the noise floor are candidates; ties go to the smaller k.
     """
     dim = lam.shape[-1]
-    lam_max = lam[:, -1].clamp_min(0)
-    lam_desc, c_desc = lam.flip(-1), coef_sq.flip(-1)
-    valid = lam_desc > floor * lam_max.unsqueeze(-1)
-    gain = torch.where(valid, c_desc / torch.where(valid, lam_desc, torch.ones_like(lam_desc)), 0.0)
-    explained = torch.cat([torch.zeros_like(gain[:, :1]), gain.cumsum(-1)], dim=-1)
-    rss = (target_sqnorm.unsqueeze(-1) - explained).clamp_min(0)
+    valid, gain = _explained(lam, coef_sq, floor)
+    # Descending order: RSS(k) = RSS⊥ + (sum of g over the directions after the k-th largest).
+    gain_desc = gain.flip(-1)
+    tail = gain_desc.flip(-1).cumsum(-1).flip(-1)  # tail[j] = sum_{i >= j} g_desc[i]
+    left_out = torch.cat([tail, torch.zeros_like(tail[:, :1])], dim=-1)  # [B, d+1], index k
+    rss = _unexplained(gain, valid, count, target_sqnorm).unsqueeze(-1) + left_out
     k = torch.arange(dim + 1, device=lam.device, dtype=torch.float64)
     n = count.unsqueeze(-1)
     allowed = (k <= valid.sum(-1, keepdim=True)) & (k < n)
@@ -81,18 +97,17 @@ def gcv_truncation(
 
 
 def _ridge_gcv(
-    lam: torch.Tensor, coef_sq: torch.Tensor, valid: torch.Tensor, count: torch.Tensor, yy: torch.Tensor, mu: torch.Tensor
+    lam: torch.Tensor, gain: torch.Tensor, valid: torch.Tensor, count: torch.Tensor, rss_perp: torch.Tensor,
+    mu: torch.Tensor,
 ) -> torch.Tensor:
-    """GCV(μ) for candidates mu [B, G]; lam/coef_sq/valid [B, d]. Returns [B, G]."""
+    """GCV(μ) for candidates mu [B, G]; lam/gain/valid [B, d]. Returns [B, G]."""
     lam_ = torch.where(valid, lam, torch.zeros_like(lam)).unsqueeze(1)  # [B, 1, d]
-    c_ = torch.where(valid, coef_sq, torch.zeros_like(coef_sq)).unsqueeze(1)
+    gain_ = gain.unsqueeze(1)
     m = mu.unsqueeze(-1)  # [B, G, 1]
-    denom = lam_ + m
-    df = (lam_ / denom).sum(-1)
-    fit = (c_ * (lam_ + 2 * m) / denom.square()).sum(-1)
-    rss = (yy.unsqueeze(-1) - fit).clamp_min(0)
-    n = count.unsqueeze(-1)
-    return torch.where(n - df > 0, n * rss / (n - df).clamp_min(1e-300).square(), math.inf)
+    shrink = torch.where(valid.unsqueeze(1), m / (lam_ + m), torch.zeros_like(lam_))  # μ / (λ + μ), 0 off-support
+    rss = rss_perp.unsqueeze(-1) + (gain_ * shrink.square()).sum(-1)
+    residual_df = (count - valid.sum(-1)).unsqueeze(-1) + shrink.sum(-1)  # N - df
+    return torch.where(residual_df > 0, count.unsqueeze(-1) * rss / residual_df.clamp_min(1e-300).square(), math.inf)
 
 
 def gcv_ridge(
@@ -100,17 +115,18 @@ def gcv_ridge(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ridge penalty μ minimising GCV(μ), searched over λmax·10^[-12, 2]. Returns (μ [B], gcv [B])."""
     lam_max = lam[:, -1].clamp_min(0)
-    valid = lam > floor * lam_max.unsqueeze(-1)
+    valid, gain = _explained(lam, coef_sq, floor)
+    rss_perp = _unexplained(gain, valid, count, target_sqnorm)
     scale = torch.where(lam_max > 0, lam_max, torch.ones_like(lam_max)).unsqueeze(-1)
     exps = _RIDGE_GRID.to(lam.device).expand(lam.shape[0], -1)
-    score = _ridge_gcv(lam, coef_sq, valid, count, target_sqnorm, scale * 10.0**exps)
+    score = _ridge_gcv(lam, gain, valid, count, rss_perp, scale * 10.0**exps)
     best = score.argmin(-1, keepdim=True)
     step = float(_RIDGE_GRID[1] - _RIDGE_GRID[0])
     centre = exps.gather(-1, best)
     for _ in range(_RIDGE_ZOOM_ROUNDS):
         offsets = torch.linspace(-step, step, _RIDGE_ZOOM_POINTS, dtype=torch.float64, device=lam.device)
         exps = centre + offsets
-        score = _ridge_gcv(lam, coef_sq, valid, count, target_sqnorm, scale * 10.0**exps)
+        score = _ridge_gcv(lam, gain, valid, count, rss_perp, scale * 10.0**exps)
         best = score.argmin(-1, keepdim=True)
         centre = exps.gather(-1, best)
         step = step / ((_RIDGE_ZOOM_POINTS - 1) / 2)

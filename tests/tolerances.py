@@ -1,0 +1,41 @@
+"""Every tolerance the test suite uses, declared once (numerics.md §6 explains the numbers)."""
+
+import torch
+
+# Streaming float64 statistics + float64 eigh against the float64 SVD truth on the same keys (numerics.md §1 measured
+# at most 5.7e-7 / 4.7e-9 over 76 configurations).
+TRUTH_REL_W = 1e-5
+TRUTH_REL_P = 1e-6
+
+# Sums of the same float64 products in a different order (streaming vs one shot, merge vs union, forget vs never).
+REORDER_REL = 1e-12
+
+# Elementwise (atol, rtol) of an op against its float64 oracle, by input dtype. bf16/fp16 inputs are exact after the
+# upcast, so their statistics are as exact as float32's; outputs stored in bf16/fp16 carry one rounding.
+ELEMENTWISE = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (1e-2, 1.6e-2),
+    torch.float16: (1e-3, 2e-3),
+}
+
+# float32 compute mode (per-chunk float32 GEMMs): relative error of S and T against float64.
+FLOAT32_COMPUTE_REL = 1e-5
+
+# Generalized cross-validation: the RSS formula against a direct fit, and the grid search against a brute-force one.
+GCV_RSS_REL = 1e-9
+GCV_SEARCH_REL = 1e-4
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b||_F / ||b||_F in float64 (0 when both are zero)."""
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    denom = b.norm()
+    if denom == 0:
+        return float((a - b).norm())
+    return float((a - b).norm() / denom)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = ELEMENTWISE[dtype]
+    torch.testing.assert_close(actual.to(torch.float64), expected.to(torch.float64), atol=atol, rtol=rtol)
