@@ -387,7 +387,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    out = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    out = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=False)) for r in cells]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)
 

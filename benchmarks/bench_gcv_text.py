@@ -95,7 +95,7 @@ def markdown(table, task):
     settings = list(table)
     methods = list(table[settings[0]])
     lines = [
-        f"| method | " + " | ".join(settings) + " | fit time (20-shot / full) |",
+        "| method | " + " | ".join(settings) + " | fit time (20-shot / full) |",
         "|---" * (len(settings) + 2) + "|",
     ]
     for m in methods:

@@ -119,7 +119,7 @@ def bench_config(n: int, d: int, reps: int, truth_estimate_s: float) -> dict:
     g = torch.Generator().manual_seed(SEED + 1000 * d + n)
     keys, values = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
     extra_k, extra_v = torch.randn(INCR_ROWS, d, generator=g), torch.randn(INCR_ROWS, d, generator=g)
-    batches = list(zip(keys.split(BATCH), values.split(BATCH)))
+    batches = list(zip(keys.split(BATCH), values.split(BATCH), strict=False))
     rtol = n**-1.0
 
     # -- full learn: authors, faast, bare pinv, interleaved. Each learner records its phase split and last W.

@@ -19,7 +19,7 @@ def _power_law_with_outliers(n: int, d: int, power: float, g: torch.Generator) -
     bulk = torch.randn(n, d, generator=g, dtype=torch.float64) * sigma @ q.T
     rms = bulk.pow(2).mean().sqrt()
     # Three axis-aligned outlier coordinates with a mean of ±100x the bulk RMS, like GPT-2's residual stream.
-    for j, sign in zip(range(3), (1, -1, 1)):
+    for j, sign in zip(range(3), (1, -1, 1), strict=False):
         bulk[:, j] += sign * 100 * rms * (1 + 0.25 * torch.randn(n, generator=g, dtype=torch.float64))
     return bulk
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tolerances import ELEMENTWISE, FLOAT32_COMPUTE_REL, REORDER_REL, assert_close, rel
 
 from faast import ops
 from faast.ops import reference
+from tolerances import ELEMENTWISE, FLOAT32_COMPUTE_REL, REORDER_REL, assert_close, rel
 
 
 def expected(keys, values, scores=None, mask=None, wls=False):
@@ -119,7 +119,7 @@ def test_triangle_blocks_tile_the_columns():
     for dim in (1, 2, 60, 191, 192, 193, 768, 1600, 3584):
         blocks = reference.triangle_blocks(dim)
         assert blocks[0][0] == 0 and blocks[-1][1] == dim
-        assert all(a1 == b0 for (_, a1), (b0, _) in zip(blocks, blocks[1:]))
+        assert all(a1 == b0 for (_, a1), (b0, _) in zip(blocks, blocks[1:], strict=False))
 
 
 def test_float32_compute_mode():
@@ -137,7 +137,7 @@ def test_deterministic():
     keys, values, scores = torch.randn(2, 3000, 200), torch.randn(2, 3000, 30), torch.rand(2, 3000)
     first = ops.accumulate_gram(keys, values, scores)
     second = ops.accumulate_gram(keys, values, scores)
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=False))
 
 
 def test_streaming_equals_one_shot():
@@ -161,10 +161,12 @@ def test_gradients_flow_to_scores_and_values(wls):
         gram, cross = fn(*args)
         return (gram * probe_s).sum() + (cross * probe_t).sum()
 
-    got = torch.autograd.grad(loss(lambda *a: ops.accumulate_gram(*a, weighted_least_squares=wls), keys, values, scores),
-                              (keys, values, scores))  # fmt: skip
-    want = torch.autograd.grad(loss(lambda *a: expected(*a, wls=wls)[:2], keys, values, scores), (keys, values, scores))
-    for g, w in zip(got, want):
+    ours = loss(lambda *a: ops.accumulate_gram(*a, weighted_least_squares=wls), keys, values, scores)
+    got = torch.autograd.grad(ours, (keys, values, scores))
+    want = torch.autograd.grad(
+        loss(lambda *a: expected(*a, wls=wls)[:2], keys, values, scores), (keys, values, scores)
+    )
+    for g, w in zip(got, want, strict=False):
         assert_close(g, w, torch.float64)
     assert torch.autograd.gradcheck(
         lambda s, v: ops.accumulate_gram(keys.detach(), v, s, weighted_least_squares=wls), (scores, values)

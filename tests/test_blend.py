@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tolerances import TRUTH_REL_W, rel
 
 from faast import FastWeights
 from faast.baselines import StoredKeyMemory
+from tolerances import TRUTH_REL_W, rel
 
 DK, DV = 20, 4
 

@@ -10,6 +10,7 @@ from importlib.resources import files
 
 import pytest
 import torch
+
 from faast.datasets import DEBIAN_SECTIONS, TextClassificationData, load_debian_sections
 
 SECTION_IDS = sorted(DEBIAN_SECTIONS)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+
 from faast.encoders import SentenceEncoder
 
 WORDS = "the a cat dog sat on mat ran in park quickly very long sentence with many words here".split()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tolerances import GCV_RSS_REL, GCV_SEARCH_REL, assert_close, rel
 
 from faast import FastWeights, ops
+from tolerances import GCV_RSS_REL, GCV_SEARCH_REL, assert_close, rel
 
 
 def targets(values, scores, wls):
@@ -96,23 +96,31 @@ def test_ridge_finds_the_gcv_minimum(n, d, dv, score_mode, wls):
 
 
 def test_recovers_the_signal_rank():
-    keys, values, _ = problem(4000, 30, 4, rank=5, noise=0.01, seed=1)
-    # Only the first 5 coordinates carry signal; rotate so that the eigenbasis does not line up with it trivially.
-    q, _ = torch.linalg.qr(torch.randn(30, 30, dtype=torch.float64))
-    keys = keys @ q
-    memory = FastWeights(30, 4, alpha="auto", dtype=torch.float64).update(keys, values)
-    memory.weights
-    # GCV keeps at least the signal; the kept extra directions carry only noise-level coefficients.
-    assert 5 <= int(memory.solve_info.rank) <= 30
+    # Keys with exactly known right singular vectors (the columns of q) and targets that live in the top 5 of them:
+    # adding any of the other 25 directions only fits noise, which GCV should decline (up to a few chance picks).
+    g = torch.Generator().manual_seed(1)
+    n, d = 4000, 30
+    u, _ = torch.linalg.qr(torch.randn(n, d, generator=g, dtype=torch.float64))
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    keys = u @ torch.diag(torch.logspace(1, -1, d, dtype=torch.float64)) @ q.T
+    signal = q[:, :5] @ torch.randn(5, 4, generator=g, dtype=torch.float64)
+    values = keys @ signal + 0.01 * torch.randn(n, 4, generator=g, dtype=torch.float64)
+    auto = FastWeights(d, 4, alpha="auto", dtype=torch.float64).update(keys, values)
+    auto.solve()
+    assert 5 <= int(auto.solve_info.rank) <= 8
+    fixed = FastWeights(d, 4, dtype=torch.float64).update(keys, values)
+    fixed.solve()
+    assert int(fixed.solve_info.rank) == d  # the N^-1 cut keeps every direction here
 
 
 def test_pure_noise_keeps_nothing():
     keys = torch.randn(500, 40, dtype=torch.float64)
     values = torch.randn(500, 3, dtype=torch.float64)
     memory = FastWeights(40, 3, alpha="auto", dtype=torch.float64).update(keys, values)
-    assert int(memory.solve_info.rank if memory.weights is not None else -1) <= 2
+    memory.solve()
+    assert int(memory.solve_info.rank) <= 2
     mu_memory = FastWeights(40, 3, ridge="auto", dtype=torch.float64).update(keys, values)
-    mu_memory.weights
+    mu_memory.solve()
     assert float(mu_memory.solve_info.ridge) > float(torch.linalg.eigvalsh(mu_memory.gram)[-1])
 
 

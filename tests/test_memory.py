@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tolerances import REORDER_REL, TRUTH_REL_W, assert_close, rel
 
 from faast import FastWeights, ops
+from tolerances import REORDER_REL, TRUTH_REL_W, assert_close, rel
 
 DK, DV = 24, 5
 
@@ -65,7 +65,11 @@ def test_forget_equals_never_seen():
     seen.forget(keys[300:], values[300:], scores[300:])
     never = memory().update(keys[:300], values[:300], scores[:300])
     assert float(seen.count) == 300
-    assert_same_statistics(statistics(seen), statistics(never), scale=float(statistics(memory().update(keys, values, scores))["gram"].norm()))
+    assert_same_statistics(
+        statistics(seen),
+        statistics(never),
+        scale=float(statistics(memory().update(keys, values, scores))["gram"].norm()),
+    )
     assert rel(seen.weights, never.weights) < TRUTH_REL_W
 
 
@@ -188,7 +192,10 @@ def test_float32_inputs_and_output_dtype():
     m = FastWeights(DK, DV).update(keys.float(), values.float())
     assert m.weights.dtype == torch.float32
     assert m.gram.dtype == torch.float64
-    assert rel(m.weights, truth(keys.float().double(), values.float().double(), torch.ones(200, dtype=torch.float64))) < 1e-6
+    assert (
+        rel(m.weights, truth(keys.float().double(), values.float().double(), torch.ones(200, dtype=torch.float64)))
+        < 1e-6
+    )
 
 
 def test_state_dict_round_trip():

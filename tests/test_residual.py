@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tolerances import assert_close
 
 from faast import ops
+from tolerances import assert_close
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -6,17 +6,17 @@ import functools
 import warnings
 
 import pytest
-import spectra
 import torch
-from tolerances import TRUTH_REL_P, TRUTH_REL_W, assert_close, rel
 
+import spectra
 from faast import FastWeights, ops
+from tolerances import TRUTH_REL_P, TRUTH_REL_W, assert_close, rel
 
 D, DV, N_TEST = 256, 64, 2048
 CASES = [(kind, n) for kind in spectra.SPECTRA for n in (1000, 16384) if not (kind == "lowN_pow1o" and n > 1000)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def problem(kind: str, n: int):
     keys, held_out = spectra.make_keys(kind, n, D, n_test=N_TEST)
     values = spectra.make_values(keys, DV)
@@ -81,7 +81,9 @@ def test_cut_is_strict():
     gram, cross = torch.diag(lam), torch.eye(4, dtype=torch.float64)
     weights, info = ops.solve_fast_weights_ex(gram, cross, count=10, alpha=1.0)
     assert int(info.rank) == 3
-    assert_close(weights, torch.diag(torch.tensor([1.0, 4.0, 0.0, 1 / lam[3].item()], dtype=torch.float64)), torch.float64)
+    assert_close(
+        weights, torch.diag(torch.tensor([1.0, 4.0, 0.0, 1 / lam[3].item()], dtype=torch.float64)), torch.float64
+    )
 
 
 @pytest.mark.parametrize(

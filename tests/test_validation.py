@@ -826,11 +826,7 @@ def _method_cases():
                 continue
             if kind != "batched" and defect == "keys-batch-mismatch":
                 continue  # only a batched memory has a batch shape to mismatch ([3, N, dk] vs (2,))
-            cases.append(
-                pytest.param(
-                    kind, _update_with(_bad_rows(defect)), exc, match, id=f"{kind}-update-{defect}"
-                )
-            )
+            cases.append(pytest.param(kind, _update_with(_bad_rows(defect)), exc, match, id=f"{kind}-update-{defect}"))
     for kind in ("exact", "batched"):
         for defect, exc, match in [
             ("keys-wrong-dim_key", ValueError, "keys"),

@@ -45,7 +45,9 @@ def require_shape(name: str, t: torch.Tensor, expected: Sequence[int], layout: s
 def require_same_device(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
     for name, t in others.items():
         if t is not None and t.device != reference.device:
-            raise ValueError(f"{name}: expected device {reference.device} (the device of {reference_name}), got {t.device}")
+            raise ValueError(
+                f"{name}: expected device {reference.device} (the device of {reference_name}), got {t.device}"
+            )
 
 
 def first_nonfinite(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -63,7 +65,7 @@ def require_finite(name: str, t: torch.Tensor) -> None:
 
 
 def require_nonnegative_number(name: str, value: object, *, allow_zero: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):

@@ -36,7 +36,13 @@ class StoredKeyMemory:
         prior_count: float = 0.0,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.alpha, self.max_rows, self.fold_rows, self.discount, self.dtype = alpha, max_rows, fold_rows, discount, dtype
+        self.alpha, self.max_rows, self.fold_rows, self.discount, self.dtype = (
+            alpha,
+            max_rows,
+            fold_rows,
+            discount,
+            dtype,
+        )
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.folded_weights = None if prior is None else prior.to(dtype)

@@ -14,12 +14,13 @@ import hashlib
 import inspect
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from . import _persist
 
 __all__ = ["SentenceEncoder"]
 
@@ -163,26 +164,19 @@ class SentenceEncoder:
         if cache_dir is None:
             return self._encode(texts, batch_size, normalize)
 
-        from safetensors.torch import load_file, save_file
-
         cache = Path(cache_dir)
         key = self.cache_key(texts, normalize=normalize)
         target = cache / f"{key}.safetensors"
         if target.is_file():
-            stored = load_file(target)["embeddings"]
-            if stored.shape == (len(texts), self.dim) and stored.dtype == torch.float32:
+            try:
+                stored = _persist.read_verified(target)[0]["embeddings"]
+            except (ValueError, KeyError):
+                stored = None  # a damaged or foreign entry is recomputed and overwritten
+            if stored is not None and stored.shape == (len(texts), self.dim) and stored.dtype == torch.float32:
                 return stored
         out = self._encode(texts, batch_size, normalize)
-        cache.mkdir(parents=True, exist_ok=True)
-        # Write beside the target and rename, so readers never see a partial file even with concurrent writers.
-        fd, tmp = tempfile.mkstemp(dir=cache, prefix=f".{key}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file({"embeddings": out.contiguous()}, tmp, metadata={"model": self.identity, "n": str(len(texts))})
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        # Atomic and checksummed: concurrent writers and crashes never leave a partial entry that later reads back.
+        _persist.write_atomic(target, {"embeddings": out}, {"model": self.identity, "n": str(len(texts))})
         return out
 
     def _encode(self, texts: list[str], batch_size: int, normalize: bool) -> torch.Tensor:

@@ -151,7 +151,8 @@ class FastWeights(nn.Module):
         _checks.require_tensor("prior", prior)
         if tuple(prior.shape) not in ((dk, dv), (*batch, dk, dv)):
             raise ValueError(
-                f"prior: expected shape [dim_key, dim_value] = {[dk, dv]} or {[*batch, dk, dv]}, got {list(prior.shape)}"
+                f"prior: expected shape [dim_key, dim_value] = {[dk, dv]} or {[*batch, dk, dv]}, "
+                f"got {list(prior.shape)}"
             )
         _checks.require_finite("prior", prior)
         return prior.detach().to(device=device, dtype=torch.float64).expand(*batch, dk, dv).clone()
@@ -233,9 +234,13 @@ class FastWeights(nn.Module):
         batch, dk, dv = self.batch_shape, self.dim_key, self.dim_value
         layout = "[" + ", ".join([*map(str, batch), "...", "{}"]) + "]"
         if keys.shape[-1] != dk or keys.dim() < len(batch) + 2 or tuple(keys.shape[: len(batch)]) != batch:
-            raise ValueError(f"keys: expected shape {layout.format(dk)} (batch_shape, rows, dim_key), got {list(keys.shape)}")
+            raise ValueError(
+                f"keys: expected shape {layout.format(dk)} (batch_shape, rows, dim_key), got {list(keys.shape)}"
+            )
         if values.shape[-1] != dv:
-            raise ValueError(f"values: expected shape {layout.format(dv)} (batch_shape, rows, dim_value), got {list(values.shape)}")
+            raise ValueError(
+                f"values: expected shape {layout.format(dv)} (batch_shape, rows, dim_value), got {list(values.shape)}"
+            )
         n = math.prod(keys.shape[len(batch) : -1])
         keys, values = keys.reshape(*batch, n, dk), values.reshape(*batch, n, dv)
         scores = None if scores is None else scores.reshape(*batch, n)
@@ -563,7 +568,9 @@ class FastWeights(nn.Module):
             if config.get(field) != mine[field]:
                 raise ValueError(f"{path}: saved with {field}={config.get(field)!r}, this memory has {mine[field]!r}")
         if ("prior" in tensors) != (self.prior is not None):
-            raise ValueError(f"{path}: saved {'with' if 'prior' in tensors else 'without'} a prior, this memory differs")
+            raise ValueError(
+                f"{path}: saved {'with' if 'prior' in tensors else 'without'} a prior, this memory differs"
+            )
         self._load_tensors(tensors, path)
         return self
 

@@ -39,6 +39,7 @@ _dispatch.register_backend(
     )
 )
 
+
 def gram_statistics(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -255,7 +256,9 @@ def residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return impl(x, m)
 
 
-def fold_readout(weights: torch.Tensor, readout: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def fold_readout(
+    weights: torch.Tensor, readout: torch.Tensor, *, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """M = W @ P, folded once per solve so that inference costs one GEMM: h + (h W) P = h + h M.
 
     Args:
@@ -310,7 +313,9 @@ def pinv_fast_weights(
     batch = tuple(keys.shape[:-2])
     if isinstance(rtol, torch.Tensor):
         try:
-            rtol = rtol.detach().to(device=keys.device, dtype=compute).expand(batch)  # torch adds the singular-value dim
+            rtol = (
+                rtol.detach().to(device=keys.device, dtype=compute).expand(batch)
+            )  # torch adds the singular-value dim
         except RuntimeError:
             raise ValueError(
                 f"rtol: expected a number or a tensor broadcastable to the batch shape {list(batch)}, "

@@ -92,7 +92,7 @@ def check_accumulator(
     _checks.require_shape(name, acc, shape, layout)
     _checks.require_same_device("keys", keys, **{name: acc})
     # Checked up front so that a failing in-place add cannot leave the other accumulators half-updated.
-    if any(stride == 0 and size > 1 for stride, size in zip(acc.stride(), acc.shape)):
+    if any(stride == 0 and size > 1 for stride, size in zip(acc.stride(), acc.shape, strict=False)):
         raise ValueError(f"{name}: expected a writable accumulator, got one whose elements share memory "
                          "(e.g. made by .expand()); pass a .clone()")  # fmt: skip
     if acc.requires_grad and acc.is_leaf:

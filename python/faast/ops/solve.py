@@ -97,7 +97,11 @@ def gcv_truncation(
 
 
 def _ridge_gcv(
-    lam: torch.Tensor, gain: torch.Tensor, valid: torch.Tensor, count: torch.Tensor, rss_perp: torch.Tensor,
+    lam: torch.Tensor,
+    gain: torch.Tensor,
+    valid: torch.Tensor,
+    count: torch.Tensor,
+    rss_perp: torch.Tensor,
     mu: torch.Tensor,
 ) -> torch.Tensor:
     """GCV(μ) for candidates mu [B, G]; lam/gain/valid [B, d]. Returns [B, G]."""
