@@ -7,20 +7,13 @@ import torch
 
 from faast import ops
 from faast.ops import reference
+from oracles import statistics64
 from tolerances import ELEMENTWISE, FLOAT32_COMPUTE_REL, REORDER_REL, assert_close, rel
 
 
 def expected(keys, values, scores=None, mask=None, wls=False):
-    """float64 S, T and ||targets||^2 from the definitions, with masked rows removed."""
-    k, v = keys.double(), values.double()
-    w = torch.ones(k.shape[:-1], dtype=torch.float64) if scores is None else scores.double()
-    if mask is not None:
-        keep = mask.unsqueeze(-1)
-        k, v, w = k.where(keep, 0), v.where(keep, 0), w.where(mask, 0)
-    if wls:
-        return k.mT @ (w.unsqueeze(-1) * k), k.mT @ (w.unsqueeze(-1) * v), (w * v.square().sum(-1)).sum(-1)
-    wv = w.unsqueeze(-1) * v
-    return k.mT @ k, k.mT @ wv, wv.square().sum((-2, -1))
+    gram, cross, _, sqnorm = statistics64(keys, values, scores, mask, wls=wls)
+    return gram, cross, sqnorm
 
 
 SHAPES = [

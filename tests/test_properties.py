@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import faast
 from faast import ops
+from oracles import statistics64
 from tolerances import REORDER_REL, TRUTH_REL_W, rel
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
@@ -80,20 +81,10 @@ def problems(draw, dtypes=(F32, F64, BF16), max_n: int = 40, min_n: int = 0) -> 
 
 
 def truth(keys, values, scores=None, mask=None):
-    """float64 (S, T, count, target_sqnorm) of the given inputs, upcast exactly (bf16/fp32 -> float64)."""
-    k, y = keys.to(F64), values.to(F64)
-    if scores is not None:
-        y = y * scores.to(F64).unsqueeze(-1)
-    if mask is None:
-        mask = torch.ones(keys.shape[:-1], dtype=torch.bool)
-    k = torch.where(mask.unsqueeze(-1), k, 0.0)
-    y = torch.where(mask.unsqueeze(-1), y, 0.0)
-    return {
-        "gram": k.mT @ k,
-        "cross": k.mT @ y,
-        "count": mask.sum(-1).to(F64),
-        "target_sqnorm": y.square().sum((-2, -1)),
-    }
+    """float64 statistics keyed like FastWeights' buffers."""
+    return dict(
+        zip(("gram", "cross", "count", "target_sqnorm"), statistics64(keys, values, scores, mask), strict=False)
+    )
 
 
 def memory(p: Problem, **kwargs) -> faast.FastWeights:

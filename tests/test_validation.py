@@ -12,6 +12,7 @@ import torch
 
 import faast
 from faast import ops
+from oracles import statistics64
 from tolerances import REORDER_REL, TRUTH_REL_W, rel
 
 F32, F64, F16, BF16 = torch.float32, torch.float64, torch.float16, torch.bfloat16
@@ -53,19 +54,6 @@ def gram64(dk: int = DK, *, batch: tuple[int, ...] = ()) -> torch.Tensor:
 
 def cross64(dk: int = DK, dv: int = DV, *, batch: tuple[int, ...] = ()) -> torch.Tensor:
     return K(3 * dk, dk, batch=batch, dtype=F64).mT @ V(3 * dk, dv, batch=batch, dtype=F64)
-
-
-def reference_statistics(keys, values, scores=None, mask=None):
-    """float64 (S, T, count, sum ||s v||^2) of the rows where mask is True (all rows when mask is None)."""
-    k, y = keys.to(F64), values.to(F64)
-    if scores is not None:
-        y = y * scores.to(F64).unsqueeze(-1)
-    if mask is None:
-        mask = torch.ones(keys.shape[:-1], dtype=torch.bool)
-    # where, not multiplication: a NaN in an excluded row must not leak (NaN * 0 = NaN).
-    k = torch.where(mask.unsqueeze(-1), k, 0.0)
-    y = torch.where(mask.unsqueeze(-1), y, 0.0)
-    return k.mT @ k, k.mT @ y, mask.sum(-1).to(F64), y.square().sum((-2, -1))
 
 
 def snapshot(m: faast.FastWeights) -> tuple[dict[str, torch.Tensor], int]:
@@ -295,7 +283,7 @@ def test_accumulate_gram_ignores_masked_out_rows(poison, batch):
     mask[..., 4] = False
     sqnorm = torch.zeros(batch, dtype=F64)
     gram, cross = ops.accumulate_gram(keys, values, scores, mask=mask, target_sqnorm=sqnorm)
-    ref_gram, ref_cross, _, ref_sqnorm = reference_statistics(keys, values, scores, mask)
+    ref_gram, ref_cross, _, ref_sqnorm = statistics64(keys, values, scores, mask)
     assert rel(gram, ref_gram) <= REORDER_REL
     assert rel(cross, ref_cross) <= REORDER_REL
     assert rel(sqnorm, ref_sqnorm) <= REORDER_REL
@@ -1098,7 +1086,7 @@ def test_fastweights_update_ignores_masked_out_rows(poison, batch):
     mask = put(torch.ones((*batch, N), dtype=torch.bool), row, False)
     m = faast.FastWeights(DK, DV, batch_shape=batch)
     m.update(keys, values, scores, mask=mask)
-    gram, cross, count, sqnorm = reference_statistics(keys, values, scores, mask)
+    gram, cross, count, sqnorm = statistics64(keys, values, scores, mask)
     assert rel(m.gram, gram) <= REORDER_REL
     assert rel(m.cross, cross) <= REORDER_REL
     assert rel(m.target_sqnorm, sqnorm) <= REORDER_REL
@@ -1146,8 +1134,8 @@ def test_drop_nonfinite_equals_the_clean_rows_alone(poison, batch):
     m = faast.FastWeights(DK, DV, batch_shape=batch, drop_nonfinite=True)
     m.update(K(7, batch=batch), V(7, batch=batch))  # some clean history first
     m.update(keys, values, scores, mask=mask)
-    g0, c0, n0, y0 = reference_statistics(K(7, batch=batch), V(7, batch=batch))
-    g1, c1, n1, y1 = reference_statistics(keys, values, scores, good)
+    g0, c0, n0, y0 = statistics64(K(7, batch=batch), V(7, batch=batch))
+    g1, c1, n1, y1 = statistics64(keys, values, scores, good)
     assert torch.equal(m.num_dropped, torch.full(batch, 3, dtype=torch.int64))
     assert torch.equal(m.count, n0 + n1)
     assert rel(m.gram, g0 + g1) <= REORDER_REL

@@ -20,7 +20,7 @@ from torch import nn
 
 from . import _blend, _checks, _persist, ops
 from ._version import __version__
-from .ops._validate import check_rows, check_scores, check_solve_options, explain_nonfinite
+from .ops._validate import any_nonfinite, check_rows, check_scores, check_solve_options, explain_nonfinite
 from .ops.solve import SolveInfo, solve_from_eigh
 
 FORMAT = "faast.FastWeights"
@@ -277,14 +277,8 @@ class FastWeights(nn.Module):
             raise explain_nonfinite(*original) from None
 
     def _require_finite(self, original, keys, values, scores, mask) -> None:  # noqa: ANN001 - internal
-        for t in (keys, values, scores):
-            if t is None:
-                continue
-            bad = ~torch.isfinite(t)
-            if mask is not None:
-                bad &= mask.unsqueeze(-1) if t.dim() > mask.dim() else mask
-            if bool(bad.any()):
-                raise explain_nonfinite(*original)
+        if any_nonfinite(keys, values, scores, mask):
+            raise explain_nonfinite(*original)
 
     @torch.no_grad()
     def update(

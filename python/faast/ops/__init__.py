@@ -14,7 +14,15 @@ import torch
 
 from .. import _checks
 from . import _dispatch, reference
-from ._validate import as_count, check_accumulator, check_rows, check_scores, check_solve_options, explain_nonfinite
+from ._validate import (
+    as_count,
+    check_accumulator,
+    check_rows,
+    check_scores,
+    check_solve_options,
+    explain_nonfinite,
+    per_batch,
+)
 from .solve import SolveInfo, solve_from_eigh
 
 __all__ = [
@@ -311,20 +319,12 @@ def pinv_fast_weights(
             _checks.require_finite(name, t)
     compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     batch = tuple(keys.shape[:-2])
-    if isinstance(rtol, torch.Tensor):
-        try:
-            rtol = (
-                rtol.detach().to(device=keys.device, dtype=compute).expand(batch)
-            )  # torch adds the singular-value dim
-        except RuntimeError:
-            raise ValueError(
-                f"rtol: expected a number or a tensor broadcastable to the batch shape {list(batch)}, "
-                f"got shape {list(rtol.shape)}"
-            ) from None
-        if not bool(torch.isfinite(rtol).all()) or bool((rtol < 0).any()):
-            raise ValueError("rtol: expected finite values >= 0")
-    else:
-        rtol = _checks.require_nonnegative_number("rtol", rtol)
+    # A tensor rtol stays [*batch]: torch.linalg.pinv adds the singular-value dim itself.
+    rtol = (
+        per_batch("rtol", rtol, batch, device=keys.device, dtype=compute)
+        if isinstance(rtol, torch.Tensor)
+        else (_checks.require_nonnegative_number("rtol", rtol))
+    )
     k = keys.to(compute)
     v = values.to(compute)
     if scores is not None:

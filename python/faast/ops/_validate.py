@@ -6,8 +6,6 @@ NaN/Inf), so a value scan never runs on a tensor the call is going to reject any
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import _checks
@@ -57,6 +55,20 @@ def check_scores(scores: torch.Tensor | None, mask: torch.Tensor | None) -> None
         )
 
 
+def _nonfinite(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    bad = ~torch.isfinite(t)
+    if mask is not None:
+        bad &= mask.unsqueeze(-1) if t.dim() > mask.dim() else mask
+    return bad
+
+
+def any_nonfinite(
+    keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, mask: torch.Tensor | None
+) -> bool:
+    """Whether a learned row (mask True) holds NaN/Inf in keys, values or scores."""
+    return any(bool(_nonfinite(t, mask).any()) for t in (keys, values, scores) if t is not None)
+
+
 def explain_nonfinite(
     keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, mask: torch.Tensor | None
 ) -> ValueError:
@@ -67,9 +79,7 @@ def explain_nonfinite(
     for name, t in (("keys", keys), ("values", values), ("scores", scores)):
         if t is None:
             continue
-        bad = ~torch.isfinite(t)
-        if mask is not None:
-            bad &= mask.unsqueeze(-1) if t.dim() > mask.dim() else mask
+        bad = _nonfinite(t, mask)
         if bool(bad.any()):
             index = [int(i) for i in bad.nonzero()[0]]
             return ValueError(
@@ -99,24 +109,30 @@ def check_accumulator(
         raise ValueError(f"{name}: expected an accumulator that does not require grad (it is updated in place)")
 
 
+def per_batch(
+    name: str, value: object, batch: tuple[int, ...], *, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """A finite, non-negative number or tensor broadcast to the batch shape: [*batch] in `dtype` on `device`."""
+    if not isinstance(value, torch.Tensor):
+        number = _checks.require_nonnegative_number(name, value)
+        return torch.full(batch, number, dtype=dtype, device=device)
+    if value.dtype == torch.bool or value.is_complex():
+        raise TypeError(f"{name}: expected a real number or real tensor, got dtype {value.dtype}")
+    try:
+        expanded = value.detach().to(device=device, dtype=dtype).expand(batch)
+    except RuntimeError:
+        raise ValueError(
+            f"{name}: expected a number or a tensor broadcastable to the batch shape {list(batch)}, "
+            f"got shape {list(value.shape)}"
+        ) from None
+    if not bool(torch.isfinite(expanded).all()) or bool((expanded < 0).any()):
+        raise ValueError(f"{name}: expected finite values >= 0, got {value}")
+    return expanded
+
+
 def as_count(count: object, batch: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """N per batch element as float64 [prod(batch)]: a number, or a tensor broadcastable to the batch shape."""
-    if isinstance(count, torch.Tensor):
-        if count.dtype == torch.bool or count.is_complex():
-            raise TypeError(f"count: expected a real number or real tensor, got dtype {count.dtype}")
-        counts = count.detach().to(device=device, dtype=torch.float64)
-        try:
-            counts = counts.expand(batch)
-        except RuntimeError:
-            raise ValueError(
-                f"count: expected a number or a tensor broadcastable to the batch shape {list(batch)}, "
-                f"got shape {list(count.shape)}"
-            ) from None
-        if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
-            raise ValueError(f"count: expected finite counts >= 0, got {count}")
-        return counts.reshape(-1)
-    value = _checks.require_nonnegative_number("count", count)
-    return torch.full((math.prod(batch),), value, dtype=torch.float64, device=device)
+    return per_batch("count", count, batch, device=device, dtype=torch.float64).reshape(-1)
 
 
 def check_solve_options(alpha: object, rtol: object, ridge: object, target_sqnorm: object) -> None:
