@@ -115,3 +115,20 @@ def test_loading_moves_to_the_requested_device_and_keeps_float64(tmp_path):
     path = learned().save(tmp_path / "m.safetensors")
     loaded = FastWeights.load(path, device="cpu")
     assert loaded.gram.dtype == torch.float64 and loaded.gram.device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {"format": "faast.FastWeights", "format_version": "one", "config": "{}"},
+        {"format": "faast.FastWeights", "format_version": "1", "config": "{not json"},
+        {"format": "faast.FastWeights", "format_version": "1", "config": "[1, 2]"},
+        {"format": "faast.FastWeights", "format_version": "1", "config": json.dumps({"dim_key": 12})},
+    ],
+    ids=["version-not-int", "config-not-json", "config-not-object", "config-incomplete"],
+)
+def test_malformed_metadata_is_reported(tmp_path, metadata):
+    path = tmp_path / "bad.safetensors"
+    _persist.write_atomic(path, dict(learned().state_dict()), metadata)
+    with pytest.raises(ValueError, match="bad.safetensors"):
+        FastWeights.load(path)

@@ -116,7 +116,8 @@ class FastWeights(nn.Module):
                 raise ValueError("discount: mode='blend' discounts through blend_discount; leave discount at 1.0")
             if self.drop_nonfinite:
                 raise ValueError("drop_nonfinite: not supported with mode='blend' (its chunks count rows exactly)")
-        _checks.require_tensor("dtype", torch.empty(0, dtype=dtype))
+        if dtype not in _checks.FLOAT_DTYPES:
+            raise TypeError(f"dtype: expected a floating dtype for the weights, got {dtype!r}")
         self.dtype = dtype
 
         dk, dv, batch = self.dim_key, self.dim_value, self.batch_shape
@@ -274,7 +275,9 @@ class FastWeights(nn.Module):
                     weighted_least_squares=self.weighted_least_squares, compute_dtype=self.compute_dtype,
                 )  # fmt: skip
         except ValueError:
-            raise explain_nonfinite(*original) from None
+            # Explain against the caller's tensors (their indices) and the mask actually used (dropped rows excluded).
+            used = None if mask is None else mask.reshape(original[0].shape[:-1])
+            raise explain_nonfinite(*original[:3], used) from None
 
     def _require_finite(self, original, keys, values, scores, mask) -> None:  # noqa: ANN001 - internal
         if any_nonfinite(keys, values, scores, mask):
@@ -536,21 +539,30 @@ class FastWeights(nn.Module):
         tensors, metadata = _persist.read_verified(path)
         if metadata.get("format") != FORMAT:
             raise ValueError(f"{path}: not a {FORMAT} file (format={metadata.get('format')!r})")
-        if int(metadata.get("format_version", "0")) > FORMAT_VERSION:
+        try:
+            version = int(metadata.get("format_version", "0"))
+            config = json.loads(metadata["config"])
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"{path}: malformed {FORMAT} metadata ({err!r})") from None
+        if version > FORMAT_VERSION:
             raise ValueError(
-                f"{path}: written by a newer faast (format_version {metadata['format_version']}, this version reads "
-                f"{FORMAT_VERSION}); upgrade faast"
+                f"{path}: written by a newer faast (format_version {version}, this version reads {FORMAT_VERSION}); "
+                "upgrade faast"
             )
-        return tensors, json.loads(metadata["config"])
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: malformed {FORMAT} metadata (config is not an object)")
+        return tensors, config
 
     @classmethod
     def load(cls, path: str | Path, *, device: torch.device | str | None = None) -> FastWeights:
         """Rebuild a memory saved with `save`, bit-exact, on `device` (default CPU)."""
         tensors, config = cls._read(path)
-        for key in ("compute_dtype", "dtype"):
-            config[key] = getattr(torch, config[key])
-        prior = tensors.get("prior")
-        memory = cls(**config, prior=prior, device=device)
+        try:
+            for key in ("compute_dtype", "dtype"):
+                config[key] = getattr(torch, config[key])
+            memory = cls(**config, prior=tensors.get("prior"), device=device)
+        except (TypeError, ValueError, KeyError, AttributeError) as err:
+            raise ValueError(f"{path}: the saved configuration cannot rebuild a FastWeights ({err})") from None
         memory._load_tensors(tensors, path)
         return memory
 

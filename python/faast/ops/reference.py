@@ -118,8 +118,8 @@ def accumulate_gram_streaming(
                 x[..., dk:].mul_(w)
         if mask is not None:
             x.masked_fill_(~mask[:, start : start + n].unsqueeze(-1), 0)
-        targets = x[..., dk:] if exact else x[..., dk:].double()
-        dyy += targets.square().sum((-2, -1))
+        # A float64 reduction without materialising the squares (a temporary as large as the chunk).
+        dyy += torch.linalg.vector_norm(x[..., dk:], dim=(-2, -1), dtype=torch.float64).square()
         for a0, a1 in blocks:
             if exact:
                 acc[:, a0:a1, a0:].baddbmm_(x[..., a0:a1].mT, x[..., a0:])
@@ -127,7 +127,8 @@ def accumulate_gram_streaming(
                 acc[:, a0:a1, a0:] += torch.bmm(x[..., a0:a1].mT, x[..., a0:])
     upper = acc[..., :dk]
     gram = upper.triu() + upper.triu(1).mT
-    return gram, acc[..., dk:], dyy
+    # T is copied out compactly so that callers do not keep the whole [S | T] work buffer alive.
+    return gram, acc[..., dk:].contiguous(), dyy
 
 
 def eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
