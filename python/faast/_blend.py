@@ -161,8 +161,7 @@ def weights(fw: FastWeights, options: dict) -> tuple[torch.Tensor, SolveInfo]:
     window, info = fw._solve_statistics(fw.gram, fw.cross, fw.count, fw.target_sqnorm, options)
     rows = fw.blend_rows.sum()
     previous = fw.blend_discount * fw.folded_count
-    if float(rows) == 0:
+    if float(rows) == 0:  # nothing in the window: W0 alone (and no 0/0 when nothing was folded either)
         return fw.folded_weights.clone(), info
-    if float(previous) == 0:
-        return window, info
+    # lerp is exact at its ends, so with no folded history (previous = 0) this is the window's solution bit for bit.
     return torch.lerp(fw.folded_weights, window, rows / (previous + rows)), info
