@@ -19,6 +19,10 @@ import torch
 _DIGEST_KEY = "sha256"
 
 
+class CorruptFileError(ValueError):
+    """The file is not an intact faast safetensors file: unreadable header, cut short, or its bytes changed."""
+
+
 def _data_section(blob: bytes) -> bytes:
     header_len = int.from_bytes(blob[:8], "little")
     return blob[8 + header_len :]
@@ -71,15 +75,15 @@ def read_verified(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dic
         if not isinstance(metadata, dict):
             raise ValueError("the metadata is not a string map")
     except (ValueError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+        raise CorruptFileError(f"{path}: not a readable safetensors file ({err})") from None
     expected = metadata.get(_DIGEST_KEY)
     if expected is None:
         raise ValueError(f"{path}: no {_DIGEST_KEY} in the metadata; it was not written by faast")
     actual = hashlib.sha256(_data_section(blob)).hexdigest()
     if actual != expected:
-        raise ValueError(f"{path}: checksum mismatch (file corrupted or truncated): expected {expected}, got {actual}")
+        raise CorruptFileError(f"{path}: checksum mismatch (file corrupted or truncated): expected {expected}, got {actual}")
     try:
         tensors = load(blob)
     except Exception as err:  # safetensors raises its own error type for malformed files
-        raise ValueError(f"{path}: malformed safetensors content ({err})") from None
+        raise CorruptFileError(f"{path}: malformed safetensors content ({err})") from None
     return tensors, {k: v for k, v in metadata.items() if k != _DIGEST_KEY}

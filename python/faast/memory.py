@@ -569,19 +569,28 @@ class FastWeights(nn.Module):
     def load_state(self, path: str | Path) -> FastWeights:
         """Load statistics saved with `save` into this memory; the file's structure must match this memory's."""
         tensors, config = self._read(path)
-        mine = self.config()
-        for field in _STRUCTURE:
-            if config.get(field) != mine[field]:
-                raise ValueError(f"{path}: saved with {field}={config.get(field)!r}, this memory has {mine[field]!r}")
-        if ("prior" in tensors) != (self.prior is not None):
-            raise ValueError(
-                f"{path}: saved {'with' if 'prior' in tensors else 'without'} a prior, this memory differs"
-            )
+        self._check_compatible(tensors, config, path)
         self._load_tensors(tensors, path)
         return self
 
+    def _check_compatible(self, tensors: dict[str, torch.Tensor], config: dict, source: object) -> None:
+        """Raise ValueError naming `source` unless saved tensors + config fit this memory's structure."""
+        mine = self.config()
+        for field in _STRUCTURE:
+            if config.get(field) != mine[field]:
+                raise ValueError(f"{source}: saved with {field}={config.get(field)!r}, this memory has {mine[field]!r}")
+        if ("prior" in tensors) != (self.prior is not None):
+            raise ValueError(
+                f"{source}: saved {'with' if 'prior' in tensors else 'without'} a prior, this memory differs"
+            )
+        self._validate_tensors(tensors, source)
+
     @torch.no_grad()
     def _load_tensors(self, tensors: dict[str, torch.Tensor], path: object) -> None:
+        self._validate_tensors(tensors, path)
+        self._copy_tensors(tensors)
+
+    def _validate_tensors(self, tensors: dict[str, torch.Tensor], path: object) -> None:
         expected = dict(self.state_dict())
         if set(tensors) != set(expected):
             raise ValueError(f"{path}: expected tensors {sorted(expected)}, found {sorted(tensors)}")
@@ -599,6 +608,9 @@ class FastWeights(nn.Module):
             head, used = tensors["blend_cursor"].tolist()
             if not (0 <= head < self.blend_rows.shape[0] and 0 <= used <= self.blend_rows.shape[0]):
                 raise ValueError(f"{path}: tensor blend_cursor {[head, used]} is out of range; refusing to load it")
+
+    @torch.no_grad()
+    def _copy_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
             self._buffers[name].copy_(t)
         self._changed()

@@ -1,0 +1,315 @@
+"""Checkpoint and resume long learning runs.
+
+A run that learns 10^8 rows takes hours; a crash must cost minutes, and resuming must give exactly the state an
+uninterrupted run would have. The state of a learning run is small and complete: the statistics of every memory
+(O(d²) each) plus the position in the data stream. `Checkpointer` writes both to one safetensors file per checkpoint
+(atomically: temporary file, fsync, rename, so a process killed while writing leaves the previous checkpoint as the
+newest intact one), verifies a checksum on read, and never executes code when loading. `learn_stream` drives a
+learning loop with periodic checkpoints and resumes from the newest one.
+
+Resuming is bitwise exact: the restored statistics are the saved float64 bytes, and the remaining batches are
+applied by the same updates in the same order. Under torch.distributed each rank writes its own files (the rank is
+in the name); ranks resume independently, which is exact because their partial statistics are only summed at the
+end (faast.distributed.all_reduce).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import _checks, _persist
+from ._version import __version__
+from .distributed import find_memories
+from .memory import FastWeights
+
+FORMAT = "faast.Checkpoint"
+FORMAT_VERSION = 1
+_log = logging.getLogger("faast")
+
+Batch = object
+Step = Callable[[object, Batch], "int | None"]
+
+
+def _distributed_rank_and_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Checkpointer:
+    """Periodic, atomic checkpoints of the memories in a learning run and of the run's position.
+
+    Args:
+        directory: where the files go (created if missing). One writer per (directory, name, rank).
+        keep: how many of this rank's newest checkpoints to keep (older ones are deleted after a save succeeds).
+        name: file name prefix.
+        rank, world_size: default to torch.distributed's when it is initialized, else 0 and 1. A checkpoint is only
+            restored by the same rank of a run with the same world size (the shards would differ otherwise).
+
+    Files are named ``{name}-rank{rank:05d}-batch{batches:015d}.safetensors``.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep: int = 2,
+        name: str = "checkpoint",
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.keep = _checks.require_positive_int("keep", keep)
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.]+", name):
+            raise ValueError(f"name: expected letters, digits, '_' or '.', got {name!r}")
+        self.name = name
+        default_rank, default_size = _distributed_rank_and_size()
+        self.world_size = _checks.require_positive_int("world_size", default_size if world_size is None else world_size)
+        self.rank = default_rank if rank is None else rank
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank: expected an int in [0, {self.world_size}), got {self.rank!r}")
+        self._pattern = re.compile(rf"{re.escape(name)}-rank{self.rank:05d}-batch(\d+)\.safetensors")
+
+    def path(self, batches: int) -> Path:
+        return self.directory / f"{self.name}-rank{self.rank:05d}-batch{batches:015d}.safetensors"
+
+    def checkpoints(self) -> list[Path]:
+        """This rank's checkpoint files, newest (most batches) first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for p in self.directory.iterdir():
+            m = self._pattern.fullmatch(p.name)
+            if m:
+                found.append((int(m.group(1)), p))
+        return [p for _, p in sorted(found, reverse=True)]
+
+    # ------------------------------------------------------------------ writing
+
+    def save(self, obj: object, position: Mapping[str, object]) -> Path:
+        """Write the statistics of every memory in `obj` and `position` (JSON-serialisable; must hold an int
+        'batches', the number of batches consumed) as a new checkpoint, atomically; then prune to `keep`."""
+        batches = position.get("batches") if isinstance(position, Mapping) else None
+        if not isinstance(batches, int) or isinstance(batches, bool) or batches < 0:
+            raise ValueError(f"position: expected a mapping with a non-negative int 'batches', got {position!r}")
+        try:
+            position_json = json.dumps(dict(position), sort_keys=True)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"position: must be JSON-serialisable ({err})") from None
+        memories = find_memories(obj)
+        tensors, configs = {}, {}
+        for name, m in memories:
+            configs[name] = {"config": m.config(), "has_prior": m.prior is not None}
+            for key, t in m.state_dict().items():
+                tensors[f"{name}.{key}" if name else key] = t
+        metadata = {
+            "format": FORMAT,
+            "format_version": str(FORMAT_VERSION),
+            "faast_version": __version__,
+            "rank": str(self.rank),
+            "world_size": str(self.world_size),
+            "position": position_json,
+            "memories": json.dumps(configs, sort_keys=True),
+        }
+        path = _persist.write_atomic(self.path(batches), tensors, metadata)
+        for old in self.checkpoints()[self.keep :]:
+            old.unlink(missing_ok=True)
+        return path
+
+    # ------------------------------------------------------------------ reading
+
+    def _remove_stale_temporaries(self) -> None:
+        # A writer killed between creating its temporary file and the rename leaves `.{final name}.{pid}.{id}.tmp`.
+        # Only this (rank, name) writes such names, so at restore time they are garbage.
+        if not self.directory.is_dir():
+            return
+        prefix = f".{self.name}-rank{self.rank:05d}-batch"
+        for p in self.directory.iterdir():
+            if p.name.startswith(prefix) and p.name.endswith(".tmp"):
+                p.unlink(missing_ok=True)
+
+    def _read(
+        self, path: Path, memories: list[tuple[str, FastWeights]], *, same_run: bool = True
+    ) -> tuple[dict, list]:
+        """Validate a checkpoint against `memories` without touching them. Returns (position, [(memory, tensors)]).
+        same_run: also require this checkpointer's world size (needed to resume a sharded stream)."""
+        tensors, metadata = _persist.read_verified(path)
+        if metadata.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a {FORMAT} file (format={metadata.get('format')!r})")
+        try:
+            version = int(metadata["format_version"])
+            world_size = int(metadata["world_size"])
+            position = json.loads(metadata["position"])
+            saved = json.loads(metadata["memories"])
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"{path}: malformed {FORMAT} metadata ({err!r})") from None
+        if version > FORMAT_VERSION:
+            raise ValueError(f"{path}: written by a newer faast (format_version {version}); upgrade faast")
+        if same_run and world_size != self.world_size:
+            raise ValueError(
+                f"{path}: written by a run with world_size={world_size}, this run has {self.world_size}; the data "
+                "shards would differ, so it cannot be resumed exactly"
+            )
+        names = [name for name, _ in memories]
+        if sorted(saved) != sorted(names):
+            raise ValueError(f"{path}: holds memories {sorted(saved)}, the object being restored has {sorted(names)}")
+        plan = []
+        for name, m in memories:
+            prefix = f"{name}." if name else ""
+            own = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix) and (name or "." not in k)}
+            source = f"{path} (memory {name or '<root>'})"
+            m._check_compatible(own, saved[name]["config"], source)
+            plan.append((m, own))
+        return position, plan
+
+    def restore(self, obj: object) -> dict | None:
+        """Load the newest intact checkpoint of this rank into the memories of `obj` and return its position, or
+        None when there is none (obj untouched).
+
+        A newest file that fails verification (bit rot, a copy cut short) is skipped with a warning in favour of the
+        previous one, whose position matches its own statistics, so the resumed result stays exact. Raises if files
+        exist but none is intact, or if a file does not match `obj` (different memories or configuration).
+        """
+        memories = find_memories(obj)
+        self._remove_stale_temporaries()
+        candidates = self.checkpoints()
+        failures = []
+        for path in candidates:
+            try:
+                position, plan = self._read(path, memories)
+            except _persist.CorruptFileError as err:
+                _log.warning("faast: skipping unreadable checkpoint %s (%s)", path, err)
+                failures.append(str(err))
+                continue
+            for m, own in plan:
+                m._copy_tensors(own)
+            return position
+        if failures:
+            raise ValueError(f"{self.directory}: no intact checkpoint for rank {self.rank}: " + "; ".join(failures))
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+
+
+def count_rows(memory: FastWeights, batch: object) -> int:
+    """Rows of one memory's share of a batch: the mask's True entries, else all rows (per memory of batch_shape)."""
+    keys, _, _, mask = _batch_fields(batch)
+    if mask is not None:
+        return int(mask.sum()) // max(1, _prod(memory.batch_shape))
+    return keys.numel() // keys.shape[-1] // max(1, _prod(memory.batch_shape))
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _batch_fields(batch: object) -> tuple:
+    if isinstance(batch, Mapping):
+        unknown = set(batch) - {"keys", "values", "scores", "mask"}
+        if unknown or "keys" not in batch or "values" not in batch:
+            raise ValueError(
+                f"batches: a dict batch needs 'keys' and 'values' (optional 'scores', 'mask'), got keys {sorted(batch)}"
+            )
+        return batch["keys"], batch["values"], batch.get("scores"), batch.get("mask")
+    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
+        return (*batch, *(None,) * (4 - len(batch)))
+    raise TypeError(
+        "batches: each batch must be (keys, values), (keys, values, scores) or a dict with keys/values/scores/mask, "
+        f"got {type(batch).__name__}"
+    )
+
+
+def _update_memory(memory: FastWeights, batch: object) -> int:
+    keys, values, scores, mask = _batch_fields(batch)
+    memory.update(keys, values, scores, mask=mask)
+    return count_rows(memory, batch)
+
+
+def learn_stream(
+    obj: object,
+    batches: Iterable[Batch] | Callable[[int], Iterable[Batch]],
+    *,
+    step: Step | None = None,
+    checkpoint_dir: str | Path | None = None,
+    every: int | None = 1000,
+    every_seconds: float | None = None,
+    keep: int = 2,
+    checkpointer: Checkpointer | None = None,
+) -> dict:
+    """Learn every batch of a stream into `obj`, with periodic checkpoints, resuming from the newest one.
+
+    Args:
+        obj: what learns: a FastWeights (batches are (keys, values[, scores]) or dicts with keys/values/scores/mask),
+            or any object with memories inside (a module) together with `step`.
+        batches: an iterable of batches, or a function start -> iterable of the batches from index `start` on
+            (for sources that can seek; a plain iterable is resumed by reading and discarding consumed batches).
+        step: step(obj, batch) -> rows learned (int) or None; default: FastWeights.update.
+        checkpoint_dir: where checkpoints go; None learns without checkpoints (still returns the position).
+        every: checkpoint after every `every` batches (None: not by count).
+        every_seconds: also checkpoint when this many seconds passed since the last one (None: not by time).
+        keep: checkpoints kept per rank.
+        checkpointer: a configured Checkpointer instead of checkpoint_dir/keep.
+
+    Returns the final position: {'batches': consumed, 'rows': learned, 'resumed_from': batches at start,
+    'seconds': time spent in this call}. A final checkpoint is written when the stream ends.
+    """
+    if step is None:
+        if not isinstance(obj, FastWeights):
+            raise TypeError(f"step: required to learn into a {type(obj).__name__} (the default handles a FastWeights)")
+        step = _update_memory
+    if every is not None:
+        every = _checks.require_positive_int("every", every)
+    if every_seconds is not None:
+        every_seconds = _checks.require_nonnegative_number("every_seconds", every_seconds, allow_zero=False)
+    if checkpointer is None and checkpoint_dir is not None:
+        checkpointer = Checkpointer(checkpoint_dir, keep=keep)
+    find_memories(obj)  # fail now, not at the first checkpoint, if obj holds no memory
+
+    position = {"batches": 0, "rows": 0}
+    if checkpointer is not None:
+        restored = checkpointer.restore(obj)
+        if restored is not None:
+            position = {"batches": int(restored["batches"]), "rows": int(restored.get("rows", 0))}
+            _log.info("faast: resumed from batch %d (%d rows) in %s", position["batches"], position["rows"],
+                      checkpointer.directory)  # fmt: skip
+    start = position["batches"]
+    stream = batches(start) if callable(batches) else itertools.islice(batches, start, None)
+
+    began = last_save = time.monotonic()
+    saved_at = start
+    for batch in stream:
+        rows = step(obj, batch)
+        position["batches"] += 1
+        position["rows"] += int(rows) if rows is not None else 0
+        if checkpointer is None:
+            continue
+        due = every is not None and position["batches"] % every == 0
+        due = due or (every_seconds is not None and time.monotonic() - last_save >= every_seconds)
+        if due:
+            checkpointer.save(obj, position)
+            last_save, saved_at = time.monotonic(), position["batches"]
+    if checkpointer is not None and (saved_at != position["batches"] or not checkpointer.checkpoints()):
+        checkpointer.save(obj, position)
+    return {**position, "resumed_from": start, "seconds": time.monotonic() - began}
+
+
+def load_checkpoint(path: str | Path, obj: object) -> dict:
+    """Load one specific checkpoint file into the memories of `obj` (all or nothing); returns its position."""
+    path = Path(path)
+    position, plan = Checkpointer(path.parent, rank=0, world_size=1)._read(path, find_memories(obj), same_run=False)
+    for m, own in plan:
+        m._copy_tensors(own)
+    return position
