@@ -183,9 +183,17 @@ def write_results(out: Path, payload: dict, name: str) -> None:
     reports, cfg = payload["result"]["reports"], payload["config"]
     rows = [
         [
-            f"{r['rows']:,}", "yes" if r["count_exact"] else "NO", H.fmt_sci(r["cond_s"]), H.fmt_sci(r["rel_s_f64"]), H.fmt_sci(r["rel_t_f64"]),
-            H.fmt_sci(r["rel_w_f64"]), H.fmt_sci(r["rel_s_f32"]), H.fmt_sci(r["rel_w_f32"]), f"{r['rss_mb']:.0f}",
-            f"{r['rows_per_s_f64'] / 1e3:,.0f}k", f"{r['rows_per_s_f32'] / 1e3:,.0f}k",
+            f"{r['rows']:,}",
+            "yes" if r["count_exact"] else "NO",
+            H.fmt_sci(r["cond_s"]),
+            H.fmt_sci(r["rel_s_f64"]),
+            H.fmt_sci(r["rel_t_f64"]),
+            H.fmt_sci(r["rel_w_f64"]),
+            H.fmt_sci(r["rel_s_f32"]),
+            H.fmt_sci(r["rel_w_f32"]),
+            f"{r['rss_mb']:.0f}",
+            f"{r['rows_per_s_f64'] / 1e3:,.0f}k",
+            f"{r['rows_per_s_f32'] / 1e3:,.0f}k",
             f"{r['checkpoint_s'] * 1e3:.0f} ms",
         ]  # fmt: skip
         for r in reports
@@ -202,7 +210,8 @@ def write_results(out: Path, payload: dict, name: str) -> None:
         "",
         "Truth: per-batch float64 GEMMs summed with Neumaier compensation (see the script's docstring). relW at "
         "alpha = 1 (eps = N^-1); W is cond(S) times more sensitive than S, so relW's floor is about cond(S)·1e-16 "
-        "for float64 and cond(S)·(float32 relS) for float32, and what matters is that it does not grow. Throughput is update time only (key generation and the truth excluded). "
+        "for float64 and cond(S)·(float32 relS) for float32, and what matters is that it does not grow. "
+        "Throughput is update time only (key generation and the truth excluded). "
         "Checkpoint: atomic write of the float64 memory "
         f"({reports[-1]['checkpoint_bytes'] / 1e6:.2f} MB).",
         "",
@@ -210,7 +219,8 @@ def write_results(out: Path, payload: dict, name: str) -> None:
         "",
         f"- float64 relS at most {goals['max_rel_s_f64']:.1e} (goal <= {GOAL_REL_S64:g}): "
         f"{'met' if goals['rel_s_met'] else 'NOT met'}",
-        f"- RSS growth (largest later checkpoint minus the first): {goals['rss_growth_mb']:.1f} MB (goal <= {GOAL_RSS_GROWTH_MB:g}): "
+        f"- RSS growth (largest later checkpoint minus the first): {goals['rss_growth_mb']:.1f} MB "
+        f"(goal <= {GOAL_RSS_GROWTH_MB:g}): "
         f"{'met' if goals['rss_met'] else 'NOT met'}",
         f"- counts exact at every checkpoint: {'yes' if goals['counts_exact'] else 'NO'}",
         f"- total seconds: {', '.join(f'{k} {v:.0f}' for k, v in payload['result']['seconds'].items())}",

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_workers import NUM_BATCHES, Layers, learn, run
-from tolerances import REORDER_REL, rel
 
 import faast
+from dist_workers import NUM_BATCHES, Layers, learn, run
 from faast import distributed
+from tolerances import REORDER_REL, rel
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 

@@ -81,7 +81,9 @@ def read_verified(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dic
         raise ValueError(f"{path}: no {_DIGEST_KEY} in the metadata; it was not written by faast")
     actual = hashlib.sha256(_data_section(blob)).hexdigest()
     if actual != expected:
-        raise CorruptFileError(f"{path}: checksum mismatch (file corrupted or truncated): expected {expected}, got {actual}")
+        raise CorruptFileError(
+            f"{path}: checksum mismatch (file corrupted or truncated): expected {expected}, got {actual}"
+        )
     try:
         tensors = load(blob)
     except Exception as err:  # safetensors raises its own error type for malformed files

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from . import _checks, _persist
@@ -73,7 +72,9 @@ class Checkpointer:
             raise ValueError(f"name: expected letters, digits, '_' or '.', got {name!r}")
         self.name = name
         default_rank, default_size = _distributed_rank_and_size()
-        self.world_size = _checks.require_positive_int("world_size", default_size if world_size is None else world_size)
+        self.world_size = _checks.require_positive_int(
+            "world_size", default_size if world_size is None else world_size
+        )
         self.rank = default_rank if rank is None else rank
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank: expected an int in [0, {self.world_size}), got {self.rank!r}")
@@ -221,10 +222,11 @@ def _batch_fields(batch: object) -> tuple:
         unknown = set(batch) - {"keys", "values", "scores", "mask"}
         if unknown or "keys" not in batch or "values" not in batch:
             raise ValueError(
-                f"batches: a dict batch needs 'keys' and 'values' (optional 'scores', 'mask'), got keys {sorted(batch)}"
+                "batches: a dict batch needs 'keys' and 'values' (optional 'scores', 'mask'), "
+                f"got keys {sorted(batch)}"
             )
         return batch["keys"], batch["values"], batch.get("scores"), batch.get("mask")
-    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
+    if isinstance(batch, tuple | list) and len(batch) in (2, 3):
         return (*batch, *(None,) * (4 - len(batch)))
     raise TypeError(
         "batches: each batch must be (keys, values), (keys, values, scores) or a dict with keys/values/scores/mask, "

@@ -40,7 +40,7 @@ def find_memories(obj: object) -> list[tuple[str, FastWeights]]:
         return [("", obj)]
     if isinstance(obj, nn.Module):
         found = [(name, m) for name, m in obj.named_modules() if isinstance(m, FastWeights)]
-    elif isinstance(obj, (list, tuple)):
+    elif isinstance(obj, list | tuple):
         if not all(isinstance(m, FastWeights) for m in obj):
             bad = next(type(m).__name__ for m in obj if not isinstance(m, FastWeights))
             raise TypeError(f"obj: expected a list of faast.FastWeights, found a {bad}")
@@ -50,7 +50,8 @@ def find_memories(obj: object) -> list[tuple[str, FastWeights]]:
         found = list(seen.values())
     else:
         raise TypeError(
-            f"obj: expected a faast.FastWeights, an nn.Module containing some, or a list of them; got {type(obj).__name__}"
+            "obj: expected a faast.FastWeights, an nn.Module containing some, or a list of them; "
+            f"got {type(obj).__name__}"
         )
     if not found:
         raise ValueError(f"obj: the {type(obj).__name__} holds no faast.FastWeights to reduce")
@@ -155,7 +156,7 @@ def all_reduce(obj: T, group: dist.ProcessGroup | None = None, *, bucket_mb: flo
     anything if torch.distributed is not initialized or the ranks' memories differ.
     """
     _check_group(group)
-    if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
+    if not isinstance(bucket_mb, int | float) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
         raise ValueError(f"bucket_mb: expected a positive number, got {bucket_mb!r}")
     memories = find_memories(obj)
     _agree(memories, group)

@@ -578,7 +578,9 @@ class FastWeights(nn.Module):
         mine = self.config()
         for field in _STRUCTURE:
             if config.get(field) != mine[field]:
-                raise ValueError(f"{source}: saved with {field}={config.get(field)!r}, this memory has {mine[field]!r}")
+                raise ValueError(
+                    f"{source}: saved with {field}={config.get(field)!r}, this memory has {mine[field]!r}"
+                )
         if ("prior" in tensors) != (self.prior is not None):
             raise ValueError(
                 f"{source}: saved {'with' if 'prior' in tensors else 'without'} a prior, this memory differs"
