@@ -27,9 +27,16 @@ EXTRAS = {
     # Hugging Face integration (GGUF loading of the embedded SmolLM2 needs gguf + accelerate).
     "hf": ["transformers>=4.46,<6", "tokenizers>=0.20", "accelerate>=1.0", "gguf>=0.10", "tqdm>=4.66"],
     # transformers runs the encoder tests on a tiny model built in-process (no download).
-    "test": ["pytest>=8", "hypothesis>=6.100", "numpy>=1.26", "transformers>=4.46,<6", "tokenizers>=0.20"],
+    "test": [
+        "pytest>=8",
+        "hypothesis>=6.100",
+        "numpy>=1.26",
+        "transformers>=4.46,<6",
+        "tokenizers>=0.20",
+        "scikit-learn>=1.4",  # estimator-protocol checks of faast.classify (clone, get_params)
+    ],
     "demo": ENCODER,
-    "bench": ENCODER + ["numpy>=1.26", "scikit-learn>=1.4", "psutil>=5.9"],
+    "bench": ENCODER + ["numpy>=1.26", "scikit-learn>=1.4", "psutil>=5.9", "matplotlib>=3.8"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 
@@ -42,10 +49,10 @@ setup(
     license="MIT",
     python_requires=">=3.10",
     package_dir={"faast": "python/faast", "faast_kernels": "faast_kernels"},
-    packages=["faast", "faast.ops", "faast_kernels"],
+    packages=["faast", "faast.ops", "faast.classify", "faast_kernels"],
     package_data={"faast": ["data/*.tsv.gz", "data/*.md"]},
     # torch is not pinned to a build here: the install scripts choose a CPU or CUDA wheel for the machine.
-    install_requires=["torch>=2.4", "safetensors>=0.4.3"],
+    install_requires=["torch>=2.4", "safetensors>=0.4.3", "numpy>=1.26"],
     extras_require=EXTRAS,
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import torch.distributed as dist
 import faast
 from dist_workers import NUM_BATCHES, Layers, learn, run
 from faast import distributed
+from faast.checkpoint import Checkpointer
 from tolerances import REORDER_REL, rel
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -91,6 +94,36 @@ def test_blend_on_one_rank_fails_every_rank():
     results = _spawn(2, scenario="blend")
     assert results[1].startswith("ValueError: obj: memory blocks.1 has mode='blend'"), results[1]
     assert results[0].startswith("ValueError: obj: ranks hold memories with different"), results[0]
+
+
+def test_torchrun_example_equals_single_process(tmp_path):
+    example = Path(__file__).resolve().parents[1] / "examples" / "distributed_learn.py"
+    common = ["--batches", "7", "--rows", "50", "--dim", "12", "--dim-value", "3", "--every", "2"]
+    runs = {
+        "torchrun": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "3",
+            str(example),
+        ],
+        "single": [sys.executable, str(example)],
+    }
+    for name, cmd in runs.items():
+        args = [*common, "--out", str(tmp_path / f"{name}.safetensors"), "--checkpoint-dir", str(tmp_path / name)]
+        done = subprocess.run(cmd + args, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    sharded = faast.FastWeights.load(tmp_path / "torchrun.safetensors")
+    single = faast.FastWeights.load(tmp_path / "single.safetensors")
+    assert float(sharded.count) == float(single.count) == 350
+    assert rel(sharded.gram, single.gram) <= REORDER_REL and rel(sharded.cross, single.cross) <= REORDER_REL
+    assert rel(sharded.weights, single.weights) <= 1e-6  # float32 weights
+    # Each rank checkpointed its own shard: 7 batches over 3 ranks are 3, 2 and 2.
+    for rank, batches in enumerate([3, 2, 2]):
+        newest = Checkpointer(tmp_path / "torchrun", rank=rank, world_size=3).checkpoints()[0]
+        assert newest == Checkpointer(tmp_path / "torchrun", rank=rank, world_size=3).path(batches)
 
 
 # ---------------------------------------------------------------------------------------------------- in-process

@@ -8,4 +8,6 @@ from . import ops
 from ._version import __version__
 from .memory import FastWeights
 
-__all__ = ["FastWeights", "__version__", "ops"]
+from . import checkpoint, distributed  # isort: skip  (they build on FastWeights)
+
+__all__ = ["FastWeights", "__version__", "checkpoint", "distributed", "ops"]

@@ -154,6 +154,9 @@ def all_reduce(obj: T, group: dist.ProcessGroup | None = None, *, bucket_mb: flo
 
     Returns `obj`, reduced in place: every rank then holds the statistics of all ranks' rows. Raises before reducing
     anything if torch.distributed is not initialized or the ranks' memories differ.
+
+    Exact for discount=1 (the default). With a per-update discount γ < 1 each rank discounts only its own history,
+    so the sum weights rows differently from a single sequential stream.
     """
     _check_group(group)
     if not isinstance(bucket_mb, int | float) or isinstance(bucket_mb, bool) or not bucket_mb > 0:

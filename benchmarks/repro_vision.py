@@ -1,0 +1,203 @@
+"""Reproduce the paper's image classification with CLIP: CIFAR-10 and mini-ImageNet, few-shot episodes and full data.
+
+    python benchmarks/repro_vision.py --dataset cifar10 --data-dir DATA [--encoder open_clip:RN50] [--episodes 600]
+
+Needs the datasets on disk and CLIP weights in the open_clip / transformers cache (or network); neither is reachable
+from the machine this project is developed on, so results are produced where they are. Protocols (reference.md §2):
+  cifar10           CIFAR-10 python batches (cifar-10-batches-py/): train = support pool, test = query pool; 10-way.
+  mini-imagenet     the mini-ImageNet *test* split (mini-imagenet-cache-test.pkl: image_data [N, 84, 84, 3],
+                    class_dict {wnid: [indices]}), each class halved into support/query with seed 42; 20-way.
+                    Class names from --class-names (JSON {wnid: name}).
+  mini-imagenet-id  the same with the WordNet ids themselves as label text (no readable names, so no useful
+                    prior): the paper runs it with N0 = 0.
+Label prompt "A photo of a {name}." Episodes: all classes, --shots each, --queries per class (paper: 20), mean ± 95%
+CI; full: the whole support pool, every query once (Wilson interval). Methods: FAAST default (prior weight and ridge
+from the data), FAAST paper (α=1, N0 = 400 / 800 / 0 as in their eval.py), zero-shot, kNN, softmax and linear
+attention (±centred), SGD linear probe. Embeddings are cached (--cache), so each image is encoded once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H  # noqa: E402
+
+H.add_source_path()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from faast.classify import (  # noqa: E402
+    FAASTClassifier,
+    KNNMemoryClassifier,
+    LinearAttentionClassifier,
+    LinearProbeClassifier,
+    SoftmaxAttentionClassifier,
+    ZeroShotClassifier,
+    evaluate_episodes,
+    evaluate_full,
+)
+
+PAPER_N0 = {"cifar10": 400.0, "mini-imagenet": 800.0, "mini-imagenet-id": 0.0}
+PROMPT = "A photo of a {}."
+
+
+def load_cifar10(root: Path) -> dict:
+    """CIFAR-10 python version: uint8 images [N, 32, 32, 3], labels, class names; train/test as support/query."""
+    folder = root / "cifar-10-batches-py"
+
+    def read(name: str) -> dict:
+        with open(folder / name, "rb") as f:  # the official distribution format (trusted input)
+            return pickle.load(f, encoding="bytes")
+
+    def images(batch: dict) -> torch.Tensor:
+        return torch.from_numpy(
+            np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1).copy()
+        )
+
+    train = [read(f"data_batch_{i}") for i in range(1, 6)]
+    test = read("test_batch")
+    names = [n.decode() for n in read("batches.meta")[b"label_names"]]
+    return {
+        "support_images": torch.cat([images(b) for b in train]),
+        "support_labels": torch.tensor(sum((list(b[b"labels"]) for b in train), [])),
+        "query_images": images(test),
+        "query_labels": torch.tensor(list(test[b"labels"])),
+        "class_names": names,
+    }
+
+
+def load_mini_imagenet(root: Path, class_names: Path | None, *, use_ids: bool) -> dict:
+    """The mini-ImageNet test split, each class halved (seed 42) into a support and a query pool."""
+    with open(root / "mini-imagenet-cache-test.pkl", "rb") as f:  # the few-shot-ssl distribution (trusted input)
+        data = pickle.load(f)
+    wnids = sorted(data["class_dict"])
+    if use_ids:
+        names = wnids
+    else:
+        if class_names is None:
+            raise ValueError(
+                "--class-names: mini-imagenet needs a JSON {wnid: readable name} (or use mini-imagenet-id)"
+            )
+        mapping = json.loads(Path(class_names).read_text())
+        names = [mapping[w] for w in wnids]
+    images = torch.from_numpy(np.asarray(data["image_data"], dtype=np.uint8))
+    g = torch.Generator().manual_seed(42)
+    support, query, s_lab, q_lab = [], [], [], []
+    for c, w in enumerate(wnids):
+        idx = torch.tensor(sorted(data["class_dict"][w]))
+        idx = idx[torch.randperm(idx.numel(), generator=g)]
+        half = idx.numel() // 2
+        support.append(idx[:half])
+        query.append(idx[half:])
+        s_lab += [c] * half
+        q_lab += [c] * (idx.numel() - half)
+    return {
+        "support_images": images[torch.cat(support)],
+        "support_labels": torch.tensor(s_lab),
+        "query_images": images[torch.cat(query)],
+        "query_labels": torch.tensor(q_lab),
+        "class_names": names,
+    }
+
+
+def methods(label_keys: torch.Tensor, paper_n0: float) -> dict:
+    def labelled(cls, **kw):  # noqa: ANN001, ANN202
+        return lambda classes: cls(label_embeddings=label_keys[classes], classes=classes.tolist(), **kw)
+
+    return {
+        "FAAST default": labelled(FAASTClassifier),
+        f"FAAST paper (α=1, N0={paper_n0:g})": labelled(FAASTClassifier, ridge=None, alpha=1.0, prior_count=paper_n0),
+        "zero-shot": labelled(ZeroShotClassifier),
+        "kNN (k=10)": lambda classes: KNNMemoryClassifier(classes=classes.tolist()),
+        "softmax attention": labelled(SoftmaxAttentionClassifier),
+        "linear attention": labelled(LinearAttentionClassifier),
+        "linear attention, centred": labelled(LinearAttentionClassifier, centered=True),
+        "linear probe (SGD)": labelled(LinearProbeClassifier),
+    }
+
+
+def run_protocol(features: dict, *, dataset: str, shots: list[int], queries: int, episodes: int, seed: int) -> dict:
+    """Accuracy table {setting: {method: {accuracy, ci95, fit_seconds}}} from precomputed embeddings."""
+    table: dict[str, dict] = {}
+    make = methods(features["label_keys"], PAPER_N0[dataset])
+    for n in shots:
+        row = table.setdefault(f"{n}-shot", {})
+        for name, factory in make.items():
+            r = evaluate_episodes(
+                factory, features["support"], features["support_labels"], ways=None, shots=n, queries=queries,
+                episodes=episodes, seed=seed, query_features=features["query"], query_labels=features["query_labels"],
+            )  # fmt: skip
+            row[name] = {"accuracy": r.accuracy, "ci95": r.ci95, "fit_seconds": r.fit_seconds}
+    row = table.setdefault("full", {})
+    for name, factory in make.items():
+        r = evaluate_full(factory, features["support"], features["support_labels"], features["query"],
+                          features["query_labels"])  # fmt: skip
+        row[name] = {"accuracy": r.accuracy, "ci95": r.ci95, "fit_seconds": r.fit_seconds}
+    return table
+
+
+def encode(data: dict, encoder_spec: str, cache: Path | None) -> dict:
+    from faast.clip import ClipEncoder
+
+    kind, _, name = encoder_spec.partition(":")
+    if kind == "open_clip":
+        encoder = ClipEncoder.open_clip(name or "RN50", "openai")
+    elif kind == "transformers":
+        encoder = ClipEncoder.transformers(name)
+    else:
+        raise ValueError(f"--encoder: expected open_clip:NAME or transformers:ID, got {encoder_spec!r}")
+    return {
+        "support": encoder.encode_images(data["support_images"], cache_dir=cache),
+        "query": encoder.encode_images(data["query_images"], cache_dir=cache),
+        "support_labels": data["support_labels"],
+        "query_labels": data["query_labels"],
+        "label_keys": encoder.encode_texts([PROMPT.format(n) for n in data["class_names"]], cache_dir=cache),
+    }
+
+
+def markdown(table: dict) -> str:
+    settings = list(table)
+    lines = ["| method | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
+    for name in table[settings[0]]:
+        cells = [f"{100 * table[s][name]['accuracy']:.1f} ± {100 * table[s][name]['ci95']:.1f}" for s in settings]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", choices=sorted(PAPER_N0), required=True)
+    parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument("--class-names", type=Path, default=None)
+    parser.add_argument("--encoder", default="open_clip:RN50")
+    parser.add_argument("--shots", type=int, nargs="+", default=[1, 5])
+    parser.add_argument("--queries", type=int, default=20)
+    parser.add_argument("--episodes", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache", type=Path, default=Path(".cache/clip-embeddings"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    if args.dataset == "cifar10":
+        data = load_cifar10(args.data_dir)
+    else:
+        data = load_mini_imagenet(args.data_dir, args.class_names, use_ids=args.dataset == "mini-imagenet-id")
+    features = encode(data, args.encoder, args.cache)
+    table = run_protocol(features, dataset=args.dataset, shots=args.shots, queries=args.queries,
+                         episodes=args.episodes, seed=args.seed)  # fmt: skip
+    machine = H.machine_header()
+    name = f"vision_{args.dataset}_{args.encoder.replace(':', '-').replace('/', '-')}"
+    H.write_json(args.out / f"{name}.json", {"machine": machine, "config": {k: str(v) for k, v in vars(args).items()},
+                                             "results": table})  # fmt: skip
+    text = "```\n" + H.format_header(machine) + "\n```\n\n" + markdown(table)
+    (args.out / f"{name}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
