@@ -121,7 +121,7 @@ def markdown(table: dict, goals: dict, args: argparse.Namespace) -> str:
     settings = list(table)
     names = list(next(iter(table.values())))
     lines = [
-        "| method | " + " | ".join(settings) + " | fit time (20-shot / full) |",
+        "| method | " + " | ".join(settings) + " | fit time, s (20-shot / full) |",
         "|---|" + "---|" * len(settings) + "---|",
     ]
     for name in names:
