@@ -208,15 +208,6 @@ def test_knn_votes_by_hand():
     assert wide.predict(torch.tensor([[0.0, 1.0]])).tolist() == ["c"]
 
 
-def test_knn_is_a_label_vote_not_a_coordinate_mode():
-    # Per-coordinate modes of label vectors (the authors' H11) can produce a vector of no class; a vote cannot.
-    E = torch.eye(3)
-    keys = torch.tensor([[1.0, 0.0], [0.99, 0.14], [0.98, 0.2]])
-    clf = KNNMemoryClassifier(k=3, label_embeddings=torch.randn(3, 2)).fit(keys, [0, 1, 2])
-    assert clf.predict(torch.tensor([[1.0, 0.0]])).tolist() == [0]  # three single votes: the tie-break decides
-    assert E.shape == (3, 3)
-
-
 def test_softmax_attention_by_hand(task):
     X, y, E = task
     clf = SoftmaxAttentionClassifier(label_embeddings=E, temperature=0.2).fit(X, y)
