@@ -34,9 +34,11 @@ EXTRAS = {
         "transformers>=4.46,<6",
         "tokenizers>=0.20",
         "scikit-learn>=1.4",  # estimator-protocol checks of faast.classify (clone, get_params)
+        # The kernels' tests run in Triton's CPU interpreter; the Linux wheel has no CUDA dependencies.
+        "triton==3.9.*; platform_system == 'Linux'",
     ],
     "demo": ENCODER,
-    "bench": ENCODER + ["numpy>=1.26", "scikit-learn>=1.4", "psutil>=5.9", "matplotlib>=3.8"],
+    "bench": ENCODER + ["numpy>=1.26", "scikit-learn>=1.4", "psutil>=5.9", "matplotlib>=3.8", "pytest-benchmark>=4"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 

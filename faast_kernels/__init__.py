@@ -1,15 +1,23 @@
 """Triton kernels for faast: fused score-weighted Gram accumulation and the folded residual projection.
 
-This package never imports faast (the dependency runs one way: faast's dispatch registers these kernels). The
-kernels themselves are the subject of a later change; until then faast runs its pure-torch backend everywhere,
-and FAAST_BACKEND=triton raises instead of pretending.
+This package never imports faast (the dependency runs one way: faast's dispatch registers these kernels as its
+``triton`` backend). Kernels live one family per file (``gram.py``, ``residual.py``), each with a private
+``@triton.jit`` kernel, a launcher that checks, allocates and launches, and a float64 ``naive_*`` oracle;
+``ops.py`` registers them as torch.library custom ops. Everything runs on the CPU under ``TRITON_INTERPRET=1``
+(how CI tests them); on a GPU they compile for the device.
 """
 
-try:  # Triton is optional: CPU-only installs and macOS have none.
-    import triton  # noqa: F401
+import importlib.util
+import os
 
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
+# Triton is optional (CPU-only installs and macOS have none). Found, not imported: importing faast stays cheap, and
+# the kernels import it when first used.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-__all__ = ["HAS_TRITON"]
+
+def interpreting() -> bool:
+    """True when Triton runs kernels with its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+__all__ = ["HAS_TRITON", "interpreting"]

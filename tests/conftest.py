@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter. The variable must be set before faast_kernels
+# is imported (triton.jit reads it when a kernel is defined), so it is set here, at collection.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _PACKAGES = ("faast", "faast_kernels")
 

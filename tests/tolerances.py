@@ -39,3 +39,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     atol, rtol = ELEMENTWISE[dtype]
     torch.testing.assert_close(actual.to(torch.float64), expected.to(torch.float64), atol=atol, rtol=rtol)
+
+
+# Triton Gram kernel, float32-accumulating modes ("tf32x3", "fp32"): relative error of S and T against float64.
+TRITON_FP32_MODE_REL = 1e-5

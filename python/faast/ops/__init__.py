@@ -13,7 +13,7 @@ import math
 import torch
 
 from .. import _checks
-from . import _dispatch, reference
+from . import _dispatch, _triton_backend, reference
 from ._validate import (
     as_count,
     check_accumulator,
@@ -46,6 +46,7 @@ _dispatch.register_backend(
         },
     )
 )
+_triton_backend.register()
 
 
 def gram_statistics(
@@ -75,10 +76,10 @@ def gram_statistics(
         None if mask is None else mask.reshape(size, n),
     )
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in flat[:3])
-    if needs_grad:
+    name, impl = _dispatch.resolve("accumulate_gram", keys.device)
+    # The torch backend's streaming kernel is not differentiable, and no kernel differentiates with respect to keys.
+    if needs_grad and (name == "torch" or keys.requires_grad):
         impl = reference.accumulate_gram_differentiable
-    else:
-        _, impl = _dispatch.resolve("accumulate_gram", keys.device)
     gram, cross, sqnorm = impl(*flat, weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype)
     finite = torch.isfinite(gram).all() & torch.isfinite(cross).all() & torch.isfinite(sqnorm).all()
     if not bool(finite):

@@ -1,14 +1,16 @@
 """The one place that chooses which backend runs an op.
 
 Backends: ``torch`` (pure PyTorch, any device: the CPU path and the test oracle), ``triton`` (faast_kernels) and
-``cuda`` (the cuSOLVER extension). The Triton and CUDA backends register themselves here when they exist; this
-version ships only ``torch``.
+``cuda`` (the cuSOLVER extension). ``triton`` registers itself from faast.ops._triton_backend (accumulate_gram and
+residual_project; CUDA tensors, and CPU tensors under TRITON_INTERPRET=1); there is no ``cuda`` backend yet.
 
 ``FAAST_BACKEND`` (auto | torch | triton | cuda, default auto) overrides the choice for every op:
 
 * ``auto`` walks a per-device preference list and takes the first backend that is available and implements the op.
   Skipping a preferred backend is logged once per (op, backend), so a silent slow path cannot go unnoticed.
-* an explicit name is a request: if that backend cannot run the op, the call raises with the reason.
+* an explicit name is a request: if that backend is missing, not installed, fails to load or does not run on the
+  tensors' device, the call raises with the reason. An op the backend does not provide by design (eigh has no
+  Triton kernel) takes the automatic choice, logged once.
 """
 
 from __future__ import annotations
@@ -72,10 +74,17 @@ def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
     """Return (backend name, implementation) for `op` on `device`, following FAAST_BACKEND."""
     requested = requested_backend()
     if requested != "auto":
-        reason = _why_not(requested, op, device)
-        if reason is not None:
-            raise RuntimeError(f"{ENV_VAR}={requested} was requested for {op} on {device.type}, but {reason}")
-        return requested, _REGISTRY[requested].ops[op]
+        backend = _REGISTRY.get(requested)
+        if backend is None or op in backend.ops:
+            reason = _why_not(requested, op, device)
+            if reason is not None:
+                raise RuntimeError(f"{ENV_VAR}={requested} was requested for {op} on {device.type}, but {reason}")
+            return requested, backend.ops[op]
+        # The requested backend has no version of this op by design (e.g. eigh is not a Triton kernel): the op
+        # takes the automatic choice, said once, so that FAAST_BACKEND=triton still runs a whole FastWeights.
+        if (op, f"{requested}-lacks") not in _logged:
+            _logged.add((op, f"{requested}-lacks"))
+            logger.info("faast: %s=%s has no %s; %s takes the automatic choice", ENV_VAR, requested, op, op)
     for name in _PREFERENCE.get(device.type, _DEFAULT_PREFERENCE):
         reason = _why_not(name, op, device)
         if reason is None:
