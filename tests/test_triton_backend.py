@@ -116,13 +116,26 @@ def test_rank_deficient_fidelity_in_both_modes(triton_backend, compute_dtype):
     keep = s > s[0] / 4096
     truth = vh[keep].T @ ((u[:, keep].T @ values.double()) / s[keep].unsqueeze(-1))
     memory = FastWeights(128, 16, dtype=torch.float64, compute_dtype=compute_dtype)
-    memory.update(keys, values)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # float32 compute warns by policy below its floor
+        warnings.simplefilter("ignore", RuntimeWarning)  # the opt-in float32 modes warn by policy
+        memory.update(keys, values)
         weights = memory.weights
     assert int(memory.solve_info.rank) == int(keep.sum())
     assert rel(weights, truth) <= TRUTH_REL_W
     assert rel(held_out.double() @ weights, held_out.double() @ truth) <= TRUTH_REL_P
+
+
+@cpu_interpreter
+def test_tf32x3_mode_warns_once(triton_backend, monkeypatch):
+    from faast.ops import _triton_backend
+
+    monkeypatch.setattr(_triton_backend, "_warned", [])
+    keys, values = torch.randn(30, 8), torch.randn(30, 3)
+    with pytest.warns(RuntimeWarning, match="opt-in tf32x3 Gram mode"):
+        ops.accumulate_gram(keys, values, compute_dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.accumulate_gram(keys, values, compute_dtype=torch.float32)  # once per process
 
 
 def test_torch_float32_compute_fails_the_same_case(monkeypatch):

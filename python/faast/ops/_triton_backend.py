@@ -9,11 +9,28 @@ sums flushed into float64 every 256 rows), which FastWeights already warns about
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import _dispatch
 
 _PRECISION = {torch.float64: "fp64", torch.float32: "tf32x3"}
+_warned: list[bool] = []
+
+
+def _warn_opt_in_mode() -> None:
+    if _warned:
+        return
+    _warned.append(True)
+    warnings.warn(
+        "faast triton backend: compute_dtype=float32 runs the opt-in tf32x3 Gram mode, which fails the float64 "
+        "fidelity suite on power-law spectra (relW up to ~4e-5 against 1e-5; "
+        "benchmarks/results/triton_fidelity_interpreter.md). Use compute_dtype=float64 (the default) for exact "
+        "statistics.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _kernels():  # noqa: ANN202 - the faast_kernels.ops module
@@ -33,6 +50,8 @@ def accumulate_gram(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dS [B, dk, dk], dT [B, dk, dv], dyy [B]) float64 of flattened rows keys [B, N, dk] etc."""
     _kernels()
+    if compute_dtype == torch.float32:
+        _warn_opt_in_mode()
     gram, cross = torch.ops.faast_kernels.gram_statistics(
         keys, values, scores, mask, weighted_least_squares, _PRECISION[compute_dtype]
     )
