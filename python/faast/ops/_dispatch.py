@@ -6,7 +6,8 @@ residual_project; CUDA tensors, and CPU tensors under TRITON_INTERPRET=1); there
 
 ``FAAST_BACKEND`` (auto | torch | triton | cuda, default auto) overrides the choice for every op:
 
-* ``auto`` walks a per-device preference list and takes the first backend that is available and implements the op.
+* ``auto`` walks a per-device preference list and takes the first backend that is available, implements the op and
+  is eligible for automatic choice (a backend may decline it, e.g. kernels whose speed is not measured yet).
   Skipping a preferred backend is logged once per (op, backend), so a silent slow path cannot go unnoticed.
 * an explicit name is a request: if that backend is missing, not installed, fails to load or does not run on the
   tensors' device, the call raises with the reason. An op the backend does not provide by design (eigh has no
@@ -36,6 +37,9 @@ class Backend:
     ops: dict[str, Callable] = field(default_factory=dict)
     devices: tuple[str, ...] | None = None  # None: any device type
     unavailable_reason: Callable[[], str | None] = lambda: None
+    # Why `auto` should not pick it yet although it can run (e.g. its speed is unmeasured); explicit requests still
+    # get it. None: eligible for auto.
+    auto_reason: Callable[[], str | None] = lambda: None
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -87,6 +91,8 @@ def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
             logger.info("faast: %s=%s has no %s; %s takes the automatic choice", ENV_VAR, requested, op, op)
     for name in _PREFERENCE.get(device.type, _DEFAULT_PREFERENCE):
         reason = _why_not(name, op, device)
+        if reason is None:
+            reason = _REGISTRY[name].auto_reason()
         if reason is None:
             return name, _REGISTRY[name].ops[op]
         if (op, name) not in _logged:

@@ -95,6 +95,12 @@ def _devices() -> tuple[str, ...]:
     return ("cuda", "cpu") if faast_kernels.interpreting() else ("cuda",)
 
 
+def _not_for_auto() -> str | None:
+    # The kernels are verified (interpreter tests, fidelity suite) but their GPU speed against cuBLAS is unmeasured:
+    # until benchmarks/bench_kernels.py shows them faster on a GPU, `auto` keeps the torch path there.
+    return "its GPU speed is not measured yet (benchmarks/bench_kernels.py); FAAST_BACKEND=triton selects it"
+
+
 def register() -> None:
     _dispatch.register_backend(
         _dispatch.Backend(
@@ -102,5 +108,6 @@ def register() -> None:
             ops={"accumulate_gram": accumulate_gram, "residual_project": residual_project},
             devices=_devices(),
             unavailable_reason=_unavailable,
+            auto_reason=_not_for_auto,
         )
     )
