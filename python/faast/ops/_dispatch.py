@@ -74,6 +74,18 @@ def _why_not(name: str, op: str, device: torch.device) -> str | None:
     return backend.unavailable_reason()
 
 
+def explain(op: str, device: torch.device) -> list[tuple[str, str | None]]:
+    """For reports (python -m faast.env): each backend of the device's preference list and why it would be skipped
+    by `auto` (None for the one chosen and those after it that could run). Logs nothing."""
+    out = []
+    for name in _PREFERENCE.get(device.type, _DEFAULT_PREFERENCE):
+        reason = _why_not(name, op, device)
+        if reason is None:
+            reason = _REGISTRY[name].auto_reason()
+        out.append((name, reason))
+    return out
+
+
 def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
     """Return (backend name, implementation) for `op` on `device`, following FAAST_BACKEND."""
     requested = requested_backend()

@@ -1,0 +1,82 @@
+"""Report what faast can use on this machine: ``python -m faast.env [--json]``.
+
+Prints the versions of Python, torch (and the CUDA it was built for), the GPUs torch sees, whether Triton is installed
+and whether its CPU interpreter is on, whether the kernels load, the state of the native cuSOLVER extension, and for
+every op and device which backend `auto` picks and why the others are skipped. Paste it into bug reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+import torch
+
+from . import __version__
+from .ops import _dispatch
+
+OPS = ("accumulate_gram", "eigh", "residual_project")
+
+
+def report() -> dict:
+    import faast_kernels
+
+    info: dict = {
+        "faast": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda_build": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "triton_installed": faast_kernels.HAS_TRITON,
+        "triton_interpreter": faast_kernels.interpreting(),
+        "FAAST_BACKEND": _dispatch.requested_backend(),
+        # csrc/ holds the scope of the cuSOLVER extension; this version builds none.
+        "native_extension": "not built: this version of faast has no faast._C (csrc/ is not implemented yet)",
+    }
+    if faast_kernels.HAS_TRITON:
+        try:
+            import faast_kernels.ops  # noqa: F401 - registers the custom ops; reports a broken install here
+            import triton
+
+            info["triton_version"] = triton.__version__
+            info["kernels"] = "loaded"
+        except Exception as err:  # noqa: BLE001 - the report shows any load failure verbatim
+            info["kernels"] = f"failed to load: {type(err).__name__}: {err}"
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    info["backends"] = {}
+    for op in OPS:
+        for dev in devices:
+            chain = _dispatch.explain(op, torch.device(dev))
+            info["backends"][f"{op} on {dev}"] = [{"backend": n, "skipped_because": why} for n, why in chain]
+    return info
+
+
+def _format(info: dict) -> str:
+    lines = []
+    for key, value in info.items():
+        if key == "backends":
+            continue
+        lines.append(f"{key:20} {value}")
+    lines.append("backends (auto's preference order; the first without a reason runs):")
+    for target, chain in info["backends"].items():
+        parts = [
+            f"{c['backend']}" + (f" (skipped: {c['skipped_because']})" if c["skipped_because"] else "") for c in chain
+        ]
+        lines.append(f"  {target:28} " + " -> ".join(parts))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m faast.env", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    info = report()
+    sys.stdout.write((json.dumps(info, indent=2) if args.json else _format(info)) + "\n")
+
+
+if __name__ == "__main__":
+    main()
