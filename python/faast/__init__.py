@@ -8,6 +8,6 @@ from . import ops
 from ._version import __version__
 from .memory import FastWeights
 
-from . import checkpoint, classify, distributed  # isort: skip  (they build on FastWeights)
+from . import checkpoint, classify, distributed, hf  # isort: skip  (they build on FastWeights)
 
-__all__ = ["FastWeights", "__version__", "checkpoint", "classify", "distributed", "ops"]
+__all__ = ["FastWeights", "__version__", "checkpoint", "classify", "distributed", "hf", "ops"]

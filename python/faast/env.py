@@ -20,6 +20,13 @@ from .ops import _dispatch
 OPS = ("accumulate_gram", "eigh", "residual_project")
 
 
+def _native_extension() -> str:
+    from .ops import _cuda_backend
+
+    error = _cuda_backend.load_error()
+    return "loaded: faast._C (torch.ops.faast.batched_eigh)" if error is None else error
+
+
 def report() -> dict:
     import faast_kernels
 
@@ -34,8 +41,7 @@ def report() -> dict:
         "triton_installed": faast_kernels.HAS_TRITON,
         "triton_interpreter": faast_kernels.interpreting(),
         "FAAST_BACKEND": _dispatch.requested_backend(),
-        # csrc/ holds the scope of the cuSOLVER extension; this version builds none.
-        "native_extension": "not built: this version of faast has no faast._C (csrc/ is not implemented yet)",
+        "native_extension": _native_extension(),
     }
     if faast_kernels.HAS_TRITON:
         try:

@@ -486,6 +486,21 @@ class FastWeights(nn.Module):
         weights, self._last_info = self._cache[key]
         return weights
 
+    def solve_for(self, cross: torch.Tensor) -> torch.Tensor:
+        """W = S_eps^+ T for this memory's S, count and filter but another T: cross [*batch_shape, dk, dv].
+
+        Differentiable in `cross` with S_eps^+ held constant (its eigendecomposition is shared with `solve`): this is
+        how a readout and a token scorer are trained through the statistics T = K^T diag(s) V (method.md §6) without
+        an eigensolver backward. Returns float64 weights, blended with the prior like `solve`.
+        """
+        self._require_exact("solve_for")
+        _checks.require_tensor("cross", cross)
+        _checks.require_shape("cross", cross, self.cross.shape, "[*batch_shape, dim_key, dim_value]")
+        _checks.require_same_device("the memory", self.gram, cross=cross)
+        options = self._options(None, None, None)
+        weights, _ = self._solve_statistics(self.gram, cross, self.count, self.target_sqnorm, options)
+        return self._with_prior(weights, self.count)
+
     def _with_prior(self, weights: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """(N0·W0 + N·W*) / (N0 + N); W* alone when there is no prior."""
         if self.prior is None or self.prior_count == 0:

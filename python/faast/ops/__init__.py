@@ -13,7 +13,7 @@ import math
 import torch
 
 from .. import _checks
-from . import _dispatch, _triton_backend, reference
+from . import _cuda_backend, _dispatch, _triton_backend, reference
 from ._validate import (
     as_count,
     check_accumulator,
@@ -47,6 +47,7 @@ _dispatch.register_backend(
     )
 )
 _triton_backend.register()
+_cuda_backend.register()
 
 
 def gram_statistics(

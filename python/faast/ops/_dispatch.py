@@ -2,7 +2,8 @@
 
 Backends: ``torch`` (pure PyTorch, any device: the CPU path and the test oracle), ``triton`` (faast_kernels) and
 ``cuda`` (the cuSOLVER extension). ``triton`` registers itself from faast.ops._triton_backend (accumulate_gram and
-residual_project; CUDA tensors, and CPU tensors under TRITON_INTERPRET=1); there is no ``cuda`` backend yet.
+residual_project; CUDA tensors, and CPU tensors under TRITON_INTERPRET=1), ``cuda`` from faast.ops._cuda_backend (eigh;
+CUDA tensors, when the optional extension faast._C is built).
 
 ``FAAST_BACKEND`` (auto | torch | triton | cuda, default auto) overrides the choice for every op:
 

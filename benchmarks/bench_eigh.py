@@ -1,0 +1,115 @@
+"""GPU benchmark of the solve's eigendecomposition: faast._C's cuSOLVER routines against torch.linalg.eigh on the
+same batch of statistics, measured in the same run (issue 4).
+
+    python benchmarks/bench_eigh.py [--quick]        # needs a CUDA device and the built extension faast._C
+
+For L in {1, 16, 48} memory layers and d in {64, 768, 1600, 3584} (float64, power-law spectra): every applicable
+routine of torch.ops.faast.batched_eigh (syevj_batched for d <= 32, syev_batched, syevd_streams, and "auto"), cupy's
+eigh when cupy is installed (a no-compiler path to cuSOLVER), and torch.linalg.eigh. Reported: time (CUDA events,
+median of repeats), speedup over torch.linalg.eigh, and the eigen-equation residual ||S E - E Λ|| / ||S|| and
+orthonormality ||EᵀE - I|| of each result. Goal: >= 3x torch.linalg.eigh at 48 x 1600. The fastest routine per size
+is what `auto` inside csrc/cuda/batched_eigh.cu should pick; its order is unmeasured until this runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H  # noqa: E402
+
+H.add_source_path()
+
+import torch  # noqa: E402
+
+GRID = [(L, d) for L in (1, 16, 48) for d in (64, 768, 1600, 3584)]
+QUICK = [(48, 1600), (16, 768)]
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _time(fn, reps: int = 5) -> float:  # noqa: ANN001
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _statistics(layers: int, d: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q, _ = torch.linalg.qr(torch.randn(layers, d, d, device="cuda", dtype=torch.float64, generator=g))
+    lam = torch.logspace(0, -10, d, device="cuda", dtype=torch.float64)
+    return (q * lam) @ q.mT
+
+
+def _quality(gram: torch.Tensor, lam: torch.Tensor, vecs: torch.Tensor) -> tuple[float, float]:
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    residual = float((gram @ vecs - vecs * lam.unsqueeze(-2)).norm() / gram.norm())
+    return residual, float((vecs.mT @ vecs - eye).norm())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_eigh: needs a CUDA device (there is nothing meaningful to time on a CPU)", file=sys.stderr)
+        return 2
+    from faast.ops import _cuda_backend
+
+    error = _cuda_backend.load_error()
+    if error is not None:
+        print(f"bench_eigh: {error}", file=sys.stderr)
+        return 2
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    rows, records = [], []
+    for layers, d in QUICK if args.quick else GRID:
+        gram = _statistics(layers, d)
+        cases = {"torch.linalg.eigh": lambda g=gram: torch.linalg.eigh(g)}
+        algorithms = ["auto", "syev_batched", "syevd_streams"] + (["syevj_batched"] if d <= 32 else [])
+        for algorithm in algorithms:
+            cases[f"faast {algorithm}"] = lambda g=gram, a=algorithm: torch.ops.faast.batched_eigh(g, a)
+        if cupy is not None:
+            cases["cupy.linalg.eigh"] = lambda g=gram: tuple(
+                torch.as_tensor(x, device="cuda") for x in cupy.linalg.eigh(cupy.asarray(g))
+            )
+        base = None
+        for name, fn in cases.items():
+            try:
+                seconds = _time(fn)
+                residual, orth = _quality(gram, *fn())
+            except RuntimeError as err:  # e.g. syev_batched beyond its documented size limit
+                records.append({"L": layers, "d": d, "case": name, "error": str(err)})
+                continue
+            base = seconds if name == "torch.linalg.eigh" else base
+            speedup = base / seconds if base else float("nan")
+            records.append({"L": layers, "d": d, "case": name, "seconds": seconds, "speedup": speedup,
+                            "residual": residual, "orthonormality": orth})  # fmt: skip
+            rows.append(
+                [layers, d, name, H.fmt_s(seconds), H.fmt_ratio(speedup), H.fmt_sci(residual), H.fmt_sci(orth)]
+            )
+        print(rows[-1], flush=True)
+    device = torch.cuda.get_device_name()
+    stem = "eigh_" + device.lower().replace(" ", "_")
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"machine": H.machine_header(), "device": device,
+                                                        "records": records}, indent=1))  # fmt: skip
+    table = H.markdown_table(["L", "d", "case", "time", "vs torch", "residual", "orthonormality"], rows)
+    (RESULTS / f"{stem}.md").write_text(f"# Batched eigh on {device}\n\n{table}\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

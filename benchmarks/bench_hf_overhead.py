@@ -1,0 +1,187 @@
+"""Cost of FAAST inside a causal LM: learning overhead over the plain forward pass, inference overhead of the memory
+layers (prefill and KV-cached generation), and the state size against the tokens learned.
+
+    python benchmarks/bench_hf_overhead.py                 # the embedded default (SmolLM2-135M + shipped readout)
+    python benchmarks/bench_hf_overhead.py --model tiny    # a tiny Llama built in-process (a quick check)
+
+Every case runs in the same process on the same batch of real text (the stdlib package's Python source), interleaved
+(benchmarks/_harness.py), and the table reports ratios to the base model measured in the same run. Learning runs the
+decoder without the LM head (learning needs no logits); it is compared with that same decoder pass and with the full
+forward pass a user would otherwise run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H  # noqa: E402
+
+H.add_source_path()
+
+import torch  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def load(kind: str):  # noqa: ANN201 - (FaastModel, token ids)
+    from faast.demo import domain_files, tokens_of
+    from faast.hf import FaastConfig, apply_faast
+
+    if kind == "tiny":
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024,
+        )  # fmt: skip
+        model = apply_faast(transformers.LlamaForCausalLM(config).eval(), FaastConfig(num_layers=3))
+        ids = torch.randint(0, 512, (64 * 1024,)).tolist()
+        return model, ids, "tiny Llama (d=128, 8 blocks)"
+    from faast.hf.default import load_default_model
+
+    model, tokenizer = load_default_model()
+    files, _ = domain_files("asyncio")
+    ids = [t for f in tokens_of(files, tokenizer, 200_000) for t in f]
+    return model, ids, "SmolLM2-135M-Instruct + shipped readout"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default", choices=["default", "tiny"])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None, help="result file stem (default: results/hf_overhead_<model>_cpu)")
+    args = parser.parse_args(argv)
+    H.set_threads(args.threads)
+    header = H.machine_header()
+    model, ids, description = load(args.model)
+    b, t = args.batch, args.seq
+    batch = torch.tensor(ids[: b * t]).reshape(b, t)
+    mask = torch.ones_like(batch)
+    backbone = model.base_model.get_submodule({"gpt2": "transformer"}.get(model.faast_config.model_type, "model"))
+
+    # Learn a first corpus so the inference cases read real, non-empty fast weights.
+    with torch.no_grad():
+        model.learn(ids[b * t : b * t + 16 * t], max_length=t, batch_size=b)
+
+    def with_compute(dtype: torch.dtype):  # noqa: ANN202
+        def setup() -> None:
+            for layer in model.faast_layers():
+                layer.memory.compute_dtype = dtype
+
+        return setup
+
+    def backbone_pass(_: object) -> None:
+        with torch.no_grad(), model.disable_faast():
+            backbone(input_ids=batch, attention_mask=mask, use_cache=False)
+
+    def full_pass(_: object) -> None:
+        with torch.no_grad(), model.disable_faast():
+            model(input_ids=batch, attention_mask=mask, use_cache=False)
+
+    def learn(_: object) -> None:
+        with torch.no_grad():
+            model._learn_batch(batch, mask)
+
+    def read_pass(_: object) -> None:
+        with torch.no_grad():
+            model(input_ids=batch, attention_mask=mask, use_cache=False)
+
+    prompt = batch[:1, :64]
+
+    def generate(disabled: bool):  # noqa: ANN202
+        def run(_: object) -> None:
+            kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+            if disabled:
+                with model.disable_faast():
+                    model.generate(prompt, **kwargs)
+            else:
+                model.generate(prompt, **kwargs)
+
+        return run
+
+    cases = {
+        "decoder pass, base": (None, backbone_pass),
+        "full forward, base": (None, full_pass),
+        "learn, float64 statistics": (with_compute(torch.float64), learn),
+        "learn, float32 compute": (with_compute(torch.float32), learn),
+        "forward with fast weights": (with_compute(torch.float64), read_pass),
+        "generate, base": (None, generate(True)),
+        "generate with fast weights": (None, generate(False)),
+    }
+    timings = H.time_cases(cases, reps=args.reps)
+    med = {k: v.median for k, v in timings.items()}
+    tokens = b * t
+    rows = []
+    for name, ref in (
+        ("learn, float64 statistics", "decoder pass, base"),
+        ("learn, float64 statistics", "full forward, base"),
+        ("learn, float32 compute", "decoder pass, base"),
+        ("learn, float32 compute", "full forward, base"),
+        ("forward with fast weights", "full forward, base"),
+        ("generate with fast weights", "generate, base"),
+    ):
+        per = args.new_tokens if name.startswith("generate") else tokens
+        rows.append(
+            [
+                name,
+                ref,
+                f"{per / med[name]:,.0f}",
+                f"{per / med[ref]:,.0f}",
+                f"{100 * (med[name] / med[ref] - 1):+.1f}%",
+            ]
+        )
+
+    state = model.fast_weight_bytes()
+    d = model.faast_config.hidden_size
+    layers = len(list(model.faast_layers()))
+    size_rows = [
+        [f"{n:,}", H.fmt_sci(state / H.MB) + " MB", H.fmt_sci(n * layers * d * 2 * 2 / H.MB) + " MB"]
+        for n in (10**3, 10**4, 10**5, 10**6, 10**8)
+    ]
+    payload = {
+        "machine": header,
+        "model": description,
+        "layers": model.faast_config.layers,
+        "batch": [b, t],
+        "new_tokens": args.new_tokens,
+        "timings_s": {k: v.samples for k, v in timings.items()},
+        "median_s": med,
+        "overheads": rows,
+        "state_bytes": state,
+    }
+    stem = args.out or f"hf_overhead_{args.model}_cpu"
+    H.write_json(RESULTS / f"{stem}.json", payload)
+    md = [
+        f"# FAAST overhead in a causal LM: {description}",
+        "",
+        "```",
+        H.format_header(header),
+        "```",
+        "",
+        f"Memory layers before blocks {model.faast_config.layers} + the output layer; batch {b} x {t} tokens of "
+        f"Python source; {args.reps} interleaved repetitions, medians. Generation: {args.new_tokens} new tokens "
+        "after a 64-token prompt, greedy, KV cache.",
+        "",
+        H.markdown_table(["case", "against", "tokens/s", "reference tokens/s", "extra time"], rows),
+        "",
+        "State after learning n tokens (float64 statistics of every memory layer) against storing keys and values "
+        "(bf16, as the authors' memory bank holds them):",
+        "",
+        H.markdown_table(["tokens learned", "faast state", "stored keys + values"], size_rows),
+        "",
+    ]
+    (RESULTS / f"{stem}.md").write_text("\n".join(md))
+    print("\n".join(md))
+    return payload
+
+
+if __name__ == "__main__":
+    main()

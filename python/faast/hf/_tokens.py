@@ -1,0 +1,27 @@
+"""Token-id helpers shared by learning, training data and evaluation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+
+def overlapping_windows(ids: Sequence[int], max_length: int) -> Iterator[list[int]]:
+    """Windows of at most max_length tokens overlapping by one, so every adjacent pair is in exactly one window."""
+    step = max_length - 1
+    for start in range(0, max(len(ids) - 1, 1), step):
+        window = list(ids[start : start + max_length])
+        if len(window) >= 2:
+            yield window
+
+
+def pad_rows(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids int64, attention_mask bool) [len(rows), longest], right padded with pad_id."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        mask[i, : len(r)] = True
+    return ids, mask

@@ -1,0 +1,128 @@
+"""FaastConfig: where memory layers go and how they solve, recorded with every saved readout."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from .._version import __version__
+
+# The paper (appendix, "Impact of model size and number of layers"): a memory layer before every block for models
+# below about 1B parameters, before every other block above.
+PAPER_SMALL_MODEL_PARAMS = 1_000_000_000
+
+
+@dataclass
+class FaastConfig:
+    """Configuration of the memory layers added to a causal LM (method.md §6).
+
+    Attributes:
+        num_layers: number of middle memory layers, placed before blocks int((i+1)·L/(n+1)) (the authors' rule).
+            None: the paper's choice, every block below 1B parameters and every other block above.
+        layers: explicit block indices instead (0 = before the first block); overrides num_layers.
+        output_layer: add the output memory layer (after the last block, before the final norm; values are the next
+            token's input embedding; h ← (1 - output_mix)·h + output_mix·h W).
+        output_mix: the output layer's interpolation weight (0.9 in the paper).
+        alpha: spectral filter exponent (keep σ > N^-alpha·σmax), or 'auto' for the GCV-chosen rank.
+        ridge: None for the truncated pseudo-inverse (the paper), a penalty μ, or 'auto' (GCV).
+        scorer: weight values by the token scorer s = sigmoid(a·[k; v]) in middle layers.
+        dropout: dropout on h·W before the readout while training it (inference folds M = W·P, no dropout).
+        compute_dtype: 'float64' (default, exact) or 'float32' for the per-batch statistics GEMMs (summed in
+            float64): faster on hardware with slow float64, see FastWeights(compute_dtype=).
+        model_type, hidden_size, num_hidden_layers: filled in by apply_faast from the model; a saved readout only
+            loads into a model of the same shape.
+        base_model: free-form name of the base model the readout was trained on (informational).
+        faast_version: the faast version that wrote the configuration.
+    """
+
+    num_layers: int | None = None
+    layers: list[int] | None = None
+    output_layer: bool = True
+    output_mix: float = 0.9
+    alpha: float | Literal["auto"] = 1.0
+    ridge: float | Literal["auto"] | None = None
+    scorer: bool = True
+    dropout: float = 0.1
+    compute_dtype: Literal["float64", "float32"] = "float64"
+    model_type: str | None = None
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    base_model: str | None = None
+    faast_version: str = field(default=__version__)
+
+    def __post_init__(self) -> None:
+        if self.num_layers is not None and (
+            isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 0
+        ):
+            raise ValueError(f"num_layers: expected None or an int >= 0, got {self.num_layers!r}")
+        if self.layers is not None:
+            if not isinstance(self.layers, list | tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers
+            ):
+                raise ValueError(f"layers: expected None or a list of block indices >= 0, got {self.layers!r}")
+            if len(set(self.layers)) != len(self.layers):
+                raise ValueError(f"layers: block indices must be distinct, got {self.layers!r}")
+            self.layers = sorted(self.layers)
+        if not 0.0 <= float(self.output_mix) <= 1.0:
+            raise ValueError(f"output_mix: expected a number in [0, 1], got {self.output_mix!r}")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"dropout: expected a number in [0, 1), got {self.dropout!r}")
+        if self.compute_dtype not in ("float64", "float32"):
+            raise ValueError(f"compute_dtype: expected 'float64' or 'float32', got {self.compute_dtype!r}")
+        if self.alpha != "auto" and not (isinstance(self.alpha, int | float) and self.alpha >= 0):
+            raise ValueError(f"alpha: expected a number >= 0 or 'auto', got {self.alpha!r}")
+        if (
+            self.ridge is not None
+            and self.ridge != "auto"
+            and not (isinstance(self.ridge, int | float) and self.ridge >= 0)
+        ):
+            raise ValueError(f"ridge: expected None, a number >= 0 or 'auto', got {self.ridge!r}")
+
+    def block_indices(self, num_blocks: int, num_parameters: int) -> list[int]:
+        """The blocks that get a memory layer before them, for a model with `num_blocks` blocks."""
+        if self.layers is not None:
+            bad = [i for i in self.layers if i >= num_blocks]
+            if bad:
+                raise ValueError(f"layers: indices {bad} are out of range for a model with {num_blocks} blocks")
+            return list(self.layers)
+        n = self.num_layers
+        if n is None:
+            n = num_blocks if num_parameters < PAPER_SMALL_MODEL_PARAMS else num_blocks // 2
+        if n > num_blocks:
+            raise ValueError(f"num_layers: {n} is more than the model's {num_blocks} blocks")
+        return [int((i + 1) * num_blocks / (n + 1)) for i in range(n)]
+
+    # ------------------------------------------------------------------ serialisation
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> FaastConfig:
+        """Rebuild from to_dict(); unknown keys raise (a typo must not be silently ignored)."""
+        if not isinstance(data, dict):
+            raise TypeError(f"data: expected a dict, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"FaastConfig: unknown fields {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> FaastConfig:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> Path:
+        from .._persist import write_text_atomic
+
+        return write_text_atomic(path, self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> FaastConfig:
+        return cls.from_json(Path(path).read_text(encoding="utf-8"))

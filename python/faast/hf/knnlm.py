@@ -1,0 +1,113 @@
+"""kNN-LM (Khandelwal et al., 2020), the memory baseline of the LM experiments: a datastore of the LM head's inputs
+h_t mapped to the next tokens x_{t+1}; at inference p = λ·p_kNN + (1 − λ)·p_LM with
+p_kNN(y) ∝ Σ_{i ∈ kNN(h)} exp(−‖h − k_i‖² / T)·[v_i = y]. The authors' FAAST code has no such baseline.
+
+Unlike FAAST it stores every key: memory grows as N·d, and each predicted token searches the whole datastore.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ._tokens import overlapping_windows, pad_rows
+from .evaluate import Perplexity
+
+
+@dataclass
+class KNNConfig:
+    """k neighbours, interpolation λ and temperature T (the paper's k = 1024, λ = 0.25, T = 1)."""
+
+    k: int = 1024
+    lam: float = 0.25
+    temperature: float = 1.0
+    query_chunk: int = 256  # queries searched at once (bounds the N x chunk distance matrix)
+
+
+class KNNLM:
+    """A datastore over a causal LM's final hidden states (the input of its LM head)."""
+
+    def __init__(self, model: nn.Module, config: KNNConfig | None = None):
+        self.model = model
+        self.config = config or KNNConfig()
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._head = model.get_output_embeddings()
+
+    @property
+    def size(self) -> int:
+        return sum(v.numel() for v in self.values)
+
+    def nbytes(self) -> int:
+        """Bytes held by the datastore (keys float32 + int64 next-token ids)."""
+        return sum(k.numel() * k.element_size() for k in self.keys) + sum(v.numel() * 8 for v in self.values)
+
+    def _hidden(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden states [B, T, d], logits [B, T, V]) from one forward pass, via a hook on the LM head."""
+        seen = {}
+        handle = self._head.register_forward_pre_hook(lambda m, args: seen.__setitem__("h", args[0]))
+        try:
+            logits = self.model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits
+        finally:
+            handle.remove()
+        return seen["h"], logits
+
+    @torch.no_grad()
+    def add(self, token_ids: Sequence[Sequence[int]], *, window: int = 1024, batch_size: int = 4) -> int:
+        """Store (h_t, x_{t+1}) for every adjacent pair of every text (windows overlap by one token). Returns pairs."""
+        windows = [w for ids in token_ids for w in overlapping_windows(ids, window)]
+        added = 0
+        device = self._head.weight.device
+        for start in range(0, len(windows), batch_size):
+            ids, mask = pad_rows(windows[start : start + batch_size])
+            ids, mask = ids.to(device), mask.to(device)
+            hidden, _ = self._hidden(ids, mask)
+            pair = mask[:, :-1] & mask[:, 1:]
+            self.keys.append(hidden[:, :-1][pair].float())
+            self.values.append(ids[:, 1:][pair])
+            added += int(pair.sum())
+        return added
+
+    def knn_log_probs(self, queries: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """log p_kNN(target) [M] for queries [M, d] (−inf where no neighbour has the target)."""
+        keys = torch.cat(self.keys)
+        values = torch.cat(self.values)
+        k = min(self.config.k, keys.shape[0])
+        key_sq = keys.square().sum(-1)
+        out = []
+        for start in range(0, queries.shape[0], self.config.query_chunk):
+            q = queries[start : start + self.config.query_chunk].float()
+            dist = q.square().sum(-1, keepdim=True) - 2 * q @ keys.mT + key_sq  # squared L2, [m, N]
+            neg, index = torch.topk(-dist, k, dim=-1)
+            logw = torch.log_softmax(neg / self.config.temperature, dim=-1)
+            hit = values[index] == targets[start : start + q.shape[0]].unsqueeze(-1)
+            out.append(torch.logsumexp(logw.masked_fill(~hit, -math.inf), dim=-1))
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def perplexity(self, windows: Sequence[Sequence[int]], *, batch_size: int = 4) -> Perplexity:
+        """Held-out perplexity of the interpolated model over the windows (scored like evaluate.perplexity)."""
+        import time
+
+        if not self.values:
+            raise ValueError("the datastore is empty: call add() first")
+        lam = self.config.lam
+        device = self._head.weight.device
+        nll, tokens = 0.0, 0
+        started = time.perf_counter()
+        for start in range(0, len(windows), batch_size):
+            ids, mask = pad_rows(windows[start : start + batch_size])
+            ids, mask = ids.to(device), mask.to(device)
+            hidden, logits = self._hidden(ids, mask)
+            valid = mask[:, :-1] & mask[:, 1:]
+            target = ids[:, 1:][valid]
+            lm = torch.log_softmax(logits[:, :-1].float(), dim=-1)[valid].gather(-1, target.unsqueeze(-1)).squeeze(-1)
+            knn = self.knn_log_probs(hidden[:, :-1][valid], target)
+            mixed = torch.logaddexp(lm + math.log1p(-lam), knn + math.log(lam)) if lam > 0 else lm
+            nll -= float(mixed.sum())
+            tokens += int(valid.sum())
+        return Perplexity(nll=nll, tokens=tokens, seconds=time.perf_counter() - started)

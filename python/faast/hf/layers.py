@@ -1,0 +1,182 @@
+"""The memory layers added to a causal LM: a middle layer (keys h_t, values h_{t+1} at one block's input, readout P,
+token scorer) and the output layer (keys: last block's output, values: the next token's input embedding).
+
+Each layer owns a `faast.FastWeights` as `.memory`. Learning only updates its statistics; the hidden states pass
+through unchanged (method.md §6), so every layer learns from the base model's own activations in one forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..memory import FastWeights
+from .config import FaastConfig
+
+
+def _keep_dtype(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    # model.to(torch.bfloat16) must not turn the trained readout and scorer into bf16: they are fp32 master weights
+    # (reference.md H10: bf16 parameters round small AdamW updates away). Device moves still apply.
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        moved = fn(t)
+        return moved if moved.dtype == t.dtype else t.to(device=moved.device)
+
+    return apply
+
+
+def _memory(dim_key: int, dim_value: int, config: FaastConfig, device: torch.device | None) -> FastWeights:
+    return FastWeights(
+        dim_key,
+        dim_value,
+        alpha=config.alpha,
+        ridge=config.ridge,
+        compute_dtype=getattr(torch, config.compute_dtype),
+        device=device,
+    )
+
+
+def _solve_key(memory: FastWeights) -> tuple:
+    # The statistics' versions and the filter settings: a user may retune memory.alpha after learning.
+    return (memory._state_key(), memory.alpha, memory.rtol, memory.ridge)
+
+
+def _pairs(hidden: torch.Tensor, pair_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys h[:, :-1] and values h[:, 1:] with non-pairs zeroed (padding may hold anything, even NaN)."""
+    keep = pair_mask.unsqueeze(-1)
+    zero = hidden.new_zeros(())
+    return torch.where(keep, hidden[:, :-1], zero), torch.where(keep, hidden[:, 1:], zero)
+
+
+class MemoryLayer(nn.Module):
+    """A middle memory layer before block `index`: h + P(dropout(h W)), folded to h + h (W P) at inference.
+
+    Attributes:
+        memory: FastWeights(d, d) of keys h_t and score-weighted values s_t·h_{t+1}.
+        readout: nn.Linear(d, d, bias=False), zero-initialised, trained once (P = readout.weight^T).
+        scorer: nn.Linear(2d, 1, bias=False) or None; s = sigmoid(scorer([k; v])) with detached inputs.
+    """
+
+    def __init__(self, hidden_size: int, config: FaastConfig, index: int, device: torch.device | None = None):
+        super().__init__()
+        self.index = index
+        self.memory = _memory(hidden_size, hidden_size, config, device)
+        self.readout = nn.Linear(hidden_size, hidden_size, bias=False, device=device, dtype=torch.float32)
+        nn.init.zeros_(self.readout.weight)
+        self.scorer = (
+            nn.Linear(2 * hidden_size, 1, bias=False, device=device, dtype=torch.float32) if config.scorer else None
+        )
+        self.dropout = nn.Dropout(config.dropout)
+        self._folded: tuple[tuple, torch.Tensor | None] | None = None
+        self._step_cross: torch.Tensor | None = None  # this step's differentiable T (readout training)
+        self._train_weights: torch.Tensor | None = None  # differentiable W of the current training step
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}"
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        self._folded = None
+        return super()._apply(_keep_dtype(fn), recurse)
+
+    def scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """s = sigmoid(a·[k; v]) [..., ] float32 from keys/values [..., d]; the inputs are detached."""
+        features = torch.cat([keys.detach(), values.detach()], dim=-1).to(self.scorer.weight.dtype)
+        return torch.sigmoid(self.scorer(features)).squeeze(-1)
+
+    def learn(self, hidden: torch.Tensor, pair_mask: torch.Tensor, *, differentiable: bool = False) -> None:
+        """Add the pairs (h_t, h_{t+1}) of hidden [B, T, d] where pair_mask [B, T-1] (bool) is True.
+
+        differentiable: also keep this batch's T = K^T diag(s) V with the graph to the scorer (readout training).
+        """
+        keys, values = _pairs(hidden, pair_mask)
+        scores = None
+        if self.scorer is not None:
+            with torch.set_grad_enabled(differentiable):
+                scores = self.scores(keys, values)
+        self.memory.update(keys, values, None if scores is None else scores.detach(), mask=pair_mask)
+        if differentiable and scores is not None:
+            rows = pair_mask.reshape(-1)
+            k = keys.reshape(-1, keys.shape[-1])[rows].to(torch.float64)
+            sv = scores.reshape(-1)[rows].to(torch.float64).unsqueeze(-1) * values.reshape(-1, values.shape[-1])[
+                rows
+            ].to(torch.float64)
+            step = k.mT @ sv
+            self._step_cross = step if self._step_cross is None else self._step_cross + step
+
+    def begin_training_step(self) -> None:
+        """Solve W = S_eps^+ T once for this step with T differentiable in the scorer (S_eps^+ constant)."""
+        cross = self.memory.cross
+        if self._step_cross is not None:
+            cross = cross + (self._step_cross - self._step_cross.detach())
+        self._train_weights = self.memory.solve_for(cross).to(torch.float32)
+
+    def end_training_step(self) -> None:
+        self._step_cross = None
+        self._train_weights = None
+
+    def folded(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """M = W·P [d, d] in float32 (float64 for float64 inputs), or None while the memory is empty.
+
+        Cached until the statistics or the readout change; recomputing it is one solve and one d×d GEMM.
+        """
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        key = (*_solve_key(self.memory), self.readout.weight._version, id(self.readout.weight), device, compute)
+        if self._folded is None or self._folded[0] != key:
+            m = None
+            if bool(self.memory.count.gt(0).any()):
+                m = ops.fold_readout(self.memory.weights, self.readout.weight.detach().mT, out_dtype=compute)
+            self._folded = (key, m)
+        return self._folded[1]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, d] -> hidden + (hidden W) P, same shape and dtype."""
+        if self._train_weights is not None:
+            memory_out = self.dropout(hidden.to(torch.float32) @ self._train_weights)
+            return hidden + self.readout(memory_out).to(hidden.dtype)
+        m = self.folded(hidden.device, hidden.dtype)
+        return hidden if m is None else ops.residual_project(hidden, m)
+
+
+class OutputMemoryLayer(nn.Module):
+    """The output memory layer after the last block: h <- (1 - mix)·h + mix·h W, no readout and no scorer.
+
+    Keys are the last block's outputs, values the next token's input embedding; an empty memory passes h through.
+    """
+
+    def __init__(self, hidden_size: int, embedding_size: int, config: FaastConfig, device: torch.device | None = None):
+        super().__init__()
+        self.mix = float(config.output_mix)
+        self.memory = _memory(hidden_size, embedding_size, config, device)
+        self._weights: tuple[tuple, torch.Tensor | None] | None = None
+
+    def extra_repr(self) -> str:
+        return f"mix={self.mix}"
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        self._weights = None
+        return super()._apply(_keep_dtype(fn), recurse)
+
+    def learn(self, hidden: torch.Tensor, next_embeddings: torch.Tensor, pair_mask: torch.Tensor) -> None:
+        """Add pairs (h_t, E[x_{t+1}]): hidden [B, T, d], next_embeddings [B, T-1, d_e], pair_mask [B, T-1]."""
+        keep = pair_mask.unsqueeze(-1)
+        zero = hidden.new_zeros(())
+        keys = torch.where(keep, hidden[:, :-1], zero)
+        values = torch.where(keep, next_embeddings, next_embeddings.new_zeros(()))
+        self.memory.update(keys, values, mask=pair_mask)
+
+    def weights(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        key = (*_solve_key(self.memory), device, compute)
+        if self._weights is None or self._weights[0] != key:
+            w = self.memory.weights.to(compute) if bool(self.memory.count.gt(0).any()) else None
+            self._weights = (key, w)
+        return self._weights[1]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.weights(hidden.device, hidden.dtype)
+        if w is None:
+            return hidden
+        h = hidden.to(w.dtype)
+        return torch.lerp(h, h @ w, self.mix).to(hidden.dtype)

@@ -1,0 +1,60 @@
+"""Tiny GPT-2 / Llama / Qwen2 causal LMs built from a config in-process (no hub), and a character tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 61
+
+
+def tiny_model(kind: str, seed: int = 0, layers: int = 4) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2
+        )
+        model = transformers.GPT2LMHeadModel(config)
+    elif kind == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        raise ValueError(kind)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+KINDS = ["gpt2", "llama", "qwen2"]
+
+
+class CharTokenizer:
+    """Enough of a tokenizer for learn(texts): one id per character."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [3 + (ord(c) % (VOCAB - 3)) for c in text]}
+
+
+def save_tiny_checkpoint(kind: str, folder) -> str:  # noqa: ANN001
+    """A tiny model + a character-level fast tokenizer saved like a hub checkpoint (AutoModel* can load it)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(chars[: VOCAB - 3])}}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", bos_token="<s>",
+                                                      eos_token="</s>", pad_token="[UNK]")  # fmt: skip
+    tiny_model(kind).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

