@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         "",
         f"{data}; learned {n_learn:,} tokens, scored {zero.tokens:,} tokens in {args.window}-token windows.",
         "",
-        "| method | perplexity | vs zero-shot | learn time, s | inference time, s | memory added |",
+        "| method | perplexity | reduction vs zero-shot | learn time, s | inference time, s | memory added |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
