@@ -40,6 +40,11 @@ def write_atomic(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta
     # The tensor section does not depend on the metadata; a mismatch would mean the digest describes other bytes.
     if _data_section(blob) != _data_section(unsigned):
         raise RuntimeError("safetensors laid out the same tensors differently twice; refusing to write")
+    return _replace_atomically(path, blob)
+
+
+def _replace_atomically(path: Path, blob: bytes) -> Path:
+    """Write blob to a temporary file beside path, fsync it, rename it over path and fsync the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
@@ -62,19 +67,7 @@ def write_atomic(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write a UTF-8 text file atomically (temporary file, fsync, rename); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return _replace_atomically(Path(path), text.encode("utf-8"))
 
 
 def read_verified(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
