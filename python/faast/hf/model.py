@@ -8,7 +8,6 @@ calls and `generate` go to the base (with the hooks active), and it adds learn /
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -36,7 +35,8 @@ FORMAT_VERSION = 1
 
 @dataclass
 class LearnStats:
-    """What a learn call consumed: tokens (real, unpadded), pairs added per memory layer, wall time."""
+    """What a learn call consumed: tokens fed (real, unpadded; a text cut into w overlapping windows counts its w - 1
+    shared tokens twice), pairs added per memory layer (each adjacent pair of the text once), wall time."""
 
     tokens: int = 0
     pairs: int = 0
@@ -501,8 +501,3 @@ def from_pretrained(base_model: nn.Module, directory: str | Path) -> FaastModel:
         model.remove_faast()
         raise
     return model
-
-
-def read_config(directory: str | Path) -> dict:
-    """The saved FaastConfig of `directory` as a dict (no model needed)."""
-    return json.loads((Path(directory) / CONFIG_NAME).read_text(encoding="utf-8"))
