@@ -30,20 +30,10 @@ import torch  # noqa: E402
 RESULTS = ROOT / "experiments" / "results"
 
 
-def _texts_tokens(texts, tokenizer, limit: int) -> list[list[int]]:  # noqa: ANN001
-    out, total = [], 0
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: limit - total]
-        if len(ids) >= 2:
-            out.append(ids)
-            total += len(ids)
-        if total >= limit:
-            break
-    return out
-
-
 def load_data(args: argparse.Namespace, tokenizer: object) -> tuple[list[list[int]], list[list[int]], str]:
     """(learn token lists, score token lists, description)."""
+    from faast.hf._tokens import token_lists
+
     if args.dataset:
         from faast.hf.corpus import read_dataset
 
@@ -65,7 +55,7 @@ def load_data(args: argparse.Namespace, tokenizer: object) -> tuple[list[list[in
         learn = (f.read_text(encoding="utf-8") for f in learn_files)
         score = (f.read_text(encoding="utf-8") for f in score_files)
         name = f"stdlib '{args.stdlib_package}' source, learn files -> held-out files"
-    return _texts_tokens(learn, tokenizer, args.limit), _texts_tokens(score, tokenizer, args.score_limit), name
+    return token_lists(learn, tokenizer, args.limit), token_lists(score, tokenizer, args.score_limit), name
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -33,16 +33,10 @@ def domain_files(package: str) -> tuple[list[Path], list[Path]]:
 
 def tokens_of(files: list[Path], tokenizer: object, limit: int) -> list[list[int]]:
     """Token ids per file, stopping once `limit` tokens are collected (the last file is cut at the limit)."""
-    out, total = [], 0
-    for f in files:
-        ids = tokenizer(f.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-        ids = ids[: limit - total]
-        if len(ids) >= 2:
-            out.append(ids)
-            total += len(ids)
-        if total >= limit:
-            break
-    return out
+    from .hf._tokens import token_lists
+
+    # Lazy reads: files past the limit are never opened.
+    return token_lists((f.read_text(encoding="utf-8") for f in files), tokenizer, limit)
 
 
 def generate(model: object, tokenizer: object, prompt_ids: list[int], new_tokens: int) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -25,3 +25,16 @@ def pad_rows(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tens
         ids[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
         mask[i, : len(r)] = True
     return ids, mask
+
+
+def token_lists(texts: Iterable[str], tokenizer: object, limit: int) -> list[list[int]]:
+    """Token ids per text, stopping once `limit` tokens are collected (the last text is cut at the limit)."""
+    out, total = [], 0
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: limit - total]
+        if len(ids) >= 2:
+            out.append(list(ids))
+            total += len(ids)
+        if total >= limit:
+            break
+    return out
