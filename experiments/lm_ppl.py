@@ -3,12 +3,17 @@
     python experiments/lm_ppl.py                                  # embedded default on local text (offline)
     python experiments/lm_ppl.py --model gpt2-xl --dataset wikitext --dataset-config wikitext-103-raw-v1
 
-Protocol (reference.md §2.10, without its mistakes): the model learns from the learn split (train) and is scored on
+Protocol (reference.md §2.10, without its mistakes): each method learns from the learn split (train) and is scored on
 non-overlapping `--window`-token windows of the score split (test); every predicted token is scored once, padding
-never. Methods: zero-shot (the frozen model), FAAST (learn = forward passes into the fast weights), kNN-LM (a
-datastore of final hidden states -> next tokens, k nearest neighbours, p = λ p_kNN + (1 - λ) p_LM). For each: learn
-time, inference time (the scoring pass) and the memory it adds, measured here. Not yet in this script (issue 6): the
-backprop linear projection, LoRA and in-context-learning baselines.
+never, and every method scores the same tokens. Methods:
+- zero-shot: the frozen model;
+- FAAST: learning = forward passes into the fast weights (statistics only, fixed size);
+- kNN-LM: a datastore of final hidden states -> next tokens, k nearest neighbours, p = λ p_kNN + (1 - λ) p_LM;
+- linear: h + h·A at FAAST's layers, A trained by backprop on the learn split (faast.hf.baselines);
+- LoRA (peft): q/v projections of every block, rank matched to the linear projection's parameter count;
+- ICL: the last learned tokens that fit in the context before each window (its cost: the prefix's KV cache).
+For each: learn time, inference time (the scoring pass) and the memory it adds, measured here. FAAST and the kNN-LM
+are also scored after each of `--curve-points` growing amounts of learned text (the PPL-vs-tokens plot).
 
 Local data (default): the Python source of one stdlib package (`--stdlib-package`), split by file as in the demo; or
 `--text-files` (learn) with `--score-files`. `--limit` caps the learned tokens (quick runs).
@@ -17,17 +22,16 @@ Local data (default): the Python source of one stdlib package (`--stdlib-package
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+from _common import add_model_arguments, load_model, table, write_results  # noqa: E402
 
-RESULTS = ROOT / "experiments" / "results"
+METHODS = ("zero-shot", "faast", "knn", "linear", "lora", "icl")
 
 
 def load_data(args: argparse.Namespace, tokenizer: object) -> tuple[list[list[int]], list[list[int]], str]:
@@ -37,8 +41,8 @@ def load_data(args: argparse.Namespace, tokenizer: object) -> tuple[list[list[in
     if args.dataset:
         from faast.hf.corpus import read_dataset
 
-        learn = (t for _, t in read_dataset(args.dataset, config=args.dataset_config, split=args.learn_split))
-        score = (t for _, t in read_dataset(args.dataset, config=args.dataset_config, split=args.score_split))
+        learn = joined(read_dataset(args.dataset, config=args.dataset_config, split=args.learn_split))
+        score = joined(read_dataset(args.dataset, config=args.dataset_config, split=args.score_split))
         name = f"{args.dataset}/{args.dataset_config} {args.learn_split} -> {args.score_split}"
     elif args.text_files:
         from faast.hf.corpus import read_text_files
@@ -58,15 +62,30 @@ def load_data(args: argparse.Namespace, tokenizer: object) -> tuple[list[list[in
     return token_lists(learn, tokenizer, args.limit), token_lists(score, tokenizer, args.score_limit), name
 
 
-def main(argv: list[str] | None = None) -> dict:
-    from faast.hf import FaastConfig, apply_faast, from_pretrained
-    from faast.hf.default import DEFAULT_READOUT, load_base_model
-    from faast.hf.evaluate import perplexity, token_windows
-    from faast.hf.knnlm import KNNLM, KNNConfig
+def joined(rows: Iterable[tuple[str, str]], chunk_chars: int = 1 << 20) -> Iterator[str]:
+    """A dataset's rows (WikiText: one paragraph or heading each) joined by blank lines into ~1 MB texts, so windows
+    span rows as in the usual WikiText protocol; a pair is split only between two such texts (one per ~250K tokens)."""
+    buffer, size = [], 0
+    for _, text in rows:
+        buffer.append(text)
+        size += len(text)
+        if size >= chunk_chars:
+            yield "\n\n".join(buffer)
+            buffer, size = [], 0
+    if buffer:
+        yield "\n\n".join(buffer)
 
+
+def curve_points(total: int, count: int) -> list[int]:
+    """`count` learned-token amounts doubling up to `total` (the last is the whole learn split)."""
+    if count <= 1:
+        return [total]
+    return sorted({max(1, total >> k) for k in range(count)})
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2", help="'smollm2' (embedded) or a transformers id/path")
-    p.add_argument("--readout", default=None, help="a trained adapter folder (default: the shipped one for smollm2)")
+    add_model_arguments(p)
     p.add_argument("--dataset", default=None)
     p.add_argument("--dataset-config", default=None)
     p.add_argument("--learn-split", default="train")
@@ -74,71 +93,203 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--text-files", nargs="+", default=None)
     p.add_argument("--score-files", nargs="+", default=None)
     p.add_argument("--stdlib-package", default="asyncio")
-    p.add_argument("--limit", type=int, default=32768, help="tokens learned")
-    p.add_argument("--score-limit", type=int, default=8192, help="tokens scored")
+    p.add_argument("--limit", type=int, default=16384, help="tokens learned")
+    p.add_argument("--score-limit", type=int, default=4096, help="tokens scored")
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--curve-points", type=int, default=5, help="learned amounts FAAST and kNN-LM are scored at")
     p.add_argument("--knn-k", type=int, default=1024)
     p.add_argument("--knn-lambda", type=float, default=0.25)
     p.add_argument("--knn-temperature", type=float, default=1.0)
-    p.add_argument("--out", default=None, help="result file stem (default: lm_ppl_<model>)")
-    p.add_argument("--results-dir", default=str(RESULTS))
+    p.add_argument("--train-window", type=int, default=256, help="window of the backprop baselines' training")
+    p.add_argument("--train-batch-size", type=int, default=4)
+    p.add_argument("--train-epochs", type=int, default=1)
+    p.add_argument("--linear-lr", type=float, default=1e-4)
+    p.add_argument("--lora-lr", type=float, default=1e-3)
+    p.add_argument("--icl-tokens", type=int, default=None, help="context tokens (default: what fits)")
     args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        p.error(f"--methods: unknown {unknown}; expected a subset of {list(METHODS)}")
+    return args
 
-    base, tokenizer, description = load_base_model(args.model)
-    readout = args.readout or (DEFAULT_READOUT if args.model == "smollm2" else None)
-    model = from_pretrained(base, readout) if readout else apply_faast(base, FaastConfig())
+
+def main(argv: list[str] | None = None) -> dict:
+    import torch
+
+    from faast.hf._tokens import split_by_tokens
+    from faast.hf.baselines import LinearProjection, apply_lora, fit_causal_lm, kv_cache_bytes, lora_rank_for
+    from faast.hf.evaluate import perplexity, token_windows
+    from faast.hf.knnlm import KNNLM, KNNConfig
+
+    args = parse_args(argv)
+    model, tokenizer, description = load_model(args)
+    base = model.base_model
     learn, score, data = load_data(args, tokenizer)
     windows = [w for ids in score for w in token_windows(ids, args.window)]
     n_learn = sum(len(x) for x in learn)
     print(f"{description}: learn {n_learn:,} tokens, score {sum(len(w) - 1 for w in windows):,} ({data})", flush=True)
 
-    rows = []
+    rows, notes = [], []
+
+    def row(method: str, result, learn_s: float, memory: int, **extra) -> None:  # noqa: ANN001
+        rows.append({"method": method, "ppl": result.ppl, "learn_s": learn_s, "infer_s": result.seconds,
+                     "memory_bytes": memory, **extra})  # fmt: skip
+        print(f"  {method}: ppl {result.ppl:.3f} (learn {learn_s:.1f} s, score {result.seconds:.1f} s)", flush=True)
+
     with model.disable_faast():
         zero = perplexity(model, windows, batch_size=args.batch_size)
-    rows.append({"method": "zero-shot", "ppl": zero.ppl, "learn_s": 0.0, "infer_s": zero.seconds, "memory_bytes": 0})
+    row("zero-shot", zero, 0.0, 0)
 
-    started = time.perf_counter()
-    model.learn(learn, max_length=args.window, batch_size=args.batch_size)
-    learn_s = time.perf_counter() - started
-    faast = perplexity(model, windows, batch_size=args.batch_size)
-    rows.append({"method": "FAAST", "ppl": faast.ppl, "learn_s": learn_s, "infer_s": faast.seconds,
-                 "memory_bytes": model.fast_weight_bytes()})  # fmt: skip
-    model.reset_fast_weights()
-
-    with model.disable_faast():
+    # FAAST and the kNN-LM learn the same stream in growing parts, scored after each: the curve, whose last point is
+    # the whole learn split (the table's rows).
+    points = curve_points(n_learn, args.curve_points)
+    parts = split_by_tokens(learn, points)
+    curve = {"tokens": points, "faast": [], "knn": [], "faast_bytes": [], "knn_bytes": [], "faast_infer_s": [],
+             "knn_infer_s": []}  # fmt: skip
+    if "faast" in args.methods:
+        learn_s = 0.0
+        for part in parts:
+            started = time.perf_counter()
+            if part:
+                model.learn(part, max_length=args.window, batch_size=args.batch_size)
+            learn_s += time.perf_counter() - started
+            result = perplexity(model, windows, batch_size=args.batch_size)
+            curve["faast"].append(result.ppl)
+            curve["faast_bytes"].append(model.fast_weight_bytes())
+            curve["faast_infer_s"].append(result.seconds)
+        row("FAAST", result, learn_s, model.fast_weight_bytes())
+        model.reset_fast_weights()
+    if "knn" in args.methods:
         knn = KNNLM(model, KNNConfig(k=args.knn_k, lam=args.knn_lambda, temperature=args.knn_temperature))
-        started = time.perf_counter()
-        knn.add(learn, window=args.window, batch_size=args.batch_size)
-        knn_learn_s = time.perf_counter() - started
-        knn_ppl = knn.perplexity(windows, batch_size=args.batch_size)
-    rows.append({"method": f"kNN-LM (k={knn.config.k}, λ={knn.config.lam})", "ppl": knn_ppl.ppl,
-                 "learn_s": knn_learn_s, "infer_s": knn_ppl.seconds, "memory_bytes": knn.nbytes()})  # fmt: skip
+        learn_s = 0.0
+        with model.disable_faast():
+            for part in parts:
+                started = time.perf_counter()
+                if part:
+                    knn.add(part, window=args.window, batch_size=args.batch_size)
+                learn_s += time.perf_counter() - started
+                result = knn.perplexity(windows, batch_size=args.batch_size)
+                curve["knn"].append(result.ppl)
+                curve["knn_bytes"].append(knn.nbytes())
+                curve["knn_infer_s"].append(result.seconds)
+        row(f"kNN-LM (k={knn.config.k}, λ={knn.config.lam})", result, learn_s, knn.nbytes())
+        del knn
+
+    linear_params = len(model.faast_config.layers) * base.config.hidden_size**2
+    fit = {"window": args.train_window, "batch_size": args.train_batch_size, "epochs": args.train_epochs}
+    if "linear" in args.methods:
+        with model.disable_faast():
+            projection = LinearProjection(base, model.faast_config.layers)
+            stats = fit_causal_lm(base, list(projection.parameters()), learn, lr=args.linear_lr, **fit)
+            result = perplexity(base, windows, batch_size=args.batch_size)
+            projection.remove()
+        row(f"linear projection (backprop, {len(projection.layers)} layers)", result, stats.seconds,
+            projection.nbytes(), params=linear_params, train_loss=[stats.first_loss, stats.last_loss])  # fmt: skip
+    if "lora" in args.methods:
+        rank = lora_rank_for(base, linear_params)
+        with model.disable_faast():
+            lora = apply_lora(base, rank)
+            trainable = [p for p in lora.parameters() if p.requires_grad]
+            stats = fit_causal_lm(lora, trainable, learn, lr=args.lora_lr, **fit)
+            result = perplexity(lora, windows, batch_size=args.batch_size)
+            lora.unload()
+        n = sum(p.numel() for p in trainable)
+        row(f"LoRA (peft, r={rank})", result, stats.seconds, sum(p.numel() * p.element_size() for p in trainable),
+            params=n, train_loss=[stats.first_loss, stats.last_loss])  # fmt: skip
+    if "icl" in args.methods:
+        room = int(getattr(base.config, "max_position_embeddings", 0) or 0) - args.window
+        stream = [t for ids in learn for t in ids]
+        size = min(args.icl_tokens if args.icl_tokens is not None else room, room, len(stream))
+        if size < 1:
+            notes.append(
+                f"ICL: no room for context before a {args.window}-token window (model context {room + args.window})"
+            )
+        else:
+            with model.disable_faast():
+                result = perplexity(model, windows, batch_size=1, context=stream[-size:])
+            row(f"ICL ({size:,} tokens in context)", result, 0.0, kv_cache_bytes(base, size), context_tokens=size)
 
     for r in rows:
         r["relative_reduction"] = 1 - r["ppl"] / zero.ppl
     payload = {"model": description, "data": data, "learn_tokens": n_learn, "scored_tokens": zero.tokens,
-               "window": args.window, "layers": model.faast_config.layers, "rows": rows,
+               "window": args.window, "layers": model.faast_config.layers, "rows": rows, "curve": curve,
+               "zero_shot_ppl": zero.ppl, "notes": notes, "training": fit,
                "torch_threads": torch.get_num_threads()}  # fmt: skip
-    stem = args.out or f"lm_ppl_{args.model.replace('/', '_')}"
-    results = Path(args.results_dir)
-    results.mkdir(parents=True, exist_ok=True)
-    (results / f"{stem}.json").write_text(json.dumps(payload, indent=2))
     lines = [
         f"# Perplexity after learning: {description}",
         "",
         f"{data}; learned {n_learn:,} tokens, scored {zero.tokens:,} tokens in {args.window}-token windows.",
         "",
-        "| method | perplexity | reduction vs zero-shot | learn time, s | inference time, s | memory added |",
-        "|---|---|---|---|---|---|",
+        *table(
+            ["method", "perplexity", "reduction vs zero-shot", "learn time, s", "inference time, s", "memory added"],
+            [
+                [
+                    r["method"],
+                    f"{r['ppl']:.3f}",
+                    f"{100 * r['relative_reduction']:+.1f}%",
+                    f"{r['learn_s']:.1f}",
+                    f"{r['infer_s']:.1f}",
+                    f"{r['memory_bytes'] / 2**20:,.1f} MB",
+                ]
+                for r in rows
+            ],  # fmt: skip
+        ),
     ]
-    for r in rows:
-        cells = [r["method"], f"{r['ppl']:.3f}", f"{100 * r['relative_reduction']:+.1f}%", f"{r['learn_s']:.1f}",
-                 f"{r['infer_s']:.1f}", f"{r['memory_bytes'] / 2**20:,.1f} MB"]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    (results / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if curve["faast"] or curve["knn"]:
+        lines += ["", "Perplexity, memory and scoring time against tokens learned:", ""]
+        methods = [(m, name) for m, name in (("faast", "FAAST"), ("knn", "kNN-LM")) if curve[m]]
+        header = ["tokens learned"] + [
+            f"{name} {what}" for _, name in methods for what in ("ppl", "memory", "score s")
+        ]
+        body = [
+            [f"{t:,}"]
+            + [
+                cell
+                for m, _ in methods
+                for cell in (
+                    f"{curve[m][i]:.3f}",
+                    f"{curve[m + '_bytes'][i] / 2**20:,.1f} MB",
+                    f"{curve[m + '_infer_s'][i]:.1f}",
+                )
+            ]  # fmt: skip
+            for i, t in enumerate(points)
+        ]
+        lines += table(header, body)
+    lines += [f"- {n}" for n in notes]
+    folder = write_results(args, "lm_ppl", payload, lines)
+    plot_curve(payload, folder / f"{args.out or 'lm_ppl_' + args.model.replace('/', '_')}.png")
     return payload
+
+
+def plot_curve(payload: dict, path: Path) -> None:
+    """PPL against tokens learned (FAAST, kNN-LM, zero-shot line); skipped with a note when matplotlib is missing."""
+    curve = payload["curve"]
+    if not (curve["faast"] or curve["knn"]):
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (the curve is in the JSON)")
+        return
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for key, label in (("faast", "FAAST"), ("knn", "kNN-LM")):
+        if curve[key]:
+            ax.plot(curve["tokens"], curve[key], marker="o", label=label)
+    ax.axhline(payload["zero_shot_ppl"], color="gray", linestyle="--", label="zero-shot")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens learned")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_title(payload["model"].split(" (")[0], fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

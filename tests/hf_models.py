@@ -45,14 +45,24 @@ class CharTokenizer:
         return {"input_ids": [3 + (ord(c) % (VOCAB - 3)) for c in text]}
 
 
-def save_tiny_checkpoint(kind: str, folder) -> str:  # noqa: ANN001
-    """A tiny model + a character-level fast tokenizer saved like a hub checkpoint (AutoModel* can load it)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+# Prose: lowercase words, spaces, line breaks and the prompts' punctuation (anything else is [UNK]).
+PROSE = " \n:.,'-" + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPRSTUVWY"
 
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+
+def save_tiny_checkpoint(kind: str, folder, alphabet: str | None = None) -> str:  # noqa: ANN001
+    """A tiny model + a character-level fast tokenizer saved like a hub checkpoint (AutoModel* can load it).
+
+    The tokenizer knows the first VOCAB - 3 characters of `alphabet` (default: printable ASCII from the space on).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = list(alphabet) if alphabet else [chr(c) for c in range(32, 127)] + ["\n"]
     vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(chars[: VOCAB - 3])}}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.pre_tokenizer = pre_tokenizers.Split(
+        Regex("[\\s\\S]"), behavior="isolated"
+    )  # every character, line breaks too
+    core.decoder = decoders.Fuse()  # decode joins characters without spaces
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", bos_token="<s>",
                                                       eos_token="</s>", pad_token="[UNK]")  # fmt: skip
     tiny_model(kind).save_pretrained(folder)

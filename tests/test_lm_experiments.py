@@ -4,15 +4,23 @@ experiment end to end (experiments/lm_ppl.py) on a tiny checkpoint and local tex
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from faast.hf.evaluate import perplexity
+from faast.hf.evaluate import perplexity, wilson_interval
 from faast.hf.knnlm import KNNLM, KNNConfig
-from hf_models import VOCAB, save_tiny_checkpoint, tiny_model
+from hf_models import PROSE, VOCAB, CharTokenizer, save_tiny_checkpoint, tiny_model, transformers
+
+# A minimal ChatML-like template (the tiny tokenizers have no chat template of their own).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,23 +61,170 @@ def test_lambda_zero_is_the_language_model_and_lambda_mixes():
         KNNLM(model).perplexity(windows)
 
 
+def load_script(name: str):  # noqa: ANN201 - the experiment module
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_perplexity_experiment_runs_end_to_end(tmp_path):
+    pytest.importorskip("peft")
     checkpoint = save_tiny_checkpoint("llama", tmp_path / "tiny")
     (tmp_path / "learn.txt").write_text("def f(x):\n    return x + 1\n" * 40)
     (tmp_path / "score.txt").write_text("def g(y):\n    return y + 1\n" * 10)
-    spec = importlib.util.spec_from_file_location("lm_ppl", ROOT / "experiments" / "lm_ppl.py")
-    lm_ppl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lm_ppl)
-    payload = lm_ppl.main([
+    payload = load_script("lm_ppl").main([
         "--model", checkpoint, "--text-files", str(tmp_path / "learn.txt"),
-        "--score-files", str(tmp_path / "score.txt"),
-        "--limit", "600", "--score-limit", "200", "--window", "64", "--knn-k", "16", "--results-dir", str(tmp_path),
-        "--out", "r",
+        "--score-files", str(tmp_path / "score.txt"), "--limit", "600", "--score-limit", "200", "--window", "64",
+        "--knn-k", "16", "--curve-points", "3", "--train-window", "32", "--results-dir", str(tmp_path), "--out", "r",
     ])  # fmt: skip
     methods = [r["method"] for r in payload["rows"]]
-    assert methods[0] == "zero-shot" and methods[1] == "FAAST" and methods[2].startswith("kNN-LM")
+    assert methods[:2] == ["zero-shot", "FAAST"] and methods[2].startswith("kNN-LM")
+    assert (
+        methods[3].startswith("linear projection") and methods[4].startswith("LoRA") and methods[5].startswith("ICL")
+    )
     assert payload["learn_tokens"] == 600 and payload["scored_tokens"] == 200 - 200 // 64 - (200 % 64 > 0)
-    faast, knn = payload["rows"][1], payload["rows"][2]
-    assert 0 < faast["memory_bytes"] and knn["memory_bytes"] == 599 * (32 * 4 + 8)
+    rows = {m.split(" ")[0]: r for m, r in zip(methods, payload["rows"], strict=True)}
+    assert 0 < rows["FAAST"]["memory_bytes"] and rows["kNN-LM"]["memory_bytes"] == 599 * (32 * 4 + 8)
+    # Linear: 2 layers (the default rule on 4 blocks) x 32 x 32 float32; LoRA's rank matches that budget.
+    assert rows["linear"]["params"] == len(payload["layers"]) * 32 * 32 == rows["linear"]["memory_bytes"] // 4
+    assert abs(rows["LoRA"]["params"] - rows["linear"]["params"]) <= 4 * 112 // 2
+    # ICL fills the tiny model's 128 positions: 64 context tokens before each 64-token window.
+    assert rows["ICL"]["context_tokens"] == 64
     assert all(math.isfinite(r["ppl"]) for r in payload["rows"])
-    assert (tmp_path / "r.md").read_text().count("|") > 20
+    curve = payload["curve"]
+    assert curve["tokens"] == [150, 300, 600] and len(curve["faast"]) == len(curve["knn"]) == 3
+    assert curve["faast"][-1] == rows["FAAST"]["ppl"] and curve["knn"][-1] == rows["kNN-LM"]["ppl"]
+    assert (tmp_path / "r.md").read_text().count("|") > 40
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def write_reviews(path: Path) -> None:
+    rows = [("a good film", "positive"), ("a bad film", "negative"), ("good fun", "positive"), ("dull", "negative"),
+            ("a great cast", "positive"), ("a poor plot", "negative")]  # fmt: skip
+    lines = [json.dumps({"text": t, "label": y, "split": "train"}) for t, y in rows]
+    lines += [json.dumps({"text": f"query {c}", "label": "positive" if i % 2 else 0, "split": "test"})
+              for i, c in enumerate("abcde")]  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_the_sentiment_experiment_scores_each_query_once(tmp_path):
+    checkpoint = save_tiny_checkpoint("gpt2", tmp_path / "tiny", PROSE)
+    write_reviews(tmp_path / "reviews.jsonl")
+    module = load_script("lm_sentiment")
+    payload = module.main([
+        "--model", checkpoint, "--data-file", str(tmp_path / "reviews.jsonl"), "--shots", "1,2,full",
+        "--limit", "1000", "--results-dir", str(tmp_path), "--out", "s",
+    ])  # fmt: skip
+    # 5 distinct queries: never repeated to reach --limit, and the interval is over those 5.
+    assert payload["queries"] == 5 and payload["support"] == 6
+    got = [(r["method"], r["shots"]) for r in payload["rows"]]
+    # In the tiny model's 128 positions, 1 demonstration per label fits; 2 per label and the full set do not, and
+    # are reported as such instead of being cut.
+    assert got == [("zero-shot", 0), ("FAAST", 1), ("ICL", 1), ("FAAST", 2), ("FAAST", "full")]
+    assert [n.split(":")[0] for n in payload["notes"]] == ["ICL 2", "ICL full"]
+    for r in payload["rows"]:
+        correct = round(r["accuracy"] * 5)
+        assert r["ci95"] == list(wilson_interval(correct, 5)) and r["queries"] == 5
+    with pytest.raises(ValueError, match="4 per label needs 4"):
+        module.main(["--model", checkpoint, "--data-file", str(tmp_path / "reviews.jsonl"), "--shots", "4",
+                     "--results-dir", str(tmp_path)])  # fmt: skip
+
+
+def test_sentiment_prompts_and_balanced_draws():
+    module = load_script("lm_sentiment")
+    prompts = module.Prompts(CharTokenizer(), max_words=3)
+    assert prompts.example("one two three four", "positive") == "Review: one two three\nSentiment: positive\n"
+    support = [(f"p{i}", "positive") for i in range(5)] + [(f"n{i}", "negative") for i in range(5)]
+    draw = module.balanced_sample(support, 2, random.Random("0/1/2"))
+    assert sorted(y for _, y in draw) == ["negative"] * 2 + ["positive"] * 2
+    assert draw == module.balanced_sample(support, 2, random.Random("0/1/2"))
+    with pytest.raises(ValueError, match="label"):
+        module._label("neutral")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_translation_experiment_runs_end_to_end(tmp_path, chat):
+    pytest.importorskip("sacrebleu")
+    checkpoint = save_tiny_checkpoint("qwen2", tmp_path / "tiny", PROSE)
+    if chat:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.save_pretrained(checkpoint)
+    pairs = [{"en": f"the cat {w}", "de": f"die katze {w}", "split": "train" if i < 4 else "test"}
+             for i, w in enumerate(["sits", "runs", "eats", "naps", "sings", "reads", "jumps"])]  # fmt: skip
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs))
+    payload = load_script("lm_translation").main([
+        "--model", checkpoint, "--data-file", str(tmp_path / "pairs.jsonl"), "--pairs", "en-de,de-en",
+        "--max-new-tokens", "6", "--bootstrap", "50", "--results-dir", str(tmp_path), "--out", "t",
+    ])  # fmt: skip
+    got = [(r["pair"], r["method"], r["shots"]) for r in payload["rows"]]
+    assert got == [(p, m, s) for p in ("en-de", "de-en") for m, s in
+                   (("zero-shot", "0"), ("FAAST", "1"), ("ICL", "1"), ("FAAST", "full"))]  # fmt: skip
+    assert all(r["queries"] == 3 and 0 <= r["bleu"] <= 100 for r in payload["rows"])
+    assert payload["examples"]["de-en"]["references"][0].startswith("the cat")
+
+
+def test_translation_prompts_follow_the_chat_template_or_the_plain_format(tmp_path):
+    module = load_script("lm_translation")
+    plain = module.Prompts(CharTokenizer(), "en", "de")
+    assert not plain.chat
+    text = "Please translate English text into German.\n\nEnglish: hi\nGerman:"
+    assert plain.prompt_ids("hi") == CharTokenizer()(text)["input_ids"]
+    assert plain.example_ids("hi", "hallo") == CharTokenizer()(text + " hallo\n")["input_ids"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(save_tiny_checkpoint("llama", tmp_path / "t", PROSE))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    chat = module.Prompts(tokenizer, "en", "de")
+    decoded = tokenizer.decode(chat.example_ids("hi", "hallo"))
+    assert decoded.startswith("<s>system\nYou are a helpful assistant.") and decoded.endswith("assistant\nhallo\n")
+    icl = tokenizer.decode(chat.prompt_ids("bye", [("hi", "hallo")]))
+    assert icl.count("Please translate") == 2 and icl.endswith("assistant\n")
+    assert module.bleu(["die katze sitzt hier"], ["die katze sitzt hier"], 0)["bleu"] == pytest.approx(100)
+    assert module.bleu(["der hund"], ["die katze sitzt hier"], 0)["bleu"] < 1
+
+
+def test_the_shipped_evaluation_data_is_balanced_and_split():
+    reviews = [json.loads(x) for x in (ROOT / "experiments/data/reviews.jsonl").read_text().splitlines()]
+    counts = {(r["split"], r["label"]) for r in reviews}
+    assert len(reviews) == 200 and len({r["text"] for r in reviews}) == 200 and len(counts) == 4
+    assert all(sum(1 for r in reviews if (r["split"], r["label"]) == c) == 50 for c in counts)
+    pairs = [json.loads(x) for x in (ROOT / "experiments/data/parallel_en_de_fr.jsonl").read_text().splitlines()]
+    assert len(pairs) == 120 and sum(p["split"] == "test" for p in pairs) == 40
+    assert all(p["en"] and p["de"] and p["fr"] for p in pairs)
+
+
+def test_the_experiments_read_datasets_through_the_datasets_library(tmp_path):
+    """The --dataset path (hub names such as wikitext, sst2, imdb, iwslt2017) on a local folder of JSON splits."""
+    pytest.importorskip("datasets")
+    checkpoint = save_tiny_checkpoint("llama", tmp_path / "tiny", PROSE)
+    folders = {name: tmp_path / name for name in ("text", "reviews", "pairs")}
+    for folder in folders.values():
+        folder.mkdir()
+    rows = {
+        "text": (lambda i: {"text": f" = heading {i} =\n" if i % 3 == 0 else f" a short line number {i} .\n"}),
+        "reviews": (lambda i: {"text": f"review {i}", "label": i % 2}),
+        "pairs": (lambda i: {"translation": {"en": f"the cat {i}", "fr": f"le chat {i}"}}),
+    }
+    for name, make in rows.items():
+        for split, count in (("train", 12), ("test", 4)):
+            lines = [json.dumps(make(i)) for i in range(count)]
+            (folders[name] / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    ppl = load_script("lm_ppl").main([
+        "--model", checkpoint, "--dataset", str(folders["text"]), "--window", "64", "--methods", "zero-shot,faast",
+        "--limit", "10000", "--curve-points", "1", "--results-dir", str(tmp_path),
+    ])  # fmt: skip
+    # Rows are joined by blank lines into one stream: 12 rows of text make one learned text.
+    texts = [make(i)["text"] for make in [rows["text"]] for i in range(12)]
+    assert ppl["learn_tokens"] == len("\n\n".join(texts))
+    sentiment = load_script("lm_sentiment").main([
+        "--model", checkpoint, "--dataset", str(folders["reviews"]), "--shots", "1", "--methods", "faast",
+        "--results-dir", str(tmp_path),
+    ])  # fmt: skip
+    assert sentiment["queries"] == 4 and sentiment["support"] == 12
+    translation = load_script("lm_translation").main([
+        "--model", checkpoint, "--dataset", str(folders["pairs"]), "--pairs", "fr-en", "--shots", "full",
+        "--methods", "faast", "--max-new-tokens", "4", "--results-dir", str(tmp_path),
+    ])  # fmt: skip
+    assert [r["queries"] for r in translation["rows"]] == [4, 4]
+    assert translation["examples"]["fr-en"]["references"][0].startswith("the cat")

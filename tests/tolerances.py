@@ -47,3 +47,7 @@ TRITON_FP32_MODE_REL = 1e-5
 # faast.hf: statistics of the same text learned with left vs right padding. The hidden states come from float32
 # attention over differently laid-out masks, so they agree to float32 rounding, not bit for bit.
 HF_PADDING_REL = 1e-5
+
+# LM evaluation: float32 forward passes of the same tokens laid out differently (a cached prefix vs one sequence, a
+# context row vs a concatenation), compared in float64 log-probabilities.
+LM_LAYOUT_ABS = 1e-4

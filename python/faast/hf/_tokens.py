@@ -38,3 +38,27 @@ def token_lists(texts: Iterable[str], tokenizer: object, limit: int) -> list[lis
         if total >= limit:
             break
     return out
+
+
+def split_by_tokens(texts: Sequence[Sequence[int]], thresholds: Sequence[int]) -> list[list[list[int]]]:
+    """Cut a token stream into consecutive parts ending at the given cumulative token counts (ascending).
+
+    A text cut at a boundary continues in the next part from its last token, so every adjacent pair of every text
+    lands in exactly one part: learning the parts one after another learns what the whole gives.
+    """
+    if list(thresholds) != sorted(set(thresholds)) or not thresholds or thresholds[0] < 1:
+        raise ValueError(f"thresholds: expected ascending distinct positive token counts, got {list(thresholds)}")
+    parts: list[list[list[int]]] = [[] for _ in thresholds]
+    seen, part = 0, 0
+    for ids in texts:
+        start = 0
+        while start < len(ids) and part < len(thresholds):
+            end = min(len(ids), start + thresholds[part] - seen)
+            piece = list(ids[start - 1 if start else 0 : end])
+            if len(piece) >= 2:
+                parts[part].append(piece)
+            seen += end - start
+            start = end
+            if seen >= thresholds[part]:
+                part += 1
+    return parts

@@ -34,23 +34,106 @@ def token_windows(ids: Sequence[int], length: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module, windows: Sequence[Sequence[int]], *, batch_size: int = 4) -> Perplexity:
-    """Sum the next-token NLL over every window (right padded in batches; padding is never scored)."""
+def perplexity(
+    model: nn.Module, windows: Sequence[Sequence[int]], *, batch_size: int = 4, context: Sequence[int] = ()
+) -> Perplexity:
+    """Sum the next-token NLL over every window (right padded in batches; padding is never scored).
+
+    `context` (in-context learning): token ids put before every window. Only the window's own tokens after its
+    first are scored, so the scored tokens are the same with and without a context.
+    """
     import time
 
     if not windows:
         raise ValueError("windows: expected at least one window of >= 2 tokens, got none")
     device = model.get_input_embeddings().weight.device
+    prefix = list(context)
     nll, tokens = 0.0, 0
     started = time.perf_counter()
     for start in range(0, len(windows), batch_size):
-        rows = windows[start : start + batch_size]
+        rows = [prefix + list(w) for w in windows[start : start + batch_size]]
         ids, mask = pad_rows(rows)
         ids, mask = ids.to(device), mask.long().to(device)
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
         target = ids[:, 1:]
         valid = (mask[:, 1:] * mask[:, :-1]).bool()
+        valid[:, : len(prefix)] = False  # the context's tokens and the window's first token are not scored
         logp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
         nll -= float(logp[valid].sum())
         tokens += int(valid.sum())
     return Perplexity(nll=nll, tokens=tokens, seconds=time.perf_counter() - started)
+
+
+@dataclass
+class Prefix:
+    """Token ids shared by many prompts (in-context demonstrations) and their key/value cache, computed once."""
+
+    ids: list[int]
+    cache: object
+
+
+@torch.no_grad()
+def encode_prefix(model: nn.Module, ids: Sequence[int]) -> Prefix:
+    """Run `ids` once and keep the key/value cache, so prompts after it cost only their own tokens."""
+    if len(ids) < 1:
+        raise ValueError("ids: expected at least one token, got none")
+    device = model.get_input_embeddings().weight.device
+    batch = torch.as_tensor([list(ids)], dtype=torch.long, device=device)
+    out = model(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=True)
+    return Prefix(ids=list(ids), cache=out.past_key_values)
+
+
+@torch.no_grad()
+def continuation_log_probs(
+    model: nn.Module, prompt: Sequence[int], continuations: Sequence[Sequence[int]], *, prefix: Prefix | None = None
+) -> torch.Tensor:
+    """log p(continuation | [prefix +] prompt) [len(continuations)] float64: the sum over the continuation's tokens.
+
+    For single-token continuations (" positive" / " negative" with GPT-2 or SmolLM2) this is one forward pass and
+    comparing the results is comparing the next-token logits after the prompt, the paper's rule; longer continuations
+    are scored token by token. A `prefix` (from encode_prefix) is reused through a copy of its cache.
+    """
+    import copy
+
+    if len(prompt) < 1:
+        raise ValueError("prompt: expected at least one token, got none")
+    if not continuations or any(len(c) < 1 for c in continuations):
+        raise ValueError("continuations: expected one or more non-empty token lists")
+    device = model.get_input_embeddings().weight.device
+    past = len(prefix.ids) if prefix is not None else 0
+    # One row per distinct input: prompt + all but the continuation's last token (single tokens share one row).
+    inputs = sorted({tuple(prompt) + tuple(c[:-1]) for c in continuations}, key=len)
+    logp = {}
+    # A cache holds one row, so with a prefix each input runs alone; without one they share a padded batch.
+    for rows in [[r] for r in inputs] if prefix is not None else [inputs]:
+        ids, mask = pad_rows(rows)
+        ids, mask = ids.to(device), mask.long().to(device)
+        kwargs = {"use_cache": prefix is not None}
+        if prefix is not None:
+            mask = torch.cat([torch.ones(1, past, dtype=torch.long, device=device), mask], dim=1)
+            kwargs["past_key_values"] = copy.deepcopy(prefix.cache)
+        logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits.double()
+        for i, r in enumerate(rows):
+            logp[r] = torch.log_softmax(logits[i, : len(r)], dim=-1).cpu()
+    out = torch.zeros(len(continuations), dtype=torch.float64)
+    for i, c in enumerate(continuations):
+        table = logp[tuple(prompt) + tuple(c[:-1])]
+        positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(c))
+        out[i] = table[positions, torch.as_tensor(list(c))].sum()
+    return out
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson score interval for a binomial proportion (95% by default); trials must be distinct queries."""
+    if trials < 1 or not 0 <= successes <= trials:
+        raise ValueError(
+            f"successes, trials: expected 0 <= successes <= trials and trials >= 1, got {successes}, {trials}"
+        )
+    p = successes / trials
+    denom = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denom
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
+    # The bounds are exactly 0 and 1 at the extremes; rounding would leave 1 - 1e-16.
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == trials else min(1.0, centre + half)
+    return low, high

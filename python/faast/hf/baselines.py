@@ -1,0 +1,192 @@
+"""Backprop baselines of the LM experiments, trained on the same learn data FAAST reads in one forward pass.
+
+- `LinearProjection`: at FAAST's own layers, each block input h becomes h + h·A_l (A_l: d x d, zero-initialised, so it
+  starts as the base model), trained by gradient descent on the causal-LM loss. It is what the fast weights'
+  W·P would be if it were learned by backprop instead of solved in closed form.
+- LoRA through peft (`apply_lora`), on the attention query/value projections of every block with the rank that
+  matches a parameter budget (`lora_rank_for`), by default the linear projection's.
+- `fit_causal_lm`: the training loop both use (AdamW, one pass over overlapping windows, fp32 master weights).
+- `kv_cache_bytes`: the memory in-context learning adds (the prefix's key/value cache).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ._tokens import overlapping_windows, pad_rows
+from .targets import get_submodule, target_for
+
+# Attention projections LoRA adapts per model type (the LoRA paper's W_q, W_v; GPT-2 fuses q, k, v in c_attn).
+LORA_MODULES: dict[str, tuple[str, ...]] = {
+    "gpt2": ("c_attn",),
+    "llama": ("q_proj", "v_proj"),
+    "qwen2": ("q_proj", "v_proj"),
+}
+
+
+class LinearProjection(nn.Module):
+    """h -> h + h·A_l at the inputs of the given blocks; A_l [d, d] float32, zero at start. `remove()` detaches it.
+
+    The base model's parameters are not touched; only A is trainable.
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[int]):
+        super().__init__()
+        blocks = get_submodule(model, target_for(model).blocks, "transformer blocks")
+        if not layers:
+            raise ValueError("layers: expected at least one block index, got none")
+        bad = [i for i in layers if not 0 <= int(i) < len(blocks)]
+        if bad:
+            raise ValueError(f"layers: block indices must lie in [0, {len(blocks)}), got {bad}")
+        hidden = int(model.config.hidden_size)
+        device = next(model.parameters()).device
+        self.layers = [int(i) for i in layers]
+        self.weights = nn.ParameterDict(
+            {str(i): nn.Parameter(torch.zeros(hidden, hidden, device=device)) for i in self.layers}
+        )
+        self._handles = [
+            blocks[i].register_forward_pre_hook(self._hook(self.weights[str(i)]), with_kwargs=True)
+            for i in self.layers
+        ]
+
+    @staticmethod
+    def _hook(weight: nn.Parameter):  # noqa: ANN205 - a hook closure
+        def hook(module: nn.Module, args: tuple, kwargs: dict):  # noqa: ANN202, ARG001
+            hidden = args[0] if args else kwargs["hidden_states"]
+            out = hidden + (hidden.float() @ weight).to(hidden.dtype)
+            if args:
+                return (out, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": out}
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+def lora_rank_for(model: nn.Module, num_params: int, modules: Sequence[str] | None = None) -> int:
+    """The LoRA rank r >= 1 whose trainable parameter count r·Σ(in + out) over `modules` is closest to num_params."""
+    names = tuple(modules or LORA_MODULES.get(getattr(model.config, "model_type", None), ()))
+    if not names:
+        raise ValueError(
+            f"modules: no LoRA target modules known for model type {model.config.model_type!r}; pass some"
+        )
+    per_rank = sum(
+        sum(m.weight.shape) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names and hasattr(m, "weight")
+    )
+    if per_rank == 0:
+        raise ValueError(f"modules: none of {list(names)} found in {type(model).__name__}")
+    return max(1, round(num_params / per_rank))
+
+
+def apply_lora(model: nn.Module, rank: int, *, alpha: float | None = None, modules: Sequence[str] | None = None):  # noqa: ANN201
+    """peft's LoRA (rank `rank`, scale alpha/r with alpha = 2r by default, no dropout) on `modules` of every block.
+
+    Returns the PeftModel; `.unload()` gives back the unchanged base model. Needs `pip install peft`.
+    """
+    try:
+        import peft
+    except ImportError as err:
+        raise ImportError("the LoRA baseline needs peft: `pip install peft` (or the 'experiments' extra)") from err
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank: expected an int >= 1, got {rank!r}")
+    names = list(modules or LORA_MODULES[model.config.model_type])
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=names, lora_dropout=0.0)
+    was_training = model.training
+    # peft returns its wrapper in train mode; left so, training and scoring would run the base model's dropout.
+    return peft.get_peft_model(model, config).train(was_training)
+
+
+@dataclass
+class FitStats:
+    """steps taken, tokens trained on (each window's predicted tokens), mean loss of the first and last 10% steps."""
+
+    steps: int
+    tokens: int
+    seconds: float
+    first_loss: float
+    last_loss: float
+
+
+def fit_causal_lm(
+    model: nn.Module,
+    params: Sequence[nn.Parameter],
+    token_ids: Sequence[Sequence[int]],
+    *,
+    window: int = 1024,
+    batch_size: int = 4,
+    lr: float = 1e-3,
+    epochs: int = 1,
+    weight_decay: float = 0.0,
+    seed: int = 0,
+) -> FitStats:
+    """Train `params` on the causal-LM loss over every adjacent pair of the texts (windows overlap by one token).
+
+    AdamW with a linear warmup over the first 10% of steps then constant lr; gradients clipped to norm 1. The rest
+    of the model stays frozen and in eval mode (no dropout), as in the FAAST learn pass.
+    """
+    params = list(params)
+    if not params:
+        raise ValueError("params: expected trainable parameters, got none")
+    windows = [w for ids in token_ids for w in overlapping_windows(ids, window)]
+    if not windows:
+        raise ValueError("token_ids: expected at least one text of >= 2 tokens, got none")
+    steps = epochs * math.ceil(len(windows) / batch_size)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    warmup = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    device = params[0].device
+    rng = random.Random(seed)
+    losses, tokens = [], 0
+    was_training = model.training
+    model.eval()
+    started = time.perf_counter()
+    try:
+        for _ in range(epochs):
+            order = list(range(len(windows)))
+            rng.shuffle(order)
+            for start in range(0, len(order), batch_size):
+                ids, mask = pad_rows([windows[i] for i in order[start : start + batch_size]])
+                ids, mask = ids.to(device), mask.to(device)
+                labels = ids.masked_fill(~mask, -100)
+                with torch.enable_grad():
+                    loss = model(input_ids=ids, attention_mask=mask.long(), labels=labels, use_cache=False).loss
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                schedule.step()
+                losses.append(float(loss.detach()))
+                tokens += int((mask[:, 1:] & mask[:, :-1]).sum())
+    finally:
+        model.train(was_training)
+    tenth = max(1, len(losses) // 10)
+    return FitStats(
+        steps=len(losses),
+        tokens=tokens,
+        seconds=time.perf_counter() - started,
+        first_loss=sum(losses[:tenth]) / tenth,
+        last_loss=sum(losses[-tenth:]) / tenth,
+    )
+
+
+def kv_cache_bytes(model: nn.Module, tokens: int) -> int:
+    """Bytes of the key/value cache a `tokens`-long prefix occupies (all layers, the model's parameter dtype)."""
+    config = model.config
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    element = next(model.parameters()).element_size()
+    return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * tokens * element
