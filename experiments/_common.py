@@ -54,3 +54,20 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return lines
+
+
+def read_split_jsonl(path: Path, fields: Sequence[str]) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows) of a JSONL file whose rows carry `fields` (non-empty) and split = train|test."""
+    train, test = [], []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        missing = [k for k in fields if row.get(k) in (None, "")]
+        if missing or row.get("split") not in ("train", "test"):
+            raise ValueError(
+                f"{path}:{n}: expected non-empty {missing or list(fields)} and split 'train' or 'test', "
+                f"got split {row.get('split')!r}"
+            )
+        (train if row["split"] == "train" else test).append(row)
+    return train, test

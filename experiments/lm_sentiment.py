@@ -23,7 +23,6 @@ default experiments/data/reviews.jsonl written for this project.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ROOT, add_model_arguments, load_model, table, write_results  # noqa: E402
+from _common import ROOT, add_model_arguments, load_model, read_split_jsonl, table, write_results  # noqa: E402
 
 DEFAULT_DATA = ROOT / "experiments" / "data" / "reviews.jsonl"
 LABELS = ("negative", "positive")  # datasets' integer labels: 0 negative, 1 positive
@@ -66,14 +65,9 @@ def load_data(args: argparse.Namespace) -> tuple[list[tuple[str, str]], list[tup
         queries = [(r[text], _label(r[label])) for r in data[query_split]]
         return support, queries, f"{args.dataset} {support_split} -> {query_split}"
     path = Path(args.data_file or DEFAULT_DATA)
-    support, queries = [], []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if row.get("split") not in ("train", "test"):
-            raise ValueError(f"{path}:{n}: split: expected 'train' or 'test', got {row.get('split')!r}")
-        (support if row["split"] == "train" else queries).append((str(row["text"]), _label(row["label"])))
+    train, test = read_split_jsonl(path, ("text", "label"))
+    support = [(str(r["text"]), _label(r["label"])) for r in train]
+    queries = [(str(r["text"]), _label(r["label"])) for r in test]
     args.max_words = args.max_words or 100
     return support, queries, f"{path.name} train -> test"
 

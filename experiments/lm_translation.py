@@ -22,7 +22,6 @@ for this project. `--pairs` lists the directions, e.g. en-de,de-en,en-fr,fr-en.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ROOT, add_model_arguments, load_model, table, write_results  # noqa: E402
+from _common import ROOT, add_model_arguments, load_model, read_split_jsonl, table, write_results  # noqa: E402
 
 DEFAULT_DATA = ROOT / "experiments" / "data" / "parallel_en_de_fr.jsonl"
 LANGUAGES = {"en": "English", "de": "German", "fr": "French", "es": "Spanish", "it": "Italian", "nl": "Dutch",
@@ -52,15 +51,8 @@ def load_pairs(args: argparse.Namespace, src: str, tgt: str) -> tuple[list[tuple
 
         return rows(args.support_split), rows(args.query_split)
     path = Path(args.data_file or DEFAULT_DATA)
-    support, queries = [], []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        missing = [k for k in (src, tgt) if not row.get(k)]
-        if missing or row.get("split") not in ("train", "test"):
-            raise ValueError(f"{path}:{n}: expected non-empty {missing or [src, tgt]} and split 'train' or 'test'")
-        (support if row["split"] == "train" else queries).append((row[src], row[tgt]))
+    train, test = read_split_jsonl(path, (src, tgt))
+    support, queries = [(r[src], r[tgt]) for r in train], [(r[src], r[tgt]) for r in test]
     return support, queries
 
 

@@ -228,3 +228,13 @@ def test_the_experiments_read_datasets_through_the_datasets_library(tmp_path):
     ])  # fmt: skip
     assert [r["queries"] for r in translation["rows"]] == [4, 4]
     assert translation["examples"]["fr-en"]["references"][0].startswith("the cat")
+
+
+def test_local_data_files_name_the_bad_line(tmp_path):
+    import _common  # the experiments' shared module (put on sys.path by load_script)
+
+    load_script("lm_sentiment")
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"text": "ok", "label": 1, "split": "train"}) + "\n" + json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected non-empty \['label'\] and split"):
+        _common.read_split_jsonl(path, ("text", "label"))
