@@ -83,7 +83,12 @@ def cpu_model() -> str:
 
 
 def git_sha() -> str:
-    """HEAD's sha, with '+dirty' when the working tree differs from it (benchmarks may run uncommitted code)."""
+    """HEAD's sha, with '+dirty' when the working tree differs from it (benchmarks may run uncommitted code).
+
+    FAAST_GIT_SHA overrides it: a copy of the tree without .git (the GPU machine) is told the sha it was made from.
+    """
+    if os.environ.get("FAAST_GIT_SHA"):
+        return os.environ["FAAST_GIT_SHA"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
         dirty = subprocess.run(
@@ -133,16 +138,61 @@ def machine_header() -> dict:
         "blas": blas.group(1) if blas else "unknown",
         "cuda": torch.cuda.is_available(),
         "loadavg_at_start": None if load is None else [round(x, 2) for x in load],
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        **gpu_header(),
     }
 
 
+def gpu_header() -> dict:
+    """The GPU, its driver and the CUDA / Triton versions in use ({} without a CUDA device)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    props = torch.cuda.get_device_properties(0)
+    out = {
+        "gpu": props.name,
+        "gpu_capability": f"{props.major}.{props.minor}",
+        "gpu_sms": props.multi_processor_count,
+        "gpu_memory_gb": round(props.total_memory / 1e9, 1),
+        "torch_cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.max.sm,power.limit", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+        out["nvidia_smi"] = smi.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out["nvidia_smi"] = None
+    try:
+        nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=20)
+        out["nvcc"] = nvcc.stdout.strip().splitlines()[-1] if nvcc.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        out["nvcc"] = None
+    return out
+
+
 def format_header(h: dict) -> str:
+    gpu = ""
+    if h.get("gpu"):
+        gpu = (
+            f"\n# GPU: {h['gpu']} (sm {h['gpu_capability']}, {h['gpu_sms']} SMs, {h['gpu_memory_gb']} GB)  "
+            f"CUDA {h['torch_cuda']}  triton {h['triton']}  driver/clocks {h['nvidia_smi']}  nvcc {h['nvcc']}"
+        )
     return (
         f"# {h['date']}  git {h['git_sha']}\n"
         f"# CPU: {h['cpu_model']}  ({h['physical_cores']} physical / {h['logical_cores']} logical cores, "
         f"{h['memory_gb']} GB)  torch threads: {h['torch_threads']}\n"
         f"# torch {h['torch']}  BLAS {h['blas']}  MKL {'on' if h['mkl'] else 'off'}  "
-        f"python {h['python']}  loadavg {h['loadavg_at_start']}"
+        f"python {h['python']}  loadavg {h['loadavg_at_start']}\n"
+        f"# command: {h.get('command', '?')}" + gpu
     )
 
 
@@ -449,3 +499,8 @@ def fmt_ratio(x: float | None) -> str:
 
 def fmt_sci(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.1e}"
+
+
+def slug(text: str) -> str:
+    """A file-name-safe lower-case form of a device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia_h100_80gb_hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")

@@ -1,9 +1,11 @@
 """GPU benchmark of the solve's eigendecomposition: faast._C's cuSOLVER routines against torch.linalg.eigh on the
 same batch of statistics, measured in the same run (issue 4).
 
-    python benchmarks/bench_eigh.py [--quick]        # needs a CUDA device and the built extension faast._C
+    python benchmarks/bench_eigh.py [--quick] [--out DIR]   # needs a CUDA device and the built extension faast._C
+    python benchmarks/bench_eigh.py --smoke --out DIR       # CPU: torch.linalg.eigh only, tiny sizes (CI)
 
-For L in {1, 16, 48} memory layers and d in {64, 768, 1600, 3584} (float64, power-law spectra): every applicable
+For L in {1, 16, 48} memory layers and d in {64, 576, 768, 1600} plus 4 x 3584 (float64, power-law spectra): every
+applicable
 routine of torch.ops.faast.batched_eigh (syevj_batched for d <= 32, syev_batched, syevd_streams, and "auto"), cupy's
 eigh when cupy is installed (a no-compiler path to cuSOLVER), and torch.linalg.eigh. Reported: time (CUDA events,
 median of repeats), speedup over torch.linalg.eigh, and the eigen-equation residual ||S E - E Λ|| / ||S|| and
@@ -14,8 +16,8 @@ is what `auto` inside csrc/cuda/batched_eigh.cu should pick; its order is unmeas
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -25,13 +27,18 @@ H.add_source_path()
 
 import torch  # noqa: E402
 
-GRID = [(L, d) for L in (1, 16, 48) for d in (64, 768, 1600, 3584)]
+GRID = [(L, d) for L in (1, 16, 48) for d in (64, 576, 768, 1600)] + [(4, 3584)]
 QUICK = [(48, 1600), (16, 768)]
+SMOKE = [(3, 20), (2, 40)]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _time(fn, reps: int = 5) -> float:  # noqa: ANN001
     fn()
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -44,10 +51,10 @@ def _time(fn, reps: int = 5) -> float:  # noqa: ANN001
     return sorted(times)[len(times) // 2]
 
 
-def _statistics(layers: int, d: int) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(d)
-    q, _ = torch.linalg.qr(torch.randn(layers, d, d, device="cuda", dtype=torch.float64, generator=g))
-    lam = torch.logspace(0, -10, d, device="cuda", dtype=torch.float64)
+def _statistics(layers: int, d: int, device: str) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(d)
+    q, _ = torch.linalg.qr(torch.randn(layers, d, d, device=device, dtype=torch.float64, generator=g))
+    lam = torch.logspace(0, -10, d, device=device, dtype=torch.float64)
     return (q * lam) @ q.mT
 
 
@@ -60,26 +67,36 @@ def _quality(gram: torch.Tensor, lam: torch.Tensor, vecs: torch.Tensor) -> tuple
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes; on a CPU only torch.linalg.eigh runs")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new sizes after this")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
         print("bench_eigh: needs a CUDA device (there is nothing meaningful to time on a CPU)", file=sys.stderr)
         return 2
     from faast.ops import _cuda_backend
 
-    error = _cuda_backend.load_error()
-    if error is not None:
+    error = _cuda_backend.load_error() if device == "cuda" else "no CUDA device"
+    if error is not None and not args.smoke:
         print(f"bench_eigh: {error}", file=sys.stderr)
         return 2
     try:
         import cupy
     except ImportError:
         cupy = None
+    if device == "cpu":
+        cupy = None
+    deadline = time.monotonic() + args.budget_s
     rows, records = [], []
-    for layers, d in QUICK if args.quick else GRID:
-        gram = _statistics(layers, d)
+    for layers, d in SMOKE if args.smoke else QUICK if args.quick else GRID:
+        if time.monotonic() > deadline:
+            records.append({"L": layers, "d": d, "skipped": "time budget spent"})
+            continue
+        gram = _statistics(layers, d, device)
         cases = {"torch.linalg.eigh": lambda g=gram: torch.linalg.eigh(g)}
         algorithms = ["auto", "syev_batched", "syevd_streams"] + (["syevj_batched"] if d <= 32 else [])
-        for algorithm in algorithms:
+        for algorithm in algorithms if error is None else []:
             cases[f"faast {algorithm}"] = lambda g=gram, a=algorithm: torch.ops.faast.batched_eigh(g, a)
         if cupy is not None:
             cases["cupy.linalg.eigh"] = lambda g=gram: tuple(
@@ -90,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 seconds = _time(fn)
                 residual, orth = _quality(gram, *fn())
-            except RuntimeError as err:  # e.g. syev_batched beyond its documented size limit
+            except Exception as err:  # noqa: BLE001 - e.g. syev_batched beyond its size limit; recorded, not fatal
                 records.append({"L": layers, "d": d, "case": name, "error": str(err)})
                 continue
             base = seconds if name == "torch.linalg.eigh" else base
@@ -101,13 +118,17 @@ def main(argv: list[str] | None = None) -> int:
                 [layers, d, name, H.fmt_s(seconds), H.fmt_ratio(speedup), H.fmt_sci(residual), H.fmt_sci(orth)]
             )
         print(rows[-1], flush=True)
-    device = torch.cuda.get_device_name()
-    stem = "eigh_" + device.lower().replace(" ", "_")
-    (RESULTS / f"{stem}.json").write_text(json.dumps({"machine": H.machine_header(), "device": device,
-                                                        "records": records}, indent=1))  # fmt: skip
+    header = H.machine_header()
+    where = header.get("gpu", "cpu (smoke)")
+    stem = "eigh_" + ("smoke" if args.smoke else H.slug(where))
+    args.out.mkdir(parents=True, exist_ok=True)
+    H.write_json(args.out / f"{stem}.json", {"machine": header, "device": where, "extension": error,
+                                             "records": records})  # fmt: skip
     table = H.markdown_table(["L", "d", "case", "time", "vs torch", "residual", "orthonormality"], rows)
-    (RESULTS / f"{stem}.md").write_text(f"# Batched eigh on {device}\n\n{table}\n")
-    print(table)
+    note = "" if error is None else f"\nfaast._C not measured: {error}\n"
+    text = f"# Batched eigh on {where}\n\n```\n{H.format_header(header)}\n```\n{note}\n{table}\n"
+    (args.out / f"{stem}.md").write_text(text)
+    print(text)
     return 0
 
 

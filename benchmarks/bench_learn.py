@@ -55,7 +55,7 @@ TRUTH_BUDGET_S = 60.0
 
 
 def learn_authors(batches):  # noqa: ANN001, ANN201
-    from faast.baselines import StoredKeyMemory
+    from faast.authors_reference import StoredKeyMemory
 
     mem = StoredKeyMemory(alpha=1.0, dtype=torch.float32)
     for k, v in batches:
@@ -87,7 +87,7 @@ def peak_worker(method: str, n: int, d: int, batch: int, seed: int, threads: int
     torch.set_num_threads(threads)
     H.add_source_path()
     import faast  # noqa: F401 - imports before the baseline RSS
-    import faast.baselines  # noqa: F401
+    import faast.authors_reference  # noqa: F401
 
     def run(rows: int, b: int) -> tuple[object, torch.Tensor]:
         it = generated_batches(rows, d, b, seed)
@@ -117,7 +117,7 @@ def rel_err(w: torch.Tensor, truth: torch.Tensor) -> float:
 
 def bench_config(n: int, d: int, reps: int, truth_estimate_s: float) -> dict:
     from faast import FastWeights, ops
-    from faast.baselines import StoredKeyMemory
+    from faast.authors_reference import StoredKeyMemory
 
     g = torch.Generator().manual_seed(SEED + 1000 * d + n)
     keys, values = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)

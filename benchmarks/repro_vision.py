@@ -3,7 +3,7 @@
     python benchmarks/repro_vision.py --dataset cifar10 --data-dir DATA [--encoder open_clip:RN50] [--episodes 600]
 
 Needs the datasets on disk and CLIP weights in the open_clip / transformers cache (or network); neither is reachable
-from the machine this project is developed on, so results are produced where they are. Protocols (reference.md §2):
+from the machine this project is developed on, so results are produced where they are. Protocols (docs/authors.md §2):
   cifar10           CIFAR-10 python batches (cifar-10-batches-py/): train = support pool, test = query pool; 10-way.
   mini-imagenet     the mini-ImageNet *test* split (mini-imagenet-cache-test.pkl: image_data [N, 84, 84, 3],
                     class_dict {wnid: [indices]}), each class halved into support/query with seed 42; 20-way.

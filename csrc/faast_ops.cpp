@@ -16,7 +16,7 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(faast, m) {
-  // gram [L, d, d] float64 (or float32) symmetric, only its lower triangle read -> (lambda [L, d] ascending,
+  // gram [L, d, d] float64 symmetric, only its lower triangle read -> (lambda [L, d] ascending,
   // eigenvectors [L, d, d] as columns), like torch.linalg.eigh. algorithm: "auto", "syevj_batched",
   // "syev_batched" or "syevd_streams" (the benchmark forces each one).
   m.def("batched_eigh(Tensor gram, str algorithm=\"auto\") -> (Tensor, Tensor)");

@@ -3,8 +3,8 @@
     python experiments/lm_ppl.py                                  # embedded default on local text (offline)
     python experiments/lm_ppl.py --model gpt2-xl --dataset wikitext --dataset-config wikitext-103-raw-v1
 
-Protocol (reference.md §2.10, without its mistakes): each method learns from the learn split (train) and is scored on
-non-overlapping `--window`-token windows of the score split (test); every predicted token is scored once, padding
+Protocol (docs/authors.md §2.10, without its mistakes): each method learns from the learn split (train) and is scored
+on non-overlapping `--window`-token windows of the score split (test); every predicted token is scored once, padding
 never, and every method scores the same tokens. Methods:
 - zero-shot: the frozen model;
 - FAAST: learning = forward passes into the fast weights (statistics only, fixed size);
@@ -81,6 +81,17 @@ def curve_points(total: int, count: int) -> list[int]:
     if count <= 1:
         return [total]
     return sorted({max(1, total >> k) for k in range(count)})
+
+
+def baseline_layers(model) -> list[int]:  # noqa: ANN001 - a FaastModel
+    """Blocks of the linear projection (and LoRA's parameter budget): FAAST's middle layers, or, for the default
+    configuration without any, the placement of the shipped readout's rule with 6 layers (fewer on small models)."""
+    from faast.hf import FaastConfig
+
+    if model.faast_config.layers:
+        return list(model.faast_config.layers)
+    blocks = model.faast_config.num_hidden_layers
+    return FaastConfig(num_layers=min(6, blocks)).block_indices(blocks, 0)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -178,11 +189,12 @@ def main(argv: list[str] | None = None) -> dict:
         row(f"kNN-LM (k={knn.config.k}, λ={knn.config.lam})", result, learn_s, knn.nbytes())
         del knn
 
-    linear_params = len(model.faast_config.layers) * base.config.hidden_size**2
+    layers = baseline_layers(model)
+    linear_params = len(layers) * base.config.hidden_size**2
     fit = {"window": args.train_window, "batch_size": args.train_batch_size, "epochs": args.train_epochs}
     if "linear" in args.methods:
         with model.disable_faast():
-            projection = LinearProjection(base, model.faast_config.layers)
+            projection = LinearProjection(base, layers)
             stats = fit_causal_lm(base, list(projection.parameters()), learn, lr=args.linear_lr, **fit)
             result = perplexity(base, windows, batch_size=args.batch_size)
             projection.remove()
@@ -215,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         r["relative_reduction"] = 1 - r["ppl"] / zero.ppl
     payload = {"model": description, "data": data, "learn_tokens": n_learn, "scored_tokens": zero.tokens,
-               "window": args.window, "layers": model.faast_config.layers, "rows": rows, "curve": curve,
+               "window": args.window, "layers": model.faast_config.layers, "baseline_layers": layers, "rows": rows,
+               "curve": curve,
                "zero_shot_ppl": zero.ppl, "notes": notes, "training": fit,
                "torch_threads": torch.get_num_threads()}  # fmt: skip
     lines = [

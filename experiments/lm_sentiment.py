@@ -4,7 +4,7 @@
     python experiments/lm_sentiment.py --model gpt2-xl --dataset sst2    # where the hub is reachable
     python experiments/lm_sentiment.py --model gpt2-xl --dataset imdb --shots 1,2,full
 
-Protocol (reference.md §2.11, without its mistakes): the prompt is `Review: <text>\\nSentiment:` and the prediction
+Protocol (docs/authors.md §2.11, without its mistakes): the prompt is `Review: <text>\\nSentiment:` and the prediction
 is whichever label continuation (" positive" / " negative") the model finds more likely; with single-token labels
 this compares the next-token logits, the paper's rule. Texts are cut to `--max-words` words (SST-2 100, IMDB 300).
 - k-shot (k per label): for each query, k support examples per label are drawn (balanced, shuffled, seeded by the

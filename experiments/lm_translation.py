@@ -3,7 +3,7 @@
     python experiments/lm_translation.py                                        # embedded default, shipped pairs
     python experiments/lm_translation.py --model Qwen/Qwen2.5-3B-Instruct --dataset iwslt2017 --num-beams 5
 
-Protocol (reference.md §2.11, without its mistakes): with a chat template the system turn is "You are a helpful
+Protocol (docs/authors.md §2.11, without its mistakes): with a chat template the system turn is "You are a helpful
 assistant." and the user turn `Please translate <Src> text into <Tgt>.\\n\\n<Src>: <src>\\n<Tgt>:`; the reference is
 the assistant turn when learning. Without a chat template the same text is a plain prompt and the reference follows it.
 - 1-shot: for each query one support pair is drawn (seeded by the query's index, shared by FAAST and ICL). FAAST

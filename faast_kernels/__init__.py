@@ -20,4 +20,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-__all__ = ["HAS_TRITON", "interpreting"]
+def autotuning() -> bool:
+    """False when FAAST_TRITON_AUTOTUNE=0: every kernel runs its first configuration only (tests compile fewer
+    variants; benchmarks time the tuned kernels)."""
+    return os.environ.get("FAAST_TRITON_AUTOTUNE", "1") not in ("", "0")
+
+
+__all__ = ["HAS_TRITON", "autotuning", "interpreting"]

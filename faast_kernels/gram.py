@@ -1,150 +1,301 @@
-"""Fused, layer-batched Gram accumulation: S += Kᵀ K and T += Kᵀ diag(s) V in one pass over the rows.
+"""Fused, layer-batched Gram accumulation: S += Kᵀ K, T += Kᵀ diag(s) V and ‖Y‖² in one pass over the rows.
 
 Layout: keys K [L, N, dk], values V [L, N, dv], scores s [L, N] (optional), mask [L, N] bool (optional), any strides;
-S [L, dk, dk] and T [L, dk, dv] float64. One program owns one output tile of one layer and walks all N rows in
-order, so the reduction order is fixed and the result bitwise reproducible (no atomics). Only the tiles on and
-above the diagonal of S are computed; an off-diagonal tile is stored twice (transposed into the lower triangle).
+S [L, dk, dk], T [L, dk, dv] and the GCV statistic ‖Y‖² [L] float64, updated in place.
 
-Precision modes (method.md §4):
-  "fp64"    tiles are upcast to float64 and multiplied in float64: exact products and float64 sums, the same
-            numbers as the torch reference up to summation order. Passes the float64 fidelity suite; the default.
+Grid: (output tiles, L, splits). A program owns one BM x BM tile of S (upper triangle only: an off-diagonal tile is
+also stored transposed into the lower one) or of T, for one layer, over one fixed range of rows. With one split the
+program walks all N rows and adds straight into S and T. When tiles x L would leave most multiprocessors idle, the
+rows are cut into `splits` fixed ranges; each writes its own float64 partial and the partials are summed afterwards
+in split order. No atomics anywhere, so the result is bitwise reproducible for a given launch configuration.
+
+Inside a program the rows go by in chunks of FLUSH_ROWS: the products of a chunk are summed in the mode's accumulator
+and the chunk's sum is then added into the float64 tile in global memory (the program's own tile, read-modify-write),
+which keeps only a float32 accumulator in registers.
+
+Precision modes (docs/numerics.md §4):
+  "fp64"    tiles are upcast to float64 and multiplied in float64: exact products and float64 sums. Passes the float64
+            fidelity suite. Triton's float64 dot does not compile for sm_90 in Triton 3.6 (measured on an H100,
+            benchmarks/results/gpu_h100_run1.md): on such GPUs use the torch backend (cuBLAS DGEMM).
+  "exact16" for bf16 / fp16 inputs: native 16-bit tensor-core dots, whose products are exact in float32, summed in
+            float32 over FLUSH_ROWS rows and then in float64. Score-weighted factors s·v are not 16-bit numbers: they
+            are split into a 16-bit head and a 16-bit tail and take two dots (~16 significant bits of s·v).
   "tf32x3"  tensor-core products at float32 accuracy: each float32 factor is split into a TF32 head and a tail and
-            three TF32 dots (hi·hi + hi·lo + lo·hi) are summed in float32, flushed into float64 every FLUSH_ROWS
-            rows; bf16/fp16 inputs are TF32 numbers already and take one exact dot. Spurious directions below
-            ~1e-7·λmax, like any float32 accumulation, so it is opt-in (numerics.md §1). (bf16 hi + lo splitting
-            was the other candidate: it keeps 16 significand bits, not 22.)
-  "fp32"    plain float32 products and sums (IEEE, no TF32), flushed into float64 every FLUSH rows. Opt-in.
+            three TF32 dots (hi·hi + hi·lo + lo·hi) are summed in float32; 16-bit inputs without scores take one dot.
+  "fp32"    plain float32 products and sums (IEEE, no TF32). Opt-in.
+The float32-accumulating modes lose directions below ~1e-7·λmax like any float32 sum; the fidelity suite
+(benchmarks/fidelity_triton_modes.py) decides which of them a caller may use where.
 
-Masked-out rows and the padding of the last row block are excluded with `where`, never by multiplication, so a
-NaN in an ignored row cannot leak. The kernel does not import faast.
+Masked-out rows and the padding of the last row block are excluded with `where`, never by multiplication, so a NaN in
+an ignored row cannot leak. The kernel does not import faast.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-PRECISIONS = ("fp64", "tf32x3", "fp32")
-FLUSH_ROWS = 256  # float32 partial sums are folded into float64 after at most this many rows
+from . import autotuning, interpreting
+
+PRECISIONS = ("fp64", "exact16", "tf32x3", "fp32")
+# Rows summed in the float32 accumulator before each float64 add, per mode (the 16-bit mode's value comes from the
+# fidelity suite's sweep over R; see benchmarks/results/).
+FLUSH_ROWS = {"fp64": 1 << 30, "exact16": 64, "tf32x3": 256, "fp32": 256}
+# A split covers at least this many rows: below it the partial tiles cost more traffic than the split saves.
+MIN_SPLIT_ROWS = 2048
+MAX_SPLITS = 16
+_REFERENCE_TILE = 128  # tile edge the split count is planned with (the largest tuned tile)
+
+
+def _configs(precision: str) -> list[triton.Config]:
+    if interpreting():
+        # One small tile: odd test shapes then span several tiles, row blocks and flushes.
+        return [triton.Config({"BM": 32, "BK": 16}, num_warps=4, num_stages=1)]
+    if precision == "fp64":
+        return [triton.Config({"BM": 32, "BK": 16}, num_warps=4, num_stages=2)]
+    configs = [
+        triton.Config({"BM": 128, "BK": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BM": 128, "BK": 32}, num_warps=4, num_stages=4),
+        triton.Config({"BM": 64, "BK": 64}, num_warps=4, num_stages=3),
+    ]
+    return configs if autotuning() else configs[:1]
 
 
 @triton.jit
-def _load_rows(ptr, stride_n, stride_d, rows, cols, n_rows, n_cols, keep):
+def _load_rows(ptr, stride_n, stride_d, rows, cols, n_cols, keep):
     # int64 offsets: L·N·d can exceed 2^31 elements.
     offs = rows.to(tl.int64)[:, None] * stride_n + cols.to(tl.int64)[None, :] * stride_d
-    inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols) & keep[:, None]
+    inside = (cols[None, :] < n_cols) & keep[:, None]
     x = tl.load(ptr + offs, mask=inside, other=0.0)
     return tl.where(inside, x, 0.0)
 
 
 @triton.jit
-def _gram_accumulate_kernel(
-    K, V, SCORES, MASK, OUT_S, OUT_T, TILES,
-    N, DK, DV,
+def _upper_tile(t, nk):
+    """(i, j) of the t-th tile of the upper triangle (i <= j), row-major, of an nk x nk grid of tiles."""
+    total = nk * (nk + 1) // 2
+    r = total - 1 - t  # counted from the last tile: row nk-1-k holds k+1 tiles
+    k = ((tl.sqrt((8 * r + 1).to(tl.float32)) - 1) * 0.5).to(tl.int32)
+    k = tl.where((k + 1) * (k + 2) // 2 <= r, k + 1, k)  # float rounding of the root, either way
+    k = tl.where(k * (k + 1) // 2 > r, k - 1, k)
+    i = nk - 1 - k
+    j = nk - 1 - (r - k * (k + 1) // 2)
+    return i, j
+
+
+@triton.jit
+def _chunk_product(
+    a_base, b_base, SCORES, MASK, layer, start_row, end_row,
+    stride_an, stride_ad, stride_bn, stride_bd, stride_sl, stride_sn, stride_ml, stride_mn,
+    cols_i, cols_j, DA, DB,
+    SCORED: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    NATIVE16: tl.constexpr, TF32_SPLIT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """Σ over rows [start_row, end_row) of a[:, cols_i]ᵀ · s·b[:, cols_j], [BM, BM] in the mode's accumulator."""
+    if PRECISION == "fp64":
+        acc = tl.zeros((BM, BM), dtype=tl.float64)
+    else:
+        acc = tl.zeros((BM, BM), dtype=tl.float32)
+    for start in range(start_row, end_row, BK):
+        rows = start + tl.arange(0, BK)
+        keep = rows < end_row
+        if HAS_MASK:
+            flag = tl.load(MASK + layer * stride_ml + rows.to(tl.int64) * stride_mn, mask=keep, other=0)
+            keep = keep & (flag != 0)
+        a_t = tl.trans(_load_rows(a_base, stride_an, stride_ad, rows, cols_i, DA, keep))
+        b = _load_rows(b_base, stride_bn, stride_bd, rows, cols_j, DB, keep)
+        if SCORED:
+            s = tl.load(SCORES + layer * stride_sl + rows.to(tl.int64) * stride_sn, mask=keep, other=0.0)
+            s = tl.where(keep, s, 0.0)
+        if PRECISION == "fp64":
+            b64 = b.to(tl.float64)
+            if SCORED:
+                b64 = b64 * s.to(tl.float64)[:, None]
+            acc += tl.dot(a_t.to(tl.float64), b64)
+        elif PRECISION == "exact16":
+            if SCORED:
+                # s·v is not a 16-bit number: a 16-bit head and the 16-bit rounding of the float32 remainder.
+                b32 = b.to(tl.float32) * s.to(tl.float32)[:, None]
+                b_hi = b32.to(b.dtype)
+                b_lo = (b32 - b_hi.to(tl.float32)).to(b.dtype)
+                if NATIVE16:
+                    acc += tl.dot(a_t, b_hi)
+                    acc += tl.dot(a_t, b_lo)
+                else:  # the interpreter evaluates 16-bit dots wrongly: the same exact products from float32 copies
+                    a32 = a_t.to(tl.float32)
+                    acc += tl.dot(a32, b_hi.to(tl.float32), input_precision="ieee")
+                    acc += tl.dot(a32, b_lo.to(tl.float32), input_precision="ieee")
+            elif NATIVE16:
+                acc += tl.dot(a_t, b)
+            else:
+                acc += tl.dot(a_t.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            a32 = a_t.to(tl.float32)
+            b32 = b.to(tl.float32)
+            if SCORED:
+                b32 = b32 * s.to(tl.float32)[:, None]
+            if PRECISION == "tf32x3":
+                if TF32_SPLIT or SCORED:
+                    # x = hi + lo with hi = x's top 11 significand bits (exactly a TF32 number): hi·hi is exact in
+                    # float32, and the two cross terms restore the bits TF32 drops (3xTF32).
+                    a_hi = (a32.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+                    b_hi = (b32.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+                    acc += tl.dot(a_hi, b32 - b_hi, input_precision="tf32")
+                    acc += tl.dot(a32 - a_hi, b_hi, input_precision="tf32")
+                    acc += tl.dot(a_hi, b_hi, input_precision="tf32")
+                else:  # 16-bit inputs are TF32 numbers already: one exact-product dot
+                    acc += tl.dot(a32, b32, input_precision="tf32")
+            else:
+                acc += tl.dot(a32, b32, input_precision="ieee")
+    return acc
+
+
+@triton.jit(do_not_specialize=["N", "ROWS_PER_SPLIT"])
+def _gram_kernel(
+    K, V, SCORES, MASK, OUT_S, OUT_T, OUT_SQ,
+    N, DK, DV, ROWS_PER_SPLIT,
     stride_kl, stride_kn, stride_kd,
     stride_vl, stride_vn, stride_vd,
     stride_sl, stride_sn,
     stride_ml, stride_mn,
+    split_stride_s, split_stride_t, NV_MAX,
     HAS_SCORES: tl.constexpr, HAS_MASK: tl.constexpr, WLS: tl.constexpr, ACCUMULATE: tl.constexpr,
-    PRECISION: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    FLUSH: tl.constexpr,
+    PRECISION: tl.constexpr, NATIVE16: tl.constexpr, TF32_SPLIT: tl.constexpr, FLUSH_ROWS: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
-    kind = tl.load(TILES + 3 * tile)  # 0: a tile of S (i <= j), 1: a tile of T
-    ti = tl.load(TILES + 3 * tile + 1)
-    tj = tl.load(TILES + 3 * tile + 2)
-    cols_i = ti * BM + tl.arange(0, BM)
-    cols_j = tj * BN + tl.arange(0, BN)
+    split = tl.program_id(2)
+    nk = tl.cdiv(DK, BM)
+    nv = tl.cdiv(DV, BM)
+    n_s = nk * (nk + 1) // 2
+    n_t = nk * nv
+    row_start = split * ROWS_PER_SPLIT
+    row_end = tl.minimum(row_start + ROWS_PER_SPLIT, N)
     k_base = K + layer * stride_kl
-    if kind == 0:
-        b_base = k_base
-        b_stride_n = stride_kn
-        b_stride_d = stride_kd
-        b_cols = DK
-    else:
-        b_base = V + layer * stride_vl
-        b_stride_n = stride_vn
-        b_stride_d = stride_vd
-        b_cols = DV
-
-    acc64 = tl.zeros((BM, BN), dtype=tl.float64)
-    acc32 = tl.zeros((BM, BN), dtype=tl.float32)
-    for start in range(0, N, BK):
-        rows = start + tl.arange(0, BK)
-        keep = rows < N
-        if HAS_MASK:
-            keep = keep & (
-                tl.load(MASK + layer * stride_ml + rows.to(tl.int64) * stride_mn, mask=rows < N, other=0) != 0
-            )
-        a = _load_rows(k_base, stride_kn, stride_kd, rows, cols_i, N, DK, keep)
-        b = _load_rows(b_base, b_stride_n, b_stride_d, rows, cols_j, N, b_cols, keep)
-        if PRECISION == "fp64":
-            a = a.to(tl.float64)
-            b = b.to(tl.float64)
+    v_base = V + layer * stride_vl
+    if tile < n_s + n_t:
+        is_t = tile >= n_s
+        ti_s, tj_s = _upper_tile(tl.minimum(tile, n_s - 1), nk)
+        t_idx = tl.maximum(tile - n_s, 0)
+        ti = tl.where(is_t, t_idx // nv, ti_s)
+        tj = tl.where(is_t, t_idx % nv, tj_s)
+        cols_i = ti * BM + tl.arange(0, BM)
+        cols_j = tj * BM + tl.arange(0, BM)
+        if is_t:
+            b_base = v_base
+            b_stride_n = stride_vn
+            b_stride_d = stride_vd
+            b_cols = DV
+            out = OUT_T + split.to(tl.int64) * split_stride_t + layer * DK * DV
+            offs = cols_i.to(tl.int64)[:, None] * DV + cols_j[None, :]
+            inside = (cols_i[:, None] < DK) & (cols_j[None, :] < DV)
         else:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if HAS_SCORES:
+            b_base = k_base
+            b_stride_n = stride_kn
+            b_stride_d = stride_kd
+            b_cols = DK
+            out = OUT_S + split.to(tl.int64) * split_stride_s + layer * DK * DK
+            offs = cols_i.to(tl.int64)[:, None] * DK + cols_j[None, :]
+            inside = (cols_i[:, None] < DK) & (cols_j[None, :] < DK)
+        # Each chunk's sum goes straight into the program's own float64 tile in global memory (read-modify-write):
+        # only the float32 accumulator lives in registers.
+        if not ACCUMULATE:
+            tl.store(out + offs, tl.zeros((BM, BM), dtype=tl.float64), mask=inside)
+        for chunk in range(row_start, row_end, FLUSH_ROWS):
+            chunk_end = tl.minimum(chunk + FLUSH_ROWS, row_end)
             # Scores weight the values (tiles of T) only; with weighted least squares, the rows of S too.
-            s = tl.load(SCORES + layer * stride_sl + rows.to(tl.int64) * stride_sn, mask=keep, other=0.0)
-            s = tl.where(keep, s, 0.0).to(b.dtype)
-            use = (kind == 1) | WLS
-            b = b * tl.where(use, s, 1.0)[:, None]
-        if PRECISION == "fp64":
-            acc64 += tl.dot(tl.trans(a), b)
-        else:
-            at = tl.trans(a)
-            if PRECISION == "tf32x3":
-                if SPLIT:
-                    # x = hi + lo with hi = x's top 11 significand bits (exactly a TF32 number): hi·hi is exact in
-                    # float32, and the two cross terms restore the bits TF32 drops (3xTF32).
-                    a_hi = (at.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-                    b_hi = (b.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-                    acc32 += tl.dot(a_hi, b - b_hi, input_precision="tf32")
-                    acc32 += tl.dot(at - a_hi, b_hi, input_precision="tf32")
-                    acc32 += tl.dot(a_hi, b_hi, input_precision="tf32")
-                else:  # 16-bit inputs are TF32 numbers already: one exact-product dot
-                    acc32 += tl.dot(at, b, input_precision="tf32")
+            if HAS_SCORES:
+                if WLS:
+                    acc = _chunk_product(k_base, b_base, SCORES, MASK, layer, chunk, chunk_end,
+                                         stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn,
+                                         stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, True, HAS_MASK,
+                                         PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
+                elif is_t:
+                    acc = _chunk_product(k_base, b_base, SCORES, MASK, layer, chunk, chunk_end,
+                                         stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn,
+                                         stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, True, HAS_MASK,
+                                         PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
+                else:
+                    acc = _chunk_product(k_base, b_base, SCORES, MASK, layer, chunk, chunk_end,
+                                         stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn,
+                                         stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, False, HAS_MASK,
+                                         PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
             else:
-                acc32 += tl.dot(at, b, input_precision="ieee")
-            if (start // BK + 1) % FLUSH == 0:
-                acc64 += acc32.to(tl.float64)
-                acc32 = tl.zeros((BM, BN), dtype=tl.float32)
-    acc64 += acc32.to(tl.float64)
-
-    layer_s = OUT_S + layer * DK * DK
-    if kind == 0:
-        if ti == tj:  # a diagonal tile: its two triangles hold the same sums, possibly rounded differently
-            acc64 = tl.where(cols_i[:, None] <= cols_j[None, :], acc64, tl.trans(acc64))
-        offs = cols_i.to(tl.int64)[:, None] * DK + cols_j[None, :]
-        inside = (cols_i[:, None] < DK) & (cols_j[None, :] < DK)
-        if ACCUMULATE:
-            acc64 += tl.load(layer_s + offs, mask=inside, other=0.0)
-        tl.store(layer_s + offs, acc64, mask=inside)
-        if ti != tj:  # mirror into the lower triangle
-            offs_t = cols_j.to(tl.int64)[None, :] * DK + cols_i[:, None]
-            tl.store(layer_s + offs_t, acc64, mask=inside)
+                acc = _chunk_product(k_base, b_base, SCORES, MASK, layer, chunk, chunk_end,
+                                     stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn,
+                                     stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, False, HAS_MASK,
+                                     PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
+            tl.debug_barrier()  # the previous flush's stores (by any thread of the program) before this load
+            prev = tl.load(out + offs, mask=inside, other=0.0)
+            tl.store(out + offs, prev + acc.to(tl.float64), mask=inside)
+        if not is_t:
+            tl.debug_barrier()
+            total = tl.load(out + offs, mask=inside, other=0.0)
+            if ti == tj:  # a diagonal tile: its two triangles hold the same sums, possibly rounded differently
+                total = tl.where(cols_i[:, None] <= cols_j[None, :], total, tl.trans(total))
+                tl.debug_barrier()
+                tl.store(out + offs, total, mask=inside)
+            else:  # mirror into the lower triangle
+                offs_t = cols_j.to(tl.int64)[None, :] * DK + cols_i[:, None]
+                tl.store(out + offs_t, total, mask=inside)
     else:
-        layer_t = OUT_T + layer * DK * DV
-        offs = cols_i.to(tl.int64)[:, None] * DV + cols_j[None, :]
-        inside = (cols_i[:, None] < DK) & (cols_j[None, :] < DV)
-        if ACCUMULATE:
-            acc64 += tl.load(layer_t + offs, mask=inside, other=0.0)
-        tl.store(layer_t + offs, acc64, mask=inside)
+        # The GCV statistic ‖Y‖² over one block of value columns: Σ s²‖v‖² (Σ s‖v‖² with weighted least squares).
+        tj = tile - n_s - n_t
+        cols = tj * BM + tl.arange(0, BM)
+        sq = tl.zeros((BM,), dtype=tl.float64)
+        for start in range(row_start, row_end, BK):
+            rows = start + tl.arange(0, BK)
+            keep = rows < row_end
+            if HAS_MASK:
+                flag = tl.load(MASK + layer * stride_ml + rows.to(tl.int64) * stride_mn, mask=keep, other=0)
+                keep = keep & (flag != 0)
+            v = _load_rows(v_base, stride_vn, stride_vd, rows, cols, DV, keep).to(tl.float64)
+            if HAS_SCORES:
+                s = tl.load(SCORES + layer * stride_sl + rows.to(tl.int64) * stride_sn, mask=keep, other=0.0)
+                s = tl.where(keep, s, 0.0).to(tl.float64)
+                w = s if WLS else s * s
+                sq += tl.sum(v * v * w[:, None], axis=0)
+            else:
+                sq += tl.sum(v * v, axis=0)
+        tl.store(OUT_SQ + (split * tl.num_programs(1) + layer) * NV_MAX + tj, tl.sum(sq, axis=0))
 
 
-def _tile_table(dk: int, dv: int, block: int, device: torch.device) -> torch.Tensor:
-    """(kind, i, j) per program: the upper-triangle tiles of S, then every tile of T."""
-    nk, nv = triton.cdiv(dk, block), triton.cdiv(dv, block)
-    tiles = [(0, i, j) for i in range(nk) for j in range(i, nk)] + [(1, i, j) for i in range(nk) for j in range(nv)]
-    return torch.tensor(tiles, dtype=torch.int32, device=device).reshape(-1)
+@functools.cache
+def _tuned(precision: str):  # noqa: ANN202 - a triton Autotuner
+    # Tiles, row steps, warps and stages do not change which rows a program sums or when it flushes into float64, so
+    # every configuration computes the same partial sums; autotuning picks the fastest per (dk, dv, mode, options).
+    return triton.autotune(
+        configs=_configs(precision),
+        key=["DK", "DV", "HAS_SCORES", "HAS_MASK", "WLS", "ACCUMULATE", "NATIVE16", "TF32_SPLIT"],
+        restore_value=["OUT_S", "OUT_T", "OUT_SQ"],
+    )(_gram_kernel)
 
 
-def _block(precision: str) -> tuple[int, int]:
-    # (tile edge, rows per step). Small float64 tiles: float64 dots have no tensor-core path on most GPUs.
-    return (32, 32) if precision == "fp64" else (64, 32)
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def plan_splits(n: int, dk: int, dv: int, layers: int, device: torch.device) -> int:
+    """How many row ranges to cut N into: enough programs for two waves of the GPU's multiprocessors, each range at
+    least MIN_SPLIT_ROWS rows (1 on a CPU and whenever the tiles alone fill the GPU)."""
+    if device.type != "cuda":
+        return 1
+    tiles = triton.cdiv(dk, _REFERENCE_TILE)
+    tiles = tiles * (tiles + 1) // 2 + tiles * triton.cdiv(dv, _REFERENCE_TILE)
+    want = triton.cdiv(2 * _sm_count(device.index or 0), tiles * layers)
+    return max(1, min(want, MAX_SPLITS, n // MIN_SPLIT_ROWS))
+
+
+def _check(name: str, t: torch.Tensor | None, shape: tuple, device: torch.device) -> None:
+    if t is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+    if t is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
 
 
 def gram_accumulate(
@@ -155,71 +306,127 @@ def gram_accumulate(
     *,
     gram: torch.Tensor | None = None,
     cross: torch.Tensor | None = None,
+    sqnorm: torch.Tensor | None = None,
     weighted_least_squares: bool = False,
     precision: str = "fp64",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    flush_rows: int | None = None,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused Gram kernel for all layers at once.
 
     Args:
         keys: [L, N, dk] float16 / bfloat16 / float32 / float64, any strides.
-        values: [L, N, dv], same L and N.
+        values: [L, N, dv], same L and N. keys and values of different dtypes are promoted to a common one.
         scores: [L, N] or None. mask: [L, N] bool or None (False rows are skipped).
-        gram, cross: float64 accumulators [L, dk, dk], [L, dk, dv], contiguous, updated in place; None: new ones
-            holding just this batch's statistics (every element written by the kernel).
-        precision: one of PRECISIONS (see the module docstring).
+        gram, cross, sqnorm: float64 accumulators [L, dk, dk], [L, dk, dv], [L], contiguous, updated in place; None:
+            new ones holding just this batch's statistics. sqnorm collects ‖Y‖² (Σ s²‖v‖², or Σ s‖v‖² with weighted
+            least squares), the statistic generalized cross-validation needs.
+        precision: one of PRECISIONS (see the module docstring). "exact16" needs bf16 or fp16 keys and values.
+        flush_rows: rows summed in the float32 accumulator before each float64 add (default FLUSH_ROWS[precision]).
+        splits: row ranges (default: plan_splits). Results are bitwise reproducible for a given value.
 
-    Returns (gram, cross), float64.
+    Returns (gram, cross, sqnorm), float64.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
-    for name, t, nd in (("keys", keys, 3), ("values", values, 3)):
-        if not isinstance(t, torch.Tensor) or t.dim() != nd or not t.is_floating_point():
+    for name, t in (("keys", keys), ("values", values)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
             raise ValueError(f"{name}: expected a floating tensor [L, N, d], got {getattr(t, 'shape', type(t))}")
     L, N, dk = keys.shape
     dv = values.shape[-1]
+    device = keys.device
     if values.shape[:2] != (L, N):
         raise ValueError(f"values: expected shape [{L}, {N}, dv] (the L, N of keys), got {list(values.shape)}")
-    for name, t in (("scores", scores), ("mask", mask)):
-        if t is not None and tuple(t.shape) != (L, N):
-            raise ValueError(f"{name}: expected shape [{L}, {N}], got {list(t.shape)}")
-        if t is not None and t.device != keys.device:
-            raise ValueError(f"{name}: expected device {keys.device}, got {t.device}")
-    if values.device != keys.device:
-        raise ValueError(f"values: expected device {keys.device}, got {values.device}")
-    accumulate = gram is not None
-    if (gram is None) != (cross is None):
-        raise ValueError("gram, cross: pass both accumulators or neither")
+    _check("values", values, (L, N, dv), device)
+    _check("scores", scores, (L, N), device)
+    _check("mask", mask, (L, N), device)
+    if keys.dtype != values.dtype:  # one dtype for both dot operands; the promotion is exact
+        common = torch.promote_types(keys.dtype, values.dtype)
+        keys, values = keys.to(common), values.to(common)
+    if precision == "exact16" and keys.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"keys: precision='exact16' needs bfloat16 or float16 keys and values, got {keys.dtype}")
+    flush = FLUSH_ROWS[precision] if flush_rows is None else int(flush_rows)
+    if flush < 1:
+        raise ValueError(f"flush_rows: expected an int >= 1, got {flush_rows!r}")
+    accumulators = {"gram": gram, "cross": cross, "sqnorm": sqnorm}
+    given = [k for k, v in accumulators.items() if v is not None]
+    if given and len(given) != 3:
+        raise ValueError("gram, cross, sqnorm: pass all three accumulators or none")
+    accumulate = bool(given)
     if accumulate:
-        for name, t, shape in (("gram", gram, (L, dk, dk)), ("cross", cross, (L, dk, dv))):
-            if t.dtype != torch.float64 or tuple(t.shape) != shape or not t.is_contiguous() or t.device != keys.device:
-                raise ValueError(f"{name}: expected a contiguous float64 tensor {list(shape)} on {keys.device}")
+        for name, t, shape in (("gram", gram, (L, dk, dk)), ("cross", cross, (L, dk, dv)), ("sqnorm", sqnorm, (L,))):
+            if t.dtype != torch.float64 or tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
+                raise ValueError(f"{name}: expected a contiguous float64 tensor {list(shape)} on {device}")
     else:
-        gram = torch.empty((L, dk, dk), dtype=torch.float64, device=keys.device)
-        cross = torch.empty((L, dk, dv), dtype=torch.float64, device=keys.device)
+        gram = torch.empty((L, dk, dk), dtype=torch.float64, device=device)
+        cross = torch.empty((L, dk, dv), dtype=torch.float64, device=device)
+        sqnorm = torch.empty((L,), dtype=torch.float64, device=device)
     if L == 0 or dk == 0:
-        return gram, cross
-    if N == 0 and not accumulate:
-        gram.zero_()
-        cross.zero_()
-        return gram, cross
-    block, rows = _block(precision)
-    tiles = _tile_table(dk, dv, block, keys.device)
+        if not accumulate:
+            cross.zero_()
+            sqnorm.zero_()
+        return gram, cross, sqnorm
+    if N == 0 or dv == 0:
+        if not accumulate:
+            gram.zero_()
+            cross.zero_()
+            sqnorm.zero_()
+        if N == 0 or not accumulate:
+            return gram, cross, sqnorm
+    nsplit = plan_splits(N, dk, dv, L, device) if splits is None else int(splits)
+    if nsplit < 1:
+        raise ValueError(f"splits: expected an int >= 1, got {splits!r}")
+    rows_per_split = triton.cdiv(N, nsplit)
+    block = _configs(precision)[-1].kwargs["BM"]  # the smallest tile: the most column tiles of any configuration
+    nv_max = triton.cdiv(dv, block)
+    if nsplit == 1:
+        out_s, out_t, in_place = gram, cross, accumulate
+    else:
+        out_s = torch.empty((nsplit, L, dk, dk), dtype=torch.float64, device=device)
+        out_t = torch.empty((nsplit, L, dk, dv), dtype=torch.float64, device=device)
+        in_place = False
+    out_sq = torch.zeros((nsplit, L, nv_max), dtype=torch.float64, device=device)
     mask_arg = mask.to(torch.int8) if mask is not None else keys  # dummy pointer when absent
     scores_arg = scores if scores is not None else keys
-    grid = (tiles.numel() // 3, L)
-    _gram_accumulate_kernel[grid](
-        keys, values, scores_arg, mask_arg, gram, cross, tiles,
-        N, dk, dv,
+    native16 = keys.dtype in (torch.float16, torch.bfloat16) and not interpreting() and device.type == "cuda"
+    tf32_split = keys.dtype in (torch.float32, torch.float64)
+
+    def grid(meta: dict) -> tuple[int, int, int]:
+        # Tiles of S's upper triangle, tiles of T, and one program per value-column block for ‖Y‖².
+        nk, nv = triton.cdiv(dk, meta["BM"]), triton.cdiv(dv, meta["BM"])
+        return (nk * (nk + 1) // 2 + nk * nv + nv, L, nsplit)
+
+    _tuned(precision)[grid](
+        keys, values, scores_arg, mask_arg, out_s, out_t, out_sq,
+        N, dk, dv, rows_per_split,
         *keys.stride(), *values.stride(),
         *(scores.stride() if scores is not None else (0, 0)),
         *(mask_arg.stride() if mask is not None else (0, 0)),
+        L * dk * dk, L * dk * dv, nv_max,
         HAS_SCORES=scores is not None, HAS_MASK=mask is not None, WLS=bool(weighted_least_squares),
-        ACCUMULATE=accumulate, PRECISION=precision, BM=block, BN=block, BK=rows, FLUSH=max(1, FLUSH_ROWS // rows),
-        # Split whenever a factor may not be exactly a TF32 number: float32/float64 inputs, or score-weighted values.
-        SPLIT=keys.dtype in (torch.float32, torch.float64) or values.dtype in (torch.float32, torch.float64)
-        or scores is not None,
+        ACCUMULATE=in_place, PRECISION=precision, NATIVE16=native16, TF32_SPLIT=tf32_split, FLUSH_ROWS=flush,
     )  # fmt: skip
-    return gram, cross
+    if nsplit > 1:
+        # Partials summed in split order (a fixed order: bitwise reproducible), then into the accumulators.
+        total_s, total_t = out_s[0], out_t[0]
+        for k in range(1, nsplit):
+            total_s = total_s + out_s[k]
+            total_t = total_t + out_t[k]
+        if accumulate:
+            gram.add_(total_s)
+            cross.add_(total_t)
+        else:
+            gram.copy_(total_s)
+            cross.copy_(total_t)
+    # Entries past the chosen tile's column-block count stay zero in out_sq.
+    batch_sq = out_sq[0].sum(-1)
+    for k in range(1, nsplit):
+        batch_sq = batch_sq + out_sq[k].sum(-1)
+    if accumulate:
+        sqnorm.add_(batch_sq)
+    else:
+        sqnorm.copy_(batch_sq)
+    return gram, cross, sqnorm
 
 
 def naive_gram(
@@ -229,15 +436,17 @@ def naive_gram(
     mask: torch.Tensor | None = None,
     *,
     weighted_least_squares: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 oracle of gram_accumulate: (Kᵀ K, Kᵀ diag(s) V) over unmasked rows, [L, dk, dk] and [L, dk, dv]."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 oracle of gram_accumulate: (Kᵀ K, Kᵀ diag(s) V, ‖Y‖²) over unmasked rows, [L, dk, dk], [L, dk, dv],
+    [L]."""
     k, v = keys.to(torch.float64), values.to(torch.float64)
     keep = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if mask is None else mask.bool()
     k = torch.where(keep[..., None], k, 0.0)
     v = torch.where(keep[..., None], v, 0.0)
     s = None if scores is None else torch.where(keep, scores.to(torch.float64), 0.0)
     if s is None:
-        return k.mT @ k, k.mT @ v
+        return k.mT @ k, k.mT @ v, v.square().sum((-2, -1))
     if weighted_least_squares:
-        return k.mT @ (s[..., None] * k), k.mT @ (s[..., None] * v)
-    return k.mT @ k, k.mT @ (s[..., None] * v)
+        return k.mT @ (s[..., None] * k), k.mT @ (s[..., None] * v), (s * v.square().sum(-1)).sum(-1)
+    sv = s[..., None] * v
+    return k.mT @ k, k.mT @ sv, sv.square().sum((-2, -1))

@@ -1,12 +1,16 @@
 """torch.library custom ops over the kernels, with fake (meta) implementations and the gradient of the statistics.
 
     torch.ops.faast_kernels.gram_statistics(keys [L, N, dk], values [L, N, dv], scores [L, N]?, mask [L, N]?,
-                                            weighted_least_squares, precision) -> (S [L, dk, dk], T [L, dk, dv])
+                                            weighted_least_squares, precision)
+        -> (S [L, dk, dk], T [L, dk, dv], ‖Y‖² [L])                      new float64 tensors, differentiable
+    torch.ops.faast_kernels.gram_accumulate_(keys, values, scores?, mask?, gram!, cross!, sqnorm!,
+                                             weighted_least_squares, precision) -> ()
+        adds the batch into float64 accumulators in place (mutates gram, cross, sqnorm; no gradient)
     torch.ops.faast_kernels.residual_project(x [R, d], m [d, d]) -> [R, d]
 
 Custom ops are opaque to torch.compile, so a compiled module that calls them traces without graph breaks. The
-statistics are differentiable with respect to values and scores (training a token scorer backpropagates through
-T = Kᵀ diag(s) V); keys come from a frozen model and get no gradient.
+functional statistics are differentiable with respect to values and scores (training a token scorer backpropagates
+through T = Kᵀ diag(s) V); keys come from a frozen model and get no gradient.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ def gram_statistics(
     mask: torch.Tensor | None,
     weighted_least_squares: bool,
     precision: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _gram.gram_accumulate(
         keys, values, scores, mask, weighted_least_squares=weighted_least_squares, precision=precision
     )
@@ -35,7 +39,12 @@ def gram_statistics(
 def _(keys, values, scores, mask, weighted_least_squares, precision):  # noqa: ANN001, ANN202
     L, _, dk = keys.shape
     dv = values.shape[-1]
-    return keys.new_empty((L, dk, dk), dtype=torch.float64), keys.new_empty((L, dk, dv), dtype=torch.float64)
+    f64 = torch.float64
+    return (
+        keys.new_empty((L, dk, dk), dtype=f64),
+        keys.new_empty((L, dk, dv), dtype=f64),
+        keys.new_empty((L,), dtype=f64),
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
@@ -44,34 +53,67 @@ def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
     ctx.wls = wls
 
 
-def _backward(ctx, grad_gram, grad_cross):  # noqa: ANN001, ANN202
+def _backward(ctx, grad_gram, grad_cross, grad_sqnorm):  # noqa: ANN001, ANN202
     keys, values, scores, mask = ctx.saved_tensors
     if ctx.needs_input_grad[0]:
         raise RuntimeError(
             "keys: faast_kernels.gram_statistics has no gradient for keys (they come from a frozen model)"
         )
-    k = keys.to(torch.float64)
-    v = values.to(torch.float64)
+    f64 = torch.float64
+    k = keys.to(f64)
+    v = values.to(f64)
     keep = None if mask is None else mask.bool()
     if keep is not None:
         k = torch.where(keep[..., None], k, 0.0)
         v = torch.where(keep[..., None], v, 0.0)
-    kg = k @ grad_cross.to(torch.float64)  # [L, N, dv]: row n is k_n G_T
-    s = None if scores is None else scores.to(torch.float64)
+    kg = k @ grad_cross.to(f64)  # [L, N, dv]: row n is k_n G_T
+    g_sq = grad_sqnorm.to(f64)[:, None, None]  # d/dv of Σ w_n ‖v_n‖² is 2 w_n v_n
+    s = None if scores is None else scores.to(f64)
     if s is not None and keep is not None:
         s = torch.where(keep, s, 0.0)
     grad_values = grad_scores = None
     if ctx.needs_input_grad[1]:
-        grad_values = (kg if s is None else s[..., None] * kg).to(values.dtype)
+        if s is None:
+            grad_values = kg + 2 * g_sq * v
+        else:
+            w = s if ctx.wls else s.square()
+            grad_values = s[..., None] * kg + 2 * g_sq * w[..., None] * v
+        grad_values = grad_values.to(values.dtype)
     if scores is not None and ctx.needs_input_grad[2]:
+        vv = v.square().sum(-1)
         ds = (kg * v).sum(-1)  # d<G_T, T>/ds_n = k_n G_T v_nᵀ
-        if ctx.wls:  # S = Kᵀ diag(s) K as well
-            ds = ds + ((k @ grad_gram.to(torch.float64)) * k).sum(-1)
+        if ctx.wls:  # S = Kᵀ diag(s) K and ‖Y‖² = Σ s‖v‖²
+            ds = ds + ((k @ grad_gram.to(f64)) * k).sum(-1) + g_sq[..., 0] * vv
+        else:  # ‖Y‖² = Σ s²‖v‖²
+            ds = ds + 2 * g_sq[..., 0] * s * vv
         grad_scores = ds.to(scores.dtype)
     return None, grad_values, grad_scores, None, None, None
 
 
 gram_statistics.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("faast_kernels::gram_accumulate_", mutates_args=("gram", "cross", "sqnorm"))
+def gram_accumulate_(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    gram: torch.Tensor,
+    cross: torch.Tensor,
+    sqnorm: torch.Tensor,
+    weighted_least_squares: bool,
+    precision: str,
+) -> None:
+    _gram.gram_accumulate(
+        keys, values, scores, mask, gram=gram, cross=cross, sqnorm=sqnorm,
+        weighted_least_squares=weighted_least_squares, precision=precision,
+    )  # fmt: skip
+
+
+@gram_accumulate_.register_fake
+def _(keys, values, scores, mask, gram, cross, sqnorm, weighted_least_squares, precision):  # noqa: ANN001, ANN202
+    return None
 
 
 @torch.library.custom_op("faast_kernels::residual_project", mutates_args=())

@@ -2,19 +2,40 @@
 
 Layout: x [R, d] (rows = batch·tokens, any strides), M [d, d]; out [R, d] in x's dtype. Products are accumulated in
 float32 (float64 when x or M is float64) and the residual is added to the accumulator before the single rounding
-to the output dtype, so bf16 in/out costs one rounding, as torch.addmm does.
+to the output dtype, so bf16 in/out costs one rounding, as torch.addmm does. x and M in the same 16-bit dtype take
+tensor-core dots (what a bf16 model feeds: M folded in the activations' dtype); a float32 M with 16-bit x keeps float32
+products. Tiles are autotuned per (d, dtype path); R is not specialised, so a new batch length does not recompile.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import autotuning, interpreting
 
 
-@triton.jit
+def _configs() -> list[triton.Config]:
+    if interpreting():
+        return [triton.Config({"BR": 32, "BD": 32, "BK": 32}, num_warps=4, num_stages=1)]
+    configs = [
+        triton.Config({"BR": 128, "BD": 128, "BK": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BR": 128, "BD": 128, "BK": 32}, num_warps=4, num_stages=4),
+        triton.Config({"BR": 128, "BD": 64, "BK": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BR": 64, "BD": 128, "BK": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BR": 64, "BD": 64, "BK": 64}, num_warps=4, num_stages=3),
+    ]
+    return configs if autotuning() else configs[:1]
+
+
+def _f64_configs() -> list[triton.Config]:
+    return [triton.Config({"BR": 32, "BD": 32, "BK": 16 if not interpreting() else 32}, num_warps=4, num_stages=1)]
+
+
+@triton.jit(do_not_specialize=["R"])
 def _residual_project_kernel(
     X, M, OUT, R, D,
     stride_xr, stride_xd, stride_mk, stride_mn, stride_or, stride_od,
@@ -62,13 +83,19 @@ def residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         return out
     f64 = x.dtype == torch.float64 or m.dtype == torch.float64
     native = x.dtype == m.dtype and x.dtype in (torch.float16, torch.bfloat16) and not interpreting()
-    block_r, block_d, block_k = (32, 32, 32) if f64 else (64, 64, 32)
-    grid = (triton.cdiv(R, block_r), triton.cdiv(D, block_d))
-    _residual_project_kernel[grid](
-        x, m, out, R, D, *x.stride(), *m.stride(), *out.stride(),
-        F64=f64, NATIVE_DOT=native, BR=block_r, BD=block_d, BK=block_k,
-    )  # fmt: skip
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (triton.cdiv(R, meta["BR"]), triton.cdiv(D, meta["BD"]))
+
+    _tuned(f64)[grid](x, m, out, R, D, *x.stride(), *m.stride(), *out.stride(), F64=f64, NATIVE_DOT=native)
     return out
+
+
+@functools.cache
+def _tuned(f64: bool):  # noqa: ANN202 - a triton Autotuner
+    return triton.autotune(
+        configs=_f64_configs() if f64 else _configs(), key=["D", "F64", "NATIVE_DOT"]
+    )(_residual_project_kernel)
 
 
 def naive_residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # Install what the LM experiments need into .venv (the demo's environment plus peft, sacrebleu, matplotlib and
-# datasets), then run one: `bash scripts/experiment.sh lm_ppl|lm_sentiment|lm_translation [its arguments]`.
+# datasets), then run one: `bash scripts/experiment.sh lm_domains|lm_ppl|lm_sentiment|lm_translation [its arguments]`.
 set -euo pipefail
-. "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-name=${1:?usage: bash scripts/experiment.sh lm_ppl|lm_sentiment|lm_translation [arguments]}
+EXPERIMENTS="lm_domains lm_ppl lm_sentiment lm_translation"
+usage() {
+  echo "usage: bash scripts/experiment.sh EXPERIMENT [its arguments]   (EXPERIMENT: ${EXPERIMENTS// /, })" >&2
+  echo "       bash scripts/experiment.sh EXPERIMENT --help              its options" >&2
+}
+if [ $# -eq 0 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
+  usage
+  [ $# -eq 0 ] && exit 2 || exit 0
+fi
+name=$1
 shift
-case "$name" in
-  lm_ppl|lm_sentiment|lm_translation) ;;
-  *) echo "scripts/experiment.sh: unknown experiment '$name' (expected lm_ppl, lm_sentiment or lm_translation)" >&2; exit 2 ;;
+case " $EXPERIMENTS " in
+  *" $name "*) ;;
+  *) echo "scripts/experiment.sh: unknown experiment '$name'" >&2; usage; exit 2 ;;
 esac
+. "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 faast_env "demo,experiments"
 cd "$ROOT"
 python "experiments/$name.py" "$@"

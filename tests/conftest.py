@@ -12,6 +12,9 @@ import torch
 # is imported (triton.jit reads it when a kernel is defined), so it is set here, at collection.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# On a GPU, one configuration per kernel: the tests check numbers, and every autotuned variant would compile for each
+# of their many shapes and options (test_gram_autotuned_configurations_agree_bitwise runs each configuration).
+os.environ.setdefault("FAAST_TRITON_AUTOTUNE", "0")
 
 _PACKAGES = ("faast", "faast_kernels")
 

@@ -1,4 +1,4 @@
-"""Key spectra from numerics.md §1, which separate a float64-faithful streaming path from the failure modes.
+"""Key spectra from docs/numerics.md §1, which separate a float64-faithful streaming path from the failure modes.
 
 Keys are drawn in float64 and rounded to float32 (what a model hands us); values are V = K·A + 0.5·std·noise.
 """

@@ -1,4 +1,4 @@
-"""FastWeights(mode='blend') against the authors' stored-key algorithm (faast.baselines.StoredKeyMemory)."""
+"""FastWeights(mode='blend') against the authors' stored-key algorithm (faast.authors_reference.StoredKeyMemory)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from faast import FastWeights
-from faast.baselines import StoredKeyMemory
+from faast.authors_reference import StoredKeyMemory
 from tolerances import TRUTH_REL_W, rel
 
 DK, DV = 20, 4
@@ -61,7 +61,7 @@ def test_window_stays_bounded_for_large_calls():
 
 
 def test_blend_differs_from_exact_least_squares():
-    # numerics.md §4: the blend is a different estimator, which is why it is opt-in.
+    # docs/numerics.md §4: the blend is a different estimator, which is why it is opt-in.
     keys, values, _ = stream(400)
     blended = FastWeights(DK, DV, mode="blend", blend_window=64, blend_chunk=16, dtype=torch.float64)
     exact = FastWeights(DK, DV, dtype=torch.float64)
@@ -99,3 +99,13 @@ def test_reset_restores_the_prior():
     assert not torch.equal(m.weights, prior)
     m.reset()
     assert torch.equal(m.weights, prior) and float(m.folded_count) == 5.0
+
+
+def test_the_old_module_name_still_imports_and_names_the_new_place():
+    import importlib
+    import sys
+
+    sys.modules.pop("faast.baselines", None)
+    with pytest.warns(DeprecationWarning, match="faast.baselines moved to faast.authors_reference"):
+        old = importlib.import_module("faast.baselines")
+    assert old.StoredKeyMemory is StoredKeyMemory

@@ -32,12 +32,13 @@ def ids(batch=3, seq=17, seed=0):
 
 def test_placement_follows_the_authors_rule_and_the_papers_default():
     config = FaastConfig(num_layers=15)
-    # int((i+1)·L/(n+1)) exactly as reference.md §1.2 (gpt2-xl, 15 layers -> 3, 6, ..., 45).
+    # int((i+1)·L/(n+1)) exactly as docs/authors.md §1.2 (gpt2-xl, 15 layers -> 3, 6, ..., 45).
     assert config.block_indices(48, 1_500_000_000) == [int((i + 1) * 48 / 16) for i in range(15)]
     assert config.block_indices(48, 1_500_000_000)[:3] == [3, 6, 9]
     # Default: every block below 1B parameters, every other block above (the paper's appendix).
-    assert FaastConfig().block_indices(12, 124_000_000) == list(range(12))
-    assert len(FaastConfig().block_indices(28, 7_000_000_000)) == 14
+    assert FaastConfig(num_layers=None).block_indices(12, 124_000_000) == list(range(12))
+    assert len(FaastConfig(num_layers=None).block_indices(28, 7_000_000_000)) == 14
+    assert FaastConfig().block_indices(12, 124_000_000) == []  # the default: the output layer only
     assert FaastConfig(layers=[5, 1]).block_indices(12, 1) == [1, 5]
     with pytest.raises(ValueError, match="layers: indices \\[12\\] are out of range"):
         FaastConfig(layers=[12]).block_indices(12, 1)
@@ -159,7 +160,7 @@ def captured_states(model, x, mask):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_statistics_equal_a_hand_computation_from_hooked_hidden_states(kind):
-    model = apply_faast(tiny_model(kind), FaastConfig(layers=[0, 2]))
+    model = apply_faast(tiny_model(kind), FaastConfig(layers=[0, 2], output_target="embedding"))
     randomize_readouts(model)  # non-trivial scorer weights
     x = ids(batch=3, seq=12)
     mask = torch.ones_like(x, dtype=torch.bool)
@@ -325,3 +326,28 @@ def test_state_size_does_not_grow_with_tokens_learned():
     assert model.fast_weight_bytes() == size
     model.learn(ids(batch=8, seq=60, seed=2))
     assert model.fast_weight_bytes() == size
+
+
+def test_batches_built_from_texts_or_ids_go_to_the_model_device_and_given_tensors_keep_theirs():
+    # The first GPU run failed here: token-id lists became CPU tensors for a CUDA model (gpu_h100_run1.md).
+    from faast.hf.model import _batches
+
+    meta = torch.device("meta")
+    built = list(_batches([[1, 2, 3, 4, 5], {"input_ids": [[1, 2, 3]]}], None, 4, 2, meta))
+    assert built[0][0].device == meta and built[1][0].device == meta
+    given = torch.tensor([[1, 2, 3]])
+    assert next(_batches([given], None, 4, 2, meta))[0] is given
+
+
+def test_a_bf16_model_reads_a_bf16_folded_matrix_within_one_rounding_of_float32():
+    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=2))
+    randomize_readouts(model)
+    model.learn(ids())
+    layer = next(iter(model.memory_layers.values()))
+    m32 = layer.folded(torch.device("cpu"), torch.float32)
+    m16 = layer.folded(torch.device("cpu"), torch.bfloat16)
+    assert m32.dtype == torch.float32 and m16.dtype == torch.bfloat16
+    torch.testing.assert_close(m16.float(), m32, rtol=2**-8, atol=1e-6 * float(m32.abs().max()))
+    hidden = torch.randn(2, 5, 32).bfloat16()
+    expected = (hidden.double() + hidden.double() @ m32.double())
+    torch.testing.assert_close(layer(hidden).double(), expected, rtol=0.02, atol=0.02 * float(expected.abs().max()))

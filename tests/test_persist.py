@@ -132,3 +132,26 @@ def test_malformed_metadata_is_reported(tmp_path, metadata):
     _persist.write_atomic(path, dict(learned().state_dict()), metadata)
     with pytest.raises(ValueError, match="bad.safetensors"):
         FastWeights.load(path)
+
+
+def test_every_save_creates_missing_parent_folders_and_loads_back_exactly(tmp_path):
+    from faast.checkpoint import load_checkpoint, save_state
+    from faast.hf import FaastConfig, apply_faast
+    from hf_models import tiny_model
+
+    memory = FastWeights(6, 2, dtype=torch.float64)
+    memory.update(torch.randn(20, 6, dtype=torch.float64), torch.randn(20, 2, dtype=torch.float64))
+    path = memory.save(tmp_path / "a" / "b" / "m.safetensors")
+    assert torch.equal(FastWeights.load(path).gram, memory.gram)
+    holder = torch.nn.Module()
+    holder.memory = memory
+    state = save_state(tmp_path / "c" / "d" / "s.safetensors", holder)
+    fresh = torch.nn.Module()
+    fresh.memory = FastWeights(6, 2, dtype=torch.float64)
+    load_checkpoint(state, fresh)
+    assert torch.equal(fresh.memory.cross, memory.cross)
+    model = apply_faast(tiny_model("llama"), FaastConfig(layers=[1]))
+    model.learn(torch.randint(3, 60, (2, 12)))
+    model.save_pretrained(tmp_path / "e" / "adapter")
+    fast = model.save_fast_weights(tmp_path / "f" / "g" / "fw.safetensors")
+    assert (tmp_path / "e" / "adapter" / "faast_config.json").is_file() and fast.is_file()

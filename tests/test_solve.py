@@ -1,4 +1,4 @@
-"""solve_fast_weights and the streaming memory against a float64 SVD truth (numerics.md §1, §6)."""
+"""solve_fast_weights and the streaming memory against a float64 SVD truth (docs/numerics.md §1, §6)."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def test_float32_compute_fails_where_numerics_says():
     assert int(memory.solve_info.rank) > rank
     assert rel(weights, truth) > 1e-2
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        memory.solve(alpha=0.5)  # warns once per memory, not per solve
+        warnings.simplefilter("error", RuntimeWarning)
+        memory.solve(alpha=0.5)  # the float32 warning: once per memory, not per solve
 
 
 def test_matches_torch_pinv_with_rtol():
@@ -163,3 +163,24 @@ def test_eigh_gram_reads_lower_triangle_and_batches():
     lam, vecs = ops.eigh_gram(garbage_upper)
     assert lam.shape == (3, 9) and vecs.shape == (3, 9, 9)
     assert_close(vecs @ torch.diag_embed(lam) @ vecs.mT, sym, torch.float64)
+
+
+def test_a_solve_with_explicit_options_is_one_off_and_weights_and_solve_info_agree_with_the_configuration():
+    g = torch.Generator().manual_seed(11)
+    mix = torch.randn(12, 12, generator=g, dtype=torch.float64)
+    keys = torch.randn(300, 12, generator=g, dtype=torch.float64) @ mix
+    values = torch.randn(300, 3, generator=g, dtype=torch.float64)
+    memory = FastWeights(12, 3, dtype=torch.float64)
+    memory.update(keys, values)
+    configured = memory.weights.clone()
+    assert memory.solve_info.ridge is None
+    with pytest.warns(UserWarning, match=r"one-off solve: memory.weights and memory.solve_info keep"):
+        ridged, info = memory.solve(ridge="auto", return_info=True)
+    assert info.ridge is not None and not torch.equal(ridged, configured)
+    assert torch.equal(memory.weights, configured) and memory.solve_info.ridge is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per memory
+        memory.solve(ridge="auto")
+    memory.ridge = "auto"  # kept: now the configuration
+    assert torch.equal(memory.weights, ridged)
+    assert memory.solve_info.ridge is not None and float(memory.solve_info.ridge) == float(info.ridge)

@@ -17,7 +17,7 @@ from faast_kernels import interpreting  # noqa: E402
 from faast_kernels import ops as kernel_ops  # noqa: E402,F401 - registers torch.ops.faast_kernels
 from faast_kernels import residual as residual_kernels  # noqa: E402
 
-from tolerances import ELEMENTWISE, TRITON_FP32_MODE_REL, rel  # noqa: E402
+from tolerances import ELEMENTWISE, TRITON_EXACT16_SCORED_REL, TRITON_FP32_MODE_REL, rel  # noqa: E402
 
 # The interpreter runs CPU tensors; compiled kernels need CUDA ones (conftest interprets only without a GPU).
 DEVICE = "cpu" if interpreting() else "cuda"
@@ -45,6 +45,13 @@ SHAPES = [  # (L, N, dk, dv): odd sizes, N not a multiple of the row block, one-
 ]
 
 
+def _assert_statistics(got, ref, tol):
+    for name, a, b in zip(("gram", "cross", "sqnorm"), got, ref, strict=True):
+        assert a.dtype == torch.float64, name
+        assert rel(a, b) <= tol, (name, rel(a, b))
+    assert torch.equal(got[0], got[0].mT)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "L{}-N{}-dk{}-dv{}".format(*s))
 @pytest.mark.parametrize("options", ["plain", "scores", "mask", "scores+mask", "wls"])
@@ -52,22 +59,58 @@ def test_gram_fp64_matches_float64(device, shape, options):
     keys, values, scores, mask = _rows(*shape, torch.float32, device, contiguous=shape[0] != 2)
     s = scores if "scores" in options or options == "wls" else None
     m = mask if "mask" in options else None
-    gram, cross = gram_kernels.gram_accumulate(keys, values, s, m, weighted_least_squares=options == "wls")
-    ref_gram, ref_cross = gram_kernels.naive_gram(keys, values, s, m, weighted_least_squares=options == "wls")
-    assert gram.dtype == cross.dtype == torch.float64
-    torch.testing.assert_close(gram, ref_gram, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(cross, ref_cross, rtol=1e-12, atol=1e-12)
-    assert torch.equal(gram, gram.mT)
+    got = gram_kernels.gram_accumulate(keys, values, s, m, weighted_least_squares=options == "wls")
+    ref = gram_kernels.naive_gram(keys, values, s, m, weighted_least_squares=options == "wls")
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert torch.equal(got[0], got[0].mT)
 
 
-@pytest.mark.parametrize("precision", ["tf32x3", "fp32"])
+@pytest.mark.parametrize("precision", ["tf32x3", "fp32", "exact16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gram_float32_modes(precision, dtype):
+@pytest.mark.parametrize("options", ["scores+mask", "wls"])
+def test_gram_float32_modes(precision, dtype, options):
+    if precision == "exact16" and dtype == torch.float32:
+        pytest.skip("exact16 takes 16-bit inputs (the launcher's error is tested below)")
     keys, values, scores, mask = _rows(3, 77, 60, 33, dtype, DEVICE, contiguous=False)
-    gram, cross = gram_kernels.gram_accumulate(keys, values, scores, mask, precision=precision)
-    ref_gram, ref_cross = gram_kernels.naive_gram(keys, values, scores, mask)
-    assert rel(gram, ref_gram) <= TRITON_FP32_MODE_REL and rel(cross, ref_cross) <= TRITON_FP32_MODE_REL
-    assert torch.equal(gram, gram.mT)
+    wls = options == "wls"
+    m = None if wls else mask
+    # flush_rows=16 runs several float32 chunks per program, each added into the float64 tile.
+    got = gram_kernels.gram_accumulate(keys, values, scores, m, precision=precision, flush_rows=16,
+                                       weighted_least_squares=wls)  # fmt: skip
+    ref = gram_kernels.naive_gram(keys, values, scores, m, weighted_least_squares=wls)
+    # exact16 splits the score-weighted factors s·v into two 16-bit terms: ~16 significant bits of each.
+    tol = TRITON_EXACT16_SCORED_REL if precision == "exact16" else TRITON_FP32_MODE_REL
+    _assert_statistics(got, ref, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gram_exact16_without_scores_has_exact_products(dtype):
+    keys, values, _, mask = _rows(2, 130, 33, 65, dtype, DEVICE)
+    got = gram_kernels.gram_accumulate(keys, values, None, mask, precision="exact16", flush_rows=32)
+    _assert_statistics(got, gram_kernels.naive_gram(keys, values, None, mask), TRITON_FP32_MODE_REL)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_gram_split_over_rows_is_exact_and_bitwise_reproducible(splits):
+    # N = 3 < 5 splits: some row ranges are empty and must still write zero partials (outputs start as NaN here).
+    for n in (37, 3):
+        keys, values, scores, mask = _rows(2, n, 40, 9, torch.float32, DEVICE)
+        first = gram_kernels.gram_accumulate(keys, values, scores, mask, splits=splits)
+        again = gram_kernels.gram_accumulate(keys, values, scores, mask, splits=splits)
+        for a, b, r in zip(first, again, gram_kernels.naive_gram(keys, values, scores, mask), strict=True):
+            assert torch.equal(a, b)  # bitwise, run to run
+            torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+
+
+def test_gram_plans_no_split_on_cpu_and_enough_programs_on_a_gpu(monkeypatch):
+    assert gram_kernels.plan_splits(1 << 20, 64, 64, 1, torch.device("cpu")) == 1
+    monkeypatch.setattr(gram_kernels, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    # d = 256, dv = 64: 2·(3 + 2) = 10 programs of 128-wide tiles, far below two waves of 132 multiprocessors.
+    assert gram_kernels.plan_splits(65536, 256, 64, 1, cuda) == min(gram_kernels.MAX_SPLITS, -(-264 // 5))
+    assert gram_kernels.plan_splits(3000, 256, 64, 1, cuda) == 1  # too few rows to cut
+    assert gram_kernels.plan_splits(65536, 1600, 1600, 48, cuda) == 1  # the tiles fill the GPU already
 
 
 def test_gram_ignores_nan_in_masked_rows():
@@ -75,24 +118,32 @@ def test_gram_ignores_nan_in_masked_rows():
     mask[1, 7] = False
     keys[1, 7, 3] = float("nan")
     values[1, 7, 0] = float("inf")
-    gram, cross = gram_kernels.gram_accumulate(keys, values, scores, mask)
-    ref_gram, ref_cross = gram_kernels.naive_gram(keys, values, scores, mask)
-    torch.testing.assert_close(gram, ref_gram, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(cross, ref_cross, rtol=1e-12, atol=1e-12)
+    got = gram_kernels.gram_accumulate(keys, values, scores, mask)
+    for a, b in zip(got, gram_kernels.naive_gram(keys, values, scores, mask), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_gram_accumulates_in_place_and_is_deterministic():
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gram_accumulates_in_place(splits):
     keys, values, scores, _ = _rows(2, 45, 20, 9, torch.float32, DEVICE)
     first = gram_kernels.gram_accumulate(keys[:, :20], values[:, :20], scores[:, :20])
-    gram, cross = first[0].clone(), first[1].clone()
-    out = gram_kernels.gram_accumulate(keys[:, 20:], values[:, 20:], scores[:, 20:], gram=gram, cross=cross)
-    assert out[0] is gram and out[1] is cross
-    ref_gram, ref_cross = gram_kernels.naive_gram(keys, values, scores)
-    torch.testing.assert_close(gram, ref_gram, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(cross, ref_cross, rtol=1e-12, atol=1e-12)
-    again = gram_kernels.gram_accumulate(keys, values, scores, precision="tf32x3")
-    twice = gram_kernels.gram_accumulate(keys, values, scores, precision="tf32x3")
-    assert torch.equal(again[0], twice[0]) and torch.equal(again[1], twice[1])  # bitwise, run to run
+    gram, cross, sqnorm = (t.clone() for t in first)
+    out = gram_kernels.gram_accumulate(keys[:, 20:], values[:, 20:], scores[:, 20:], gram=gram, cross=cross,
+                                       sqnorm=sqnorm, splits=splits)  # fmt: skip
+    assert out[0] is gram and out[1] is cross and out[2] is sqnorm
+    for a, b in zip(out, gram_kernels.naive_gram(keys, values, scores), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_gram_in_place_custom_op_mutates_its_accumulators():
+    keys, values, scores, mask = _rows(2, 30, 12, 5, torch.float32, DEVICE)
+    ref = gram_kernels.naive_gram(keys, values, scores, mask)
+    acc = [torch.ones_like(r) for r in ref]
+    torch.ops.faast_kernels.gram_accumulate_(keys, values, scores, mask, *acc, False, "fp64")
+    for a, b in zip(acc, ref, strict=True):
+        torch.testing.assert_close(a, b + 1, rtol=1e-12, atol=1e-12)
+    args = (keys, values, scores, mask, *[torch.zeros_like(r) for r in ref], False, "fp64")
+    torch.library.opcheck(torch.ops.faast_kernels.gram_accumulate_.default, args)
 
 
 def test_gram_launcher_errors():
@@ -103,12 +154,19 @@ def test_gram_launcher_errors():
         gram_kernels.gram_accumulate(keys, values[:, :9])
     with pytest.raises(ValueError, match=r"scores: expected shape \[2, 10\]"):
         gram_kernels.gram_accumulate(keys, values, scores[:, :3])
-    with pytest.raises(ValueError, match="gram, cross: pass both"):
+    with pytest.raises(ValueError, match="gram, cross, sqnorm: pass all three"):
         gram_kernels.gram_accumulate(keys, values, gram=torch.zeros(2, 4, 4, dtype=torch.float64, device=DEVICE))
     with pytest.raises(ValueError, match="gram: expected a contiguous float64 tensor"):
         gram_kernels.gram_accumulate(
-            keys, values, gram=torch.zeros(2, 4, 4, device=DEVICE), cross=torch.zeros(2, 4, 3, device=DEVICE)
-        )
+            keys, values, gram=torch.zeros(2, 4, 4, device=DEVICE), cross=torch.zeros(2, 4, 3, device=DEVICE),
+            sqnorm=torch.zeros(2, device=DEVICE),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="keys: precision='exact16' needs bfloat16 or float16"):
+        gram_kernels.gram_accumulate(keys, values, precision="exact16")
+    with pytest.raises(ValueError, match="flush_rows: expected an int >= 1"):
+        gram_kernels.gram_accumulate(keys, values, flush_rows=0)
+    with pytest.raises(ValueError, match="splits: expected an int >= 1"):
+        gram_kernels.gram_accumulate(keys, values, splits=0)
 
 
 @pytest.mark.parametrize("wls", [False, True], ids=["values-weighted", "wls"])
@@ -116,19 +174,23 @@ def test_gram_gradients_match_the_reference(wls):
     keys, values, scores, mask = _rows(2, 37, 20, 7, torch.float32, DEVICE)
     values = values.double().requires_grad_()
     scores = scores.double().requires_grad_()
-    gram, cross = torch.ops.faast_kernels.gram_statistics(keys, values, scores, mask, wls, "fp64")
-    ref_gram, ref_cross = gram_kernels.naive_gram(keys, values, scores, mask, weighted_least_squares=wls)
-    g_gram, g_cross = torch.randn_like(gram), torch.randn_like(cross)
-    got = torch.autograd.grad((gram * g_gram).sum() + (cross * g_cross).sum(), (values, scores))
-    expected = torch.autograd.grad((ref_gram * g_gram).sum() + (ref_cross * g_cross).sum(), (values, scores))
-    for a, b in zip(got, expected, strict=True):
+    got = torch.ops.faast_kernels.gram_statistics(keys, values, scores, mask, wls, "fp64")
+    ref = gram_kernels.naive_gram(keys, values, scores, mask, weighted_least_squares=wls)
+    weights = [torch.randn_like(t) for t in got]
+
+    def loss(stats):  # noqa: ANN001, ANN202
+        return sum((t * w).sum() for t, w in zip(stats, weights, strict=True))
+
+    grads = torch.autograd.grad(loss(got), (values, scores))
+    expected = torch.autograd.grad(loss(ref), (values, scores))
+    for a, b in zip(grads, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_gram_has_no_key_gradient():
     keys, values, scores, _ = _rows(1, 8, 4, 3, torch.float32, DEVICE)
     keys.requires_grad_()
-    gram, _ = torch.ops.faast_kernels.gram_statistics(keys, values, scores, None, False, "fp64")
+    gram, _, _ = torch.ops.faast_kernels.gram_statistics(keys, values, scores, None, False, "fp64")
     with pytest.raises(RuntimeError, match="no gradient for keys"):
         gram.sum().backward()
 
@@ -158,7 +220,8 @@ def test_residual_mixed_dtypes_follow_the_torch_reference():
 
 def test_custom_ops_pass_opcheck():
     keys, values, scores, mask = _rows(2, 21, 9, 5, torch.float32, DEVICE)
-    for args in [(keys, values, scores, mask, False, "fp64"), (keys, values, None, None, True, "tf32x3")]:
+    for args in [(keys, values, scores, mask, False, "fp64"), (keys, values, None, None, True, "tf32x3"),
+                 (keys.bfloat16(), values.bfloat16(), scores, mask, False, "exact16")]:  # fmt: skip
         torch.library.opcheck(torch.ops.faast_kernels.gram_statistics.default, args)
     x, m = torch.randn(13, 9, device=DEVICE), torch.randn(9, 9, device=DEVICE)
     torch.library.opcheck(torch.ops.faast_kernels.residual_project.default, (x, m))
@@ -167,8 +230,8 @@ def test_custom_ops_pass_opcheck():
 def test_torch_compile_has_no_graph_breaks():
     class Layer(torch.nn.Module):
         def forward(self, keys, values, scores, x, m):
-            gram, cross = torch.ops.faast_kernels.gram_statistics(keys, values, scores, None, False, "fp64")
-            return torch.ops.faast_kernels.residual_project(x, m) * 2, gram.sum() + cross.sum()
+            gram, cross, sq = torch.ops.faast_kernels.gram_statistics(keys, values, scores, None, False, "fp64")
+            return torch.ops.faast_kernels.residual_project(x, m) * 2, gram.sum() + cross.sum() + sq.sum()
 
     keys, values, scores, _ = _rows(1, 16, 8, 4, torch.float32, DEVICE)
     x, m = torch.randn(5, 8, device=DEVICE), torch.randn(8, 8, device=DEVICE)
@@ -180,9 +243,31 @@ def test_torch_compile_has_no_graph_breaks():
 
 
 @pytest.mark.gpu
-def test_gram_on_gpu_matches_the_interpreter_oracle():
-    keys, values, scores, mask = _rows(3, 777, 160, 96, torch.bfloat16, "cuda")
-    for precision, tol in (("fp64", 1e-12), ("tf32x3", TRITON_FP32_MODE_REL)):
-        gram, cross = gram_kernels.gram_accumulate(keys, values, scores, mask, precision=precision)
-        ref_gram, ref_cross = gram_kernels.naive_gram(keys, values, scores, mask)
-        assert rel(gram, ref_gram) <= tol and rel(cross, ref_cross) <= tol
+@pytest.mark.parametrize("precision", ["exact16", "tf32x3", "fp32", "fp64"])
+def test_gram_on_gpu_matches_the_float64_oracle_and_is_reproducible(precision):
+    keys, values, scores, mask = _rows(3, 5000, 160, 96, torch.bfloat16, "cuda")
+    tol = {"fp64": 1e-12, "exact16": TRITON_EXACT16_SCORED_REL}.get(precision, TRITON_FP32_MODE_REL)
+    for splits in (1, 3):
+        got = gram_kernels.gram_accumulate(keys, values, scores, mask, precision=precision, splits=splits)
+        _assert_statistics(got, gram_kernels.naive_gram(keys, values, scores, mask), tol)
+        again = gram_kernels.gram_accumulate(keys, values, scores, mask, precision=precision, splits=splits)
+        assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
+
+
+@pytest.mark.gpu
+def test_gram_autotuned_configurations_agree_bitwise(monkeypatch):
+    """Tiles, warps and stages must not change the numbers (the tuner's choice may differ between processes)."""
+    import triton
+
+    keys, values, scores, _ = _rows(1, 4096, 256, 64, torch.bfloat16, "cuda")
+    results = []
+    monkeypatch.setenv("FAAST_TRITON_AUTOTUNE", "1")
+    configs = gram_kernels._configs("exact16")
+    assert len(configs) > 1
+    for config in configs:
+        tuner = triton.autotune(configs=[config], key=["DK"])(gram_kernels._gram_kernel)
+        monkeypatch.setattr(gram_kernels, "_tuned", lambda precision, t=tuner: t)
+        results.append(gram_kernels.gram_accumulate(keys, values, scores, precision="exact16", splits=1))
+    first = results[0]
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))

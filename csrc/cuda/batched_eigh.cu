@@ -10,7 +10,13 @@
 // torch.linalg.eigh on the same batch; update choose() below when it has numbers.
 //
 // Every call runs on the current torch stream with memory from torch's caching allocator, and checks every layer's
-// `info`, naming the first layer that failed.
+// `info`, naming the first layer that failed. Only float64 is accepted: a float32 eigensolver loses every direction
+// below ~1e-5·λmax (docs/numerics.md §1); faast.ops upcasts before calling.
+//
+// Handles: one cuSOLVER handle per (device, stream) from a small pool of our own, bound to its stream once (torch's
+// own pool is not exported by every torch build: the extension built against torch 2.11+cu130 failed to load with an
+// undefined at::cuda::getCurrentCUDASolverDnHandle on the first H100 run of benchmarks/gpu_check.py). Every other cuSOLVER object is held by an RAII guard, so an error
+// thrown by TORCH_CHECK releases it.
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -22,8 +28,12 @@
 #include <torch/library.h>
 
 #include <climits>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace faast {
@@ -45,6 +55,46 @@ constexpr int kSideStreams = 4;
 // result is transposed to put them in columns.
 constexpr cublasFillMode_t kLowerTriangleOfRowMajor = CUBLAS_FILL_MODE_UPPER;
 
+// One handle per (device, stream), created on first use and kept for the life of the process (destroying handles at
+// exit, after the CUDA context may be gone, is what crashes; torch's pool keeps them alive for the same reason).
+cusolverDnHandle_t solver_handle(cudaStream_t stream) {
+  static std::mutex lock;
+  static std::map<std::pair<int, cudaStream_t>, cusolverDnHandle_t> pool;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> guard(lock);
+  auto key = std::make_pair(device, stream);
+  auto found = pool.find(key);
+  if (found != pool.end()) return found->second;
+  cusolverDnHandle_t handle = nullptr;
+  FAAST_CUSOLVER(cusolverDnCreate(&handle), "cusolverDnCreate");
+  cusolverStatus_t bound = cusolverDnSetStream(handle, stream);
+  if (bound != CUSOLVER_STATUS_SUCCESS) {
+    cusolverDnDestroy(handle);
+    FAAST_CUSOLVER(bound, "cusolverDnSetStream");
+  }
+  pool.emplace(key, handle);
+  return handle;
+}
+
+cusolverDnHandle_t current_handle() { return solver_handle(at::cuda::getCurrentCUDAStream().stream()); }
+
+struct ParamsDeleter {
+  void operator()(cusolverDnParams_t p) const { cusolverDnDestroyParams(p); }
+};
+using Params = std::unique_ptr<std::remove_pointer_t<cusolverDnParams_t>, ParamsDeleter>;
+
+Params make_params() {
+  cusolverDnParams_t raw = nullptr;
+  FAAST_CUSOLVER(cusolverDnCreateParams(&raw), "cusolverDnCreateParams");
+  return Params(raw);
+}
+
+struct SyevjInfoDeleter {
+  void operator()(syevjInfo_t p) const { cusolverDnDestroySyevjInfo(p); }
+};
+using SyevjInfo = std::unique_ptr<std::remove_pointer_t<syevjInfo_t>, SyevjInfoDeleter>;
+
 void check_info(const at::Tensor& info, const char* routine) {
   auto host = info.to(at::kCPU);  // synchronises the stream: the one host round trip of the call
   auto values = host.accessor<int, 1>();
@@ -60,9 +110,11 @@ template <typename scalar_t>
 void syevj_batched(at::Tensor& a, at::Tensor& w, at::Tensor& info) {
   const int n = static_cast<int>(a.size(1));
   const int batch = static_cast<int>(a.size(0));
-  auto handle = at::cuda::getCurrentCUDASolverDnHandle();
-  syevjInfo_t params;
-  FAAST_CUSOLVER(cusolverDnCreateSyevjInfo(&params), "cusolverDnCreateSyevjInfo");
+  auto handle = current_handle();
+  syevjInfo_t raw_params = nullptr;
+  FAAST_CUSOLVER(cusolverDnCreateSyevjInfo(&raw_params), "cusolverDnCreateSyevjInfo");
+  SyevjInfo owner(raw_params);
+  syevjInfo_t params = owner.get();
   int lwork = 0;
   scalar_t* pa = a.data_ptr<scalar_t>();
   scalar_t* pw = w.data_ptr<scalar_t>();
@@ -85,7 +137,6 @@ void syevj_batched(at::Tensor& a, at::Tensor& w, at::Tensor& info) {
                                            work.data_ptr<scalar_t>(), lwork, info.data_ptr<int>(), params, batch),
                    "cusolverDnSsyevjBatched");
   }
-  FAAST_CUSOLVER(cusolverDnDestroySyevjInfo(params), "cusolverDnDestroySyevjInfo");
 }
 
 cudaDataType cuda_type(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? CUDA_R_64F : CUDA_R_32F; }
@@ -96,9 +147,9 @@ constexpr bool kHasSyevBatched = true;
 void syev_batched(at::Tensor& a, at::Tensor& w, at::Tensor& info) {
   const int64_t n = a.size(1);
   const int64_t batch = a.size(0);
-  auto handle = at::cuda::getCurrentCUDASolverDnHandle();
-  cusolverDnParams_t params;
-  FAAST_CUSOLVER(cusolverDnCreateParams(&params), "cusolverDnCreateParams");
+  auto handle = current_handle();
+  Params owner = make_params();
+  cusolverDnParams_t params = owner.get();
   const cudaDataType type = cuda_type(a);
   size_t device_bytes = 0, host_bytes = 0;
   FAAST_CUSOLVER(cusolverDnXsyevBatched_bufferSize(handle, params, CUSOLVER_EIG_MODE_VECTOR, kLowerTriangleOfRowMajor,
@@ -111,7 +162,6 @@ void syev_batched(at::Tensor& a, at::Tensor& w, at::Tensor& info) {
                                         a.data_ptr(), n, type, w.data_ptr(), type, device_work.data_ptr(),
                                         device_bytes, host_work.data(), host_bytes, info.data_ptr<int>(), batch),
                  "cusolverDnXsyevBatched");
-  FAAST_CUSOLVER(cusolverDnDestroyParams(params), "cusolverDnDestroyParams");
 }
 #else
 constexpr bool kHasSyevBatched = false;
@@ -143,9 +193,9 @@ void syevd_streams(at::Tensor& a, at::Tensor& w, at::Tensor& info) {
   for (int64_t layer = 0; layer < batch; ++layer) {
     auto& stream = streams[layer % streams.size()];
     c10::cuda::CUDAStreamGuard guard(stream);
-    auto handle = at::cuda::getCurrentCUDASolverDnHandle();  // bound to `stream` by ATen
-    cusolverDnParams_t params;
-    FAAST_CUSOLVER(cusolverDnCreateParams(&params), "cusolverDnCreateParams");
+    auto handle = solver_handle(stream.stream());  // bound to `stream`
+    Params owner = make_params();
+    cusolverDnParams_t params = owner.get();
     char* pa = static_cast<char*>(a.data_ptr()) + layer * n * n * elem;
     char* pw = static_cast<char*>(w.data_ptr()) + layer * n * elem;
     size_t device_bytes = 0, host_bytes = 0;
@@ -160,7 +210,6 @@ void syevd_streams(at::Tensor& a, at::Tensor& w, at::Tensor& info) {
                                     type, pw, type, device_work.data_ptr(), device_bytes, host_work.data(),
                                     host_bytes, info.data_ptr<int>() + layer),
                    "cusolverDnXsyevd");
-    FAAST_CUSOLVER(cusolverDnDestroyParams(params), "cusolverDnDestroyParams");
   }
   for (auto& stream : streams) {
     at::cuda::CUDAEvent done;
@@ -189,8 +238,9 @@ std::tuple<at::Tensor, at::Tensor> batched_eigh_cuda(const at::Tensor& gram, c10
   TORCH_CHECK(gram.is_cuda(), "faast::batched_eigh: gram must be a CUDA tensor, got one on ", gram.device());
   TORCH_CHECK(gram.dim() == 3 && gram.size(1) == gram.size(2),
               "faast::batched_eigh: gram must have shape [L, d, d], got ", gram.sizes());
-  TORCH_CHECK(gram.scalar_type() == at::kDouble || gram.scalar_type() == at::kFloat,
-              "faast::batched_eigh: gram must be float64 or float32, got ", gram.scalar_type());
+  TORCH_CHECK(gram.scalar_type() == at::kDouble,
+              "faast::batched_eigh: gram must be float64 (a float32 eigensolver loses every direction below ~1e-5 of "
+              "the largest eigenvalue; upcast first), got ", gram.scalar_type());
   c10::cuda::CUDAGuard device_guard(gram.device());
   const int64_t batch = gram.size(0);
   const int64_t n = gram.size(1);
@@ -203,11 +253,7 @@ std::tuple<at::Tensor, at::Tensor> batched_eigh_cuda(const at::Tensor& gram, c10
   at::Tensor info = at::zeros({batch}, gram.options().dtype(at::kInt));
   const std::string routine = choose(std::string(algorithm), n, batch);
   if (routine == "syevj_batched") {
-    if (gram.scalar_type() == at::kDouble) {
-      syevj_batched<double>(a, w, info);
-    } else {
-      syevj_batched<float>(a, w, info);
-    }
+    syevj_batched<double>(a, w, info);
   } else if (routine == "syev_batched") {
     syev_batched(a, w, info);
   } else {

@@ -1,6 +1,6 @@
 """FastWeights(mode='blend'): the authors' capped memory with blended chunk solutions, for reproducing the paper.
 
-Their code (reference.md §2.3–2.5) keeps at most `max_memory_size` raw rows and solves them jointly; at the start of
+Their code (docs/authors.md §2.3–2.5) keeps at most `max_memory_size` raw rows and solves them jointly; at the start of
 each learn call, while the buffer holds at least that many rows, the oldest `reader_update_size` rows are solved on
 their own (eps = u^-alpha) and folded into a running W0 with r = u / (γ·N0 + u), N0 ← γ·N0 + u. A query blends the
 window's solution with W0 by r = N1 / (γ·N0 + N1).

@@ -44,7 +44,8 @@ def write_atomic(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta
 
 
 def _replace_atomically(path: Path, blob: bytes) -> Path:
-    """Write blob to a temporary file beside path, fsync it, rename it over path and fsync the folder."""
+    """Write blob to a temporary file beside path, fsync it, rename it over path and fsync the folder. Every save of
+    faast goes through here, so all of them create missing parent folders (documented on each save)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:

@@ -203,7 +203,8 @@ def _write(path: Path, obj: object, position_json: str, rank: int, world_size: i
 
 
 def save_state(path: str | Path, obj: object) -> Path:
-    """Write the statistics of every memory in `obj` to one file, atomically; load_checkpoint reads it back."""
+    """Write the statistics of every memory in `obj` to one file, atomically (missing parent folders are created);
+    load_checkpoint reads it back."""
     return _write(Path(path), obj, json.dumps({"batches": 0}), 0, 1)
 
 

@@ -2,7 +2,7 @@
 
 It never stores keys. It keeps the sufficient statistics S = K^T K [dk, dk], T = K^T diag(s) V [dk, dv], the row
 count N and the squared target norm sum ||s v||^2 in float64, so memory is O(d^2) whatever N is, and the solution is
-the exact least-squares one over all rows seen (method.md §2). Because the statistics add, merging memories is
+the exact least-squares one over all rows seen (docs/design.md §2). Because the statistics add, merging memories is
 addition, unlearning is subtraction, and discounting is a scale.
 """
 
@@ -25,7 +25,7 @@ from .ops.solve import SolveInfo, solve_from_eigh
 
 FORMAT = "faast.FastWeights"
 FORMAT_VERSION = 1
-# numerics.md §1: statistics summed from float32 GEMMs resolve eigenvalues only down to about this fraction of λmax.
+# docs/numerics.md §1: statistics summed from float32 GEMMs resolve eigenvalues only down to this fraction of λmax.
 FLOAT32_EPS2_FLOOR = 1e-7
 
 _STATISTICS = ("gram", "cross", "count", "target_sqnorm")
@@ -35,7 +35,7 @@ _STRUCTURE = ("dim_key", "dim_value", "batch_shape", "mode", "blend_window", "bl
 
 
 class FastWeights(nn.Module):
-    """Streaming closed-form fast weights W = pinv_eps(K) diag(s) V, with eps = N^-alpha (method.md §1–3).
+    """Streaming closed-form fast weights W = pinv_eps(K) diag(s) V, with eps = N^-alpha (docs/design.md §1–3).
 
     Args:
         dim_key: dk, the width of the keys.
@@ -57,10 +57,15 @@ class FastWeights(nn.Module):
         compute_dtype: float64 (default) or float32 to compute each chunk's GEMMs in float32 (summed in float64).
             float32 warns when eps² drops below its resolution, where rank-deficient memories gain false directions.
         drop_nonfinite: drop rows with NaN/Inf (counted in `num_dropped`) instead of raising.
+        eager_checks: when `update` validates values (NaN/Inf in learned rows, negative scores). True: at once,
+            raising before the memory is touched (a host synchronisation per update). False: on the device, without
+            waiting: a memory whose batch fails learns nothing from it and the error is raised by the next solve (see
+            `check`). None (default): eager on CPU, deferred on CUDA, where a synchronisation per update stalls the
+            GPU pipeline.
         mode: 'exact' (default) or 'blend', the authors' compatibility mode: a window of at most `blend_window` rows
             is solved jointly, and whenever it is full the oldest `blend_chunk` rows are solved alone (eps =
             blend_chunk^-alpha) and blended into a running W0 with weight u / (γ·N0 + u), γ = blend_discount.
-            It reproduces their results; it is a different, usually worse, estimator (numerics.md §4).
+            It reproduces their results; it is a different, usually worse, estimator (docs/numerics.md §4).
         dtype: dtype of the returned weights (statistics are always float64).
         device: device of the statistics.
 
@@ -83,6 +88,7 @@ class FastWeights(nn.Module):
         weighted_least_squares: bool = False,
         compute_dtype: torch.dtype = torch.float64,
         drop_nonfinite: bool = False,
+        eager_checks: bool | None = None,
         mode: Literal["exact", "blend"] = "exact",
         blend_window: int = 65536,
         blend_chunk: int = 8192,
@@ -103,6 +109,9 @@ class FastWeights(nn.Module):
             raise TypeError(f"compute_dtype: expected torch.float32 or torch.float64, got {compute_dtype}")
         self.compute_dtype = compute_dtype
         self.drop_nonfinite = bool(drop_nonfinite)
+        if eager_checks is not None and not isinstance(eager_checks, bool):
+            raise TypeError(f"eager_checks: expected None, True or False, got {eager_checks!r}")
+        self.eager_checks = eager_checks
         if mode not in ("exact", "blend"):
             raise ValueError(f"mode: expected 'exact' or 'blend', got {mode!r}")
         self.mode = mode
@@ -130,11 +139,15 @@ class FastWeights(nn.Module):
         self.register_buffer("prior", self._make_prior(prior, device))
         if self.prior is None and self.prior_count > 0:
             raise ValueError("prior_count: a positive pseudo-count needs a prior (prior=tensor or 'identity')")
+        # Deferred checks (see `check`): per memory, the first rejected update's error code and number, on the device.
+        self.register_buffer("_rejected", torch.zeros((*batch, 2), dtype=torch.int64, device=device), persistent=False)
+        self._updates = 0
         if mode == "blend":
             _blend.register_state(self, device)
         self._version = 0
         self._cache: dict = {}
         self._last_info: SolveInfo | None = None
+        self._warned_one_off = False
         self._warned_float32 = False
 
     # ------------------------------------------------------------------ configuration and bookkeeping
@@ -172,6 +185,7 @@ class FastWeights(nn.Module):
             "weighted_least_squares": self.weighted_least_squares,
             "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
             "drop_nonfinite": self.drop_nonfinite,
+            "eager_checks": self.eager_checks,
             "mode": self.mode,
             "blend_window": self.blend_window,
             "blend_chunk": self.blend_chunk,
@@ -187,6 +201,13 @@ class FastWeights(nn.Module):
     def version(self) -> int:
         """Monotonic counter, incremented by every change of the statistics."""
         return self._version
+
+    @property
+    def solution_key(self) -> tuple:
+        """A value that changes whenever `weights` may change: any change of the statistics (in-place edits of the
+        buffers included) or of the filter settings (alpha, rtol, ridge). Compare it for equality to cache what is
+        derived from the solution."""
+        return (*self._state_key(), self.alpha, self.rtol, self.ridge)
 
     def _changed(self) -> None:
         self._version += 1
@@ -304,6 +325,9 @@ class FastWeights(nn.Module):
         """
         original = (keys, values, scores, mask)
         keys, values, scores, mask = self._rows(keys, values, scores, mask)
+        self._updates += 1
+        if not self._checks_eagerly():
+            return self._update_deferred(keys, values, scores, mask)
         mask, dropped = self._keep_finite_rows(keys, values, scores, mask)
         check_scores(scores, mask)
         if self.mode == "blend":
@@ -321,6 +345,68 @@ class FastWeights(nn.Module):
         self.num_dropped.add_(dropped)
         self._changed()
         return self
+
+    def _checks_eagerly(self) -> bool:
+        if self.mode == "blend":
+            return True
+        return self.device.type != "cuda" if self.eager_checks is None else self.eager_checks
+
+    def _update_deferred(self, keys, values, scores, mask) -> FastWeights:  # noqa: ANN001 - validated, flattened
+        """update without a host synchronisation: a memory whose batch holds a bad learned row (NaN/Inf, a negative
+        score) learns nothing from that batch (decided on the device), and the error is raised by the next solve."""
+        rows = torch.ones(keys.shape[:-1], dtype=torch.bool, device=keys.device) if mask is None else mask
+        mask, dropped = self._keep_finite_rows(keys, values, scores, rows)
+        code = torch.zeros(self.batch_shape, dtype=torch.int64, device=self.device)
+        for number, t in enumerate((keys, values, scores), start=1):
+            if t is not None:
+                bad = (~torch.isfinite(t)).any(-1) if t.dim() > mask.dim() else ~torch.isfinite(t)
+                code = torch.where((code == 0) & (bad & mask).any(-1), number, code)
+        if scores is not None:
+            code = torch.where((code == 0) & ((scores < 0) & mask).any(-1), 4, code)
+        ok = code == 0
+        mask = mask & ok.unsqueeze(-1)
+        first = (self._rejected[..., 0] == 0) & ~ok
+        self._rejected[..., 0] = torch.where(first, code, self._rejected[..., 0])
+        self._rejected[..., 1] = torch.where(first, self._updates, self._rejected[..., 1])
+        if self.discount != 1.0:  # the discount belongs to the update: a rejected batch leaves the memory as it was
+            one = torch.ones(self.batch_shape, dtype=torch.float64, device=self.device)
+            gamma = torch.where(ok, one * self.discount, one)  # in float64: a float32 0.9 would drift the counts
+            for name in _STATISTICS:
+                t = getattr(self, name)
+                t.mul_(gamma.reshape(gamma.shape + (1,) * (t.dim() - gamma.dim())))
+        ops.accumulate_gram_unchecked(
+            keys, values, scores, mask, gram=self.gram, cross=self.cross, target_sqnorm=self.target_sqnorm,
+            weighted_least_squares=self.weighted_least_squares, compute_dtype=self.compute_dtype,
+        )  # fmt: skip
+        self.count.add_(mask.sum(-1).to(torch.float64))
+        self.num_dropped.add_(dropped)
+        self._changed()
+        return self
+
+    _REJECTED = {1: "keys", 2: "values", 3: "scores", 4: "scores"}
+
+    def check(self) -> FastWeights:
+        """Raise the error a deferred-check update recorded (once; the flag is then cleared). Returns self.
+
+        On CUDA (or with eager_checks=False) `update` validates on the device without waiting for it: a memory whose
+        batch holds NaN/Inf in a learned row, or a negative score, learns nothing from that batch, and the error is
+        raised here, which every solve calls first. On CPU (eager_checks=None) update raises at once.
+        """
+        rejected = self._rejected.reshape(-1, 2)
+        if rejected.numel() == 0 or not bool((rejected[:, 0] != 0).any()):
+            return self
+        flat = int((rejected[:, 0] != 0).nonzero()[0, 0])
+        code, number = (int(x) for x in rejected[flat])
+        self._rejected.zero_()
+        index = [int(i) for i in torch.unravel_index(torch.tensor(flat), self.batch_shape)]
+        where = f" (memory {index})" if self.batch_shape else ""
+        expected = "non-negative weights" if code == 4 else "finite values"
+        found = "a negative score" if code == 4 else "NaN/Inf"
+        raise ValueError(
+            f"{self._REJECTED[code]}: expected {expected}, found {found} in a learned row of update #{number}{where}; "
+            "that batch was not learned by this memory, every other batch was (checks are deferred to the next solve "
+            "on CUDA; FastWeights(eager_checks=True) raises in update, drop_nonfinite=True drops such rows)"
+        )
 
     def _require_exact(self, what: str) -> None:
         if self.mode != "exact":
@@ -402,7 +488,7 @@ class FastWeights(nn.Module):
     @torch.no_grad()
     def reset(self) -> FastWeights:
         """Forget everything: zero statistics and counters (the prior stays)."""
-        for name in (*_STATISTICS, "num_dropped"):
+        for name in (*_STATISTICS, "num_dropped", "_rejected"):
             getattr(self, name).zero_()
         if self.mode == "blend":
             _blend.reset(self)
@@ -467,15 +553,30 @@ class FastWeights(nn.Module):
         alpha: float | Literal["auto"] | None = None,
         rtol: float | None = None,
         ridge: float | Literal["auto"] | None = None,
-    ) -> torch.Tensor:
+        return_info: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, SolveInfo]:
         """Fast weights [*batch_shape, dk, dv] in `dtype`, solved lazily and cached until the statistics change.
 
-        Without arguments the memory's configuration is used. Passing any of alpha / rtol / ridge solves with exactly
-        those (the others at their defaults) without changing the configuration; the eigendecomposition is shared.
+        Without arguments the memory's configuration is used: that is what `weights` returns and what `solve_info`
+        describes. Passing any of alpha / rtol / ridge is a one-off solve with exactly those (the others at their
+        defaults): it changes neither the configuration nor `weights` / `solve_info` (a UserWarning says so once per
+        memory). To keep a filter, set it: `memory.ridge = 'auto'`. The eigendecomposition is shared either way.
+        return_info: also return the SolveInfo of this solve.
         """
+        configured = alpha is None and rtol is None and ridge is None
         options = self._options(alpha, rtol, ridge)
+        if not configured and options != self._options(None, None, None) and not self._warned_one_off:
+            self._warned_one_off = True
+            warnings.warn(
+                f"FastWeights.solve({', '.join(f'{k}={v!r}' for k, v in options.items())}) is a one-off solve: "
+                f"memory.weights and memory.solve_info keep the configured filter (alpha={self.alpha!r}, "
+                f"rtol={self.rtol!r}, ridge={self.ridge!r}); set memory.alpha / .rtol / .ridge to keep it",
+                UserWarning,
+                stacklevel=2,
+            )
         key = ("weights", self._state_key(), tuple(sorted(options.items())))
         if key not in self._cache:
+            self.check()
             self._warn_float32(options)
             if self.mode == "blend":
                 weights, info = _blend.weights(self, options)
@@ -483,17 +584,20 @@ class FastWeights(nn.Module):
                 weights, info = self._solve_statistics(self.gram, self.cross, self.count, self.target_sqnorm, options)
                 weights = self._with_prior(weights, self.count)
             self._cache[key] = (weights.to(self.dtype), info)
-        weights, self._last_info = self._cache[key]
-        return weights
+        weights, info = self._cache[key]
+        if options == self._options(None, None, None):
+            self._last_info = info
+        return (weights, info) if return_info else weights
 
     def solve_for(self, cross: torch.Tensor) -> torch.Tensor:
         """W = S_eps^+ T for this memory's S, count and filter but another T: cross [*batch_shape, dk, dv].
 
         Differentiable in `cross` with S_eps^+ held constant (its eigendecomposition is shared with `solve`): this is
-        how a readout and a token scorer are trained through the statistics T = K^T diag(s) V (method.md §6) without
+        how a readout and a token scorer are trained through T = K^T diag(s) V (docs/design.md §6.5) without
         an eigensolver backward. Returns float64 weights, blended with the prior like `solve`.
         """
         self._require_exact("solve_for")
+        self.check()
         _checks.require_tensor("cross", cross)
         _checks.require_shape("cross", cross, self.cross.shape, "[*batch_shape, dim_key, dim_value]")
         _checks.require_same_device("the memory", self.gram, cross=cross)
@@ -516,7 +620,8 @@ class FastWeights(nn.Module):
 
     @property
     def solve_info(self) -> SolveInfo | None:
-        """Rank, cut, ridge and GCV score of the most recent solve (None before the first)."""
+        """Rank, cut, ridge and GCV score of the configured solution, the one `weights` returns (None before it was
+        first solved)."""
         return self._last_info
 
     def forward(self, query: torch.Tensor) -> torch.Tensor:
@@ -540,7 +645,8 @@ class FastWeights(nn.Module):
     # ------------------------------------------------------------------ persistence
 
     def save(self, path: str | Path) -> Path:
-        """Write the statistics and configuration to a safetensors file, atomically. Returns the path."""
+        """Write the statistics and configuration to a safetensors file, atomically (missing parent folders are
+        created). Returns the path."""
         metadata = {
             "format": FORMAT,
             "format_version": str(FORMAT_VERSION),

@@ -19,7 +19,7 @@ import torch
 
 from .. import FastWeights, ops
 from .._textclf import ZERO_SHOT_TEMPLATE, accuracy, embed_debian_sections, one_hot, sample_shots
-from ..baselines import StoredKeyMemory
+from ..authors_reference import StoredKeyMemory
 
 MODES = {
     "α=1 (paper)": {"alpha": 1.0},

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-Z95 = 1.959963984540054
+from ..intervals import Z95, wilson_interval
 
 
 @dataclass
@@ -90,14 +90,10 @@ def mean_ci(values: list[float] | np.ndarray) -> tuple[float, float]:
 
 
 def wilson_ci(correct: int, total: int) -> tuple[float, float, float]:
-    """(accuracy, low, high): the Wilson score 95% interval of a binomial proportion."""
+    """(accuracy, low, high): the Wilson score 95% interval of a binomial proportion (faast.intervals)."""
     if total <= 0:
         raise ValueError(f"total: expected a positive number of queries, got {total}")
-    p = correct / total
-    z2 = Z95**2
-    centre = (p + z2 / (2 * total)) / (1 + z2 / total)
-    half = Z95 * math.sqrt(p * (1 - p) / total + z2 / (4 * total**2)) / (1 + z2 / total)
-    return p, max(0.0, centre - half), min(1.0, centre + half)
+    return (correct / total, *wilson_interval(correct, total))
 
 
 @dataclass

@@ -246,7 +246,8 @@ class FAASTClassifier(EmbeddingClassifier):
     # ------------------------------------------------------------------ persistence
 
     def save(self, path: str | Path) -> Path:
-        """Write parameters, classes and the memory's statistics to a safetensors file (atomic; no pickle)."""
+        """Write parameters, classes and the memory's statistics to a safetensors file (atomic; no pickle; missing
+        parent folders are created)."""
         self._require_fitted()
         params = {k: v for k, v in self.get_params().items() if k not in ("label_embeddings", "classes")}
         classes = self.classes_.tolist()

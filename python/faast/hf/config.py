@@ -15,17 +15,34 @@ from .._version import __version__
 PAPER_SMALL_MODEL_PARAMS = 1_000_000_000
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass
 class FaastConfig:
-    """Configuration of the memory layers added to a causal LM (method.md §6).
+    """Configuration of the memory layers added to a causal LM (docs/design.md §6).
 
     Attributes:
         num_layers: number of middle memory layers, placed before blocks int((i+1)·L/(n+1)) (the authors' rule).
-            None: the paper's choice, every block below 1B parameters and every other block above.
+            0 (the default): none, only the output layer, which needs no trained readout (middle layers read
+            through a readout P that must be trained first, faast.hf.train). None: the paper's choice, every block
+            below 1B parameters and every other block above.
         layers: explicit block indices instead (0 = before the first block); overrides num_layers.
-        output_layer: add the output memory layer (after the last block, before the final norm; values are the next
-            token's input embedding; h ← (1 - output_mix)·h + output_mix·h W).
-        output_mix: the output layer's interpolation weight (0.9 in the paper).
+        output_layer: add the output memory layer.
+        output_target: what the output layer fits (docs/design.md §6.3).
+            'residual' (the default): after the final norm, keys h̃ and values the gradient of the next token's
+            log-likelihood with respect to h̃ (H[y] − pH, p the model's own prediction); h̃ ← h̃ + η·h̃W with W one
+            Kronecker-factored Newton step and η chosen on the held-out tail of the learned text.
+            'embedding' (the paper's): before the final norm, values the next token's input embedding;
+            h ← (1 - output_mix)·h + output_mix·h W. Configurations saved without this field load as 'embedding'.
+        output_mix: the 'embedding' output layer's interpolation weight (0.9 in the paper).
+        output_step: the 'residual' layer's step η: 'auto' (tuned at each solve on the last output_tune_tokens learned
+            positions) or a number >= 0.
+        output_damping: the 'residual' layer's curvature damping δ (relative to the curvature's mean diagonal).
+        output_alpha: the 'residual' layer's spectral filter exponent (its own; `alpha` is the middle layers').
+        output_tune_tokens: learned positions held out to tune the step (0: no tuning, use output_default_step).
+        output_default_step: η when the step cannot be tuned (too little text, or after loading saved statistics).
         alpha: spectral filter exponent (keep σ > N^-alpha·σmax), or 'auto' for the GCV-chosen rank.
         ridge: None for the truncated pseudo-inverse (the paper), a penalty μ, or 'auto' (GCV).
         scorer: weight values by the token scorer s = sigmoid(a·[k; v]) in middle layers.
@@ -38,10 +55,16 @@ class FaastConfig:
         faast_version: the faast version that wrote the configuration.
     """
 
-    num_layers: int | None = None
+    num_layers: int | None = 0
     layers: list[int] | None = None
     output_layer: bool = True
+    output_target: Literal["residual", "embedding"] = "residual"
     output_mix: float = 0.9
+    output_step: float | Literal["auto"] = "auto"
+    output_damping: float = 1.0
+    output_alpha: float = 1.0
+    output_tune_tokens: int = 2048
+    output_default_step: float = 0.03
     alpha: float | Literal["auto"] = 1.0
     ridge: float | Literal["auto"] | None = None
     scorer: bool = True
@@ -68,6 +91,17 @@ class FaastConfig:
             self.layers = sorted(self.layers)
         if not 0.0 <= float(self.output_mix) <= 1.0:
             raise ValueError(f"output_mix: expected a number in [0, 1], got {self.output_mix!r}")
+        if self.output_target not in ("residual", "embedding"):
+            raise ValueError(f"output_target: expected 'residual' or 'embedding', got {self.output_target!r}")
+        if self.output_step != "auto" and not (_is_number(self.output_step) and self.output_step >= 0):
+            raise ValueError(f"output_step: expected 'auto' or a number >= 0, got {self.output_step!r}")
+        for name, positive in (("output_damping", True), ("output_alpha", False), ("output_default_step", False)):
+            value = getattr(self, name)
+            if not (_is_number(value) and (value > 0 if positive else value >= 0)):
+                raise ValueError(f"{name}: expected a number {'> 0' if positive else '>= 0'}, got {value!r}")
+        tune = self.output_tune_tokens
+        if isinstance(tune, bool) or not isinstance(tune, int) or tune < 0:
+            raise ValueError(f"output_tune_tokens: expected an int >= 0, got {self.output_tune_tokens!r}")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"dropout: expected a number in [0, 1), got {self.dropout!r}")
         if self.compute_dtype not in ("float64", "float32"):
@@ -112,6 +146,8 @@ class FaastConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"FaastConfig: unknown fields {unknown}; known: {sorted(known)}")
+        if "output_target" not in data:  # written before the residual output layer existed: the paper's layer
+            data = {**data, "output_target": "embedding"}
         return cls(**data)
 
     @classmethod

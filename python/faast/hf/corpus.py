@@ -4,7 +4,7 @@
 A training step learns one window of a document into the fast weights and is scored on the *next* window of the
 same document, which is not in the attention context. That is the test-time situation (learn a corpus, then
 predict new text of the same domain), unlike the authors' recipe that scores the very tokens it just stored
-(reference.md H7).
+(docs/authors.md H7).
 """
 
 from __future__ import annotations

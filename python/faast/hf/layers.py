@@ -1,8 +1,11 @@
 """The memory layers added to a causal LM: a middle layer (keys h_t, values h_{t+1} at one block's input, readout P,
 token scorer) and the output layer (keys: last block's output, values: the next token's input embedding).
 
-Each layer owns a `faast.FastWeights` as `.memory`. Learning only updates its statistics; the hidden states pass
-through unchanged (method.md §6), so every layer learns from the base model's own activations in one forward pass.
+The middle layers of a FaastModel share one `MemoryBank` (faast/hf/bank.py: FastWeights(d, d, batch_shape=(L,))), so
+learning a batch is one Gram accumulation and a solve one batched eigendecomposition for all of them; each layer's
+`.memory` is a view of its slot. The output layer owns a `faast.FastWeights`. Learning only updates statistics; the
+hidden states pass through unchanged (docs/design.md §6.4), so every layer learns from the base model's own activations
+in one forward pass.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ from torch import nn
 
 from .. import ops
 from ..memory import FastWeights
+from .bank import LayerMemory, MemoryBank
 from .config import FaastConfig
 
 
 def _keep_dtype(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     # model.to(torch.bfloat16) must not turn the trained readout and scorer into bf16: they are fp32 master weights
-    # (reference.md H10: bf16 parameters round small AdamW updates away). Device moves still apply.
+    # (docs/authors.md H10: bf16 parameters round small AdamW updates away). Device moves still apply.
     def apply(t: torch.Tensor) -> torch.Tensor:
         moved = fn(t)
         return moved if moved.dtype == t.dtype else t.to(device=moved.device)
@@ -27,20 +31,24 @@ def _keep_dtype(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.T
     return apply
 
 
+def _memory_options(config: FaastConfig) -> dict:
+    return {"alpha": config.alpha, "ridge": config.ridge, "compute_dtype": getattr(torch, config.compute_dtype)}
+
+
 def _memory(dim_key: int, dim_value: int, config: FaastConfig, device: torch.device | None) -> FastWeights:
-    return FastWeights(
-        dim_key,
-        dim_value,
-        alpha=config.alpha,
-        ridge=config.ridge,
-        compute_dtype=getattr(torch, config.compute_dtype),
-        device=device,
-    )
+    return FastWeights(dim_key, dim_value, **_memory_options(config), device=device)
+
+
+def memory_bank(
+    hidden_size: int, num_layers: int, config: FaastConfig, device: torch.device | None = None
+) -> MemoryBank:
+    """The shared statistics of `num_layers` middle memory layers: MemoryBank(d, d, batch_shape=(num_layers,))."""
+    return MemoryBank(hidden_size, hidden_size, batch_shape=(num_layers,), **_memory_options(config), device=device)
 
 
 def _solve_key(memory: FastWeights) -> tuple:
     # The statistics' versions and the filter settings: a user may retune memory.alpha after learning.
-    return (memory._state_key(), memory.alpha, memory.rtol, memory.ridge)
+    return memory.solution_key
 
 
 def _pairs(hidden: torch.Tensor, pair_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,16 +61,48 @@ def _pairs(hidden: torch.Tensor, pair_mask: torch.Tensor) -> tuple[torch.Tensor,
 class MemoryLayer(nn.Module):
     """A middle memory layer before block `index`: h + P(dropout(h W)), folded to h + h (W P) at inference.
 
+    Args:
+        hidden_size: d, the width of the hidden states.
+        config: the FaastConfig (alpha, ridge, compute_dtype, scorer, dropout).
+        index: the block it sits before.
+        device: where its parameters (and its own bank) go.
+        bank, slot: the MemoryBank shared by the model's middle layers and this layer's slot in it. Without a bank
+            the layer owns a one-slot bank (a standalone layer, e.g. in tests).
+
     Attributes:
-        memory: FastWeights(d, d) of keys h_t and score-weighted values s_t·h_{t+1}.
+        memory: LayerMemory, the view of this layer's slot: FastWeights(d, d)-like statistics of keys h_t and
+            score-weighted values s_t·h_{t+1}. Solve settings (alpha, ridge, ...) are the bank's, shared by all
+            middle layers.
         readout: nn.Linear(d, d, bias=False), zero-initialised, trained once (P = readout.weight^T).
         scorer: nn.Linear(2d, 1, bias=False) or None; s = sigmoid(scorer([k; v])) with detached inputs.
     """
 
-    def __init__(self, hidden_size: int, config: FaastConfig, index: int, device: torch.device | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        config: FaastConfig,
+        index: int,
+        device: torch.device | None = None,
+        *,
+        bank: MemoryBank | None = None,
+        slot: int = 0,
+    ):
         super().__init__()
         self.index = index
-        self.memory = _memory(hidden_size, hidden_size, config, device)
+        if bank is None:
+            self.own_bank = memory_bank(hidden_size, 1, config, device)  # registered: moves with the layer
+            bank, slot = self.own_bank, 0
+        elif not isinstance(bank, MemoryBank):
+            raise TypeError(f"bank: expected a faast.hf.bank.MemoryBank or None, got {type(bank).__name__}")
+        elif bank.dim_key != hidden_size or bank.dim_value != hidden_size:
+            raise ValueError(
+                f"bank: expected a MemoryBank of width hidden_size={hidden_size}, got {bank.dim_key}x{bank.dim_value}"
+            )
+        # A shared bank is registered once, by the model that owns it; a submodule here would repeat its statistics
+        # in every layer's state_dict.
+        self.__dict__["_bank"] = bank
+        self.slot = bank._check_slot(slot)
+        self.memory = LayerMemory(bank, self.slot)
         self.readout = nn.Linear(hidden_size, hidden_size, bias=False, device=device, dtype=torch.float32)
         nn.init.zeros_(self.readout.weight)
         self.scorer = (
@@ -73,8 +113,13 @@ class MemoryLayer(nn.Module):
         self._step_cross: torch.Tensor | None = None  # this step's differentiable T (readout training)
         self._train_weights: torch.Tensor | None = None  # differentiable W of the current training step
 
+    @property
+    def bank(self) -> MemoryBank:
+        """The MemoryBank holding this layer's statistics (shared with the model's other middle layers)."""
+        return self.__dict__["_bank"]
+
     def extra_repr(self) -> str:
-        return f"index={self.index}"
+        return f"index={self.index}, slot={self.slot}"
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
         self._folded = None
@@ -86,9 +131,10 @@ class MemoryLayer(nn.Module):
         return torch.sigmoid(self.scorer(features)).squeeze(-1)
 
     def learn(self, hidden: torch.Tensor, pair_mask: torch.Tensor, *, differentiable: bool = False) -> None:
-        """Add the pairs (h_t, h_{t+1}) of hidden [B, T, d] where pair_mask [B, T-1] (bool) is True.
+        """Add the pairs (h_t, h_{t+1}) of hidden [B, T, d] where pair_mask [B, T-1] (bool) is True, to this layer.
 
         differentiable: also keep this batch's T = K^T diag(s) V with the graph to the scorer (readout training).
+        FaastModel.learn does not call this per layer: it captures every layer and updates the bank once.
         """
         keys, values = _pairs(hidden, pair_mask)
         scores = None
@@ -97,19 +143,31 @@ class MemoryLayer(nn.Module):
                 scores = self.scores(keys, values)
         self.memory.update(keys, values, None if scores is None else scores.detach(), mask=pair_mask)
         if differentiable and scores is not None:
-            rows = pair_mask.reshape(-1)
-            k = keys.reshape(-1, keys.shape[-1])[rows].to(torch.float64)
-            sv = scores.reshape(-1)[rows].to(torch.float64).unsqueeze(-1) * values.reshape(-1, values.shape[-1])[
-                rows
-            ].to(torch.float64)
-            step = k.mT @ sv
-            self._step_cross = step if self._step_cross is None else self._step_cross + step
+            # Non-pairs are zero keys, so summing over every row adds nothing for them: no boolean indexing (and no
+            # host sync) needed.
+            k = keys.reshape(-1, keys.shape[-1]).to(torch.float64)
+            sv = scores.reshape(-1, 1).to(torch.float64) * values.reshape(-1, values.shape[-1]).to(torch.float64)
+            self.add_step_cross(k.mT @ sv)
+
+    def add_step_cross(self, step: torch.Tensor) -> None:
+        """Add a batch's differentiable T [d, d] float64 to this training step's (see begin_training_step)."""
+        self._step_cross = step if self._step_cross is None else self._step_cross + step
+
+    def step_cross_delta(self) -> torch.Tensor | None:
+        """T_step - T_step.detach(): zero valued, carries this step's gradient to the scorer (None without one)."""
+        if self._step_cross is None:
+            return None
+        return self._step_cross - self._step_cross.detach()
 
     def begin_training_step(self) -> None:
-        """Solve W = S_eps^+ T once for this step with T differentiable in the scorer (S_eps^+ constant)."""
+        """Solve W = S_eps^+ T once for this step with T differentiable in the scorer (S_eps^+ constant).
+
+        FaastModel.begin_training_step does this for all middle layers in one solve.
+        """
         cross = self.memory.cross
-        if self._step_cross is not None:
-            cross = cross + (self._step_cross - self._step_cross.detach())
+        delta = self.step_cross_delta()
+        if delta is not None:
+            cross = cross + delta
         self._train_weights = self.memory.solve_for(cross).to(torch.float32)
 
     def end_training_step(self) -> None:
@@ -117,16 +175,21 @@ class MemoryLayer(nn.Module):
         self._train_weights = None
 
     def folded(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-        """M = W·P [d, d] in float32 (float64 for float64 inputs), or None while the memory is empty.
+        """M = W·P [d, d] in the activations' dtype for bf16/fp16 (one 16-bit GEMM: tensor cores on a GPU, where the
+        float32 path measured 11x slower, benchmarks/results/gpu_h100_run1.md), float64 for float64 inputs and float32
+        otherwise; None while this layer's memory is empty.
 
-        Cached until the statistics or the readout change; recomputing it is one solve and one d×d GEMM.
+        Cached until the statistics or the readout change; recomputing it takes this layer's slice of the bank's
+        solve (one solve for all layers) and one d×d GEMM. Whether the slot is empty is asked of the device once per
+        change of the statistics for all layers together (MemoryBank.nonempty), not per layer and forward.
         """
-        compute = torch.float64 if dtype == torch.float64 else torch.float32
-        key = (*_solve_key(self.memory), self.readout.weight._version, id(self.readout.weight), device, compute)
+        compute = dtype if dtype in (torch.float64, torch.bfloat16, torch.float16) else torch.float32
+        bank = self.bank
+        key = (*_solve_key(bank), self.readout.weight._version, id(self.readout.weight), device, compute)
         if self._folded is None or self._folded[0] != key:
             m = None
-            if bool(self.memory.count.gt(0).any()):
-                m = ops.fold_readout(self.memory.weights, self.readout.weight.detach().mT, out_dtype=compute)
+            if bank.nonempty()[self.slot]:
+                m = ops.fold_readout(bank.weights[self.slot], self.readout.weight.detach().mT, out_dtype=compute)
             self._folded = (key, m)
         return self._folded[1]
 

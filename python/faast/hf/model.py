@@ -3,11 +3,16 @@
 Memory layers are forward pre-hooks on the model's own modules (targets.py), so no modeling code is copied and any
 transformers version whose module layout matches the table works. The returned FaastModel wraps the base model:
 calls and `generate` go to the base (with the hooks active), and it adds learn / reset / disable / save / load.
+
+The middle layers' statistics live in one MemoryBank (bank.py). While learning, the block hooks only capture each
+layer's keys, values and scores; after the backbone pass one bank update learns them all (one Gram accumulation for
+every middle layer, one for the output layer), and a solve is one batched eigendecomposition.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -20,9 +25,12 @@ from torch import nn
 from .. import _persist
 from .._version import __version__
 from ..checkpoint import load_checkpoint, save_state
+from ..memory import FastWeights
 from ._tokens import overlapping_windows, pad_rows
+from .bank import BankCapture
 from .config import FaastConfig
-from .layers import MemoryLayer, OutputMemoryLayer
+from .layers import MemoryLayer, OutputMemoryLayer, memory_bank
+from .output import ResidualOutputLayer
 from .targets import get_submodule, target_for
 
 _log = logging.getLogger("faast.hf")
@@ -60,6 +68,8 @@ class _LearnContext:
     pair_mask: torch.Tensor
     next_embeddings: torch.Tensor | None
     differentiable: bool
+    capture: BankCapture | None
+    output_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # the output layer's keys and values
 
 
 class FaastModel(nn.Module):
@@ -68,8 +78,11 @@ class FaastModel(nn.Module):
     Attributes:
         base_model: the wrapped (frozen) transformers model; its modules carry the hooks.
         faast_config: the FaastConfig, with the model's shape filled in.
-        memory_layers: nn.ModuleDict block index (str) -> MemoryLayer (`.memory`, `.readout`, `.scorer`).
-        output_memory_layer: OutputMemoryLayer or None (`.memory`).
+        memory_bank: MemoryBank(d, d, batch_shape=(L,)), the statistics of the L middle layers (slot i: the i-th
+            entry of memory_layers), or None without middle layers.
+        memory_layers: nn.ModuleDict block index (str) -> MemoryLayer (`.memory`: the view of its slot of
+            memory_bank, `.readout`, `.scorer`). Solve settings (`.memory.alpha`, ...) are shared by all of them.
+        output_memory_layer: OutputMemoryLayer or None (`.memory`, a FastWeights of its own).
     Other attributes (config, device, generation_config, ...) are the base model's.
     """
 
@@ -82,7 +95,7 @@ class FaastModel(nn.Module):
         get_submodule(base_model, target.backbone, "decoder backbone")
         hidden = int(base_model.config.hidden_size)
         embeddings = base_model.get_input_embeddings()
-        if config.output_layer and embeddings.embedding_dim != hidden:
+        if config.output_layer and config.output_target == "embedding" and embeddings.embedding_dim != hidden:
             raise ValueError(
                 f"model: the output memory layer needs input embeddings of the hidden size {hidden}, got "
                 f"{embeddings.embedding_dim}; use FaastConfig(output_layer=False)"
@@ -103,19 +116,37 @@ class FaastModel(nn.Module):
         self.base_model = base_model
         for p in base_model.parameters():
             p.requires_grad_(False)
+        self.memory_bank = memory_bank(hidden, len(indices), self.faast_config, device) if indices else None
         self.memory_layers = nn.ModuleDict(
-            {str(i): MemoryLayer(hidden, self.faast_config, i, device=device) for i in indices}
+            {
+                str(i): MemoryLayer(hidden, self.faast_config, i, device=device, bank=self.memory_bank, slot=slot)
+                for slot, i in enumerate(indices)
+            }
         )
-        self.output_memory_layer = (
-            OutputMemoryLayer(hidden, hidden, self.faast_config, device=device) if config.output_layer else None
-        )
-        self._disabled = 0
+        self.output_memory_layer: OutputMemoryLayer | ResidualOutputLayer | None = None
+        if config.output_layer and config.output_target == "residual":
+            head = base_model.get_output_embeddings()
+            if head is None or getattr(head, "weight", None) is None or head.weight.shape[-1] != hidden:
+                raise ValueError(
+                    f"model: the residual output layer needs an LM head (get_output_embeddings()) reading the hidden"
+                    f" size {hidden}; use FaastConfig(output_target='embedding') or output_layer=False"
+                )
+            vocab = head.weight.shape[0]
+            self.output_memory_layer = ResidualOutputLayer(hidden, vocab, self.faast_config, device=device)
+            self.output_memory_layer.attach_head(head)
+        elif config.output_layer:
+            self.output_memory_layer = OutputMemoryLayer(hidden, hidden, self.faast_config, device=device)
+        self._disabled_parts = {"all": 0, "middle": 0, "output": 0}
         self._learn: _LearnContext | None = None
+        # Capture buffers [L, B, T-1, d], reused by the next batch of the same shape; learn() drops them at its end.
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._handles = [
             blocks[i].register_forward_pre_hook(self._block_hook(layer), with_kwargs=True)
             for i, layer in ((int(k), v) for k, v in self.memory_layers.items())
         ]
-        if self.output_memory_layer is not None:
+        if isinstance(self.output_memory_layer, ResidualOutputLayer):
+            self._handles.append(final_norm.register_forward_hook(self._residual_hook))
+        elif self.output_memory_layer is not None:
             self._handles.append(final_norm.register_forward_pre_hook(self._output_hook, with_kwargs=True))
 
     # ------------------------------------------------------------------ delegation to the base model
@@ -140,15 +171,21 @@ class FaastModel(nn.Module):
         if self.output_memory_layer is not None:
             yield self.output_memory_layer
 
+    def fast_weights(self) -> list[FastWeights]:
+        """The FastWeights holding all learned state: the middle layers' bank, then the output layer's memory (and,
+        for the residual output layer, its curvature)."""
+        return [memory for _, memory in self._bank_memories()]
+
     # ------------------------------------------------------------------ hooks
 
     def _block_hook(self, layer: MemoryLayer):  # noqa: ANN202 - a hook closure
         def hook(module: nn.Module, args: tuple, kwargs: dict):  # noqa: ANN202, ARG001
-            if self._disabled:
+            if self._part_disabled("middle"):
                 return None
             hidden = args[0] if args else kwargs["hidden_states"]
             if self._learn is not None:
-                layer.learn(hidden, self._learn.pair_mask, differentiable=self._learn.differentiable)
+                # Capture only: the bank learns every layer at once after the pass (_learn_batch).
+                self._learn.capture.add(layer.slot, hidden)
                 return None
             out = layer(hidden)
             if args:
@@ -158,25 +195,48 @@ class FaastModel(nn.Module):
         return hook
 
     def _output_hook(self, module: nn.Module, args: tuple, kwargs: dict):  # noqa: ANN202, ARG002
-        if self._disabled:
+        if self._part_disabled("output"):
             return None
         hidden = args[0] if args else kwargs["hidden_states"]
         if self._learn is not None:
-            self.output_memory_layer.learn(hidden, self._learn.next_embeddings, self._learn.pair_mask)
+            keep = self._learn.pair_mask.unsqueeze(-1)
+            embeddings = self._learn.next_embeddings
+            self._learn.output_rows = (
+                torch.where(keep, hidden[:, :-1], hidden.new_zeros(())),
+                torch.where(keep, embeddings, embeddings.new_zeros(())),
+            )
             return None
         out = self.output_memory_layer(hidden)
         if args:
             return (out, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": out}
 
+    def _residual_hook(self, module: nn.Module, args: tuple, output: torch.Tensor):  # noqa: ANN202, ARG002
+        if self._part_disabled("output"):
+            return None
+        if self._learn is not None:
+            self._learn.output_rows = (output, None)  # the final norm's output h̃; targets come after the pass
+            return None
+        return self.output_memory_layer(output)
+
     @contextlib.contextmanager
-    def disable_faast(self) -> Iterator[None]:
-        """Inside, the memory layers neither read nor learn: outputs are the base model's, bit for bit."""
-        self._disabled += 1
+    def disable_faast(self, which: str = "all") -> Iterator[None]:
+        """Inside, memory layers neither read nor learn. which='all' (outputs are the base model's, bit for bit),
+        'middle' (only the output layer acts) or 'output' (only the middle layers act): for ablations."""
+        if which not in ("all", "middle", "output"):
+            raise ValueError(f"which: expected 'all', 'middle' or 'output', got {which!r}")
+        self._disabled_parts[which] += 1
         try:
             yield
         finally:
-            self._disabled -= 1
+            self._disabled_parts[which] -= 1
+
+    @property
+    def _disabled(self) -> bool:
+        return self._disabled_parts["all"] > 0
+
+    def _part_disabled(self, part: str) -> bool:
+        return self._disabled_parts["all"] > 0 or self._disabled_parts[part] > 0
 
     def remove_faast(self) -> nn.Module:
         """Detach the hooks for good and return the base model (its parameters stay frozen)."""
@@ -188,32 +248,61 @@ class FaastModel(nn.Module):
     # ------------------------------------------------------------------ learning
 
     def _learn_batch(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *, differentiable: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        labels: torch.Tensor | None = None,
+        differentiable: bool = False,
     ) -> LearnStats:
         input_ids, mask = _check_batch(input_ids, attention_mask, self.base_model)
         started = time.perf_counter()
         pair_mask = mask[:, :-1] & mask[:, 1:]
+        targets = input_ids[:, 1:]
+        if labels is not None:
+            labels = _check_labels(labels, input_ids, self.base_model)
+            # The Hugging Face convention: labels[:, t+1] is the target after position t; -100 is not learned.
+            pair_mask = pair_mask & (labels[:, 1:] != -100)
+            targets = torch.where(pair_mask, labels[:, 1:], targets)
         # Positions count real tokens only, so a left-padded row learns exactly what the unpadded text gives.
         positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
         next_embeddings = None
-        if self.output_memory_layer is not None:
+        if isinstance(self.output_memory_layer, OutputMemoryLayer):
             next_embeddings = self.base_model.get_input_embeddings()(input_ids[:, 1:])
         backbone = self.base_model.get_submodule(self._backbone_path)
-        self._learn = _LearnContext(pair_mask, next_embeddings, differentiable)
+        capture = None
+        if self.memory_bank is not None:
+            layers = list(self.memory_layers.values())
+            capture = BankCapture(layers, pair_mask, differentiable, workspace=self._workspace)
+        self._learn = context = _LearnContext(pair_mask, next_embeddings, differentiable, capture)
         try:
             with torch.set_grad_enabled(differentiable), _eval_mode(self.base_model):
                 backbone(input_ids=input_ids, attention_mask=mask.long(), position_ids=positions, use_cache=False)
         finally:
             self._learn = None
-        return LearnStats(
-            tokens=int(mask.sum()), pairs=int(pair_mask.sum()), batches=1, seconds=time.perf_counter() - started
-        )
+        # Every statistic is added after the pass, so an error inside it (or in the bank's checks) learns nothing.
+        if capture is not None:
+            with torch.set_grad_enabled(differentiable):
+                step = capture.update(self.memory_bank)
+            self._workspace = capture.release()
+            if step is not None:
+                for layer in self.memory_layers.values():
+                    layer.add_step_cross(step[layer.slot])
+        if context.output_rows is not None and isinstance(self.output_memory_layer, ResidualOutputLayer):
+            self.output_memory_layer.learn(context.output_rows[0], targets, pair_mask)
+        elif context.output_rows is not None:
+            self.output_memory_layer.memory.update(*context.output_rows, mask=pair_mask)
+        # One host sync for both counts.
+        tokens, pairs = torch.stack([mask.sum(), pair_mask.sum()]).tolist()
+        return LearnStats(tokens=tokens, pairs=pairs, batches=1, seconds=time.perf_counter() - started)
 
     def learn(
         self,
-        inputs: torch.Tensor | str | Iterable,
+        inputs: torch.Tensor | str | Iterable | None = None,
         attention_mask: torch.Tensor | None = None,
         *,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
         tokenizer: object | None = None,
         max_length: int = 1024,
         batch_size: int = 8,
@@ -229,13 +318,31 @@ class FaastModel(nn.Module):
                 with `tokenizer`, split into windows of `max_length` tokens that overlap by one token (so no pair is
                 lost) and learned `batch_size` windows at a time; an iterable is consumed lazily, so a corpus never
                 has to fit in memory.
+            input_ids: the input_ids tensor by keyword, so `model.learn(**tokenizer(texts, return_tensors="pt",
+                padding=True))` works; give either inputs or input_ids.
+            labels: [B, T] int64 with an input_ids tensor, as for a Hugging Face causal LM: the pair predicting
+                position t is learned only where labels[:, t] != -100 (e.g. an instruction dataset learns answers
+                only), and labels are the targets of the residual output layer.
             progress: show a tqdm bar with tokens/s (default: when learning from an iterable and stderr is a tty).
 
         Returns LearnStats (tokens, pairs per layer, batches, seconds, tokens_per_second).
         """
+        if input_ids is not None:
+            if inputs is not None:
+                raise ValueError("input_ids: give the batch either as inputs or as input_ids, not both")
+            if not isinstance(input_ids, torch.Tensor):
+                raise TypeError(f"input_ids: expected an int64 tensor [batch, seq], got {_describe(input_ids)}")
+            inputs = input_ids
+        if inputs is None:
+            raise ValueError("inputs: nothing to learn (give input_ids, a text or an iterable of texts or batches)")
         if isinstance(inputs, torch.Tensor):
-            with torch.no_grad():
-                return self._learn_batch(inputs, attention_mask)
+            try:
+                with torch.no_grad():
+                    return self._learn_batch(inputs, attention_mask, labels=labels)
+            finally:
+                self._workspace = None  # the capture buffers live for one learn call
+        if labels is not None:
+            raise ValueError("labels: only valid with an input_ids tensor")
         if attention_mask is not None:
             raise ValueError("attention_mask: only valid with an input_ids tensor; batches carry their own masks")
         if isinstance(inputs, str):
@@ -244,26 +351,66 @@ class FaastModel(nn.Module):
             isinstance(inputs, list | tuple) and inputs and all(isinstance(t, int) for t in inputs)
         ):
             inputs = [inputs]  # one tokenised batch, or one text as token ids
-        batches = _batches(inputs, tokenizer, max_length, batch_size)
+        device = self.base_model.get_input_embeddings().weight.device
+        batches = _batches(inputs, tokenizer, max_length, batch_size, device)
         stats = LearnStats()
         bar = _progress_bar(progress)
         try:
             with torch.no_grad():
                 for ids, mask in batches:
-                    stats += self._learn_batch(ids, mask)
+                    learned = self._learn_batch(ids, mask)
+                    stats += learned
                     if bar is not None:
-                        bar.update(int(mask.sum()) if mask is not None else ids.numel())
+                        bar.update(learned.tokens)
                         bar.set_postfix_str(f"{stats.tokens_per_second:,.0f} tok/s", refresh=False)
         finally:
+            self._workspace = None
             if bar is not None:
                 bar.close()
         return stats
 
+    def solve(self) -> FaastModel:
+        """Solve every memory layer now, for the model's device and dtype; otherwise the first forward pass after
+        learning does it. Middle layers: one batched eigendecomposition and the folded W·P; the residual output
+        layer: its Newton step and the step tuned on the held-out tail. Cached until the statistics change."""
+        weight = self.base_model.get_input_embeddings().weight
+        device, dtype = weight.device, weight.dtype
+        for layer in self.faast_layers():
+            if isinstance(layer, OutputMemoryLayer):
+                layer.weights(device, dtype)
+            else:
+                layer.folded(device, dtype)
+        return self
+
     def reset_fast_weights(self) -> FaastModel:
         """Forget everything learned (the readout and scorer stay)."""
-        for layer in self.faast_layers():
-            layer.memory.reset()
+        for memory in self.fast_weights():
+            memory.reset()
         return self
+
+    # ------------------------------------------------------------------ readout training (faast.hf.train)
+
+    def begin_training_step(self) -> None:
+        """Solve W = S_eps^+ T of every middle layer in one call, T differentiable in the scorers (S_eps^+ constant).
+
+        The layers then read these W (float32, with the graph) until end_training_step; see MemoryLayer.
+        """
+        if self.memory_bank is None:
+            return
+        layers = list(self.memory_layers.values())
+        deltas = [layer.step_cross_delta() for layer in layers]
+        cross = self.memory_bank.cross
+        if any(d is not None for d in deltas):
+            zero = torch.zeros_like(cross[0])
+            cross = cross + torch.stack([zero if d is None else d for d in deltas])
+        weights = self.memory_bank.solve_for(cross).to(torch.float32)
+        for layer in layers:
+            layer._train_weights = weights[layer.slot]
+
+    def end_training_step(self) -> None:
+        """Drop the training step's differentiable T and W: the layers read the folded fast weights again."""
+        for layer in self.memory_layers.values():
+            layer.end_training_step()
 
     # ------------------------------------------------------------------ persistence
 
@@ -325,24 +472,78 @@ class FaastModel(nn.Module):
         return self
 
     def save_fast_weights(self, path: str | Path) -> Path:
-        """Write every memory layer's statistics to one safetensors file, atomically (loads back bit-exact)."""
-        return save_state(path, self._memories_module())
+        """Write every memory layer's statistics to one safetensors file, atomically (loads back bit-exact; missing
+        parent folders are created).
+
+        The file keeps the per-layer layout (a faast.Checkpoint file with one d×d memory per middle layer, named
+        `memory_layers.<block>.memory`, and `output_memory_layer.memory`), so files written before the middle layers
+        shared one bank and files written now are interchangeable.
+        """
+        return save_state(path, self._per_layer_memories(copy=True))
 
     def load_fast_weights(self, path: str | Path) -> FaastModel:
-        """Load statistics written by save_fast_weights (the layers must match; all or nothing)."""
-        load_checkpoint(path, self._memories_module())
+        """Load statistics written by save_fast_weights (the layers must match; all or nothing).
+
+        Also reads a checkpoint of this model in the bank layout (faast.checkpoint on the FaastModel itself, memories
+        `memory_bank` and `output_memory_layer.memory`), ignoring its stream position.
+        """
+        if _saved_memory_names(path) == sorted(name for name, _ in self._bank_memories()):
+            load_checkpoint(path, self._bank_holder())
+            return self
+        holder = self._per_layer_memories(copy=False)
+        load_checkpoint(path, holder)  # validates every memory of the file before copying any
+        if self.memory_bank is not None:
+            slots = [holder.memory_layers[key].memory for key in self.memory_layers]
+            self.memory_bank.load_state_dict(
+                {name: torch.stack([getattr(m, name) for m in slots]) for name in self.memory_bank.state_dict()}
+            )
         return self
 
-    def _memories_module(self) -> nn.Module:
+    def _bank_memories(self) -> list[tuple[str, FastWeights]]:
+        named = [] if self.memory_bank is None else [("memory_bank", self.memory_bank)]
+        if self.output_memory_layer is not None:
+            named.append(("output_memory_layer.memory", self.output_memory_layer.memory))
+        if isinstance(self.output_memory_layer, ResidualOutputLayer):
+            named.append(("output_memory_layer.curvature", self.output_memory_layer.curvature))
+            named.append(("output_memory_layer.token_mass", self.output_memory_layer.token_mass))
+        return named
+
+    def _bank_holder(self) -> nn.Module:
         holder = nn.Module()
-        holder.memory_layers = self.memory_layers
+        if self.memory_bank is not None:
+            holder.memory_bank = self.memory_bank
+        if self.output_memory_layer is not None:
+            holder.output_memory_layer = self.output_memory_layer
+        return holder
+
+    def _per_layer_memories(self, *, copy: bool) -> nn.Module:
+        """A module with one FastWeights(d, d) per middle layer at `memory_layers.<block>.memory` (copies of the
+        bank's slots when `copy`, else empty ones to load into) and the output layer: the per-layer file layout."""
+        holder = nn.Module()
+        layers = nn.ModuleDict()
+        bank = self.memory_bank
+        for key, layer in self.memory_layers.items():
+            memory = FastWeights(
+                bank.dim_key, bank.dim_value, alpha=bank.alpha, rtol=bank.rtol, ridge=bank.ridge,
+                compute_dtype=bank.compute_dtype, device=bank.device,
+            )  # fmt: skip
+            if copy:
+                memory.load_state_dict(layer.memory.state_dict())
+            slot = nn.Module()
+            slot.memory = memory
+            layers[key] = slot
+        holder.memory_layers = layers
         if self.output_memory_layer is not None:
             holder.output_memory_layer = self.output_memory_layer
         return holder
 
     def fast_weight_bytes(self) -> int:
-        """Bytes of learned state (float64 statistics of every memory layer): independent of tokens learned."""
-        return sum(b.numel() * b.element_size() for layer in self.faast_layers() for b in layer.memory.buffers())
+        """Bytes of learned state: the float64 statistics of every memory layer and the residual output layer's
+        held-out tail; independent of tokens learned."""
+        total = sum(b.numel() * b.element_size() for memory in self.fast_weights() for b in memory.buffers())
+        if isinstance(self.output_memory_layer, ResidualOutputLayer):
+            total += self.output_memory_layer.tail_capacity_bytes()
+        return total
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -367,9 +568,9 @@ def _check_batch(input_ids: object, attention_mask: object, model: nn.Module) ->
     if input_ids.dim() != 2 or input_ids.numel() == 0:
         raise ValueError(f"input_ids: expected a non-empty [batch, seq] tensor, got shape {list(input_ids.shape)}")
     vocab = model.get_input_embeddings().num_embeddings
-    if bool((input_ids < 0).any()) or bool((input_ids >= vocab).any()):
+    if bool(((input_ids < 0) | (input_ids >= vocab)).any()):  # one host sync for both bounds
         raise ValueError(
-            f"input_ids: token ids must lie in [0, {vocab}), got [{int(input_ids.min())}, " f"{int(input_ids.max())}]"
+            f"input_ids: token ids must lie in [0, {vocab}), got [{int(input_ids.min())}, {int(input_ids.max())}]"
         )
     device = model.get_input_embeddings().weight.device
     if input_ids.device != device:
@@ -394,6 +595,35 @@ def _check_batch(input_ids: object, attention_mask: object, model: nn.Module) ->
     return input_ids.long(), mask
 
 
+def _check_labels(labels: object, input_ids: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels: expected an int64 tensor [batch, seq] like input_ids, got {_describe(labels)}")
+    if labels.dim() == 1:
+        labels = labels.unsqueeze(0)
+    if labels.shape != input_ids.shape or labels.device != input_ids.device:
+        raise ValueError(
+            f"labels: expected shape {list(input_ids.shape)} on {input_ids.device} like input_ids, got "
+            f"{list(labels.shape)} on {labels.device}"
+        )
+    vocab = model.get_input_embeddings().num_embeddings
+    if bool((((labels < 0) & (labels != -100)) | (labels >= vocab)).any()):
+        raise ValueError(f"labels: expected token ids in [0, {vocab}) or -100 (not learned)")
+    return labels.long()
+
+
+def _saved_memory_names(path: str | Path) -> list[str] | None:
+    """The memory names in a faast.Checkpoint file's header (sorted), or None when the header cannot say; the
+    full read (load_checkpoint) then reports what is wrong with the file."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        return sorted(json.loads(metadata["memories"]))
+    except Exception:  # noqa: BLE001 - any unreadable header: let the verified read explain it
+        return None
+
+
 def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"a {x.dtype} tensor of shape {list(x.shape)}"
@@ -401,9 +631,16 @@ def _describe(x: object) -> str:
 
 
 def _batches(
-    inputs: Iterable, tokenizer: object | None, max_length: int, batch_size: int
+    inputs: Iterable, tokenizer: object | None, max_length: int, batch_size: int, device: torch.device | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(input_ids, attention_mask) batches from texts, id tensors or tokenised mappings, lazily."""
+    """(input_ids, attention_mask) batches from texts, id tensors or tokenised mappings, lazily.
+
+    Batches built here from texts or token-id lists are put on `device` (the model's); tensors the caller passes keep
+    their device, so a mismatch is reported by the batch check rather than copied silently."""
+
+    def built(x: object) -> torch.Tensor:
+        return x if isinstance(x, torch.Tensor) else torch.as_tensor(x, device=device)
+
     if not isinstance(max_length, int) or max_length < 2:
         raise ValueError(f"max_length: expected an int >= 2, got {max_length!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -414,8 +651,8 @@ def _batches(
             if "input_ids" not in item:
                 raise ValueError(f"inputs[{n}]: a tokenised batch needs 'input_ids', got keys {sorted(item)}")
             yield (
-                torch.as_tensor(item["input_ids"]),
-                (None if item.get("attention_mask") is None else torch.as_tensor(item["attention_mask"])),
+                built(item["input_ids"]),
+                (None if item.get("attention_mask") is None else built(item["attention_mask"])),
             )
             continue
         if isinstance(item, torch.Tensor):
@@ -435,10 +672,10 @@ def _batches(
         for window in overlapping_windows(ids, max_length):
             pending.append(window)
             if len(pending) == batch_size:
-                yield pad_rows(pending)
+                yield tuple(t.to(device) for t in pad_rows(pending))
                 pending = []
     if pending:
-        yield pad_rows(pending)
+        yield tuple(t.to(device) for t in pad_rows(pending))
 
 
 def _progress_bar(progress: bool | None):  # noqa: ANN202 - tqdm or None
@@ -480,13 +717,19 @@ def apply_faast(model: nn.Module, config: FaastConfig | None = None) -> FaastMod
     return FaastModel(model, config)
 
 
-def from_pretrained(base_model: nn.Module, directory: str | Path) -> FaastModel:
-    """Apply the FaastConfig saved in `directory` to `base_model` and load its readout and scorer weights."""
+def from_pretrained(base_model: nn.Module, directory: str | Path, **overrides: object) -> FaastModel:
+    """Apply the FaastConfig saved in `directory` to `base_model` and load its readout and scorer weights.
+
+    `overrides` replace fields of the saved configuration (e.g. output_target='embedding', alpha=0.8); fields that
+    fix the readout's shape (layers, scorer, output_layer) must match what was saved.
+    """
     directory = Path(directory)
     path = directory / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"directory: no {CONFIG_NAME} in {directory} (write one with save_pretrained)")
     config = FaastConfig.load(path)
+    if overrides:
+        config = FaastConfig.from_dict({**config.to_dict(), **overrides})
     model = apply_faast(base_model, config)
     for name in ("model_type", "hidden_size", "num_hidden_layers"):
         if getattr(config, name) is not None and getattr(config, name) != getattr(model.faast_config, name):

@@ -1,10 +1,10 @@
-"""Readout and scorer training (method.md §6): the base model stays frozen, the LM loss trains P and the scorer.
+"""Readout and scorer training (docs/design.md §6): the base model stays frozen, the LM loss trains P and the scorer.
 
 Each step: discount every memory's statistics by γ (0.9), learn a batch of text into the fast weights, solve
-W = S_eps^+ T once per layer with T differentiable in the scorer (S_eps^+ a constant, so no eigensolver backward),
-then run the LM loss through h + P(dropout(h W)) on the continuation of that text. Parameters are fp32 master weights
-whatever the model's dtype; AdamW with linear warmup and a cosine schedule; checkpoints are written atomically and a
-run resumes from the newest one.
+W = S_eps^+ T for all middle layers at once (one batched solve of their shared bank) with T differentiable in the
+scorer (S_eps^+ a constant, so no eigensolver backward), then run the LM loss through h + P(dropout(h W)) on the
+continuation of that text. Parameters are fp32 master weights whatever the model's dtype; AdamW with linear warmup
+and a cosine schedule; checkpoints are written atomically and a run resumes from the newest one.
 
 Command line: `python -m faast.hf.train --help`.
 """
@@ -114,18 +114,17 @@ def training_step(model: FaastModel, batch: dict[str, torch.Tensor], discount: f
     else:
         learn_ids = learn_ids.to(device)
         learn_mask = torch.ones_like(learn_ids) if learn_mask is None else learn_mask.to(device)
-    for layer in model.faast_layers():
-        layer.memory.apply_discount(discount)
+    for memory in model.fast_weights():  # the middle layers' bank in one call, then the output layer
+        memory.apply_discount(discount)
     model._learn_batch(learn_ids, learn_mask, differentiable=True)
-    for layer in model.memory_layers.values():
-        layer.begin_training_step()
+    model.begin_training_step()  # one solve for every middle layer
     out = model(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask), use_cache=False)
     return out.loss
 
 
 def end_training_step(model: FaastModel) -> None:
-    for layer in model.memory_layers.values():
-        layer.end_training_step()
+    """Drop the step's differentiable fast weights (after backward): the layers read the folded weights again."""
+    model.end_training_step()
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
@@ -298,6 +297,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, nargs="+", default=None, help="explicit block indices")
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--no-output-layer", action="store_true")
+    p.add_argument(
+        "--output-target",
+        choices=("embedding", "residual"),
+        default="embedding",
+        help="the output layer present while training (default: the paper's, as for the shipped readout)",
+    )
     p.add_argument("--seq-len", type=int, default=256, help="tokens per learned window and per predicted window")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--shuffle-buffer", type=int, default=512)
@@ -327,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     base, tokenizer, name = load_base_model(args.model, gguf_file=args.gguf_file, dtype=getattr(torch, args.dtype))
     config = FaastConfig(
         num_layers=args.num_layers, layers=args.layers, alpha=args.alpha, output_layer=not args.no_output_layer,
-        base_model=name,
+        output_target=args.output_target, base_model=name,
     )  # fmt: skip
     model = apply_faast(base, config)
     train_config = TrainConfig(

@@ -1,9 +1,9 @@
 """Functional ops of faast.
 
-Conventions (method.md §1): keys K [*, N, dk], values V [*, N, dv], fast weights W [*, dk, dv]; a query q [..., dk]
-reads q @ W. Every op accepts leading batch dims (one per memory layer, or per task), which must agree between
-arguments. The implementation of each op is chosen by faast.ops._dispatch (FAAST_BACKEND); the pure-torch backend
-in faast.ops.reference runs everywhere and is the oracle for the others.
+Conventions (docs/design.md §1): keys K [*, N, dk], values V [*, N, dv], fast weights W [*, dk, dv]; a query
+q [..., dk] reads q @ W. Every op accepts leading batch dims (one per memory layer, or per task), which must agree
+between arguments. The implementation of each op is chosen by faast.ops._dispatch (FAAST_BACKEND); the pure-torch
+backend in faast.ops.reference runs everywhere and is the oracle for the others.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .solve import SolveInfo, solve_from_eigh
 __all__ = [
     "SolveInfo",
     "accumulate_gram",
+    "accumulate_gram_unchecked",
     "eigh_gram",
     "fold_readout",
     "pinv_fast_weights",
@@ -115,7 +116,7 @@ def accumulate_gram(
         mask: [*, N] bool or None; rows where it is False are skipped entirely (padding).
         weighted_least_squares: use S = K^T diag(s) K instead (a different estimator, explicitly opt-in).
         compute_dtype: float64 (default, exact products and sums) or float32 (per-4096-row float32 GEMMs summed in
-            float64: faster, but loses directions below ~1e-7·λmax; numerics.md §1).
+            float64: faster, but loses directions below ~1e-7·λmax; docs/numerics.md §1).
 
     Returns:
         (gram, cross): the updated accumulators (the given tensors, or new float64 ones).
@@ -144,6 +145,49 @@ def accumulate_gram(
     if target_sqnorm is not None:
         target_sqnorm.add_(d_sqnorm)
     return gram, cross
+
+
+def accumulate_gram_unchecked(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    *,
+    gram: torch.Tensor,
+    cross: torch.Tensor,
+    target_sqnorm: torch.Tensor,
+    weighted_least_squares: bool = False,
+    compute_dtype: torch.dtype = torch.float64,
+) -> None:
+    """accumulate_gram for callers that validated the arguments (faast.FastWeights): no value scans, no host sync.
+
+    keys [*, N, dk], values [*, N, dv], scores / mask [*, N]; gram [*, dk, dk], cross [*, dk, dv], target_sqnorm [*]
+    updated in place. Rows with mask False contribute nothing even if they hold NaN/Inf. When the backend has an
+    in-place kernel and the accumulators are contiguous float64, it adds into them directly (one launch: the Triton
+    backend on CUDA); otherwise the batch's statistics are computed and added.
+    """
+    batch = tuple(keys.shape[:-2])
+    n, dk, dv = keys.shape[-2], keys.shape[-1], values.shape[-1]
+    size = math.prod(batch)
+    flat = (
+        keys.reshape(size, n, dk),
+        values.reshape(size, n, dv),
+        None if scores is None else scores.reshape(size, n),
+        None if mask is None else mask.reshape(size, n),
+    )
+    name, impl = _dispatch.resolve("accumulate_gram", keys.device)
+    in_place = _dispatch.implementation(name, "accumulate_gram_")
+    accumulators = (gram, cross, target_sqnorm)
+    if in_place is not None and all(t.dtype == torch.float64 and t.is_contiguous() for t in accumulators):
+        in_place(
+            *flat, gram.reshape(size, dk, dk), cross.reshape(size, dk, dv), target_sqnorm.reshape(size),
+            weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype,
+        )  # fmt: skip
+        return
+    d_gram, d_cross, d_sqnorm = impl(*flat, weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype)
+    gram.add_(d_gram.reshape(gram.shape))
+    cross.add_(d_cross.reshape(cross.shape))
+    target_sqnorm.add_(d_sqnorm.reshape(target_sqnorm.shape))
 
 
 def eigh_gram(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +242,7 @@ def solve_fast_weights_ex(
     lam, vecs = eigh_gram(gram.detach())
     lam, vecs = lam.reshape(-1, dk), vecs.reshape(-1, dk, dk)
     yy = None if target_sqnorm is None else target_sqnorm.detach().reshape(-1).to(torch.float64)
-    # The gradient flows through T only: S^+ is a constant, as in the authors' detached pinv (method.md §6).
+    # The gradient flows through T only: S^+ is a constant, as in the authors' detached pinv (docs/design.md §6).
     weights, info = solve_from_eigh(
         lam, vecs, cross.reshape(-1, dk, cross.shape[-1]), counts,
         alpha=alpha, rtol=rtol, ridge=ridge, target_sqnorm=yy,
@@ -223,7 +267,7 @@ def solve_fast_weights(
 
     Args:
         gram: S [*, dk, dk] float32/float64 (only the lower triangle is read). The eigensolver always runs in
-            float64: in float32 it loses every direction below ~1e-5·λmax (numerics.md §1).
+            float64: in float32 it loses every direction below ~1e-5·λmax (docs/numerics.md §1).
         cross: T [*, dk, dv] float32/float64.
         count: N, the number of rows learned (a number, or a tensor broadcastable to the batch dims); it sets
             eps = N^-alpha. N = 0 gives W = 0.

@@ -40,19 +40,24 @@ def _register_fake() -> None:
     @torch.library.register_fake("faast::batched_eigh")
     def _(gram: torch.Tensor, algorithm: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         torch._check(gram.dim() == 3 and gram.shape[1] == gram.shape[2], lambda: "gram must be [L, d, d]")
+        torch._check(gram.dtype == torch.float64, lambda: "gram must be float64")
         # Eigenvectors come back column-major (the kernel returns the transpose of cuSOLVER's buffer), like
         # torch.linalg.eigh: the fake must report the same strides.
         return gram.new_empty(gram.shape[:-1]), gram.new_empty(gram.shape).transpose(-2, -1)
 
 
 def eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(λ [B, d] ascending, E [B, d, d]) of symmetric float64 gram [B, d, d] in one cuSOLVER call."""
-    return torch.ops.faast.batched_eigh(gram, "auto")
+    """(λ [B, d] ascending, E [B, d, d]) float64 of symmetric gram [B, d, d] in one cuSOLVER call.
+
+    The op accepts float64 only (a float32 eigensolver loses every direction below ~1e-5·λmax): float32 statistics are
+    upcast here, exactly."""
+    return torch.ops.faast.batched_eigh(gram.to(torch.float64), "auto")
 
 
 def _not_for_auto() -> str | None:
-    # Compiled and compile-checked in CI, but never timed: until benchmarks/bench_eigh.py shows it faster than
-    # torch.linalg.eigh on a GPU, `auto` keeps the torch path.
+    # Compile-checked in CI. On the one GPU run so far (benchmarks/results/gpu_h100_run1.md) it built but did not load
+    # (a torch symbol it used is not exported by torch 2.11+cu130; fixed since): never timed. Until
+    # benchmarks/bench_eigh.py shows it faster than torch.linalg.eigh on a GPU, `auto` keeps the torch path.
     return (
         "its GPU speed against torch.linalg.eigh is not measured yet (benchmarks/bench_eigh.py); "
         "FAAST_BACKEND=cuda selects it"

@@ -5,7 +5,9 @@ Backends: ``torch`` (pure PyTorch, any device: the CPU path and the test oracle)
 residual_project; CUDA tensors, and CPU tensors under TRITON_INTERPRET=1), ``cuda`` from faast.ops._cuda_backend (eigh;
 CUDA tensors, when the optional extension faast._C is built).
 
-``FAAST_BACKEND`` (auto | torch | triton | cuda, default auto) overrides the choice for every op:
+``FAAST_BACKEND`` (auto | torch | triton | cuda, default auto) overrides the choice for every op; a comma-separated
+list of ``op=backend`` entries overrides it per op, with an optional bare name for the others
+(``FAAST_BACKEND=accumulate_gram=triton,eigh=cuda`` or ``eigh=cuda,torch``):
 
 * ``auto`` walks a per-device preference list and takes the first backend that is available, implements the op and
   is eligible for automatic choice (a backend may decline it, e.g. kernels whose speed is not measured yet).
@@ -56,12 +58,28 @@ def register_backend(backend: Backend) -> None:
     _REGISTRY[backend.name] = backend
 
 
-def requested_backend() -> str:
-    """The value of FAAST_BACKEND, validated: 'auto' or one of BACKEND_NAMES."""
+PER_OP_SEPARATOR = "="
+
+
+def requested_backend(op: str | None = None) -> str:
+    """What FAAST_BACKEND asks for `op` (or for every op, with op=None), validated: 'auto' or one of BACKEND_NAMES."""
     value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if value != "auto" and value not in BACKEND_NAMES:
-        raise ValueError(f"{ENV_VAR}: expected one of auto, {', '.join(BACKEND_NAMES)}; got {value!r}")
-    return value
+    choices = f"auto, {', '.join(BACKEND_NAMES)}"
+    if PER_OP_SEPARATOR not in value:
+        if value != "auto" and value not in BACKEND_NAMES:
+            raise ValueError(f"{ENV_VAR}: expected one of {choices}, or op=backend entries; got {value!r}")
+        return value
+    default, per_op = "auto", {}
+    for entry in (e.strip() for e in value.split(",") if e.strip()):
+        name, sep, backend = entry.partition(PER_OP_SEPARATOR)
+        backend = backend.strip() if sep else name.strip()
+        if backend != "auto" and backend not in BACKEND_NAMES:
+            raise ValueError(f"{ENV_VAR}: entry {entry!r}: expected a backend among {choices}; got {value!r}")
+        if sep:
+            per_op[name.strip()] = backend
+        else:
+            default = backend
+    return default if op is None else per_op.get(op, default)
 
 
 def _why_not(name: str, op: str, device: torch.device) -> str | None:
@@ -73,6 +91,12 @@ def _why_not(name: str, op: str, device: torch.device) -> str | None:
     if backend.devices is not None and device.type not in backend.devices:
         return f"the {name} backend does not run on {device.type} tensors"
     return backend.unavailable_reason()
+
+
+def implementation(backend: str, op: str) -> Callable | None:
+    """The backend's implementation of an auxiliary op (e.g. an in-place variant), or None if it has none."""
+    found = _REGISTRY.get(backend)
+    return None if found is None else found.ops.get(op)
 
 
 def explain(op: str, device: torch.device) -> list[tuple[str, str | None]]:
@@ -89,7 +113,7 @@ def explain(op: str, device: torch.device) -> list[tuple[str, str | None]]:
 
 def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
     """Return (backend name, implementation) for `op` on `device`, following FAAST_BACKEND."""
-    requested = requested_backend()
+    requested = requested_backend(op)
     if requested != "auto":
         backend = _REGISTRY.get(requested)
         if backend is None or op in backend.ops:

@@ -3,8 +3,10 @@
 Registered lazily: importing faast does not import Triton; the kernels are loaded on the first call. It runs on CUDA
 tensors, and on CPU tensors too under TRITON_INTERPRET=1 (Triton's interpreter: slow, used by the tests).
 compute_dtype float64 selects the kernel's "fp64" mode (float64 products and sums: the mode that passes the float64
-fidelity suite, so it is the default); float32 selects "tf32x3" (tensor-core products at float32 accuracy, float32
-sums flushed into float64 every 256 rows), which FastWeights already warns about below its resolution floor.
+fidelity suite, so it is the default). float32 selects, for bf16/fp16 keys and values, "exact16" (native 16-bit
+tensor-core products, exact in float32, summed in float32 over at most faast_kernels.gram.FLUSH_ROWS rows and then in
+float64), and for float32/float64 inputs "tf32x3" (tensor-core products at float32 accuracy); FastWeights already
+warns about float32 compute below its resolution floor.
 """
 
 from __future__ import annotations
@@ -15,8 +17,14 @@ import torch
 
 from . import _dispatch
 
-_PRECISION = {torch.float64: "fp64", torch.float32: "tf32x3"}
 _warned: list[bool] = []
+
+
+def precision_for(compute_dtype: torch.dtype, input_dtype: torch.dtype) -> str:
+    """The kernel mode that implements compute_dtype for inputs of input_dtype."""
+    if compute_dtype == torch.float64:
+        return "fp64"
+    return "exact16" if input_dtype in (torch.float16, torch.bfloat16) else "tf32x3"
 
 
 def _warn_opt_in_mode() -> None:
@@ -24,10 +32,10 @@ def _warn_opt_in_mode() -> None:
         return
     _warned.append(True)
     warnings.warn(
-        "faast triton backend: compute_dtype=float32 runs the opt-in tf32x3 Gram mode, which fails the float64 "
-        "fidelity suite on power-law spectra (9 of 26 cases; relW up to 1.2e-3 against 1e-5; "
-        "benchmarks/results/triton_fidelity_interpreter.md). Use compute_dtype=float64 (the default) for exact "
-        "statistics.",
+        "faast triton backend: compute_dtype=float32 with float32 inputs runs the opt-in tf32x3 Gram mode, which "
+        "fails "
+        "the float64 fidelity suite (interpreter: 9 of 26 cases; H100: all 26, relW up to 1.7e-2 against 1e-5; "
+        "benchmarks/results/gpu_h100_run1.md). Use compute_dtype=float64 (the default) for exact statistics.",
         RuntimeWarning,
         stacklevel=4,
     )
@@ -50,19 +58,35 @@ def accumulate_gram(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dS [B, dk, dk], dT [B, dk, dv], dyy [B]) float64 of flattened rows keys [B, N, dk] etc."""
     _kernels()
-    if compute_dtype == torch.float32:
+    same16 = keys.dtype == values.dtype and keys.dtype in (torch.float16, torch.bfloat16)
+    precision = precision_for(compute_dtype, keys.dtype if same16 else torch.float32)
+    if precision == "tf32x3":
         _warn_opt_in_mode()
-    gram, cross = torch.ops.faast_kernels.gram_statistics(
-        keys, values, scores, mask, weighted_least_squares, _PRECISION[compute_dtype]
+    # One launch gives S, T and the GCV statistic ‖Y‖².
+    return torch.ops.faast_kernels.gram_statistics(keys, values, scores, mask, weighted_least_squares, precision)
+
+
+def accumulate_gram_(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    gram: torch.Tensor,
+    cross: torch.Tensor,
+    sqnorm: torch.Tensor,
+    *,
+    weighted_least_squares: bool,
+    compute_dtype: torch.dtype,
+) -> None:
+    """In place: gram [B, dk, dk] += Kᵀ K, cross [B, dk, dv] += Kᵀ diag(s) V, sqnorm [B] += ‖Y‖², one launch."""
+    _kernels()
+    same16 = keys.dtype == values.dtype and keys.dtype in (torch.float16, torch.bfloat16)
+    precision = precision_for(compute_dtype, keys.dtype if same16 else torch.float32)
+    if precision == "tf32x3":
+        _warn_opt_in_mode()
+    torch.ops.faast_kernels.gram_accumulate_(
+        keys, values, scores, mask, gram, cross, sqnorm, weighted_least_squares, precision
     )
-    # The GCV statistic is O(N·dv): plain torch, float64.
-    v2 = values.to(torch.float64).square().sum(-1)
-    if scores is not None:
-        s = scores.to(torch.float64)
-        v2 = v2 * (s if weighted_least_squares else s.square())
-    if mask is not None:
-        v2 = torch.where(mask, v2, 0.0)
-    return gram, cross, v2.sum(-1)
 
 
 def residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -96,16 +120,25 @@ def _devices() -> tuple[str, ...]:
 
 
 def _not_for_auto() -> str | None:
-    # The kernels are verified (interpreter tests, fidelity suite) but their GPU speed against cuBLAS is unmeasured:
-    # until benchmarks/bench_kernels.py shows them faster on a GPU, `auto` keeps the torch path there.
-    return "its GPU speed is not measured yet (benchmarks/bench_kernels.py); FAAST_BACKEND=triton selects it"
+    # Measured on an H100 (benchmarks/results/gpu_h100_run1.md): the kernels before the current rewrite ran at
+    # 14-30x the bf16 FLOP floor, slower than cuBLAS, and float64 dots did not compile everywhere. The rewritten
+    # kernels pass the interpreter tests but have not run on a GPU: until benchmarks/gpu_check.py shows them faster
+    # and correct there, `auto` keeps the torch path.
+    return (
+        "not measured faster than cuBLAS on a GPU yet (benchmarks/results/gpu_h100_run1.md; rerun "
+        "scripts/gpu_check.sh); FAAST_BACKEND=triton selects it"
+    )
 
 
 def register() -> None:
     _dispatch.register_backend(
         _dispatch.Backend(
             name="triton",
-            ops={"accumulate_gram": accumulate_gram, "residual_project": residual_project},
+            ops={
+                "accumulate_gram": accumulate_gram,
+                "accumulate_gram_": accumulate_gram_,
+                "residual_project": residual_project,
+            },  # fmt: skip
             devices=_devices(),
             unavailable_reason=_unavailable,
             auto_reason=_not_for_auto,

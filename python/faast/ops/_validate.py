@@ -87,8 +87,7 @@ def explain_nonfinite(
                 "learned (pass drop_nonfinite=True to faast.FastWeights to drop such rows instead)"
             )
     return ValueError(
-        "keys/values: the statistics of this batch overflow float64 (entries too large to square); nothing was "
-        "learned"
+        "keys/values: the statistics of this batch overflow float64 (entries too large to square); nothing was learned"
     )
 
 

@@ -6,7 +6,7 @@ arrive validated and flattened to one leading batch dim by faast.ops; nothing he
 Accumulation streams the rows through one reusable buffer X = [K | s*V] (upcast to float64) and adds
 X[:, block]^T X[:, block:] for column blocks of K, which yields the upper triangle of S = K^T K and all of
 T = K^T diag(s) V with ~3/4 of the flops of two full GEMMs, at close to the float64 GEMM peak. benchmarks/results/
-learn_cpu.md has the measured cost against the authors' float32 pinv of K; numerics.md §3 has the cost model.
+learn_cpu.md has the measured cost against the authors' float32 pinv of K; docs/numerics.md §3 has the cost model.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ _TRIANGLE_BLOCK = 192
 # freed by one update is reused by the next from the heap; a 48 MB buffer was mmap'ed and page-faulted afresh on
 # every update (~15% of a 64k x 768 learn). 16 MB chunks still keep the GEMMs at full speed (>= 1300 rows at d=768).
 _CHUNK_BYTES = 16 << 20
-# numerics.md §1: float32 GEMMs over more than ~4096 rows lose the directions the spectral filter must keep.
+# On a GPU there is no heap to fragment and GEMMs need long inner dimensions to reach the float64 peak: 16 MB chunks
+# gave ~64-row GEMMs for 48 layers at d = 1600 (11 TFLOP/s on an H100, benchmarks/results/gpu_h100_run1.md).
+_CHUNK_BYTES_CUDA = 1 << 30
+# docs/numerics.md §1: float32 GEMMs over more than ~4096 rows lose the directions the spectral filter must keep.
 FLOAT32_MAX_CHUNK_ROWS = 4096
 
 
@@ -31,9 +34,10 @@ def triangle_blocks(dim: int) -> list[tuple[int, int]]:
     return [(edges[i], edges[i + 1]) for i in range(count) if edges[i + 1] > edges[i]]
 
 
-def chunk_rows(batch: int, width: int, dtype: torch.dtype, rows: int) -> int:
+def chunk_rows(batch: int, width: int, dtype: torch.dtype, rows: int, device: torch.device | None = None) -> int:
     itemsize = torch.finfo(dtype).bits // 8
-    target = max(64, _CHUNK_BYTES // max(1, batch * width * itemsize))
+    budget = _CHUNK_BYTES_CUDA if device is not None and device.type == "cuda" else _CHUNK_BYTES
+    target = max(64, budget // max(1, batch * width * itemsize))
     if dtype == torch.float32:
         target = min(target, FLOAT32_MAX_CHUNK_ROWS)
     return max(1, min(rows, target))
@@ -92,7 +96,7 @@ def accumulate_gram_streaming(
 
     dyy is the squared norm of the regression targets, which generalized cross-validation needs.
     compute_dtype float64 gives exact products and a float64 sum (the default); float32 computes each chunk of at most
-    4096 rows in float32 and sums the chunks in float64 (faster, but see numerics.md before trusting it).
+    4096 rows in float32 and sums the chunks in float64 (faster, but see docs/numerics.md before trusting it).
     """
     batch, rows, dk = keys.shape
     dv = values.shape[-1]
@@ -101,7 +105,7 @@ def accumulate_gram_streaming(
     # [S | T] side by side: one GEMM per column block fills its rows of both.
     acc = torch.zeros((batch, dk, width), dtype=torch.float64, device=device)
     dyy = torch.zeros((batch,), dtype=torch.float64, device=device)
-    step = chunk_rows(batch, width, compute_dtype, rows)
+    step = chunk_rows(batch, width, compute_dtype, rows, device)
     buf = torch.empty((batch, step, width), dtype=compute_dtype, device=device)
     blocks = triangle_blocks(dk)
     exact = compute_dtype == torch.float64
@@ -137,7 +141,13 @@ def eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x + x @ m with float32 accumulation (float64 when either input is float64); result in x.dtype."""
+    """x + x @ m with float32 accumulation (float64 when either input is float64); result in x.dtype.
+
+    x and m in the same 16-bit dtype take one 16-bit addmm (float32 accumulation, one rounding: tensor cores on a
+    GPU); otherwise both are upcast."""
+    if x.dtype == m.dtype and x.dtype in (torch.float16, torch.bfloat16):
+        flat = x.reshape(-1, x.shape[-1])
+        return torch.addmm(flat, flat, m).reshape(x.shape)
     compute = torch.float64 if torch.float64 in (x.dtype, m.dtype) else torch.float32
     flat = x.reshape(-1, x.shape[-1]).to(compute)
     return torch.addmm(flat, flat, m.to(compute)).to(x.dtype).reshape(x.shape)

@@ -1,0 +1,297 @@
+"""Test-time learning on five local text domains, every method in the same run (the multi-domain LM benchmark).
+
+    python experiments/lm_domains.py                         # all five domains, 32K learned / 8K scored tokens each
+    python experiments/lm_domains.py --domains asyncio --learn-tokens 4096 --score-tokens 1024   # a quick look
+
+For each domain of experiments/domains.py (learn files -> held-out files, no file in both) on the embedded default
+(SmolLM2-135M-Instruct, GGUF Q4_1 dequantised, with the shipped readout), in one process:
+- zero-shot: the frozen model;
+- FAAST: the shipped middle memory layers plus the residual output layer (docs/design.md §6.3), learned in
+  growing parts (the PPL-vs-tokens curve) and scored after each, as it is and with the middle layers disabled (the
+  residual output layer alone; `--ablations` adds the middle layers alone). The report judges the goals on the
+  variant the shipped configuration builds (`default_variant`);
+- FAAST (paper output layer): the middle layers plus the paper's interpolating output layer (the previous default);
+- kNN-LM (k = 1024, λ = 0.25, the paper's settings), also along the curve;
+- LoRA (peft, q/v of every block, 1 epoch) and a linear projection at FAAST's layers (backprop, 1 epoch): the methods
+  a user would otherwise pick, trained on the same tokens (faast.hf.baselines).
+Each row records perplexity, learn time, scoring time and the memory the method adds. Results: one JSON (written
+after every domain, so a cut run keeps what it measured), a Markdown report with the per-domain tables, the averages
+and the issue's goals, and the curve plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import RESULTS, ROOT  # noqa: E402
+from domains import DOMAINS, domain_texts  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _harness as H  # noqa: E402
+
+METHODS = ("faast", "output", "paper", "knn", "lora", "linear")
+DEFAULT_METHODS = ("faast", "knn", "lora", "linear")  # "paper" (the previous default) on request: one more pass
+CURVE = (2048, 8192, 32768)
+KNN_CURVE = (32768,)
+RUN_ORDER = ("asyncio", "man", "copyright", "perl", "tkinter")  # code, roff, legal prose, then the rest
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(RUN_ORDER))
+    p.add_argument("--learn-tokens", type=int, default=32768)
+    p.add_argument("--score-tokens", type=int, default=8192)
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"subset of {','.join(METHODS)}")
+    p.add_argument("--ablations", action="store_true", help="also score FAAST's middle layers alone")
+    p.add_argument("--resume", action="store_true", help="keep the domains already in the result JSON, run the rest")
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--train-window", type=int, default=256)
+    p.add_argument("--train-batch-size", type=int, default=4)
+    p.add_argument("--linear-lr", type=float, default=1e-4)
+    p.add_argument("--lora-lr", type=float, default=1e-3)
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument("--out", default="lm_domains_smollm2")
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if set(args.methods) - set(METHODS):
+        p.error(f"--methods: expected a subset of {list(METHODS)}, got {args.methods}")
+    return args
+
+
+def points(limit: int, grid: tuple[int, ...]) -> list[int]:
+    """The curve's learned-token amounts up to `limit` (the last is always `limit`)."""
+    return sorted({p for p in grid if p < limit} | {limit})
+
+
+class Domain:
+    """One domain's token lists and the rows measured on it."""
+
+    def __init__(self, name: str, tokenizer: object, args: argparse.Namespace):
+        from faast.hf._tokens import token_lists
+        from faast.hf.evaluate import token_windows
+
+        learn_texts, score_texts = domain_texts(name)
+        self.name = name
+        self.learn = token_lists(learn_texts, tokenizer, args.learn_tokens)
+        self.windows = [w for ids in token_lists(score_texts, tokenizer, args.score_tokens)
+                        for w in token_windows(ids, args.window)]  # fmt: skip
+        self.learned = sum(len(x) for x in self.learn)
+        self.scored = sum(len(w) - 1 for w in self.windows)
+        self.rows: list[dict] = []
+        self.curve: dict[str, dict[str, list]] = {}
+
+    def add(self, method: str, result, learn_s: float, memory: int, **extra) -> None:  # noqa: ANN001
+        self.rows.append({"method": method, "ppl": result.ppl, "learn_s": learn_s, "score_s": result.seconds,
+                          "memory_bytes": memory, **extra})  # fmt: skip
+        print(f"  {self.name} {method}: ppl {result.ppl:.3f} (learn {learn_s:.1f} s, score {result.seconds:.1f} s,"
+              f" {memory / 2**20:.1f} MB)", flush=True)  # fmt: skip
+
+    def payload(self) -> dict:
+        zero = self.rows[0]["ppl"]
+        for r in self.rows:
+            r["reduction"] = 1 - r["ppl"] / zero
+        return {"domain": self.name, "learned_tokens": self.learned, "scored_tokens": self.scored,
+                "rows": self.rows, "curve": self.curve}  # fmt: skip
+
+
+VARIANTS = {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only"}
+
+
+def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """One learning pass of the shipped middle layers + the residual output layer, scored along the curve as it is
+    and with the middle layers disabled (the residual output layer alone: its statistics do not depend on them)."""
+    from faast.hf import from_pretrained
+    from faast.hf._tokens import split_by_tokens
+    from faast.hf.evaluate import perplexity
+
+    model = from_pretrained(base, readout, output_target="residual")
+    try:
+        amounts = points(domain.learned, CURVE)
+        curves = {key: {"tokens": amounts, "ppl": [], "bytes": [], "step": []} for key in VARIANTS}
+        learn_s, results = 0.0, {}
+        bank_bytes = sum(b.numel() * b.element_size() for b in model.memory_bank.buffers())
+        for part in split_by_tokens(domain.learn, amounts):
+            started = time.perf_counter()
+            if part:
+                model.learn(part, max_length=args.window, batch_size=args.batch_size)
+                model.output_memory_layer.folded(base.device, base.dtype)  # the solve and the step tuning
+            learn_s += time.perf_counter() - started
+            step = (model.output_memory_layer.last_tuning or {}).get("step")
+            for key in VARIANTS:
+                with model.disable_faast("middle") if key == "output" else contextlib.nullcontext():
+                    result = perplexity(model, domain.windows, batch_size=args.batch_size)
+                    size = model.fast_weight_bytes() - (bank_bytes if key == "output" else 0)
+                curves[key]["ppl"].append(result.ppl)
+                curves[key]["bytes"].append(size)
+                curves[key]["step"].append(step)
+                results[key] = (result, size)
+        tuning = {k: v for k, v in (model.output_memory_layer.last_tuning or {}).items() if k != "held_out_nll"}
+        for key, label in VARIANTS.items():
+            domain.curve[key] = curves[key]
+            domain.add(label, results[key][0], learn_s, results[key][1], tuning=tuning)
+        if args.ablations:
+            with model.disable_faast("output"):
+                domain.add("FAAST: middle layers only", perplexity(model, domain.windows, batch_size=args.batch_size),
+                           learn_s, bank_bytes)  # fmt: skip
+    finally:
+        model.remove_faast()
+
+
+def run_output(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """The residual output layer alone, as FaastConfig(num_layers=0) builds it: its own learn time."""
+    from faast.hf import FaastConfig, apply_faast
+    from faast.hf.evaluate import perplexity
+
+    model = apply_faast(base, FaastConfig(num_layers=0))
+    try:
+        started = time.perf_counter()
+        model.learn(domain.learn, max_length=args.window, batch_size=args.batch_size)
+        model.solve()
+        learn_s = time.perf_counter() - started
+        tuning = {k: v for k, v in (model.output_memory_layer.last_tuning or {}).items() if k != "held_out_nll"}
+        domain.add("FAAST: residual output only, alone (FaastConfig(num_layers=0))",
+                   perplexity(model, domain.windows, batch_size=args.batch_size), learn_s, model.fast_weight_bytes(),
+                   tuning=tuning)  # fmt: skip
+    finally:
+        model.remove_faast()
+
+
+def run_paper(domain: Domain, base, readout: Path, args: argparse.Namespace) -> None:  # noqa: ANN001
+    from faast.hf import from_pretrained
+    from faast.hf.evaluate import perplexity
+
+    model = from_pretrained(base, readout, output_target="embedding")
+    try:
+        started = time.perf_counter()
+        model.learn(domain.learn, max_length=args.window, batch_size=args.batch_size)
+        learn_s = time.perf_counter() - started
+        domain.add(
+            "FAAST (paper output layer, previous default)",
+            perplexity(model, domain.windows, batch_size=args.batch_size),
+            learn_s,
+            model.fast_weight_bytes(),
+        )
+    finally:
+        model.remove_faast()
+
+
+def run_knn(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa: ANN001
+    from faast.hf._tokens import split_by_tokens
+    from faast.hf.knnlm import KNNLM, KNNConfig
+
+    knn = KNNLM(base, KNNConfig())
+    amounts = points(domain.learned, KNN_CURVE)
+    curve = domain.curve["knn"] = {"tokens": amounts, "ppl": [], "bytes": []}
+    learn_s = 0.0
+    for part in split_by_tokens(domain.learn, amounts):
+        started = time.perf_counter()
+        if part:
+            knn.add(part, window=args.window, batch_size=args.batch_size)
+        learn_s += time.perf_counter() - started
+        result = knn.perplexity(domain.windows, batch_size=args.batch_size)
+        curve["ppl"].append(result.ppl)
+        curve["bytes"].append(knn.nbytes())
+    domain.add(f"kNN-LM (k={knn.config.k}, λ={knn.config.lam})", result, learn_s, knn.nbytes())
+
+
+def run_backprop(domain: Domain, base, layers: list[int], method: str, args: argparse.Namespace) -> None:  # noqa: ANN001
+    from faast.hf.baselines import LinearProjection, apply_lora, fit_causal_lm, lora_rank_for
+    from faast.hf.evaluate import perplexity
+
+    fit = {"window": args.train_window, "batch_size": args.train_batch_size, "epochs": 1}
+    params = len(layers) * base.config.hidden_size**2
+    if method == "linear":
+        projection = LinearProjection(base, layers)
+        try:
+            stats = fit_causal_lm(base, list(projection.parameters()), domain.learn, lr=args.linear_lr, **fit)
+            result = perplexity(base, domain.windows, batch_size=args.batch_size)
+        finally:
+            projection.remove()
+        domain.add(f"linear (backprop, {len(layers)} layers, 1 epoch)", result, stats.seconds, projection.nbytes(),
+                   params=params)  # fmt: skip
+        return
+    rank = lora_rank_for(base, params)
+    lora = apply_lora(base, rank)
+    try:
+        trainable = [p for p in lora.parameters() if p.requires_grad]
+        stats = fit_causal_lm(lora, trainable, domain.learn, lr=args.lora_lr, **fit)
+        result = perplexity(lora, domain.windows, batch_size=args.batch_size)
+    finally:
+        lora.unload()
+    nbytes = sum(p.numel() * p.element_size() for p in trainable)
+    domain.add(f"LoRA (peft, r={rank}, 1 epoch)", result, stats.seconds, nbytes,
+               params=sum(p.numel() for p in trainable))  # fmt: skip
+
+
+def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], args: argparse.Namespace) -> dict:  # noqa: ANN001
+    from faast.hf.evaluate import perplexity
+
+    domain = Domain(name, tokenizer, args)
+    print(f"{name}: learn {domain.learned:,} tokens, score {domain.scored:,}", flush=True)
+    domain.add("zero-shot", perplexity(base, domain.windows, batch_size=args.batch_size), 0.0, 0)
+    if "faast" in args.methods:
+        run_faast(domain, base, readout, args)
+    if "output" in args.methods:
+        run_output(domain, base, args)
+    if "paper" in args.methods:
+        run_paper(domain, base, readout, args)
+    if "knn" in args.methods:
+        run_knn(domain, base, args)
+    for method in ("lora", "linear"):
+        if method in args.methods:
+            run_backprop(domain, base, layers, method, args)
+    return domain.payload()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import torch
+
+    from faast.hf import FaastConfig
+    from faast.hf.default import DEFAULT_READOUT, load_base_model
+
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    header = H.machine_header()
+    import transformers
+
+    header["transformers"] = transformers.__version__
+    base, tokenizer, description = load_base_model("smollm2")
+    layers = FaastConfig.load(DEFAULT_READOUT / "faast_config.json").layers
+    # The default variant is what the shipped configuration builds: middle layers when it has any.
+    default = "full" if layers else "output"
+    payload = {"model": description, "header": header, "settings": {k: str(v) for k, v in vars(args).items()},
+               "variants": VARIANTS, "default_variant": default, "domains": []}  # fmt: skip
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    path = args.results_dir / f"{args.out}.json"
+    if args.resume and path.is_file():
+        earlier = json.loads(path.read_text(encoding="utf-8"))
+        payload["domains"] = [d for d in earlier["domains"] if d["domain"] in args.domains]
+        payload["earlier_runs"] = [*earlier.get("earlier_runs", []), earlier["header"]]
+    done = {d["domain"] for d in payload["domains"]}
+    for name in [n for n in args.domains if n not in done]:
+        payload["domains"].append(run_domain(name, base, tokenizer, DEFAULT_READOUT, layers, args))
+        payload["header"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        write_json(path, payload)
+    from lm_domains_report import write_report
+
+    write_report(payload, args.results_dir / args.out)
+    return payload
+
+
+def write_json(path: Path, payload: dict) -> None:
+    from faast._persist import write_text_atomic
+
+    write_text_atomic(path, json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""The residual output memory layer: the fast weights fitted to what the model gets wrong (docs/design.md §6.3).
+
+After the final norm the LM head reads h̃ [d] and predicts p = softmax(h̃ Hᵀ) (H [V, d], the head's weight). For the
+learned token y, the gradient of log p_y with respect to h̃ is r = H[y] − pH = Hᵀ(e_y − p): the direction that would
+have raised the right token. The layer learns, in the same forward pass and without backprop,
+
+    S = Σ h̃ h̃ᵀ,   T = Σ h̃ rᵀ          (a FastWeights(d, d): keys h̃, values r)
+    C = Σ_t Cov_{p_t}(H) = Hᵀ diag(Σ p_t) H − Σ μ_t μ_tᵀ,  μ_t = p_t H      (the Fisher of the head, summed)
+
+and reads h̃ ← h̃ + η·h̃·W with W = S⁺ T (C/N + δ·mean(diag)·I)⁻¹. W is one Newton step on the log-likelihood of the
+learned tokens for a linear correction h̃W, with a Kronecker-factored curvature (keys' Gram ⊗ the head's Fisher):
+S⁺T alone is the gradient step, the Fisher whitens it so that directions where the logits are sensitive move
+less. The step η is chosen from the learned stream itself: the most recent `tune_tokens` positions are held out,
+the weights are fitted on the rest (statistics subtract exactly) and η is the grid point with the lowest held-out
+loss; then the full statistics are used. All state has a fixed size (d² + d² floats and the held-out ring).
+
+Measured on five local domains (benchmarks and choices: experiments/lm_domains.py, docs/design.md §6.3).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..memory import FastWeights
+from .config import FaastConfig
+
+_log = logging.getLogger("faast.hf")
+
+# The step's Newton iteration on the held-out NLL: at most this many passes, stopping at a relative change of STEP_TOL;
+# η stays in [0, MAX_STEP] (0 keeps the base model when no step helps).
+STEP_ITERATIONS = 12
+STEP_TOL = 1e-3
+MAX_STEP = 4.0
+# The step is tuned on the last HELD_OUT_SHARE of the learned positions (at most tune_tokens of them), and only when
+# at least MIN_HELD_OUT are held out and MIN_FIT_TOKENS remain to fit on.
+HELD_OUT_SHARE = 0.2
+MIN_HELD_OUT = 128
+MIN_FIT_TOKENS = 256
+_CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
+
+
+def _head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits [n, V] float32 of rows hidden [n, d] through the LM head (weight [V, d], optional bias)."""
+    weight = head.weight.float()
+    logits = hidden.float() @ weight.T
+    bias = getattr(head, "bias", None)
+    return logits if bias is None else logits + bias.float()
+
+
+class ResidualOutputLayer(nn.Module):
+    """h̃ ← h̃ + η·h̃·W after the final norm, W a Newton step fitted to the head's log-likelihood gradients.
+
+    Attributes:
+        memory: FastWeights(d, d) of keys h̃ and values r = H[y] − pH (float64 statistics).
+        curvature: FastWeights(d, 1) whose `gram` accumulates the head's Fisher Σ_t Cov_{p_t}(H) and `count` the
+            positions (so faast.distributed and checkpoints sum and store it like any memory).
+        step: 'auto' (tuned on the held-out tail at each solve) or a fixed η.
+        damping: δ, added as δ·mean(diag(C/N))·I before inverting the curvature.
+        last_tuning: dict of the most recent solve: chosen step, held-out loss per step, tokens fitted / held out.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, config: FaastConfig, device: torch.device | None = None):
+        super().__init__()
+        d = hidden_size
+        compute = torch.float32 if config.compute_dtype == "float32" else torch.float64
+        self.memory = FastWeights(d, d, alpha=config.output_alpha, compute_dtype=compute, device=device)
+        # The Fisher Σ_t Cov_{p_t}(H) = Hᵀ diag(Σ_t p_t) H − Σ_t μ_t μ_tᵀ is kept as its two sums, each in a
+        # FastWeights so that checkpoints and faast.distributed handle them like any memory: `curvature.gram` holds
+        # Σ μ μᵀ [d, d] and `token_mass.cross[0]` holds Σ p [V]. The V×d×d product is formed once per solve.
+        self.curvature = FastWeights(d, 1, compute_dtype=compute, device=device)
+        self.token_mass = FastWeights(1, vocab_size, compute_dtype=compute, device=device)
+        self.step, self.damping = config.output_step, float(config.output_damping)
+        self.tune_tokens, self.default_step = config.output_tune_tokens, float(config.output_default_step)
+        # The held-out tail: the last tune_tokens learned positions (h̃ [n, d] float32, y [n]). Learning state of this
+        # process (not saved): after a load, step='auto' uses default_step until more text is learned.
+        self._tail: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._head: tuple[nn.Module, ...] = ()  # the model's LM head, held outside the module tree
+        self._folded: tuple[tuple, torch.Tensor | None] | None = None
+        self.last_tuning: dict | None = None
+
+    def extra_repr(self) -> str:
+        return f"step={self.step}, damping={self.damping}, tune_tokens={self.tune_tokens}"
+
+    def attach_head(self, head: nn.Module) -> None:
+        """The model's output embedding (LM head) whose gradients the layer fits; not a submodule of this layer."""
+        self._head = (head,)
+
+    @property
+    def head(self) -> nn.Module:
+        if not self._head:
+            raise RuntimeError("ResidualOutputLayer: no LM head attached (FaastModel attaches it)")
+        return self._head[0]
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        self._folded = None
+        self._tail = []
+        return super()._apply(fn, recurse)
+
+    # ------------------------------------------------------------------ learning
+
+    @torch.no_grad()
+    def learn(self, hidden: torch.Tensor, targets: torch.Tensor, pair_mask: torch.Tensor) -> None:
+        """Add the positions of hidden [B, T, d] (the final norm's output) that predict targets [B, T-1] (the next
+        token ids) where pair_mask [B, T-1] is True."""
+        keys = hidden[:, :-1]
+        if targets.shape != keys.shape[:-1] or pair_mask.shape != targets.shape:
+            raise ValueError(f"targets, pair_mask: expected shape {tuple(keys.shape[:-1])}, got "
+                             f"{tuple(targets.shape)} and {tuple(pair_mask.shape)}")  # fmt: skip
+        grads, mean_gram, prob_sum = self._gradients(keys, targets, pair_mask)
+        k = keys if keys.dtype == torch.float64 else keys.float()
+        self.memory.update(k, grads.to(k.dtype), mask=pair_mask)
+        positions = pair_mask.sum().to(torch.float64)
+        # Sums of the head's outputs, not rows of keys and values: added to the buffers directly.
+        for memory, gram, cross in ((self.curvature, mean_gram, None), (self.token_mass, positions, prob_sum)):
+            memory.gram.add_(gram.to(memory.gram.dtype))
+            if cross is not None:
+                memory.cross[0].add_(cross.to(memory.cross.dtype))
+            memory.count.add_(positions.to(memory.count.dtype))
+            memory._changed()
+        if self.tune_tokens:
+            # The last tune_tokens positions, masked ones included (selecting the kept ones here would cost a host
+            # sync per batch on a GPU); the mask is applied when the step is tuned.
+            new = (keys.reshape(-1, keys.shape[-1]).float(), targets.reshape(-1), pair_mask.reshape(-1))
+            if self._tail:
+                new = tuple(torch.cat([old, part]) for old, part in zip(self._tail[0], new, strict=True))
+            self._tail = [tuple(t[-self.tune_tokens :] for t in new)]
+
+    def _gradients(
+        self, keys: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(r [B, T-1, d] float32, zero where masked; Σ μ μᵀ [d, d] and Σ p [V] float64 over unmasked positions)."""
+        weight = self.head.weight
+        d = keys.shape[-1]
+        flat, ys, keep = keys.reshape(-1, d), targets.reshape(-1), mask.reshape(-1)
+        grads = torch.empty((flat.shape[0], d), dtype=torch.float32, device=keys.device)
+        prob_sum = torch.zeros(weight.shape[0], dtype=torch.float64, device=keys.device)
+        mean_gram = torch.zeros((d, d), dtype=torch.float64, device=keys.device)
+        w32 = weight.float()
+        for i in range(0, flat.shape[0], _CHUNK):
+            rows = slice(i, i + _CHUNK)
+            kept = keep[rows, None].to(torch.float32)
+            p = torch.softmax(_head_logits(self.head, flat[rows]), -1).mul_(kept)  # masked positions: p = 0
+            mu = p @ w32
+            grads[rows] = (w32[ys[rows]] - mu).mul_(kept)
+            # float32 sums of at most _CHUNK probabilities: ample for a curvature, then summed in float64.
+            prob_sum += p.sum(0).double()
+            mean_gram += mu.double().T @ mu.double()
+        return grads.reshape(keys.shape), mean_gram, prob_sum
+
+    # ------------------------------------------------------------------ solving
+
+    def _curvature(self) -> torch.Tensor:
+        """(C/N + δ·mean(diag(C/N))·I) [d, d] float64: the damped mean Fisher of the head."""
+        n = self.curvature.count.clamp_min(1.0)
+        curvature = (self._head_second_moment() - self.curvature.gram) / n
+        shift = self.damping * curvature.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
+        return curvature + shift * torch.eye(curvature.shape[-1], dtype=torch.float64, device=curvature.device)
+
+    def _newton(self, gram: torch.Tensor, cross: torch.Tensor, count: torch.Tensor, curvature: torch.Tensor):  # noqa: ANN202
+        """W = S⁺T·curvature⁻¹, float64 [d, d], for the given key statistics."""
+        w = ops.solve_fast_weights(gram, cross, count=count, alpha=self.memory.alpha)
+        return torch.linalg.solve(curvature, w.T).T  # curvature is symmetric
+
+    def _head_second_moment(self) -> torch.Tensor:
+        """Hᵀ diag(Σ p) H [d, d] float64, formed in float32 blocks of the vocabulary (summed in float64)."""
+        weight, mass = self.head.weight, self.token_mass.cross[0]
+        out = torch.zeros((weight.shape[1],) * 2, dtype=torch.float64, device=weight.device)
+        for i in range(0, weight.shape[0], 8192):
+            h = weight[i : i + 8192].float()
+            out += ((h.T * mass[i : i + 8192].float()) @ h).double()
+        return out
+
+    def _tail_statistics(self, held: int) -> tuple[torch.Tensor, ...]:
+        """(keys [held, d], targets [held], their S, T and count): the last `held` learned positions."""
+        keys, ys, keep = self._tail[0]
+        keys, ys = keys[keep][-held:], ys[keep][-held:]
+        every = torch.ones_like(ys, dtype=torch.bool)[None]
+        grads, _, _ = self._gradients(keys[None], ys[None], every)
+        k64, g64 = keys.double(), grads[0].double()
+        count = torch.tensor(float(held), dtype=torch.float64, device=keys.device)
+        return keys, ys, k64.T @ k64, k64.T @ g64, count
+
+    def _tune(self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor) -> tuple[float, list[tuple[float, float]]]:
+        """The step η >= 0 minimising the mean NLL of targets ys [n] from logits z0 + η·z1 (z1 the logits' change for
+        the correction keys·w): convex in η, so a safeguarded 1-D Newton iteration from η = 0 finds it.
+        Returns (η, [(η_i, NLL_i) per iteration])."""
+        bias = getattr(self.head, "bias", None)
+        z0 = _head_logits(self.head, keys)
+        z1 = _head_logits(self.head, keys @ w.float())
+        if bias is not None:
+            z1 -= bias.float()
+        target0 = z0.gather(-1, ys[:, None]).squeeze(-1)
+        target1 = z1.gather(-1, ys[:, None]).squeeze(-1)
+        n = keys.shape[0]
+        eta, low, high, trace = 0.0, 0.0, MAX_STEP, []
+        for _ in range(STEP_ITERATIONS):
+            nll = grad = curv = 0.0
+            for i in range(0, n, _CHUNK // 2):  # bounds the [rows, V] temporaries
+                a, b = z0[i : i + _CHUNK // 2], z1[i : i + _CHUNK // 2]
+                z = torch.add(a, b, alpha=eta)
+                lse = torch.logsumexp(z, -1)
+                p = z.sub_(lse[:, None]).exp_()
+                m1 = (p * b).sum(-1)
+                m2 = p.mul_(b).mul_(b).sum(-1)
+                t0, t1 = target0[i : i + _CHUNK // 2], target1[i : i + _CHUNK // 2]
+                nll += float((lse - t0 - eta * t1).sum())
+                grad += float((m1 - t1).sum())
+                curv += float((m2 - m1 * m1).sum())
+            trace.append((eta, nll / n))
+            if eta == 0.0 and grad >= 0:  # convex and rising from 0: no step helps
+                break
+            # The derivative's sign brackets the minimum; a Newton step that leaves the bracket is replaced by
+            # bisection (far from the minimum the curvature in η can be tiny and the step wild).
+            if grad > 0:
+                high = eta
+            else:
+                low = eta
+            new = eta - grad / curv if curv > 0 else float("inf")
+            if not low < new < high:
+                new = 0.5 * (low + high)
+            done = abs(new - eta) <= STEP_TOL * max(eta, 1e-2) or high - low <= STEP_TOL * max(high, 1e-2)
+            eta = new
+            if done:
+                break
+        return eta, trace
+
+    def held_out_positions(self) -> int:
+        """Positions the step is tuned on: the last HELD_OUT_SHARE of what was learned, at most tune_tokens (0 when
+        too little text was learned, or after a load: the tail is learning state of this process)."""
+        learned = int(self.memory.count)
+        kept = int(self._tail[0][2].sum()) if self._tail else 0
+        held = min(kept, self.tune_tokens, int(learned * HELD_OUT_SHARE))
+        return held if held >= MIN_HELD_OUT and learned - held >= MIN_FIT_TOKENS else 0
+
+    def _choose_step(self, curvature: torch.Tensor) -> float:
+        if self.step != "auto":
+            return float(self.step)
+        held = self.held_out_positions()
+        if not held:
+            _log.info("faast: output layer: too little text to tune the step; using %s", self.default_step)
+            self.last_tuning = {"step": self.default_step, "tuned": False}
+            return self.default_step
+        keys, ys, s_tail, t_tail, n_tail = self._tail_statistics(held)
+        memory = self.memory
+        dt = memory.gram.dtype
+        # Fitted without the held-out positions: their statistics subtract exactly. The curvature keeps them: it
+        # depends on the model's predictions only, not on the tokens that followed.
+        w = self._newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
+                         curvature)  # fmt: skip
+        eta, trace = self._tune(keys, ys, w)
+        self.last_tuning = {"step": eta, "tuned": True, "held_out_tokens": held,
+                            "fitted_tokens": int(memory.count) - held, "held_out_nll": trace}  # fmt: skip
+        return eta
+
+    def folded(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """M = η·W [d, d] (activation dtype for bf16/fp16, else float32; float64 for float64), or None while empty
+        or when the chosen step is 0. Cached until the statistics or the settings change."""
+        compute = dtype if dtype in (torch.float64, torch.bfloat16, torch.float16) else torch.float32
+        key = (self.memory.solution_key, self.curvature.solution_key, self.token_mass.solution_key, self.step,
+               self.damping, self.tune_tokens, self.default_step, device, compute)  # fmt: skip
+        if self._folded is None or self._folded[0] != key:
+            m = None
+            if float(self.memory.count) > 0:
+                curvature = self._curvature()
+                eta = self._choose_step(curvature)
+                if eta > 0:
+                    memory = self.memory
+                    m = (eta * self._newton(memory.gram, memory.cross, memory.count, curvature)).to(compute)
+            self._folded = (key, m)
+        return self._folded[1]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, d] (the final norm's output) -> hidden + hidden·M, same shape and dtype."""
+        m = self.folded(hidden.device, hidden.dtype)
+        return hidden if m is None else ops.residual_project(hidden, m)
+
+    def tail_capacity_bytes(self) -> int:
+        """Bytes the held-out tail takes when full (tune_tokens positions: float32 states, int64 ids, bool mask)."""
+        return self.tune_tokens * (self.memory.dim_key * 4 + 8 + 1)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Every GPU claim of faast in one command (benchmarks/gpu_check.py): build faast._C, the GPU tests, the Gram fidelity
+# per precision mode, the kernel / eigh / learn-stack / HF-overhead benchmarks. Written for the lent GPU machine: its
+# system python3 holds torch (CUDA), triton, cupy, ninja and nvcc; there is no network and no venv.
+#
+#   bash scripts/gpu_check.sh OUTDIR [--steps build,tests,...]     # on the GPU machine, < 9 minutes on an H100
+#   bash scripts/gpu_check.sh OUTDIR --smoke                        # anywhere: tiny sizes, Triton interpreter on CPU
+#
+# Python packages the GPU image lacks travel as wheels in .whl/ (bash scripts/gpu_wheels.sh prepares them here) and
+# are installed into a temporary folder first. PYTHON overrides the interpreter (default: python3).
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
+  SITE=${TMPDIR:-/tmp}/faast-gpu-site
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$ROOT"/.whl/*.whl \
+    || { echo "gpu_check: installing the wheels in .whl/ failed" >&2; exit 2; }
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+cd "$ROOT" && exec "$PY" benchmarks/gpu_check.py "$@"

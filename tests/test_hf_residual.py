@@ -1,0 +1,288 @@
+"""The residual output layer (faast/hf/output.py, docs/design.md §6.3) on tiny models built in-process: its statistics
+against a float64 hand computation from hooked states, the Newton step, the step tuned on the held-out tail against
+a brute-force search, ablations, persistence, fixed state size and configuration errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from faast.hf import FaastConfig, apply_faast
+from faast.hf.output import HELD_OUT_SHARE
+from faast.hf.targets import TARGETS
+from hf_models import KINDS, VOCAB, tiny_model
+from tolerances import REORDER_REL, rel
+
+# The statistics are float64 sums of float32 products (keys and logits come from the float32 model).
+STAT_REL = 1e-6
+
+
+def ids(batch=3, seq=40, seed=0, period=None):
+    g = torch.Generator().manual_seed(seed)
+    if period is None:
+        return torch.randint(3, VOCAB, (batch, seq), generator=g)
+    # A repeated random phrase: text the model can learn from its own stream.
+    phrase = torch.randint(3, VOCAB, (period,), generator=g)
+    return phrase.repeat(batch * seq // period + 1)[: batch * seq].reshape(batch, seq)
+
+
+def final_states(model, x, mask):
+    """The final norm's output [B, T, d] float64 from a plain hook, faast disabled."""
+    norm = model.base_model.get_submodule(TARGETS[model.faast_config.model_type].final_norm)
+    seen = {}
+    handle = norm.register_forward_hook(lambda m, a, out: seen.__setitem__("h", out.detach()))
+    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    try:
+        with model.disable_faast(), torch.no_grad():
+            model.base_model(input_ids=x, attention_mask=mask.long(), position_ids=positions)
+    finally:
+        handle.remove()
+    return seen["h"].double()
+
+
+def reference_statistics(model, x, mask):
+    """(keys [n, d], targets [n], S, T, Σ μμᵀ, Σ p) in float64 over the learned pairs."""
+    h = final_states(model, x, mask)
+    pair = (mask[:, :-1] & mask[:, 1:]).reshape(-1)
+    k = h[:, :-1].reshape(-1, h.shape[-1])[pair]
+    y = x[:, 1:].reshape(-1)[pair]
+    head = model.base_model.get_output_embeddings().weight.double()
+    p = torch.softmax(k @ head.T, -1)
+    mu = p @ head
+    r = head[y] - mu
+    return k, y, k.T @ k, k.T @ r, mu.T @ mu, p.sum(0)
+
+
+def newton(s, t, n, mu_gram, mass, head, damping, alpha=1.0, n_curvature=None):
+    """W = S⁺T (C/N_c + δ·mean diag·I)⁻¹ in float64, S⁺ the pseudo-inverse keeping σ > n^-α·σmax (the keys' count
+    n), C = Hᵀ diag(Σp) H − Σ μμᵀ over N_c positions (default n)."""
+    vals, vecs = torch.linalg.eigh(s)
+    keep = vals.clamp_min(0).sqrt() > n**-alpha * vals.clamp_min(0).sqrt().max()
+    w = vecs[:, keep] @ ((vecs[:, keep].T @ t) / vals[keep, None])
+    c = (head.T * mass) @ head - mu_gram
+    c = c / (n if n_curvature is None else n_curvature)
+    c = c + damping * c.diagonal().mean() * torch.eye(c.shape[0], dtype=torch.float64)
+    return w @ torch.linalg.inv(c)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_statistics_equal_a_float64_hand_computation_under_padding(kind):
+    model = apply_faast(tiny_model(kind), FaastConfig(num_layers=0))
+    x = ids(batch=3, seq=24)
+    mask = torch.ones_like(x, dtype=torch.bool)
+    mask[1, 17:] = False  # right padding
+    mask[2, :5] = False  # left padding
+    model.learn(x, mask)
+    layer = model.output_memory_layer
+    k, _, s, t, mu_gram, mass = reference_statistics(model, x, mask)
+    assert layer.memory.count.item() == k.shape[0] == layer.curvature.count.item() == layer.token_mass.count.item()
+    assert rel(layer.memory.gram, s) < STAT_REL
+    assert rel(layer.memory.cross, t) < STAT_REL
+    assert rel(layer.curvature.gram, mu_gram) < STAT_REL
+    assert rel(layer.token_mass.cross[0], mass) < STAT_REL
+
+
+def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step():
+    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_step=0.37, output_damping=0.5))
+    x = ids(batch=4, seq=40)
+    mask = torch.ones_like(x, dtype=torch.bool)
+    model.learn(x, mask)
+    _, _, s, t, mu_gram, mass = reference_statistics(model, x, mask)
+    head = model.base_model.get_output_embeddings().weight.double()
+    expected = 0.37 * newton(s, t, float(mask[:, 1:].sum()), mu_gram, mass, head, damping=0.5)
+    m = model.output_memory_layer.folded(torch.device("cpu"), torch.float64)
+    assert rel(m, expected) < 1e-6
+    # The model reads h̃ + h̃·M after the final norm.
+    probe = ids(batch=1, seq=9, seed=3)
+    h = final_states(model, probe, torch.ones_like(probe, dtype=torch.bool))
+    logits = model(probe).logits.double()
+    assert rel(logits, (h + h @ m) @ head.T) < 1e-5
+
+
+def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force():
+    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=4096))
+    x = ids(batch=8, seq=100, period=23)
+    model.learn(x)
+    layer = model.output_memory_layer
+    layer.folded(torch.device("cpu"), torch.float32)
+    tuning = layer.last_tuning
+    k, y, _, _, mu_gram, mass = reference_statistics(model, x, torch.ones_like(x, dtype=torch.bool))
+    held = int(k.shape[0] * HELD_OUT_SHARE)
+    assert tuning["tuned"] and tuning["held_out_tokens"] == held
+    # Fitted without the last `held` positions of the stream (rows in learning order); the curvature keeps them.
+    head = model.base_model.get_output_embeddings().weight.double()
+    kf = k[:-held]
+    rf = head[y[:-held]] - torch.softmax(kf @ head.T, -1) @ head
+    w = newton(kf.T @ kf, kf.T @ rf, float(kf.shape[0]), mu_gram, mass, head, damping=1.0, n_curvature=k.shape[0])
+    z0, z1 = k[-held:] @ head.T, (k[-held:] @ w) @ head.T
+
+    def nll(eta):
+        z = z0 + eta * z1
+        return float((torch.logsumexp(z, -1) - z.gather(-1, y[-held:, None]).squeeze(-1)).mean())
+
+    grid = torch.linspace(0, 4, 801).tolist()
+    best = min(grid, key=nll)
+    assert tuning["step"] > 0.05  # a repeated phrase: the correction helps
+    assert abs(tuning["step"] - best) <= 0.01 + 0.02 * best
+    assert nll(tuning["step"]) <= nll(best) + 1e-5
+    # and the model, solved on everything, predicts the stream better than the base model
+    with torch.no_grad():
+        adapted = model(x, labels=x).loss
+        with model.disable_faast():
+            base = model(x, labels=x).loss
+    assert adapted < base
+
+
+def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tuned():
+    # Random tokens: nothing to learn, so the held-out loss rises with any step and η = 0 keeps the base model.
+    model = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=0))
+    x = ids(batch=8, seq=120, seed=5)
+    model.learn(x)
+    assert model.output_memory_layer.folded(torch.device("cpu"), torch.float32) is None
+    assert model.output_memory_layer.last_tuning["step"] == 0.0
+    with torch.no_grad(), model.disable_faast():
+        base = model(x).logits
+    assert torch.equal(model(x).logits, base)
+    # Too little text to hold any out: the configured default step.
+    few = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=0, output_default_step=0.02))
+    few.learn(ids(batch=1, seq=30))
+    few.output_memory_layer.folded(torch.device("cpu"), torch.float32)
+    assert few.output_memory_layer.last_tuning == {"step": 0.02, "tuned": False}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_empty_and_disabled_give_the_base_logits_and_the_ablation_equals_an_output_only_model(kind):
+    x = ids(batch=2, seq=30, period=11)
+    base_logits = tiny_model(kind)(x).logits
+    both = apply_faast(tiny_model(kind), FaastConfig(layers=[1, 2], output_step=0.5))
+    assert torch.equal(both(x).logits, base_logits)  # empty memories
+    for layer in both.memory_layers.values():  # non-zero readouts, so the middle layers change h
+        torch.nn.init.normal_(layer.readout.weight, std=0.3)
+    both.learn(x)
+    output_only = apply_faast(tiny_model(kind), FaastConfig(num_layers=0, output_step=0.5))
+    output_only.learn(x)
+    with torch.no_grad():
+        with both.disable_faast():
+            assert torch.equal(both(x).logits, base_logits)
+        with both.disable_faast("middle"):
+            assert torch.equal(both(x).logits, output_only(x).logits)
+        full = both(x).logits
+        with both.disable_faast("output"):
+            middle_only = both(x).logits
+    assert not torch.equal(full, middle_only) and not torch.equal(middle_only, base_logits)
+    with pytest.raises(ValueError, match="which: expected 'all', 'middle' or 'output'"):
+        with both.disable_faast("nope"):
+            pass
+
+
+def test_state_size_is_fixed_and_save_load_round_trips_exactly(tmp_path):
+    config = FaastConfig(num_layers=1, output_step=0.3, output_tune_tokens=64)
+    model = apply_faast(tiny_model("llama"), config)
+    model.learn(ids(batch=1, seq=20))
+    small = model.fast_weight_bytes()
+    model.learn(ids(batch=8, seq=120, seed=1))
+    assert model.fast_weight_bytes() == small
+    names = [n for n, _ in model._bank_memories()]
+    assert names == ["memory_bank", "output_memory_layer.memory", "output_memory_layer.curvature",
+                     "output_memory_layer.token_mass"]  # fmt: skip
+    path = model.save_fast_weights(tmp_path / "fw.safetensors")
+    fresh = apply_faast(tiny_model("llama"), config)
+    fresh.load_fast_weights(path)
+    probe = ids(batch=2, seq=15, seed=9)
+    with torch.no_grad():
+        assert torch.equal(fresh(probe).logits, model(probe).logits)
+    for a, b in zip(fresh.fast_weights(), model.fast_weights(), strict=True):
+        for name, tensor in b.state_dict().items():
+            assert torch.equal(a.state_dict()[name], tensor), name
+
+
+def test_merging_two_streams_equals_learning_both():
+    config = FaastConfig(num_layers=0, output_step=0.2)
+    a, b, both = (apply_faast(tiny_model("gpt2"), config) for _ in range(3))
+    x1, x2 = ids(batch=2, seq=30, seed=1), ids(batch=2, seq=30, seed=2)
+    a.learn(x1)
+    b.learn(x2)
+    both.learn(torch.cat([x1, x2]))
+    for mine, theirs, total in zip(a.fast_weights(), b.fast_weights(), both.fast_weights(), strict=True):
+        mine.merge(theirs)
+        assert rel(mine.gram, total.gram) <= 1e-6 and mine.count.item() == total.count.item()
+        assert rel(mine.cross, total.cross) <= 1e-6
+    ma = a.output_memory_layer.folded(torch.device("cpu"), torch.float64)
+    mb = both.output_memory_layer.folded(torch.device("cpu"), torch.float64)
+    assert rel(ma, mb) <= 1e-5
+
+
+def test_configuration_errors_name_the_field_and_old_configurations_load_as_the_papers_layer():
+    for kwargs, field in (({"output_target": "logits"}, "output_target"), ({"output_step": -1}, "output_step"),
+                          ({"output_step": "tuned"}, "output_step"), ({"output_damping": 0}, "output_damping"),
+                          ({"output_alpha": -0.1}, "output_alpha"), ({"output_tune_tokens": -5}, "output_tune_tokens"),
+                          ({"output_tune_tokens": True}, "output_tune_tokens")):  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            FaastConfig(**kwargs)
+    saved_before = {k: v for k, v in FaastConfig().to_dict().items() if not k.startswith("output_") or
+                    k in ("output_layer", "output_mix")}  # fmt: skip
+    assert FaastConfig.from_dict(saved_before).output_target == "embedding"
+    assert FaastConfig().output_target == "residual"
+    assert REORDER_REL < STAT_REL
+
+
+def test_a_model_without_an_lm_head_of_the_hidden_size_is_refused_with_the_fix_named():
+    model = tiny_model("llama")
+    model.lm_head = torch.nn.Linear(16, VOCAB, bias=False)
+    with pytest.raises(ValueError, match="output_target='embedding'"):
+        apply_faast(model, FaastConfig(num_layers=0))
+
+
+def test_learn_takes_a_tokenizer_batch_by_keyword_and_labels_select_the_pairs():
+    x = ids(batch=2, seq=30, seed=4)
+    mask = torch.ones_like(x)
+    mask[1, :6] = 0
+    by_position = apply_faast(tiny_model("llama"), FaastConfig(layers=[1]))
+    by_position.learn(x, mask)
+    by_keyword = apply_faast(tiny_model("llama"), FaastConfig(layers=[1]))
+    by_keyword.learn(**{"input_ids": x, "attention_mask": mask})
+    for a, b in zip(by_position.fast_weights(), by_keyword.fast_weights(), strict=True):
+        assert torch.equal(a.gram, b.gram) and torch.equal(a.cross, b.cross)
+
+    # An instruction-style batch: only the answer (the last 12 positions) is learned.
+    labels = x.clone()
+    labels[:, :18] = -100
+    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0))
+    stats = model.learn(input_ids=x, labels=labels)
+    every = torch.ones_like(x, dtype=torch.bool)
+    k, _, _, _, _, _ = reference_statistics(model, x, every)
+    h = final_states(model, x, every)
+    chosen = (labels[:, 1:] != -100).reshape(-1)
+    k = h[:, :-1].reshape(-1, h.shape[-1])[chosen]
+    y = x[:, 1:].reshape(-1)[chosen]
+    head = model.base_model.get_output_embeddings().weight.double()
+    r = head[y] - torch.softmax(k @ head.T, -1) @ head
+    memory = model.output_memory_layer.memory
+    assert memory.count.item() == stats.pairs == int(chosen.sum()) == 2 * 12
+    assert rel(memory.gram, k.T @ k) < STAT_REL and rel(memory.cross, k.T @ r) < STAT_REL
+    with pytest.raises(ValueError, match="labels: expected token ids"):
+        model.learn(input_ids=x, labels=torch.full_like(x, -5))
+    with pytest.raises(ValueError, match="labels: expected shape"):
+        model.learn(input_ids=x, labels=labels[:, :5])
+    with pytest.raises(ValueError, match="input_ids: give the batch either"):
+        model.learn(x, input_ids=x)
+    with pytest.raises(ValueError, match="labels: only valid with an input_ids tensor"):
+        model.learn(["some text"], labels=labels)
+
+
+def test_solve_does_the_first_forward_pass_work_ahead_of_it():
+    model = apply_faast(tiny_model("gpt2"), FaastConfig(layers=[1, 2], output_tune_tokens=256))
+    for layer in model.memory_layers.values():
+        torch.nn.init.normal_(layer.readout.weight, std=0.3)
+    x = ids(batch=8, seq=100, period=17)
+    model.learn(x)
+    assert model.output_memory_layer._folded is None
+    assert model.solve() is model
+    assert model.output_memory_layer.last_tuning["tuned"]
+    folded = model.output_memory_layer._folded
+    calls = []
+    original = model.memory_bank.solve
+    model.memory_bank.solve = lambda *a, **k: calls.append(1) or original(*a, **k)
+    with torch.no_grad():
+        model(x[:1, :10])
+    assert calls == [] and model.output_memory_layer._folded is folded  # nothing solved again
