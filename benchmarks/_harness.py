@@ -108,6 +108,13 @@ def set_threads(n: int | None = None) -> int:
     return torch.get_num_threads()
 
 
+def command_line() -> str:
+    """This process's command line, with paths inside the repository written relative to it (results are committed
+    and must not carry the paths of the machine that wrote them)."""
+    repo = str(Path(__file__).resolve().parents[1]) + "/"
+    return " ".join([Path(sys.executable).name, *(a.replace(repo, "") for a in sys.argv)])
+
+
 def machine_header() -> dict:
     import torch
 
@@ -138,7 +145,7 @@ def machine_header() -> dict:
         "blas": blas.group(1) if blas else "unknown",
         "cuda": torch.cuda.is_available(),
         "loadavg_at_start": None if load is None else [round(x, 2) for x in load],
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         **gpu_header(),
     }
 

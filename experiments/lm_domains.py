@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
     layers = FaastConfig.load(DEFAULT_READOUT / "faast_config.json").layers
     # The default variant is what the shipped configuration builds: middle layers when it has any.
     default = "full" if layers else "output"
-    payload = {"model": description, "header": header, "settings": {k: str(v) for k, v in vars(args).items()},
+    settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
+    payload = {"model": description, "header": header, "settings": settings,
                "variants": VARIANTS, "default_variant": default, "domains": []}  # fmt: skip
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / f"{args.out}.json"

@@ -231,10 +231,6 @@ class FaastModel(nn.Module):
         finally:
             self._disabled_parts[which] -= 1
 
-    @property
-    def _disabled(self) -> bool:
-        return self._disabled_parts["all"] > 0
-
     def _part_disabled(self, part: str) -> bool:
         return self._disabled_parts["all"] > 0 or self._disabled_parts[part] > 0
 

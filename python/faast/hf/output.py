@@ -10,9 +10,10 @@ have raised the right token. The layer learns, in the same forward pass and with
 and reads h̃ ← h̃ + η·h̃·W with W = S⁺ T (C/N + δ·mean(diag)·I)⁻¹. W is one Newton step on the log-likelihood of the
 learned tokens for a linear correction h̃W, with a Kronecker-factored curvature (keys' Gram ⊗ the head's Fisher):
 S⁺T alone is the gradient step, the Fisher whitens it so that directions where the logits are sensitive move
-less. The step η is chosen from the learned stream itself: the most recent `tune_tokens` positions are held out,
-the weights are fitted on the rest (statistics subtract exactly) and η is the grid point with the lowest held-out
-loss; then the full statistics are used. All state has a fixed size (d² + d² floats and the held-out ring).
+less. The step η is chosen from the learned stream itself: the last HELD_OUT_SHARE of the learned positions (at
+most `tune_tokens`) are held out, the weights are fitted on the rest (statistics subtract exactly) and η minimises
+the held-out NLL, which is convex in η (a bracketed 1-D Newton search); then the full statistics are used. All state
+has a fixed size: three d×d sums, a V-vector and a `tune_tokens`-position buffer.
 
 Measured on five local domains (benchmarks and choices: experiments/lm_domains.py, docs/design.md §6.3).
 """
