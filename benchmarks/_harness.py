@@ -1,4 +1,7 @@
-"""Shared helpers for the faast benchmarks: timing, machine header, memory measurement, result files.
+"""Shared helpers for the faast benchmarks: timing, memory measurement, result files with their provenance.
+
+Provenance: every result file carries the record of faast.provenance (`start()` at the start of the run, `write()` at
+its end), the same record the experiments write.
 
 Timing: `time_cases` runs one warm-up of every case, then `reps` rounds in which every case runs once, in turn
 (interleaved), so that load from other processes on a shared machine hits the competitors alike. Each case is a
@@ -16,17 +19,14 @@ right before the measured work and reports two peaks above it:
 
 from __future__ import annotations
 
-import datetime as _dt
 import gc
 import json
 import math
 import multiprocessing as mp
 import os
-import platform
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -44,163 +44,32 @@ def add_source_path() -> None:
         sys.path.insert(0, src)
 
 
-# ---------------------------------------------------------------------------------------------------- machine header
+add_source_path()
+from faast import provenance  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------------- provenance
+# Every result carries faast.provenance's record (git sha and dirty flag, versions, device, load at start and end,
+# the repository-relative command line, UTC time): `record = start()` first, then `write(stem, record, payload, title,
+# body)`, or `provenance.finish` / `provenance.to_json` / `provenance.markdown` for a script's own file layout.
 
 
-def physical_cores() -> int:
-    """Physical cores (not SMT threads): psutil, else unique (physical id, core id) in /proc/cpuinfo, else os."""
-    try:
-        import psutil
-
-        n = psutil.cpu_count(logical=False)
-        if n:
-            return int(n)
-    except ImportError:
-        pass
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        cores = set()
-        for block in text.strip().split("\n\n"):
-            phys = re.search(r"^physical id\s*:\s*(\d+)", block, re.M)
-            core = re.search(r"^core id\s*:\s*(\d+)", block, re.M)
-            if phys and core:
-                cores.add((phys.group(1), core.group(1)))
-        if cores:
-            return len(cores)
-    except OSError:
-        pass
-    return os.cpu_count() or 1
+def start() -> dict:
+    """faast.provenance's record for a run of this repository's code (see its docstring for the fields)."""
+    return provenance.start(REPO)
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def git_sha() -> str:
-    """HEAD's sha, with '+dirty' when the working tree differs from it (benchmarks may run uncommitted code).
-
-    FAAST_GIT_SHA overrides it: a copy of the tree without .git (the GPU machine) is told the sha it was made from.
-    """
-    if os.environ.get("FAAST_GIT_SHA"):
-        return os.environ["FAAST_GIT_SHA"]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
-        )
-        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+def write(stem: Path, record: dict, payload: dict, title: str, body: str | Sequence[str]) -> None:
+    """<stem>.json ({"provenance": record, **payload}) and <stem>.md (title, header block, body)."""
+    provenance.write(stem, record, payload, title, body)
 
 
 def set_threads(n: int | None = None) -> int:
     """torch.set_num_threads(n or the physical core count); returns the count in use."""
     import torch
 
-    n = n or physical_cores()
+    n = n or provenance.physical_cores()
     torch.set_num_threads(n)
     return torch.get_num_threads()
-
-
-def command_line() -> str:
-    """This process's command line, with paths inside the repository written relative to it (results are committed
-    and must not carry the paths of the machine that wrote them)."""
-    repo = str(Path(__file__).resolve().parents[1]) + "/"
-    return " ".join([Path(sys.executable).name, *(a.replace(repo, "") for a in sys.argv)])
-
-
-def machine_header() -> dict:
-    import torch
-
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    try:
-        import psutil
-
-        mem_total = psutil.virtual_memory().total
-    except ImportError:
-        mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_sha": git_sha(),
-        "cpu_model": cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "physical_cores": physical_cores(),
-        "torch_threads": torch.get_num_threads(),
-        "memory_gb": round(mem_total / 1e9, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "mkl": bool(torch.backends.mkl.is_available()),
-        "mkldnn": bool(torch.backends.mkldnn.is_available()),
-        "blas": blas.group(1) if blas else "unknown",
-        "cuda": torch.cuda.is_available(),
-        "loadavg_at_start": None if load is None else [round(x, 2) for x in load],
-        "command": command_line(),
-        **gpu_header(),
-    }
-
-
-def gpu_header() -> dict:
-    """The GPU, its driver and the CUDA / Triton versions in use ({} without a CUDA device)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-    props = torch.cuda.get_device_properties(0)
-    out = {
-        "gpu": props.name,
-        "gpu_capability": f"{props.major}.{props.minor}",
-        "gpu_sms": props.multi_processor_count,
-        "gpu_memory_gb": round(props.total_memory / 1e9, 1),
-        "torch_cuda": torch.version.cuda,
-    }
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        out["triton"] = None
-    try:
-        smi = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.max.sm,power.limit", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20,
-        )  # fmt: skip
-        out["nvidia_smi"] = smi.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        out["nvidia_smi"] = None
-    try:
-        nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=20)
-        out["nvcc"] = nvcc.stdout.strip().splitlines()[-1] if nvcc.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError, IndexError):
-        out["nvcc"] = None
-    return out
-
-
-def format_header(h: dict) -> str:
-    gpu = ""
-    if h.get("gpu"):
-        gpu = (
-            f"\n# GPU: {h['gpu']} (sm {h['gpu_capability']}, {h['gpu_sms']} SMs, {h['gpu_memory_gb']} GB)  "
-            f"CUDA {h['torch_cuda']}  triton {h['triton']}  driver/clocks {h['nvidia_smi']}  nvcc {h['nvcc']}"
-        )
-    return (
-        f"# {h['date']}  git {h['git_sha']}\n"
-        f"# CPU: {h['cpu_model']}  ({h['physical_cores']} physical / {h['logical_cores']} logical cores, "
-        f"{h['memory_gb']} GB)  torch threads: {h['torch_threads']}\n"
-        f"# torch {h['torch']}  BLAS {h['blas']}  MKL {'on' if h['mkl'] else 'off'}  "
-        f"python {h['python']}  loadavg {h['loadavg_at_start']}\n"
-        f"# command: {h.get('command', '?')}" + gpu
-    )
 
 
 # ---------------------------------------------------------------------------------------------------- timing

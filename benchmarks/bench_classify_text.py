@@ -2,10 +2,10 @@
 
     python benchmarks/bench_classify_text.py [--episodes 20] [--queries 50] [--out benchmarks/results]
 
-Task: the shipped Debian-sections data (faast.datasets: package synopsis -> archive section, 16 classes, real text),
-embedded once with the embedded default encoder all-MiniLM-L6-v2 (384-d; cached). Label embeddings: the encoder's
-embedding of "<section> software" (the template was chosen on the train split). Support examples come from the
-train split, queries from the test split (`--queries` per class, never repeated); all 16 classes every episode.
+Task: the shipped Debian-sections data (faast.classify.data: package synopsis -> archive section, 16 classes, real
+text), embedded once with the embedded default encoder all-MiniLM-L6-v2 (384-d; cached). Label embeddings: the
+encoder's embedding of "<section> software" (the template was chosen on the train split). Support examples come from
+the train split, queries from the test split (`--queries` per class, never repeated); all 16 classes every episode.
 
 Methods, all through the faast.classify estimator API on identical features:
   FAAST default      FAASTClassifier(label_embeddings=E): prior weight and ridge chosen from the data (GCV)
@@ -33,7 +33,6 @@ H.add_source_path()
 
 import torch  # noqa: E402
 
-from faast._textclf import embed_debian_sections  # noqa: E402
 from faast.classify import (  # noqa: E402
     FAASTClassifier,
     KNNMemoryClassifier,
@@ -41,6 +40,7 @@ from faast.classify import (  # noqa: E402
     LinearProbeClassifier,
     SoftmaxAttentionClassifier,
     ZeroShotClassifier,
+    embed_debian_sections,
     evaluate_episodes,
     evaluate_full,
 )
@@ -49,6 +49,7 @@ SHOTS = (1, 5, 20)
 PROBE_GRID = [10.0**e for e in range(-2, 4)]
 DEFAULT = "FAAST default"
 PROBE = "logistic probe (tuned)"
+TITLE = "Text classification over a frozen encoder: FAASTClassifier against every baseline"
 
 
 class TunedLogisticProbe:
@@ -171,8 +172,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     H.set_threads()
-    machine = H.machine_header()
-    print(H.format_header(machine), flush=True)
+    record = H.start()
+    print(H.provenance.markdown(record), flush=True)
     task = embed_debian_sections()
     train_x, train_y = task.train_keys, task.train.labels
     test_x, test_y = task.test_keys, task.test.labels
@@ -195,13 +196,10 @@ def main() -> None:
         print(f"{'full':8} {name:28} {100 * r.accuracy:5.1f} ± {100 * r.ci95:.1f}  fit {H.fmt_s(r.fit_seconds)}",
               flush=True)  # fmt: skip
     goals = check_goals(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    H.write_json(args.out / "classify_text_cpu.json", {"machine": machine, "config": vars(args) | {"out": None},
-                                                       "results": table, "goals": goals})  # fmt: skip
-    text = "```\n" + H.format_header(machine) + "\n```\n\n" + markdown(table, goals, args)
-    (args.out / "classify_text_cpu.md").write_text(text)
+    payload = {"config": vars(args) | {"out": None}, "results": table, "goals": goals}
+    H.write(args.out / "classify_text_cpu", record, payload, TITLE, markdown(table, goals, args))
     plot(table, args.out / "classify_text_cpu.png")
-    print(text)
+    print((args.out / "classify_text_cpu.md").read_text())
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         cupy = None
     if device == "cpu":
         cupy = None
+    record = H.start()
     deadline = time.monotonic() + args.budget_s
     rows, records = [], []
     for layers, d in SMOKE if args.smoke else QUICK if args.quick else GRID:
@@ -118,17 +119,13 @@ def main(argv: list[str] | None = None) -> int:
                 [layers, d, name, H.fmt_s(seconds), H.fmt_ratio(speedup), H.fmt_sci(residual), H.fmt_sci(orth)]
             )
         print(rows[-1], flush=True)
-    header = H.machine_header()
-    where = header.get("gpu", "cpu (smoke)")
+    where = record.get("gpu", "cpu (smoke)")
     stem = "eigh_" + ("smoke" if args.smoke else H.slug(where))
-    args.out.mkdir(parents=True, exist_ok=True)
-    H.write_json(args.out / f"{stem}.json", {"machine": header, "device": where, "extension": error,
-                                             "records": records})  # fmt: skip
     table = H.markdown_table(["L", "d", "case", "time", "vs torch", "residual", "orthonormality"], rows)
-    note = "" if error is None else f"\nfaast._C not measured: {error}\n"
-    text = f"# Batched eigh on {where}\n\n```\n{H.format_header(header)}\n```\n{note}\n{table}\n"
-    (args.out / f"{stem}.md").write_text(text)
-    print(text)
+    note = "" if error is None else f"faast._C not measured: {error}\n\n"
+    payload = {"device": where, "extension": error, "records": records}
+    H.write(args.out / stem, record, payload, f"Batched eigh on {where}", note + table)
+    print(note + table)
     return 0
 
 

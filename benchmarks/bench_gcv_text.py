@@ -14,7 +14,6 @@ Reports mean accuracy with a 95% interval over episodes (1.96·sd/sqrt(E)) and t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -29,7 +28,7 @@ H.add_source_path()
 import torch  # noqa: E402
 
 from faast import FastWeights  # noqa: E402
-from faast._textclf import accuracy, embed_debian_sections, one_hot, sample_shots  # noqa: E402
+from faast.classify import accuracy, embed_debian_sections, one_hot, sample_episode  # noqa: E402
 
 FAAST_MODES = {
     "faast α=1.0": {"alpha": 1.0},
@@ -92,7 +91,15 @@ def summarise(runs):
     return out
 
 
-def markdown(table, task):
+def title(task):
+    d = task.train_keys.shape[-1]
+    return (
+        f"Debian sections, {task.num_classes} classes, all-MiniLM-L6-v2 ({d}-d), test accuracy % "
+        f"(mean ± 95% CI over episodes; rows N = shots x {task.num_classes}; full = {len(task.train)} rows)"
+    )
+
+
+def markdown(table):
     settings = list(table)
     methods = list(table[settings[0]])
     lines = [
@@ -107,12 +114,7 @@ def markdown(table, task):
             cells.append(f"{100 * r['accuracy']:.1f}{ci}")
         times = f"{1e3 * table['20-shot'][m]['fit_seconds']:.1f} ms / {1e3 * table['full'][m]['fit_seconds']:.1f} ms"
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {times} |")
-    d = task.train_keys.shape[-1]
-    header = (
-        f"Debian sections, {task.num_classes} classes, all-MiniLM-L6-v2 ({d}-d), test accuracy % "
-        f"(mean ± 95% CI over episodes; rows N = shots x {task.num_classes}; full = {len(task.train)} rows)\n\n"
-    )
-    return header + "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -122,24 +124,23 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     H.set_threads()
+    record = H.start()
     task = embed_debian_sections()
     generator = torch.Generator().manual_seed(args.seed)
     table = {}
     for shots in (1, 5, 20):
-        runs = [
-            run_methods(task, sample_shots(task.train.labels, shots, generator), shots) for _ in range(args.episodes)
-        ]
+        runs = []
+        for _ in range(args.episodes):
+            support = sample_episode(task.train.labels, ways=None, shots=shots, queries=0, generator=generator).support
+            runs.append(run_methods(task, support, shots))
         table[f"{shots}-shot"] = summarise(runs)
         print(
             f"{shots}-shot: " + ", ".join(f"{k} {100 * v['accuracy']:.1f}" for k, v in table[f"{shots}-shot"].items())
         )
     table["full"] = summarise([run_methods(task, torch.arange(len(task.train)), None)])
     print("full: " + ", ".join(f"{k} {100 * v['accuracy']:.1f}" for k, v in table["full"].items()))
-    args.out.mkdir(parents=True, exist_ok=True)
-    header = H.machine_header()
-    (args.out / "gcv_text_cpu.json").write_text(json.dumps({"machine": header, "results": table}, indent=2) + "\n")
-    (args.out / "gcv_text_cpu.md").write_text("```\n" + H.format_header(header) + "\n```\n\n" + markdown(table, task))
-    print(markdown(table, task))
+    H.write(args.out / "gcv_text_cpu", record, {"results": table}, title(task), markdown(table))
+    print(title(task) + "\n\n" + markdown(table))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """Cost of FAAST inside a causal LM: learning overhead over the plain forward pass, inference overhead of the memory
 layers (prefill and KV-cached generation), and the state size against the tokens learned.
 
-    python benchmarks/bench_hf_overhead.py                 # the embedded default (SmolLM2-135M + shipped readout)
+    python benchmarks/bench_hf_overhead.py                 # the embedded default model and configuration
     python benchmarks/bench_hf_overhead.py --model tiny    # a tiny Llama built in-process (a quick check)
     python benchmarks/bench_hf_overhead.py --model smollm2-shape --device cuda --dtype bfloat16   # GPU, no download
 
-The "-shape" models are built from a config in-process with random weights: SmolLM2-135M's Llama shape (d = 576,
-30 blocks) and GPT-2-XL's (d = 1600, 48 blocks). Their timings are those of the real models (the weights' values do
-not change the work), so the GPU needs neither network nor a model file; the learning overhead is measured on random
-token ids.
+The default is SmolLM2-135M-Instruct (GGUF Q4_1 dequantised) with faast's default configuration (the residual
+output layer). The "-shape" models are built from a config in-process with random weights: SmolLM2-135M's Llama shape
+(d = 576, 30 blocks) and GPT-2-XL's (d = 1600, 48 blocks). Their timings are those of the real models (the weights'
+values do not change the work), so the GPU needs neither network nor a model file; the learning overhead is measured
+on random token ids.
 
 Every case runs in the same process on the same batch of real text (the stdlib package's Python source), interleaved
 (benchmarks/_harness.py), and the table reports ratios to the base model measured in the same run. Learning runs the
@@ -41,8 +42,8 @@ SHAPES = {
 
 
 def load(kind: str, device: str = "cpu", dtype: str = "float32"):  # noqa: ANN201 - (FaastModel, token ids)
-    from faast.demo import domain_files, tokens_of
     from faast.hf import FaastConfig, apply_faast
+    from faast.hf.demo import domain_files, tokens_of
 
     if kind in SHAPES:
         import transformers
@@ -67,15 +68,15 @@ def load(kind: str, device: str = "cpu", dtype: str = "float32"):  # noqa: ANN20
         model = apply_faast(transformers.LlamaForCausalLM(config).eval(), FaastConfig(num_layers=3))
         ids = torch.randint(0, 512, (64 * 1024,)).tolist()
         return model, ids, "tiny Llama (d=128, 8 blocks)"
-    from faast.hf.default import load_default_model
+    from faast.hf.default import SMOLLM2_NAME, load_default_model
 
     model, tokenizer = load_default_model()
     files, _ = domain_files("asyncio")
     ids = [t for f in tokens_of(files, tokenizer, 200_000) for t in f]
-    return model, ids, "SmolLM2-135M-Instruct, faast default (residual output layer)"
+    return model, ids, f"{SMOLLM2_NAME}, faast default (residual output layer)"
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default", choices=["default", "tiny", *SHAPES])
     parser.add_argument("--device", default="cpu")
@@ -91,20 +92,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         args.batch, args.seq, args.reps, args.new_tokens = 2, 64, 1, 4
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    H.set_threads(args.threads)
-    header = H.machine_header()
-    model, ids, description = load(args.model, args.device, dtype)
-    if args.model == "tiny":
-        model = model.to(args.device)
-    b, t = args.batch, args.seq
-    batch = torch.tensor(ids[: b * t], device=args.device).reshape(b, t)
+    return args
+
+
+def timed_cases(model, batch: torch.Tensor, new_tokens: int) -> dict[str, H.Case]:  # noqa: ANN001 - a FaastModel
+    """The interleaved cases on one [B, T] int64 batch: base passes, learning, reading and generation."""
     mask = torch.ones_like(batch)
     backbone = model.base_model.get_submodule({"gpt2": "transformer"}.get(model.faast_config.model_type, "model"))
-
-    # Learn a first corpus so the inference cases read real, non-empty fast weights.
-    with torch.no_grad():
-        model.learn(ids[b * t : b * t + 16 * t], max_length=t, batch_size=b)
 
     def with_compute(dtype: torch.dtype):  # noqa: ANN202
         def setup() -> None:
@@ -133,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def generate(disabled: bool):  # noqa: ANN202
         def run(_: object) -> None:
-            kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+            kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
             if disabled:
                 with model.disable_faast():
                     model.generate(prompt, **kwargs)
@@ -142,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         return run
 
-    cases = {
+    return {
         "decoder pass, base": (None, backbone_pass),
         "full forward, base": (None, full_pass),
         "learn, float64 statistics": (with_compute(torch.float64), learn),
@@ -151,9 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
         "generate, base": (None, generate(True)),
         "generate with fast weights": (None, generate(False)),
     }
-    timings = H.time_cases(cases, reps=args.reps)
-    med = {k: v.median for k, v in timings.items()}
-    tokens = b * t
+
+
+def overhead_rows(med: dict[str, float], tokens: int, new_tokens: int) -> list[list[str]]:
+    """[case, reference, tokens/s, reference tokens/s, extra time] from the median seconds of each case."""
     rows = []
     for name, ref in (
         ("learn, float64 statistics", "decoder pass, base"),
@@ -163,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         ("forward with fast weights", "full forward, base"),
         ("generate with fast weights", "generate, base"),
     ):
-        per = args.new_tokens if name.startswith("generate") else tokens
+        per = new_tokens if name.startswith("generate") else tokens
         rows.append(
             [
                 name,
@@ -173,45 +168,31 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{100 * (med[name] / med[ref] - 1):+.1f}%",
             ]
         )
+    return rows
 
+
+def state_rows(model) -> list[list[str]]:  # noqa: ANN001 - a FaastModel
+    """[tokens learned, faast state, stored bf16 keys + values] for 10^3 to 10^8 tokens."""
     state = model.fast_weight_bytes()
     d = model.faast_config.hidden_size
     layers = len(list(model.faast_layers()))
-    size_rows = [
+    return [
         [f"{n:,}", H.fmt_sci(state / H.MB) + " MB", H.fmt_sci(n * layers * d * 2 * 2 / H.MB) + " MB"]
         for n in (10**3, 10**4, 10**5, 10**6, 10**8)
     ]
-    payload = {
-        "machine": header,
-        "model": description,
-        "layers": model.faast_config.layers,
-        "batch": [b, t],
-        "new_tokens": args.new_tokens,
-        "timings_s": {k: v.samples for k, v in timings.items()},
-        "median_s": med,
-        "overheads": rows,
-        "state_bytes": state,
-        # The issue's goals: learning against the forward pass a user would run, reading against the base forward.
-        "learn_overhead": med["learn, float64 statistics"] / med["full forward, base"] - 1,
-        "learn_overhead_float32": med["learn, float32 compute"] / med["full forward, base"] - 1,
-        "inference_overhead": med["forward with fast weights"] / med["full forward, base"] - 1,
-        "generation_overhead": med["generate with fast weights"] / med["generate, base"] - 1,
-    }
-    where = "cpu" if args.device == "cpu" else H.slug(header.get("gpu", args.device))
+
+
+def write_report(args: argparse.Namespace, record: dict, payload: dict, layers: list[int], size_rows: list) -> None:
+    """results/<stem>.json and .md (with the provenance record); prints the Markdown."""
+    where = "cpu" if args.device == "cpu" else H.slug(record.get("gpu", args.device))
     stem = args.out or f"hf_overhead_{args.model}_{'smoke' if args.smoke else where}"
-    H.write_json(args.out_dir / f"{stem}.json", payload)
+    b, t = payload["batch"]
     md = [
-        f"# FAAST overhead in a causal LM: {description}",
-        "",
-        "```",
-        H.format_header(header),
-        "```",
-        "",
-        f"Memory layers before blocks {model.faast_config.layers} + the output layer; batch {b} x {t} tokens of "
+        f"Memory layers before blocks {layers} + the output layer; batch {b} x {t} tokens of "
         f"Python source; {args.reps} interleaved repetitions, medians. Generation: {args.new_tokens} new tokens "
         "after a 64-token prompt, greedy, KV cache.",
         "",
-        H.markdown_table(["case", "against", "tokens/s", "reference tokens/s", "extra time"], rows),
+        H.markdown_table(["case", "against", "tokens/s", "reference tokens/s", "extra time"], payload["overheads"]),
         "",
         "State after learning n tokens (float64 statistics of every memory layer) against storing keys and values "
         "(bf16, as the authors' memory bank holds them):",
@@ -219,8 +200,44 @@ def main(argv: list[str] | None = None) -> dict:
         H.markdown_table(["tokens learned", "faast state", "stored keys + values"], size_rows),
         "",
     ]
-    (args.out_dir / f"{stem}.md").write_text("\n".join(md))
-    print("\n".join(md))
+    title = f"FAAST overhead in a causal LM: {payload['model']}"
+    H.write(args.out_dir / stem, record, payload, title, md)
+    print("\n".join([f"# {title}", "", H.provenance.markdown(record), "", *md]))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    H.set_threads(args.threads)
+    record = H.start()
+    model, ids, description = load(args.model, args.device, dtype)
+    if args.model == "tiny":
+        model = model.to(args.device)
+    b, t = args.batch, args.seq
+    batch = torch.tensor(ids[: b * t], device=args.device).reshape(b, t)
+
+    # Learn a first corpus so the inference cases read real, non-empty fast weights.
+    with torch.no_grad():
+        model.learn(ids[b * t : b * t + 16 * t], max_length=t, batch_size=b)
+
+    timings = H.time_cases(timed_cases(model, batch, args.new_tokens), reps=args.reps)
+    med = {k: v.median for k, v in timings.items()}
+    payload = {
+        "model": description,
+        "layers": model.faast_config.layers,
+        "batch": [b, t],
+        "new_tokens": args.new_tokens,
+        "timings_s": {k: v.samples for k, v in timings.items()},
+        "median_s": med,
+        "overheads": overhead_rows(med, b * t, args.new_tokens),
+        "state_bytes": model.fast_weight_bytes(),
+        # The issue's goals: learning against the forward pass a user would run, reading against the base forward.
+        "learn_overhead": med["learn, float64 statistics"] / med["full forward, base"] - 1,
+        "learn_overhead_float32": med["learn, float32 compute"] / med["full forward, base"] - 1,
+        "inference_overhead": med["forward with fast weights"] / med["full forward, base"] - 1,
+        "generation_overhead": med["generate with fast weights"] / med["generate, base"] - 1,
+    }
+    write_report(args, record, payload, model.faast_config.layers, state_rows(model))
     return payload
 
 

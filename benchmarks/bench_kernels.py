@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         os.environ.setdefault("TRITON_INTERPRET", "1")
     bench = timer(device, args.smoke)
-    header = H.machine_header()
+    record = H.start()
     deadline = time.monotonic() + args.budget_s
     grams = []
     for case in SMOKE if args.smoke else GRID:
@@ -244,14 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         if device == "cuda":
             torch.cuda.empty_cache()
     residuals = [residual_case(*c, device=device, bench=bench) for c in (SMOKE_RESIDUAL if args.smoke else RESIDUAL)]
-    where = header.get("gpu", "cpu (smoke: interpreter, times meaningless)")
+    where = record.get("gpu", "cpu (smoke: interpreter, times meaningless)")
     stem = "kernels_" + ("smoke" if args.smoke else H.slug(where))
-    H.write_json(args.out / f"{stem}.json", {"machine": header, "modes": list(modes()), "gram": grams,
-                                             "residual": residuals})  # fmt: skip
-    text = "\n".join([f"# Triton kernels on {where}", "", "```", H.format_header(header), "```", "",
-                      *tables(grams, residuals)]) + "\n"  # fmt: skip
-    (args.out / f"{stem}.md").write_text(text)
-    print(text)
+    body = tables(grams, residuals)
+    payload = {"modes": list(modes()), "gram": grams, "residual": residuals}
+    H.write(args.out / stem, record, payload, f"Triton kernels on {where}", body)
+    print("\n".join(body))
     return 0
 
 

@@ -115,17 +115,14 @@ def rel_err(w: torch.Tensor, truth: torch.Tensor) -> float:
     return float(torch.linalg.norm(w.double() - truth) / torch.linalg.norm(truth))
 
 
-def bench_config(n: int, d: int, reps: int, truth_estimate_s: float) -> dict:
-    from faast import FastWeights, ops
-    from faast.authors_reference import StoredKeyMemory
+def time_full_learn(batches: list, keys: torch.Tensor, values: torch.Tensor, reps: int) -> tuple[dict, dict, dict]:
+    """Full learn of the [N, d] float32 keys and values: authors, faast and the bare pinv, interleaved.
 
-    g = torch.Generator().manual_seed(SEED + 1000 * d + n)
-    keys, values = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
-    extra_k, extra_v = torch.randn(INCR_ROWS, d, generator=g), torch.randn(INCR_ROWS, d, generator=g)
-    batches = list(zip(keys.split(BATCH), values.split(BATCH), strict=False))
-    rtol = n**-1.0
+    Returns (timings by name, each learner's (store/update, solve) seconds per call, each learner's last W).
+    """
+    from faast import ops
 
-    # -- full learn: authors, faast, bare pinv, interleaved. Each learner records its phase split and last W.
+    d, rtol = keys.shape[1], keys.shape[0] ** -1.0
     phases: dict[str, list[tuple[float, float]]] = {"authors": [], "faast": []}
     last_w: dict[str, torch.Tensor] = {}
 
@@ -145,7 +142,7 @@ def bench_config(n: int, d: int, reps: int, truth_estimate_s: float) -> dict:
     def bare_pinv(_):  # noqa: ANN001, ANN202
         return ops.pinv_fast_weights(keys, values, rtol=rtol)
 
-    full_t = H.time_cases(
+    timings = H.time_cases(
         {
             "authors": (None, full("authors", lambda: learn_authors(batches))),
             "faast": (None, full("faast", lambda: learn_faast(batches, d))),
@@ -153,20 +150,29 @@ def bench_config(n: int, d: int, reps: int, truth_estimate_s: float) -> dict:
         },
         reps=reps,
     )
+    return timings, phases, last_w
 
-    # -- fidelity against the float64 SVD truth of the same float32 keys
-    truth_s = math.nan
-    rel_authors = rel_faast = math.nan
-    if truth_estimate_s <= TRUTH_BUDGET_S:
-        t0 = time.perf_counter()
-        truth = ops.pinv_fast_weights(keys.double(), values.double(), rtol=rtol)
-        truth_s = time.perf_counter() - t0
-        rel_authors, rel_faast = rel_err(last_w["authors"], truth), rel_err(last_w["faast"], truth)
-        del truth
-    last_w.clear()
-    gc.collect()
 
-    # -- incremental: a memory holding N rows learns 512 more and re-solves
+def fidelity(keys: torch.Tensor, values: torch.Tensor, last_w: dict, truth_estimate_s: float) -> tuple[float, ...]:
+    """(truth seconds, relW authors, relW faast) against the float64 SVD truth of the same float32 keys; NaN when
+    the truth's estimated time exceeds TRUTH_BUDGET_S."""
+    from faast import ops
+
+    if truth_estimate_s > TRUTH_BUDGET_S:
+        return math.nan, math.nan, math.nan
+    t0 = time.perf_counter()
+    truth = ops.pinv_fast_weights(keys.double(), values.double(), rtol=keys.shape[0] ** -1.0)
+    truth_s = time.perf_counter() - t0
+    return truth_s, rel_err(last_w["authors"], truth), rel_err(last_w["faast"], truth)
+
+
+def time_incremental(batches: list, keys: torch.Tensor, values: torch.Tensor, extra: tuple, reps: int) -> dict:
+    """A memory holding the N rows learns the (keys, values) of `extra` and re-solves: authors and faast timed."""
+    from faast import FastWeights
+    from faast.authors_reference import StoredKeyMemory
+
+    d = keys.shape[1]
+    extra_k, extra_v = extra
     base_faast = learn_faast(batches, d)
     base_state = {k: v.clone() for k, v in base_faast.state_dict().items()}
     del base_faast
@@ -185,12 +191,26 @@ def bench_config(n: int, d: int, reps: int, truth_estimate_s: float) -> dict:
         mem.update(extra_k, extra_v)
         return mem.weights
 
-    incr_t = H.time_cases({"authors": (authors_base, incr), "faast": (faast_base, incr)}, reps=reps)
+    return H.time_cases({"authors": (authors_base, incr), "faast": (faast_base, incr)}, reps=reps)
+
+
+def bench_config(n: int, d: int, reps: int, truth_estimate_s: float) -> dict:
+    """One (N, d): full learn, fidelity against the float64 truth, incremental learn; the row of the result table."""
+    g = torch.Generator().manual_seed(SEED + 1000 * d + n)
+    keys, values = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
+    extra_k, extra_v = torch.randn(INCR_ROWS, d, generator=g), torch.randn(INCR_ROWS, d, generator=g)
+    batches = list(zip(keys.split(BATCH), values.split(BATCH), strict=False))
+
+    full_t, phases, last_w = time_full_learn(batches, keys, values, reps)
+    truth_s, rel_authors, rel_faast = fidelity(keys, values, last_w, truth_estimate_s)
+    last_w.clear()
+    gc.collect()
+    incr_t = time_incremental(batches, keys, values, (extra_k, extra_v), reps)
 
     def med(pairs: list[tuple[float, float]], i: int) -> float:
         return H.Timing([p[i] for p in pairs[1:]]).median  # [0] is the warm-up
 
-    row = {
+    return {
         "N": n,
         "d": d,
         "dv": d,
@@ -215,7 +235,6 @@ def bench_config(n: int, d: int, reps: int, truth_estimate_s: float) -> dict:
         "relw_faast": rel_faast,
         "truth_s": truth_s,
     }
-    return row
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -349,20 +368,16 @@ def spread_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     return headers, out
 
 
-def write_markdown(path: Path, header: dict, rows: list[dict], goals: list[dict], wall_s: float, quick: bool) -> None:
+def write_report(stem: Path, record: dict, payload: dict) -> None:
+    """<stem>.json and <stem>.md: the provenance record, the goals and both tables."""
+    rows, goals, quick = payload["rows"], payload["goals"], payload["quick"]
     h, t = table(rows)
     h2, t2 = spread_table(rows)
-    parent = header.get("parent_peak_rss_before_memory_runs_mb")
+    parent = payload.get("parent_peak_rss_before_memory_runs_mb")
     lines = [
-        "# Learning cost on CPU: faast vs the authors' stored-key memory" + (" (quick)" if quick else ""),
-        "",
         "Generated by `python benchmarks/bench_learn.py" + (" --quick" if quick else "") + "`; do not edit by hand.",
         "",
-        f"- Machine: {header['cpu_model']}, {header['physical_cores']} physical cores, torch threads "
-        f"{header['torch_threads']}, {header['memory_gb']} GB; torch {header['torch']} (BLAS {header['blas']}, "
-        f"MKL {'on' if header['mkl'] else 'off'}); python {header['python']}",
-        f"- git {header['git_sha']}, {header['date']}; load average at start {header['loadavg_at_start']}, "
-        f"at end {header.get('loadavg_at_end')}; wall time of the run {wall_s:.0f} s",
+        f"- Wall time of the run {payload['wall_s']:.0f} s.",
         f"- Workload: float32 random-normal keys and values (seed {SEED}), dv = d, alpha = 1 (rtol = 1/N); rows "
         f"arrive in {BATCH}-row batches; incremental = one {INCR_ROWS}-row batch added to a memory holding N rows, "
         "then W.",
@@ -373,7 +388,7 @@ def write_markdown(path: Path, header: dict, rows: list[dict], goals: list[dict]
         "(reps per row in the JSON). Speedups are ratios of medians. The machine may be shared: before each timed "
         "call the script waits (bounded) for other processes to go quiet, and a call >= 0.1 s during which they used "
         "> 0.5 core is timed again (at most twice; counted in 'retimed'; all samples and the foreign load are in the "
-        f"JSON). Quiet waits this run: {header.get('quiet_gate', {}).get('waited_s', 0):.0f} s.",
+        f"JSON). Quiet waits this run: {payload.get('quiet_gate', {}).get('waited_s', 0):.0f} s.",
         "- Peak MB: peak resident memory of one full learn above the RSS right before it, in a fresh process that "
         "generates its batches on the fly (the one live input batch, "
         "4096·2d·4 bytes, counts). Measured as VmHWM after a clear_refs reset; the ru_maxrss-based value is in the "
@@ -392,7 +407,8 @@ def write_markdown(path: Path, header: dict, rows: list[dict], goals: list[dict]
     lines += [f"- **{g['status']}** {g['goal']}: {g['detail']}" for g in goals]
     lines += ["", "## Results", "", H.markdown_table(h, t)]
     lines += ["", "## Spread and phase split", "", H.markdown_table(h2, t2)]
-    path.write_text("\n".join(lines) + "\n")
+    title = "Learning cost on CPU: faast vs the authors' stored-key memory" + (" (quick)" if quick else "")
+    H.write(stem, record, payload, title, lines)
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -415,13 +431,13 @@ def main(argv: list[str] | None = None) -> int:
 
     wall0 = time.perf_counter()
     threads = H.set_threads(args.threads)
-    header = H.machine_header()
-    print(H.format_header(header))
+    record = H.start()
+    print(H.provenance.markdown(record))
     print(f"torch.set_num_threads({threads})", flush=True)
     grid = QUICK_GRID if args.quick else FULL_GRID
 
     # Memory first, while this process is small: a spawned child's ru_maxrss starts at the parent's peak RSS.
-    header["parent_peak_rss_before_memory_runs_mb"] = H.ru_maxrss_bytes() / H.MB
+    parent_rss_mb = H.ru_maxrss_bytes() / H.MB
     memory: dict[tuple[int, int, str], dict] = {}
     if not args.skip_memory:
         for n, d in grid:
@@ -460,7 +476,6 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     wall_s = time.perf_counter() - wall0
-    header["loadavg_at_end"] = [round(x, 2) for x in __import__("os").getloadavg()]
     goals = check_goals(rows)
     h, t = table(rows)
     print()
@@ -472,10 +487,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "learn_cpu_quick" if args.quick else "learn_cpu"
-    header["quiet_gate"] = dict(H.QUIET)
-    payload = {"machine": header, "quick": args.quick, "wall_s": wall_s, "goals": goals, "rows": rows}
-    H.write_json(args.out / f"{stem}.json", payload)
-    write_markdown(args.out / f"{stem}.md", header, rows, goals, wall_s, args.quick)
+    payload = {"quick": args.quick, "wall_s": wall_s, "parent_peak_rss_before_memory_runs_mb": parent_rss_mb,
+               "quiet_gate": dict(H.QUIET), "goals": goals, "rows": rows}  # fmt: skip
+    write_report(args.out / stem, record, payload)
     print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.md')}")
     return 0
 

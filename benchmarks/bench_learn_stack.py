@@ -90,22 +90,9 @@ def authors_layer(batches: list, layer: int, alpha: float) -> torch.Tensor:
     return pinv @ values
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--authors-budget-s", type=float, default=40.0)
-    parser.add_argument("--reps", type=int, default=2)
-    args = parser.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        print("bench_learn_stack: the full size needs a CUDA device; --smoke runs it tiny on CPU", file=sys.stderr)
-        return 2
-    cfg = SMOKE if args.smoke else FULL
-    header = H.machine_header()
-    batches = make_batches(cfg, device)
-    _sync(device)
-
+def time_faast_settings(batches: list, cfg: dict, device: str, reps: int) -> tuple[dict, torch.Tensor | None]:
+    """learn -> W under each (FAAST_BACKEND, compute dtype) setting: the best of `reps` runs after a warm-up, with W's
+    error against the first setting that ran. Returns ({setting: timings or error}, the first setting's W)."""
     from faast.ops import _dispatch
 
     f64, f32 = torch.float64, torch.float32
@@ -120,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[_dispatch.ENV_VAR] = backend
         try:
             learn_faast(batches[:1], cfg, device, compute)  # warm-up: kernel compilation, handles, allocator
-            runs = [learn_faast(batches, cfg, device, compute) for _ in range(args.reps)]
+            runs = [learn_faast(batches, cfg, device, compute) for _ in range(reps)]
             weights = runs[-1][0] if weights is None else weights
             best = min(runs, key=lambda r: r[1]["total_s"])[1]
             faast_runs[setting] = best
@@ -135,10 +122,17 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop(_dispatch.ENV_VAR, None)
     else:
         os.environ[_dispatch.ENV_VAR] = saved
+    return faast_runs, weights
 
+
+def time_authors(
+    batches: list, cfg: dict, device: str, weights: torch.Tensor | None, budget_s: float
+) -> tuple[list[float], list[float]]:
+    """The authors' algorithm layer by layer until budget_s is spent (at least one layer): (seconds per measured
+    layer, relW of each against faast's W [L, d, dv] when there is one)."""
     authors_layer(batches[:1], 0, 1.0)  # warm-up: cuSOLVER handles and workspaces
     _sync(device)
-    measured, rel_w, deadline = [], [], time.monotonic() + args.authors_budget_s
+    measured, rel_w, deadline = [], [], time.monotonic() + budget_s
     for layer in range(cfg["layers"]):
         if measured and time.monotonic() > deadline:
             break
@@ -149,13 +143,33 @@ def main(argv: list[str] | None = None) -> int:
         if weights is not None:
             ref = weights[layer]
             rel_w.append(float((w_authors.double() - ref).norm() / ref.norm()))
+    return measured, rel_w
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--authors-budget-s", type=float, default=40.0)
+    parser.add_argument("--reps", type=int, default=2)
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        print("bench_learn_stack: the full size needs a CUDA device; --smoke runs it tiny on CPU", file=sys.stderr)
+        return 2
+    cfg = SMOKE if args.smoke else FULL
+    record = H.start()
+    batches = make_batches(cfg, device)
+    _sync(device)
+
+    faast_runs, weights = time_faast_settings(batches, cfg, device, args.reps)
+    measured, rel_w = time_authors(batches, cfg, device, weights, args.authors_budget_s)
     per_layer = sum(measured) / len(measured)
     authors_total = per_layer * cfg["layers"]
     ok = {k: v for k, v in faast_runs.items() if "total_s" in v}
     best_setting = min(ok, key=lambda k: ok[k]["total_s"]) if ok else None
     faast_best = ok[best_setting]["total_s"] if ok else None
     payload = {
-        "machine": header,
         "config": cfg,
         "faast": faast_runs,
         "faast_best_setting": best_setting,
@@ -169,15 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         "state_mb_faast": cfg["layers"] * 2 * cfg["d"] * cfg["d"] * 8 / H.MB,
         "state_mb_authors": cfg["layers"] * 2 * cfg["tokens"] * cfg["d"] * 2 / H.MB,
     }
-    where = header.get("gpu", "cpu (smoke)")
+    where = record.get("gpu", "cpu (smoke)")
     stem = "learn_stack_" + ("smoke" if args.smoke else H.slug(where))
-    H.write_json(args.out / f"{stem}.json", payload)
     rows = [[k, *(["error", v["error"][:200], "", ""] if "error" in v else
                   [H.fmt_s(v["update_s"]), H.fmt_s(v["solve_s"]), H.fmt_s(v["total_s"]),
                    H.fmt_sci(v.get("rel_w_vs_torch_backend"))])] for k, v in faast_runs.items()]  # fmt: skip
+    title = f"Learn -> W: {cfg['layers']} layers x d = {cfg['d']}, {cfg['tokens']} tokens, on {where}"
     text = "\n".join([
-        f"# Learn -> W: {cfg['layers']} layers x d = {cfg['d']}, {cfg['tokens']} tokens, on {where}", "", "```",
-        H.format_header(header), "```", "",
         H.markdown_table(["FAAST_BACKEND", "update (all batches)", "solve", "total", "relW vs torch, float64"], rows),
         "",
         f"Authors' algorithm: {H.fmt_s(per_layer)} per layer ({len(measured)} of {cfg['layers']} layers measured), "
@@ -187,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         f"State: faast {payload['state_mb_faast']:.0f} MB of float64 statistics; the authors' bank "
         f"{payload['state_mb_authors']:.0f} MB of bf16 keys and values.",
     ])  # fmt: skip
-    (args.out / f"{stem}.md").write_text(text + "\n")
+    H.write(args.out / stem, record, payload, title, text)
     print(text)
     return 0
 

@@ -178,8 +178,7 @@ def run(total_rows: int, dim: int, dim_value: int, batch_rows: int) -> dict:
     return {"reports": reports, "seconds": seconds, "rss_start_mb": rss_start / H.MB}
 
 
-def write_results(out: Path, payload: dict, name: str) -> None:
-    H.write_json(out / f"{name}.json", payload)
+def write_results(out: Path, record: dict, payload: dict, name: str) -> None:
     reports, cfg = payload["result"]["reports"], payload["config"]
     rows = [
         [
@@ -201,13 +200,8 @@ def write_results(out: Path, payload: dict, name: str) -> None:
     headers = ["rows", "count exact", "cond(S)", "relS f64", "relT f64", "relW f64", "relS f32", "relW f32", "RSS MB",
                "f64 rows/s", "f32 rows/s", "checkpoint"]  # fmt: skip
     goals = payload["goals"]
+    title = f"Long stream: {cfg['rows']:,} rows, d={cfg['dim']}, dv={cfg['dim_value']}, batches of {cfg['batch']:,}"
     text = [
-        f"# Long stream: {cfg['rows']:,} rows, d={cfg['dim']}, dv={cfg['dim_value']}, batches of {cfg['batch']:,}",
-        "",
-        "```",
-        H.format_header(payload["machine"]),
-        "```",
-        "",
         "Truth: per-batch float64 GEMMs summed with Neumaier compensation (see the script's docstring). relW at "
         "alpha = 1 (eps = N^-1); W is cond(S) times more sensitive than S, so relW's floor is about cond(S)·1e-16 "
         "for float64 and cond(S)·(float32 relS) for float32, and what matters is that it does not grow. "
@@ -225,7 +219,7 @@ def write_results(out: Path, payload: dict, name: str) -> None:
         f"- counts exact at every checkpoint: {'yes' if goals['counts_exact'] else 'NO'}",
         f"- total seconds: {', '.join(f'{k} {v:.0f}' for k, v in payload['result']['seconds'].items())}",
     ]
-    (out / f"{name}.md").write_text("\n".join(text) + "\n")
+    H.write(out / name, record, payload, title, text)
 
 
 def main() -> None:
@@ -240,8 +234,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = int(1e6 if args.quick else args.rows)
     H.set_threads(args.threads)
-    machine = H.machine_header()
-    print(H.format_header(machine), flush=True)
+    record = H.start()
+    print(H.provenance.markdown(record), flush=True)
     result = run(rows, args.dim, args.dim_value, args.batch)
     reports = result["reports"]
     # RSS of the first report already holds a batch and its temporaries; later peaks above it would be growth.
@@ -255,13 +249,12 @@ def main() -> None:
         "counts_exact": all(r["count_exact"] for r in reports),
     }
     payload = {
-        "machine": machine,
         "config": {"rows": rows, "dim": args.dim, "dim_value": args.dim_value, "batch": args.batch, "seed": SEED},
         "result": result,
         "goals": goals,
     }
     name = "long_stream_cpu_quick" if args.quick else "long_stream_cpu"
-    write_results(args.out, payload, name)
+    write_results(args.out, record, payload, name)
     print(f"wrote {args.out / (name + '.md')}")
 
 

@@ -74,25 +74,11 @@ def stream(keys: torch.Tensor, values: torch.Tensor, mode: str, flush: int | Non
     return s, t
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", nargs="+", choices=spectra.SPECTRA, default=None)
-    parser.add_argument("--modes", nargs="+", default=None, help="precision modes to run (default: every mode)")
-    parser.add_argument("--flush", type=int, nargs="+", default=None, help="exact16 flush lengths R to sweep")
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    args = parser.parse_args(argv)
-    global D, DV, FLUSH_SWEEP
-    if args.smoke:  # a smaller problem: the interpreter runs every tile in Python
-        D, DV, FLUSH_SWEEP = 64, 16, (64, 1024)
-    if args.flush:
-        FLUSH_SWEEP = tuple(args.flush)
-    kinds = args.kinds or (["pow1o"] if args.smoke else list(spectra.SPECTRA))
-    sizes = (1000,) if args.smoke else (1000, 16384)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    header = H.machine_header()
-    where = "interpreter" if device.type == "cpu" else H.slug(header["gpu"])
-    name = "triton_fidelity_" + ("smoke" if args.smoke else where) + ("_" + "_".join(args.modes) if args.modes else "")
+def measure(
+    kinds: list[str], sizes: tuple[int, ...], device: torch.device, only_modes: list[str] | None
+) -> tuple[list[dict], dict[str, str]]:
+    """Every (spectrum, N, mode, flush R, alpha) against the float64 SVD truth: (result rows, {mode: error} for the
+    modes that could not run here)."""
     results, errors = [], {}
     for kind in kinds:
         for n in sizes:
@@ -103,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             count = keys32.shape[0]  # lowN_pow1o keeps fewer rows than asked: the cut uses the rows learned
             svd = {}
             for mode, flush in variants():
-                if mode in errors or (args.modes and mode not in args.modes):
+                if mode in errors or (only_modes and mode not in only_modes):
                     continue
                 in_dtype = INPUT_DTYPE.get(mode, torch.float32)
                 keys = keys32.to(in_dtype)
@@ -134,16 +120,41 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     results.append(r)
                     print(*_row(r), flush=True)
+    return results, errors
+
+
+def summarise(results: list[dict]) -> dict:
+    """Per mode (and flush R): cases passed, cases, the largest relW."""
     keys_of = sorted({(r["mode"], r["flush_rows"] or 0) for r in results}, key=lambda k: (list(INPUT_DTYPE).index(
         k[0]) if k[0] in INPUT_DTYPE else 99, k[1]))  # fmt: skip
-    summary = {f"{m}" + (f" R={f}" if f else ""): {
+    return {f"{m}" + (f" R={f}" if f else ""): {
         "pass": sum(r["pass"] for r in results if (r["mode"], r["flush_rows"] or 0) == (m, f)),
         "cases": sum(1 for r in results if (r["mode"], r["flush_rows"] or 0) == (m, f)),
         "max_rel_w": max((r["rel_w"] for r in results if (r["mode"], r["flush_rows"] or 0) == (m, f)), default=None),
     } for m, f in keys_of}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    H.write_json(args.out / f"{name}.json", {"machine": header, "results": results, "summary": summary,
-                                             "errors": errors})  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", nargs="+", choices=spectra.SPECTRA, default=None)
+    parser.add_argument("--modes", nargs="+", default=None, help="precision modes to run (default: every mode)")
+    parser.add_argument("--flush", type=int, nargs="+", default=None, help="exact16 flush lengths R to sweep")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    global D, DV, FLUSH_SWEEP
+    if args.smoke:  # a smaller problem: the interpreter runs every tile in Python
+        D, DV, FLUSH_SWEEP = 64, 16, (64, 1024)
+    if args.flush:
+        FLUSH_SWEEP = tuple(args.flush)
+    kinds = args.kinds or (["pow1o"] if args.smoke else list(spectra.SPECTRA))
+    sizes = (1000,) if args.smoke else (1000, 16384)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    record = H.start()
+    where = "interpreter" if device.type == "cpu" else H.slug(record["gpu"])
+    name = "triton_fidelity_" + ("smoke" if args.smoke else where) + ("_" + "_".join(args.modes) if args.modes else "")
+    results, errors = measure(kinds, sizes, device, args.modes)
+    summary = summarise(results)
     table = H.markdown_table(
         ["spectrum", "N", "alpha", "mode", "flush R", "rank / truth", "relW", "relP", "pass"],
         [_row(r) for r in results],
@@ -154,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     how = "Triton interpreter" if device.type == "cpu" else "compiled kernels"
     failed = "".join(f"- {m}: did not run: {e}\n" for m, e in errors.items())
-    text = (f"# Gram precision modes against the float64 truth ({how})\n\n```\n{H.format_header(header)}\n```\n\n"
-            f"{verdicts}\n\n{failed}\n{table}\n")  # fmt: skip
-    (args.out / f"{name}.md").write_text(text)
+    text = f"{verdicts}\n\n{failed}\n{table}\n"
+    payload = {"results": results, "summary": summary, "errors": errors}
+    H.write(args.out / name, record, payload, f"Gram precision modes against the float64 truth ({how})", text)
     print(text)
     return 0
 

@@ -34,6 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 
+from faast.persist import write_text_atomic  # noqa: E402
+
 ROOT = H.REPO
 PY = sys.executable
 STEPS = ("build", "tests", "fidelity", "kernels", "eigh", "learn", "hf")
@@ -201,15 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--steps: unknown {unknown}; expected a subset of {list(STEPS)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    header = H.machine_header()
-    print(H.format_header(header), flush=True)
+    record = H.start()
+    print(H.provenance.markdown(record), flush=True)
     limits = SMOKE_LIMITS if args.smoke else LIMITS
     started = time.monotonic()
     records = []
     for step in steps:
         records.append(run_step(step, args.out, args.smoke, limits[step]))
-        # Written after every step: a run cut short (the device's call limit) still leaves what it measured.
-        H.write_json(args.out / "gpu_check.json", {"machine": header, "smoke": args.smoke, "steps": records})
+        # Written after every step (atomically): a run cut short (the device's call limit) still leaves what it
+        # measured, in a file that parses.
+        write_text_atomic(args.out / "gpu_check.json",
+                          H.provenance.to_json({"smoke": args.smoke, "steps": records}, record))  # fmt: skip
     # Benchmarks write a markdown table beside their json: folded into gpu_check.md, so OUTDIR stays under 8 files.
     sections = []
     for md in sorted(args.out.glob("*.md")):
@@ -220,9 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         if extra.suffix not in (".json", ".md"):
             extra.unlink()
     goal_rows = goals(args.out, args.smoke)
-    payload = {"machine": header, "smoke": args.smoke, "seconds": round(time.monotonic() - started, 1),
-               "steps": records, "goals": goal_rows}  # fmt: skip
-    H.write_json(args.out / "gpu_check.json", payload)
+    payload = {"smoke": args.smoke, "seconds": round(time.monotonic() - started, 1), "steps": records,
+               "goals": goal_rows}  # fmt: skip
 
     def fmt(v: object) -> str:
         return "n/a" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
@@ -237,11 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         [[g["goal"], fmt(g["measured"]), ("≥ " if g["higher_is_better"] else "≤ ") + fmt(g["target"]),
           {True: "yes", False: "NO", None: "n/a"}[g["met"]], g["note"]] for g in goal_rows],
     )  # fmt: skip
-    text = "\n".join([f"# GPU check{' (smoke)' if args.smoke else ''}: {header.get('gpu', 'no GPU')}", "", "```",
-                      H.format_header(header), "```", "", step_table, "", "## Goals", "", goal_table, "",
-                      *sections])  # fmt: skip
-    (args.out / "gpu_check.md").write_text(text + "\n")
-    print(text, flush=True)
+    title = f"GPU check{' (smoke)' if args.smoke else ''}: {record.get('gpu', 'no GPU')}"
+    body = [step_table, "", "## Goals", "", goal_table, "", *sections]
+    H.write(args.out / "gpu_check", record, payload, title, body)
+    print((args.out / "gpu_check.md").read_text(), flush=True)
     files = sorted(p.name for p in args.out.iterdir())
     if len(files) > 8:
         print(f"gpu_check: {len(files)} files in {args.out} (more than 8): {files}", file=sys.stderr)

@@ -25,8 +25,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from faast.demo import domain_files, tokens_of
-    from faast.hf.default import DEFAULT_READOUT, load_default_model
+    from faast.hf.default import DEFAULT_READOUT, SMOLLM2_NAME, load_default_model
+    from faast.hf.demo import domain_files, tokens_of
     from faast.hf.evaluate import perplexity, token_windows
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     H.set_threads()
-    header = H.machine_header()
+    record = H.start()
     model, tokenizer = load_default_model(readout=args.readout)
     learn_files, eval_files = domain_files(args.package)
     learn = tokens_of(learn_files, tokenizer, args.learn_tokens)
@@ -67,25 +67,20 @@ def main(argv: list[str] | None = None) -> dict:
             + [f"{result[k]:.3f} ({100 * (1 - result[k] / base):+.1f}%)" for k in ("both", "middle", "output")]
         )
         print(rows[-1], flush=True)
-    payload = {"machine": header, "package": args.package, "readout": args.readout, "base_ppl": base,
+    readout = H.provenance.relative(str(Path(args.readout).resolve()), H.REPO)  # results carry no machine paths
+    payload = {"package": args.package, "readout": readout, "base_ppl": base,
                "learn_tokens": sum(len(x) for x in learn), "eval_tokens": sum(len(w) - 1 for w in windows),
                "records": records}  # fmt: skip
     stem = args.out or f"hf_filter_sweep_{args.package}"
-    H.write_json(RESULTS / f"{stem}.json", payload)
+    title = f"Spectral filter sweep on '{args.package}' (validation domain), {SMOLLM2_NAME} + readout"
     md = [
-        f"# Spectral filter sweep on '{args.package}' (validation domain), SmolLM2-135M + readout",
-        "",
-        "```",
-        H.format_header(header),
-        "```",
-        "",
         f"Learned {payload['learn_tokens']:,} tokens of the package's source; held-out perplexity over "
         f"{payload['eval_tokens']:,} tokens of its other files; base {base:.3f}; relative reduction in brackets.",
         "",
         H.markdown_table(["alpha", "middle + output layers", "middle layers only", "output layer only"], rows),
         "",
     ]
-    (RESULTS / f"{stem}.md").write_text("\n".join(md))
+    H.write(RESULTS / stem, record, payload, title, md)
     print("\n".join(md))
     return payload
 

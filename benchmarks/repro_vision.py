@@ -14,13 +14,14 @@ Label prompt "A photo of a {name}." Episodes: all classes, --shots each, --queri
 CI; full: the whole support pool, every query once (Wilson interval). Methods: FAAST default (prior weight and ridge
 from the data), FAAST paper (α=1, N0 = 400 / 800 / 0 as in their eval.py), zero-shot, kNN, softmax and linear
 attention (±centred), SGD linear probe. Embeddings are cached (--cache), so each image is encoded once.
+--features FILE runs the protocol on embeddings already computed (a safetensors file holding the float tensors
+support [N, d], query [M, d], label_keys [C, d] and the int64 tensors support_labels [N], query_labels [M]) instead
+of reading --data-dir and encoding it. The readers are faast.classify.load_cifar10 / load_mini_imagenet.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import pickle
 import sys
 from pathlib import Path
 
@@ -29,7 +30,6 @@ import _harness as H  # noqa: E402
 
 H.add_source_path()
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from faast.classify import (  # noqa: E402
@@ -41,69 +41,12 @@ from faast.classify import (  # noqa: E402
     ZeroShotClassifier,
     evaluate_episodes,
     evaluate_full,
+    load_cifar10,
+    load_mini_imagenet,
 )
 
 PAPER_N0 = {"cifar10": 400.0, "mini-imagenet": 800.0, "mini-imagenet-id": 0.0}
 PROMPT = "A photo of a {}."
-
-
-def load_cifar10(root: Path) -> dict:
-    """CIFAR-10 python version: uint8 images [N, 32, 32, 3], labels, class names; train/test as support/query."""
-    folder = root / "cifar-10-batches-py"
-
-    def read(name: str) -> dict:
-        with open(folder / name, "rb") as f:  # the official distribution format (trusted input)
-            return pickle.load(f, encoding="bytes")
-
-    def images(batch: dict) -> torch.Tensor:
-        return torch.from_numpy(
-            np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1).copy()
-        )
-
-    train = [read(f"data_batch_{i}") for i in range(1, 6)]
-    test = read("test_batch")
-    names = [n.decode() for n in read("batches.meta")[b"label_names"]]
-    return {
-        "support_images": torch.cat([images(b) for b in train]),
-        "support_labels": torch.tensor(sum((list(b[b"labels"]) for b in train), [])),
-        "query_images": images(test),
-        "query_labels": torch.tensor(list(test[b"labels"])),
-        "class_names": names,
-    }
-
-
-def load_mini_imagenet(root: Path, class_names: Path | None, *, use_ids: bool) -> dict:
-    """The mini-ImageNet test split, each class halved (seed 42) into a support and a query pool."""
-    with open(root / "mini-imagenet-cache-test.pkl", "rb") as f:  # the few-shot-ssl distribution (trusted input)
-        data = pickle.load(f)
-    wnids = sorted(data["class_dict"])
-    if use_ids:
-        names = wnids
-    else:
-        if class_names is None:
-            raise ValueError(
-                "--class-names: mini-imagenet needs a JSON {wnid: readable name} (or use mini-imagenet-id)"
-            )
-        mapping = json.loads(Path(class_names).read_text())
-        names = [mapping[w] for w in wnids]
-    images = torch.from_numpy(np.asarray(data["image_data"], dtype=np.uint8))
-    g = torch.Generator().manual_seed(42)
-    support, query, s_lab, q_lab = [], [], [], []
-    for c, w in enumerate(wnids):
-        idx = torch.tensor(sorted(data["class_dict"][w]))
-        idx = idx[torch.randperm(idx.numel(), generator=g)]
-        half = idx.numel() // 2
-        support.append(idx[:half])
-        query.append(idx[half:])
-        s_lab += [c] * half
-        q_lab += [c] * (idx.numel() - half)
-    return {
-        "support_images": images[torch.cat(support)],
-        "support_labels": torch.tensor(s_lab),
-        "query_images": images[torch.cat(query)],
-        "query_labels": torch.tensor(q_lab),
-        "class_names": names,
-    }
 
 
 def methods(label_keys: torch.Tensor, paper_n0: float) -> dict:
@@ -143,7 +86,7 @@ def run_protocol(features: dict, *, dataset: str, shots: list[int], queries: int
 
 
 def encode(data: dict, encoder_spec: str, cache: Path | None) -> dict:
-    from faast.clip import ClipEncoder
+    from faast.classify import ClipEncoder
 
     kind, _, name = encoder_spec.partition(":")
     if kind == "open_clip":
@@ -161,6 +104,20 @@ def encode(data: dict, encoder_spec: str, cache: Path | None) -> dict:
     }
 
 
+FEATURE_KEYS = ("support", "support_labels", "query", "query_labels", "label_keys")
+
+
+def load_features(path: Path) -> dict:
+    """Precomputed embeddings for run_protocol from a safetensors file (the tensors named in FEATURE_KEYS)."""
+    from safetensors.torch import load_file
+
+    features = load_file(str(path))
+    missing = [k for k in FEATURE_KEYS if k not in features]
+    if missing:
+        raise SystemExit(f"--features: {path} lacks the tensors {missing}; expected {list(FEATURE_KEYS)}")
+    return {k: features[k] for k in FEATURE_KEYS}
+
+
 def markdown(table: dict) -> str:
     settings = list(table)
     lines = ["| method | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
@@ -173,7 +130,9 @@ def markdown(table: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=sorted(PAPER_N0), required=True)
-    parser.add_argument("--data-dir", type=Path, required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data-dir", type=Path, help="the dataset's files, read and encoded with --encoder")
+    source.add_argument("--features", type=Path, help="precomputed embeddings (safetensors; see above)")
     parser.add_argument("--class-names", type=Path, default=None)
     parser.add_argument("--encoder", default="open_clip:RN50")
     parser.add_argument("--shots", type=int, nargs="+", default=[1, 5])
@@ -183,20 +142,23 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path(".cache/clip-embeddings"))
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
-    if args.dataset == "cifar10":
-        data = load_cifar10(args.data_dir)
+    record = H.start()
+    if args.features is not None:
+        features = load_features(args.features)
     else:
-        data = load_mini_imagenet(args.data_dir, args.class_names, use_ids=args.dataset == "mini-imagenet-id")
-    features = encode(data, args.encoder, args.cache)
+        if args.dataset == "cifar10":
+            data = load_cifar10(args.data_dir)
+        else:
+            data = load_mini_imagenet(args.data_dir, args.class_names, use_ids=args.dataset == "mini-imagenet-id")
+        features = encode(data, args.encoder, args.cache)
     table = run_protocol(features, dataset=args.dataset, shots=args.shots, queries=args.queries,
                          episodes=args.episodes, seed=args.seed)  # fmt: skip
-    machine = H.machine_header()
-    name = f"vision_{args.dataset}_{args.encoder.replace(':', '-').replace('/', '-')}"
-    H.write_json(args.out / f"{name}.json", {"machine": machine, "config": {k: str(v) for k, v in vars(args).items()},
-                                             "results": table})  # fmt: skip
-    text = "```\n" + H.format_header(machine) + "\n```\n\n" + markdown(table)
-    (args.out / f"{name}.md").write_text(text)
-    print(text)
+    source = f"features-{args.features.stem}" if args.features is not None else args.encoder
+    name = f"vision_{args.dataset}_{source.replace(':', '-').replace('/', '-')}"
+    payload = {"config": {k: str(v) for k, v in vars(args).items()}, "results": table}
+    title = f"Image classification over frozen CLIP features: {args.dataset}, {source}"
+    H.write(args.out / name, record, payload, title, markdown(table))
+    print((args.out / f"{name}.md").read_text())
 
 
 if __name__ == "__main__":

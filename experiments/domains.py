@@ -1,10 +1,11 @@
 """The multi-domain benchmark's text: five local domains of different kinds, readable offline on a Debian-like machine.
 
 Each domain is a sorted list of files split by file: every 4th file is held out (scored), the rest are learned, so
-no held-out text was seen while learning. Exact duplicate files are dropped first (many copyright files are the same
-GPL text; a held-out copy of a learned file would measure copying, not learning). None of these was used to train or
-choose the shipped readout (that used /usr/share/doc/**/*.md, package METADATA and /usr/include/*.h, validated on the
-stdlib package `email`).
+no held-out text was seen while learning. Where the every-4th files hold under 40K characters (tkinter), the last
+learn files move to the held-out side, whole, until they do. Exact duplicate files are dropped first (many copyright
+files are the same GPL text; a held-out copy of a learned file would measure copying, not learning). None of these
+was used to train or choose the shipped readout (that used /usr/share/doc/**/*.md, package METADATA and
+/usr/include/*.h, validated on the stdlib package `email`).
 
     asyncio     Python source of the stdlib package asyncio (the demo's domain)
     tkinter     Python source of the stdlib package tkinter
@@ -58,8 +59,11 @@ def read(path: Path) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def domain_texts(name: str, min_files: int = 8) -> tuple[list[str], list[str]]:
-    """(learn texts, held-out texts) of a domain: unique non-empty files, every 4th held out."""
+def domain_texts(
+    name: str, min_files: int = 8, min_held_out_chars: int = 40_000, min_learn_chars: int = 200_000
+) -> tuple[list[str], list[str]]:
+    """(learn texts, held-out texts) of a domain: unique non-empty files, every 4th held out (then, if they hold
+    fewer than min_held_out_chars characters, the last learn files too, as long as min_learn_chars remain)."""
     if name not in FILES:
         raise ValueError(f"name: expected one of {DOMAINS}, got {name!r}")
     texts, seen = [], set()
@@ -75,4 +79,11 @@ def domain_texts(name: str, min_files: int = 8) -> tuple[list[str], list[str]]:
     if len(texts) < min_files:
         raise SystemExit(f"domain {name!r}: found {len(texts)} usable files on this machine, need >= {min_files}")
     held_out = texts[3::4]
-    return [t for i, t in enumerate(texts) if i % 4 != 3], held_out
+    learn = [t for i, t in enumerate(texts) if i % 4 != 3]
+    # A domain of few, unevenly sized files can leave too little held-out text to score (tkinter: one 170 KB module
+    # and thirteen small ones; its every-4th files hold ~7K tokens): the learn list's last files move over, whole,
+    # until the held-out files reach min_held_out_chars (~10K tokens of code) or the learned text would drop below
+    # min_learn_chars.
+    while sum(map(len, held_out)) < min_held_out_chars and sum(map(len, learn[:-1])) >= min_learn_chars:
+        held_out.append(learn.pop())
+    return learn, held_out

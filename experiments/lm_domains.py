@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,11 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, ROOT  # noqa: E402
 from domains import DOMAINS, domain_texts  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import _harness as H  # noqa: E402
+from faast import provenance  # noqa: E402
 
-METHODS = ("faast", "output", "paper", "knn", "lora", "linear")
-DEFAULT_METHODS = ("faast", "knn", "lora", "linear")  # "paper" (the previous default) on request: one more pass
+METHODS = ("default", "faast", "output", "paper", "knn", "lora", "linear")
+# "faast" (the shipped middle layers + the residual output layer, both variants along the curve) and "paper" (the
+# paper's output layer, the previous default) on request: each is one more pass.
+DEFAULT_METHODS = ("default", "knn", "lora", "linear")
 CURVE = (2048, 8192, 32768)
 KNN_CURVE = (32768,)
 RUN_ORDER = ("asyncio", "man", "copyright", "perl", "tkinter")  # code, roff, legal prose, then the rest
@@ -54,6 +54,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="keep the domains already in the result JSON, run the rest")
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--learn-window", type=int, default=None,
+                   help="tokens per window while FAAST learns (default: --window); LoRA trains on --train-window")
+    p.add_argument("--output-tune-tokens", type=int, default=None,
+                   help="held-out positions the output layer's step is tuned on (default: FaastConfig's)")
+    p.add_argument("--learn-batch-size", type=int, default=None,
+                   help="windows per learning batch (default: --batch-size)")
     p.add_argument("--train-window", type=int, default=256)
     p.add_argument("--train-batch-size", type=int, default=4)
     p.add_argument("--linear-lr", type=float, default=1e-4)
@@ -61,10 +67,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--out", default="lm_domains_smollm2")
     args = p.parse_args(argv)
+    args.learn_window = args.learn_window or args.window
+    args.learn_batch_size = args.learn_batch_size or args.batch_size
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if set(args.methods) - set(METHODS):
         p.error(f"--methods: expected a subset of {list(METHODS)}, got {args.methods}")
     return args
+
+
+def output_overrides(args: argparse.Namespace) -> dict:
+    """FaastConfig fields of the output layer set on the command line."""
+    return {} if args.output_tune_tokens is None else {"output_tune_tokens": args.output_tune_tokens}
 
 
 def points(limit: int, grid: tuple[int, ...]) -> list[int]:
@@ -113,20 +126,22 @@ def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
     from faast.hf._tokens import split_by_tokens
     from faast.hf.evaluate import perplexity
 
-    model = from_pretrained(base, readout, output_target="residual")
+    model = from_pretrained(base, readout, output_target="residual", **output_overrides(args))
     try:
         amounts = points(domain.learned, CURVE)
-        curves = {key: {"tokens": amounts, "ppl": [], "bytes": [], "step": []} for key in VARIANTS}
+        # With the "default" method in the run, the residual output layer alone is its row and curve.
+        keys = [k for k in VARIANTS if not (k == "output" and "default" in args.methods)]
+        curves = {key: {"tokens": amounts, "ppl": [], "bytes": [], "step": []} for key in keys}
         learn_s, results = 0.0, {}
         bank_bytes = sum(b.numel() * b.element_size() for b in model.memory_bank.buffers())
         for part in split_by_tokens(domain.learn, amounts):
             started = time.perf_counter()
             if part:
-                model.learn(part, max_length=args.window, batch_size=args.batch_size)
+                model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size)
                 model.output_memory_layer.folded(base.device, base.dtype)  # the solve and the step tuning
             learn_s += time.perf_counter() - started
             step = (model.output_memory_layer.last_tuning or {}).get("step")
-            for key in VARIANTS:
+            for key in keys:
                 with model.disable_faast("middle") if key == "output" else contextlib.nullcontext():
                     result = perplexity(model, domain.windows, batch_size=args.batch_size)
                     size = model.fast_weight_bytes() - (bank_bytes if key == "output" else 0)
@@ -135,13 +150,41 @@ def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
                 curves[key]["step"].append(step)
                 results[key] = (result, size)
         tuning = {k: v for k, v in (model.output_memory_layer.last_tuning or {}).items() if k != "held_out_nll"}
-        for key, label in VARIANTS.items():
+        for key in keys:
             domain.curve[key] = curves[key]
-            domain.add(label, results[key][0], learn_s, results[key][1], tuning=tuning)
+            domain.add(VARIANTS[key], results[key][0], learn_s, results[key][1], tuning=tuning)
         if args.ablations:
             with model.disable_faast("output"):
                 domain.add("FAAST: middle layers only", perplexity(model, domain.windows, batch_size=args.batch_size),
                            learn_s, bank_bytes)  # fmt: skip
+    finally:
+        model.remove_faast()
+
+
+def run_default(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """FAAST's default configuration (FaastConfig(): the residual output layer, no readout) learned in growing parts
+    and scored after each (the PPL-vs-tokens curve); learn time includes the solve and step tuning at each point."""
+    from faast.hf import FaastConfig, apply_faast
+    from faast.hf._tokens import split_by_tokens
+    from faast.hf.evaluate import perplexity
+
+    model = apply_faast(base, FaastConfig(**output_overrides(args)))
+    try:
+        amounts = points(domain.learned, CURVE)
+        curve = domain.curve["output"] = {"tokens": amounts, "ppl": [], "bytes": [], "step": []}
+        learn_s = 0.0
+        for part in split_by_tokens(domain.learn, amounts):
+            started = time.perf_counter()
+            if part:
+                model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size)
+                model.solve()
+            learn_s += time.perf_counter() - started
+            result = perplexity(model, domain.windows, batch_size=args.batch_size)
+            curve["ppl"].append(result.ppl)
+            curve["bytes"].append(model.fast_weight_bytes())
+            curve["step"].append((model.output_memory_layer.last_tuning or {}).get("step"))
+        tuning = {k: v for k, v in (model.output_memory_layer.last_tuning or {}).items() if k != "held_out_nll"}
+        domain.add(VARIANTS["output"], result, learn_s, model.fast_weight_bytes(), tuning=tuning)
     finally:
         model.remove_faast()
 
@@ -151,10 +194,10 @@ def run_output(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa:
     from faast.hf import FaastConfig, apply_faast
     from faast.hf.evaluate import perplexity
 
-    model = apply_faast(base, FaastConfig(num_layers=0))
+    model = apply_faast(base, FaastConfig(num_layers=0, **output_overrides(args)))
     try:
         started = time.perf_counter()
-        model.learn(domain.learn, max_length=args.window, batch_size=args.batch_size)
+        model.learn(domain.learn, max_length=args.learn_window, batch_size=args.learn_batch_size)
         model.solve()
         learn_s = time.perf_counter() - started
         tuning = {k: v for k, v in (model.output_memory_layer.last_tuning or {}).items() if k != "held_out_nll"}
@@ -172,7 +215,7 @@ def run_paper(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
     model = from_pretrained(base, readout, output_target="embedding")
     try:
         started = time.perf_counter()
-        model.learn(domain.learn, max_length=args.window, batch_size=args.batch_size)
+        model.learn(domain.learn, max_length=args.learn_window, batch_size=args.learn_batch_size)
         learn_s = time.perf_counter() - started
         domain.add(
             "FAAST (paper output layer, previous default)",
@@ -238,6 +281,8 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
     domain = Domain(name, tokenizer, args)
     print(f"{name}: learn {domain.learned:,} tokens, score {domain.scored:,}", flush=True)
     domain.add("zero-shot", perplexity(base, domain.windows, batch_size=args.batch_size), 0.0, 0)
+    if "default" in args.methods:
+        run_default(domain, base, args)
     if "faast" in args.methods:
         run_faast(domain, base, readout, args)
     if "output" in args.methods:
@@ -260,27 +305,24 @@ def main(argv: list[str] | None = None) -> dict:
 
     args = parse_args(argv)
     torch.manual_seed(0)
-    header = H.machine_header()
-    import transformers
-
-    header["transformers"] = transformers.__version__
+    record = provenance.start(ROOT)
     base, tokenizer, description = load_base_model("smollm2")
     layers = FaastConfig.load(DEFAULT_READOUT / "faast_config.json").layers
-    # The default variant is what the shipped configuration builds: middle layers when it has any.
-    default = "full" if layers else "output"
+    # The default variant is what FaastConfig() builds: the residual output layer alone (num_layers=0).
+    default = "full" if FaastConfig().num_layers != 0 else "output"
     settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
-    payload = {"model": description, "header": header, "settings": settings,
+    payload = {"model": description, "provenance": record, "settings": settings,
                "variants": VARIANTS, "default_variant": default, "domains": []}  # fmt: skip
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / f"{args.out}.json"
     if args.resume and path.is_file():
         earlier = json.loads(path.read_text(encoding="utf-8"))
         payload["domains"] = [d for d in earlier["domains"] if d["domain"] in args.domains]
-        payload["earlier_runs"] = [*earlier.get("earlier_runs", []), earlier["header"]]
+        payload["earlier_runs"] = [*earlier.get("earlier_runs", []), earlier.get("provenance", earlier.get("header"))]
     done = {d["domain"] for d in payload["domains"]}
     for name in [n for n in args.domains if n not in done]:
         payload["domains"].append(run_domain(name, base, tokenizer, DEFAULT_READOUT, layers, args))
-        payload["header"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        provenance.finish(record)
         write_json(path, payload)
     from lm_domains_report import write_report
 
@@ -289,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    from faast._persist import write_text_atomic
+    from faast.persist import write_text_atomic
 
     write_text_atomic(path, json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from _common import table
 
+from faast.provenance import markdown
+
 
 def default_label(payload: dict) -> str:
     """The row name of FAAST's default variant in this run."""
@@ -75,13 +77,12 @@ def _method_table(rows: list[dict]) -> list[str]:
 
 
 def report(payload: dict) -> list[str]:
-    h = payload["header"]
     mean = averages(payload)
+    record = payload.get("provenance")
     lines = [f"# Test-time learning on {len(payload['domains'])} local domains: {payload['model']}", "",
-             f"git {h['git_sha']}, torch {h['torch']}, transformers {h.get('transformers')}, {h['cpu_model']} "
-             f"({h['torch_threads']} threads), load average {h['loadavg_at_start']} at start, "
-             f"{h.get('loadavg_at_end')} at end; `{h['command']}`. Change = perplexity change against zero-shot on the"
-             " held-out files (negative is better). Every method learned the same tokens in the same process.", "",
+             *([markdown(record), ""] if record else []),
+             "Change = perplexity change against zero-shot on the held-out files (negative is better). Every method"
+             " learned the same tokens in the same process.", "",
              f"## Goals (averages over the domains; default: {default_label(payload)})", "",
              *table(["goal", "measured", "met"], goals(payload, mean)),
              "", "## Averages", "", *_method_table([{**m, "ppl": float("nan")} for m in mean]).__iter__()]  # fmt: skip
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def write_report(payload: dict, stem: Path) -> None:
-    from faast._persist import write_text_atomic
+    from faast.persist import write_text_atomic
 
     lines = report(payload)
     write_text_atomic(stem.with_suffix(".md"), "\n".join(lines) + "\n")

@@ -16,7 +16,9 @@ For each: learn time, inference time (the scoring pass) and the memory it adds, 
 are also scored after each of `--curve-points` growing amounts of learned text (the PPL-vs-tokens plot).
 
 Local data (default): the Python source of one stdlib package (`--stdlib-package`), split by file as in the demo; or
-`--text-files` (learn) with `--score-files`. `--limit` caps the learned tokens (quick runs).
+`--text-files` (learn) with `--score-files`. Local files are read through the datasets library
+(`load_dataset("text", data_files=..., sample_by="document")`: one row per file). `--limit` caps the learned tokens
+(quick runs).
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_model_arguments, load_model, table, write_results  # noqa: E402
+from _common import add_model_arguments, load_local, load_model, start_record, table, write_results  # noqa: E402
 
 METHODS = ("zero-shot", "faast", "knn", "linear", "lora", "icl")
 
@@ -53,13 +55,18 @@ def load_data(args: argparse.Namespace, tokenizer: object) -> tuple[list[list[in
         score = (t for _, t in read_text_files(args.score_files))
         name = "local files"
     else:
-        from faast.demo import domain_files
+        from faast.hf.demo import domain_files
 
         learn_files, score_files = domain_files(args.stdlib_package)
-        learn = (f.read_text(encoding="utf-8") for f in learn_files)
-        score = (f.read_text(encoding="utf-8") for f in score_files)
+        learn = file_texts(learn_files)
+        score = file_texts(score_files)
         name = f"stdlib '{args.stdlib_package}' source, learn files -> held-out files"
     return token_lists(learn, tokenizer, args.limit), token_lists(score, tokenizer, args.score_limit), name
+
+
+def file_texts(files: Sequence[Path]) -> Iterator[str]:
+    """Each file's whole text, in order, read lazily through the datasets library's text builder (one row per file)."""
+    return (row["text"] for row in load_local("text", files, sample_by="document"))
 
 
 def joined(rows: Iterable[tuple[str, str]], chunk_chars: int = 1 << 20) -> Iterator[str]:
@@ -127,114 +134,118 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
-    import torch
+def add_row(rows: list[dict], method: str, result, learn_s: float, memory: int, **extra: object) -> None:  # noqa: ANN001
+    """Append one method's row (perplexity, learn and scoring seconds, bytes it adds) and print it."""
+    rows.append({"method": method, "ppl": result.ppl, "learn_s": learn_s, "infer_s": result.seconds,
+                 "memory_bytes": memory, **extra})  # fmt: skip
+    print(f"  {method}: ppl {result.ppl:.3f} (learn {learn_s:.1f} s, score {result.seconds:.1f} s)", flush=True)
 
-    from faast.hf._tokens import split_by_tokens
-    from faast.hf.baselines import LinearProjection, apply_lora, fit_causal_lm, kv_cache_bytes, lora_rank_for
-    from faast.hf.evaluate import perplexity, token_windows
+
+def run_faast(model, parts: list, windows: list, args: argparse.Namespace, rows: list, curve: dict) -> None:  # noqa: ANN001
+    """FAAST learns the parts one after another, scored after each (the curve); the last point is the row."""
+    from faast.hf.evaluate import perplexity
+
+    learn_s = 0.0
+    for part in parts:
+        started = time.perf_counter()
+        if part:
+            model.learn(part, max_length=args.window, batch_size=args.batch_size)
+        learn_s += time.perf_counter() - started
+        result = perplexity(model, windows, batch_size=args.batch_size)
+        curve["faast"].append(result.ppl)
+        curve["faast_bytes"].append(model.fast_weight_bytes())
+        curve["faast_infer_s"].append(result.seconds)
+    add_row(rows, "FAAST", result, learn_s, model.fast_weight_bytes())
+    model.reset_fast_weights()
+
+
+def run_knn(model, parts: list, windows: list, args: argparse.Namespace, rows: list, curve: dict) -> None:  # noqa: ANN001
+    """The kNN-LM's datastore grows by the same parts, scored after each; the last point is the row."""
     from faast.hf.knnlm import KNNLM, KNNConfig
 
-    args = parse_args(argv)
-    model, tokenizer, description = load_model(args)
-    base = model.base_model
-    learn, score, data = load_data(args, tokenizer)
-    windows = [w for ids in score for w in token_windows(ids, args.window)]
-    n_learn = sum(len(x) for x in learn)
-    print(f"{description}: learn {n_learn:,} tokens, score {sum(len(w) - 1 for w in windows):,} ({data})", flush=True)
-
-    rows, notes = [], []
-
-    def row(method: str, result, learn_s: float, memory: int, **extra) -> None:  # noqa: ANN001
-        rows.append({"method": method, "ppl": result.ppl, "learn_s": learn_s, "infer_s": result.seconds,
-                     "memory_bytes": memory, **extra})  # fmt: skip
-        print(f"  {method}: ppl {result.ppl:.3f} (learn {learn_s:.1f} s, score {result.seconds:.1f} s)", flush=True)
-
+    knn = KNNLM(model, KNNConfig(k=args.knn_k, lam=args.knn_lambda, temperature=args.knn_temperature))
+    learn_s = 0.0
     with model.disable_faast():
-        zero = perplexity(model, windows, batch_size=args.batch_size)
-    row("zero-shot", zero, 0.0, 0)
-
-    # FAAST and the kNN-LM learn the same stream in growing parts, scored after each: the curve, whose last point is
-    # the whole learn split (the table's rows).
-    points = curve_points(n_learn, args.curve_points)
-    parts = split_by_tokens(learn, points)
-    curve = {"tokens": points, "faast": [], "knn": [], "faast_bytes": [], "knn_bytes": [], "faast_infer_s": [],
-             "knn_infer_s": []}  # fmt: skip
-    if "faast" in args.methods:
-        learn_s = 0.0
         for part in parts:
             started = time.perf_counter()
             if part:
-                model.learn(part, max_length=args.window, batch_size=args.batch_size)
+                knn.add(part, window=args.window, batch_size=args.batch_size)
             learn_s += time.perf_counter() - started
-            result = perplexity(model, windows, batch_size=args.batch_size)
-            curve["faast"].append(result.ppl)
-            curve["faast_bytes"].append(model.fast_weight_bytes())
-            curve["faast_infer_s"].append(result.seconds)
-        row("FAAST", result, learn_s, model.fast_weight_bytes())
-        model.reset_fast_weights()
-    if "knn" in args.methods:
-        knn = KNNLM(model, KNNConfig(k=args.knn_k, lam=args.knn_lambda, temperature=args.knn_temperature))
-        learn_s = 0.0
-        with model.disable_faast():
-            for part in parts:
-                started = time.perf_counter()
-                if part:
-                    knn.add(part, window=args.window, batch_size=args.batch_size)
-                learn_s += time.perf_counter() - started
-                result = knn.perplexity(windows, batch_size=args.batch_size)
-                curve["knn"].append(result.ppl)
-                curve["knn_bytes"].append(knn.nbytes())
-                curve["knn_infer_s"].append(result.seconds)
-        row(f"kNN-LM (k={knn.config.k}, λ={knn.config.lam})", result, learn_s, knn.nbytes())
-        del knn
+            result = knn.perplexity(windows, batch_size=args.batch_size)
+            curve["knn"].append(result.ppl)
+            curve["knn_bytes"].append(knn.nbytes())
+            curve["knn_infer_s"].append(result.seconds)
+    add_row(rows, f"kNN-LM (k={knn.config.k}, λ={knn.config.lam})", result, learn_s, knn.nbytes())
 
-    layers = baseline_layers(model)
-    linear_params = len(layers) * base.config.hidden_size**2
-    fit = {"window": args.train_window, "batch_size": args.train_batch_size, "epochs": args.train_epochs}
-    if "linear" in args.methods:
-        with model.disable_faast():
-            projection = LinearProjection(base, layers)
-            stats = fit_causal_lm(base, list(projection.parameters()), learn, lr=args.linear_lr, **fit)
-            result = perplexity(base, windows, batch_size=args.batch_size)
-            projection.remove()
-        row(f"linear projection (backprop, {len(projection.layers)} layers)", result, stats.seconds,
-            projection.nbytes(), params=linear_params, train_loss=[stats.first_loss, stats.last_loss])  # fmt: skip
-    if "lora" in args.methods:
-        rank = lora_rank_for(base, linear_params)
-        with model.disable_faast():
-            lora = apply_lora(base, rank)
-            trainable = [p for p in lora.parameters() if p.requires_grad]
-            stats = fit_causal_lm(lora, trainable, learn, lr=args.lora_lr, **fit)
-            result = perplexity(lora, windows, batch_size=args.batch_size)
-            lora.unload()
-        n = sum(p.numel() for p in trainable)
-        row(f"LoRA (peft, r={rank})", result, stats.seconds, sum(p.numel() * p.element_size() for p in trainable),
-            params=n, train_loss=[stats.first_loss, stats.last_loss])  # fmt: skip
-    if "icl" in args.methods:
-        room = int(getattr(base.config, "max_position_embeddings", 0) or 0) - args.window
-        stream = [t for ids in learn for t in ids]
-        size = min(args.icl_tokens if args.icl_tokens is not None else room, room, len(stream))
-        if size < 1:
-            notes.append(
-                f"ICL: no room for context before a {args.window}-token window (model context {room + args.window})"
-            )
-        else:
-            with model.disable_faast():
-                result = perplexity(model, windows, batch_size=1, context=stream[-size:])
-            row(f"ICL ({size:,} tokens in context)", result, 0.0, kv_cache_bytes(base, size), context_tokens=size)
 
-    for r in rows:
-        r["relative_reduction"] = 1 - r["ppl"] / zero.ppl
-    payload = {"model": description, "data": data, "learn_tokens": n_learn, "scored_tokens": zero.tokens,
-               "window": args.window, "layers": model.faast_config.layers, "baseline_layers": layers, "rows": rows,
-               "curve": curve,
-               "zero_shot_ppl": zero.ppl, "notes": notes, "training": fit,
-               "torch_threads": torch.get_num_threads()}  # fmt: skip
+def run_linear(model, learn: list, windows: list, layers: list[int], args: argparse.Namespace, rows: list) -> None:  # noqa: ANN001
+    """h + h·A at `layers`, A trained by backprop on the learn split, then removed."""
+    from faast.hf.baselines import LinearProjection, fit_causal_lm
+    from faast.hf.evaluate import perplexity
+
+    base = model.base_model
+    with model.disable_faast():
+        projection = LinearProjection(base, layers)
+        stats = fit_causal_lm(base, list(projection.parameters()), learn, lr=args.linear_lr, **training(args))
+        result = perplexity(base, windows, batch_size=args.batch_size)
+        projection.remove()
+    method = f"linear projection (backprop, {len(projection.layers)} layers)"
+    add_row(rows, method, result, stats.seconds, projection.nbytes(), params=linear_params(model, layers),
+            train_loss=[stats.first_loss, stats.last_loss])  # fmt: skip
+
+
+def run_lora(model, learn: list, windows: list, layers: list[int], args: argparse.Namespace, rows: list) -> None:  # noqa: ANN001
+    """LoRA on q/v of every block, its rank matched to the linear projection's parameter count, then unloaded."""
+    from faast.hf.baselines import apply_lora, fit_causal_lm, lora_rank_for
+    from faast.hf.evaluate import perplexity
+
+    base = model.base_model
+    rank = lora_rank_for(base, linear_params(model, layers))
+    with model.disable_faast():
+        lora = apply_lora(base, rank)
+        trainable = [p for p in lora.parameters() if p.requires_grad]
+        stats = fit_causal_lm(lora, trainable, learn, lr=args.lora_lr, **training(args))
+        result = perplexity(lora, windows, batch_size=args.batch_size)
+        lora.unload()
+    n, nbytes = sum(p.numel() for p in trainable), sum(p.numel() * p.element_size() for p in trainable)
+    add_row(rows, f"LoRA (peft, r={rank})", result, stats.seconds, nbytes, params=n,
+            train_loss=[stats.first_loss, stats.last_loss])  # fmt: skip
+
+
+def run_icl(model, learn: list, windows: list, args: argparse.Namespace, rows: list, notes: list) -> None:  # noqa: ANN001
+    """The last learned tokens that fit before each window, in the context; a note when none fit."""
+    from faast.hf.baselines import kv_cache_bytes
+    from faast.hf.evaluate import perplexity
+
+    base = model.base_model
+    room = int(getattr(base.config, "max_position_embeddings", 0) or 0) - args.window
+    stream = [t for ids in learn for t in ids]
+    size = min(args.icl_tokens if args.icl_tokens is not None else room, room, len(stream))
+    if size < 1:
+        context = room + args.window
+        notes.append(f"ICL: no room for context before a {args.window}-token window (model context {context})")
+        return
+    with model.disable_faast():
+        result = perplexity(model, windows, batch_size=1, context=stream[-size:])
+    add_row(rows, f"ICL ({size:,} tokens in context)", result, 0.0, kv_cache_bytes(base, size), context_tokens=size)
+
+
+def training(args: argparse.Namespace) -> dict:
+    """The backprop baselines' training settings."""
+    return {"window": args.train_window, "batch_size": args.train_batch_size, "epochs": args.train_epochs}
+
+
+def linear_params(model, layers: list[int]) -> int:  # noqa: ANN001 - a FaastModel
+    """The linear projection's parameter count (d x d per layer), LoRA's budget too."""
+    return len(layers) * model.base_model.config.hidden_size**2
+
+
+def report_lines(payload: dict) -> list[str]:
+    """The Markdown below the title: the methods' table, then the curve's table when there is one."""
+    rows, curve = payload["rows"], payload["curve"]
     lines = [
-        f"# Perplexity after learning: {description}",
-        "",
-        f"{data}; learned {n_learn:,} tokens, scored {zero.tokens:,} tokens in {args.window}-token windows.",
+        f"{payload['data']}; learned {payload['learn_tokens']:,} tokens, scored {payload['scored_tokens']:,} tokens "
+        f"in {payload['window']}-token windows.",
         "",
         *table(
             ["method", "perplexity", "reduction vs zero-shot", "learn time, s", "inference time, s", "memory added"],
@@ -268,11 +279,59 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{curve[m + '_infer_s'][i]:.1f}",
                 )
             ]  # fmt: skip
-            for i, t in enumerate(points)
+            for i, t in enumerate(curve["tokens"])
         ]
         lines += table(header, body)
-    lines += [f"- {n}" for n in notes]
-    folder = write_results(args, "lm_ppl", payload, lines)
+    lines += [f"- {n}" for n in payload["notes"]]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import torch
+
+    from faast.hf._tokens import split_by_tokens
+    from faast.hf.evaluate import perplexity, token_windows
+
+    args = parse_args(argv)
+    record = start_record()
+    model, tokenizer, description = load_model(args)
+    learn, score, data = load_data(args, tokenizer)
+    windows = [w for ids in score for w in token_windows(ids, args.window)]
+    n_learn = sum(len(x) for x in learn)
+    print(f"{description}: learn {n_learn:,} tokens, score {sum(len(w) - 1 for w in windows):,} ({data})", flush=True)
+
+    rows, notes = [], []
+    with model.disable_faast():
+        zero = perplexity(model, windows, batch_size=args.batch_size)
+    add_row(rows, "zero-shot", zero, 0.0, 0)
+
+    # FAAST and the kNN-LM learn the same stream in growing parts, scored after each: the curve, whose last point is
+    # the whole learn split (the table's rows).
+    points = curve_points(n_learn, args.curve_points)
+    parts = split_by_tokens(learn, points)
+    curve = {"tokens": points, "faast": [], "knn": [], "faast_bytes": [], "knn_bytes": [], "faast_infer_s": [],
+             "knn_infer_s": []}  # fmt: skip
+    if "faast" in args.methods:
+        run_faast(model, parts, windows, args, rows, curve)
+    if "knn" in args.methods:
+        run_knn(model, parts, windows, args, rows, curve)
+    layers = baseline_layers(model)
+    if "linear" in args.methods:
+        run_linear(model, learn, windows, layers, args, rows)
+    if "lora" in args.methods:
+        run_lora(model, learn, windows, layers, args, rows)
+    if "icl" in args.methods:
+        run_icl(model, learn, windows, args, rows, notes)
+
+    for r in rows:
+        r["relative_reduction"] = 1 - r["ppl"] / zero.ppl
+    payload = {"model": description, "data": data, "learn_tokens": n_learn, "scored_tokens": zero.tokens,
+               "window": args.window, "layers": model.faast_config.layers, "baseline_layers": layers, "rows": rows,
+               "curve": curve,
+               "zero_shot_ppl": zero.ppl, "notes": notes, "training": training(args),
+               "torch_threads": torch.get_num_threads()}  # fmt: skip
+    title = f"Perplexity after learning: {description}"
+    folder = write_results(args, "lm_ppl", record, payload, title, report_lines(payload))
     plot_curve(payload, folder / f"{args.out or 'lm_ppl_' + args.model.replace('/', '_')}.png")
     return payload
 

@@ -16,8 +16,8 @@ this compares the next-token logits, the paper's rule. Texts are cut to `--max-w
 Every query is scored once (the query set is never repeated to reach a size), so the 95% Wilson interval is over
 distinct queries.
 
-Data: `--dataset sst2|imdb` (datasets library), or `--data-file` (JSONL with text, label, split = train|test), by
-default experiments/data/reviews.jsonl written for this project.
+Data: `--dataset sst2|imdb` (datasets library), or `--data-file` (JSONL with text, label, split = train|test, read
+through the datasets library's json builder), by default experiments/data/reviews.jsonl written for this project.
 """
 
 from __future__ import annotations
@@ -32,7 +32,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ROOT, add_model_arguments, load_model, read_split_jsonl, table, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    ROOT,
+    add_model_arguments,
+    load_model,
+    read_split_jsonl,
+    start_record,
+    table,
+    write_results,
+)
 
 DEFAULT_DATA = ROOT / "experiments" / "data" / "reviews.jsonl"
 LABELS = ("negative", "positive")  # datasets' integer labels: 0 negative, 1 positive
@@ -126,11 +134,7 @@ def balanced_sample(support: Sequence[tuple[str, str]], k: int, rng: random.Rand
     return picked
 
 
-def main(argv: list[str] | None = None) -> dict:
-    import torch
-
-    from faast.hf.evaluate import Prefix, continuation_log_probs, encode_prefix, wilson_interval
-
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(p)
     p.add_argument("--dataset", default=None, help=f"{sorted(PRESETS)} or a datasets name with text/label fields")
@@ -144,108 +148,121 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=16, help="support examples learned per batch")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    methods = {m.strip() for m in args.methods.split(",") if m.strip()}
-    if not methods <= {"faast", "icl"}:
-        p.error(f"--methods: expected faast and/or icl, got {sorted(methods)}")
+    args.methods = {m.strip() for m in args.methods.split(",") if m.strip()}
+    if not args.methods <= {"faast", "icl"}:
+        p.error(f"--methods: expected faast and/or icl, got {sorted(args.methods)}")
+    return args
 
-    model, tokenizer, description = load_model(args)
-    support, queries, data = load_data(args)
-    rng = random.Random(args.seed)
-    rng.shuffle(support)
-    rng.shuffle(queries)
-    support, queries = support[: args.support_limit], queries[: args.limit]
-    if not queries or not support:
-        raise SystemExit(f"{data}: expected support and query examples, got {len(support)} and {len(queries)}")
-    prompts = Prompts(tokenizer, args.max_words)
-    context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-    print(f"{description}: {len(support)} support, {len(queries)} queries ({data})", flush=True)
 
-    def predict(ids: list[int], prefix: Prefix | None = None) -> str:
-        return LABELS[int(torch.argmax(continuation_log_probs(model, ids, prompts.labels, prefix=prefix)))]
+class Scoring:
+    """Zero-shot, FAAST and ICL answers for every query, each method's row (accuracy, Wilson interval, time) and the
+    notes on ICL settings that do not fit in the context."""
 
-    def icl_answer(i: int, q: tuple[str, str], draws: list) -> str:
-        return predict(prompts.demo_ids(draws[i]) + prompts.prompt_ids(q[0], after_demos=True))
+    def __init__(self, model, prompts: Prompts, support: list, queries: list, args: argparse.Namespace):  # noqa: ANN001
+        self.model, self.prompts, self.support, self.queries, self.args = model, prompts, support, queries, args
+        self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self.rows: list[dict] = []
+        self.notes: list[str] = []
 
-    def faast_answer(i: int, q: tuple[str, str], draws: list) -> str:
-        model.reset_fast_weights()
-        model.learn([prompts.example_ids(t, y) for t, y in draws[i]], batch_size=args.batch_size)
-        return predict(prompts.prompt_ids(q[0]))
+    def predict(self, ids: list[int], prefix: object = None) -> str:
+        import torch
 
-    def after_prefix(i: int, q: tuple[str, str], prefix: Prefix) -> str:  # noqa: ARG001
-        return predict(prompts.prompt_ids(q[0], after_demos=True), prefix)
+        from faast.hf.evaluate import continuation_log_probs
 
-    rows, notes = [], []
+        log_probs = continuation_log_probs(self.model, ids, self.prompts.labels, prefix=prefix)
+        return LABELS[int(torch.argmax(log_probs))]
 
-    def score(method: str, shots: object, answers: list[str], seconds: float, learn_s: float = 0.0) -> None:
+    def alone(self, i: int, q: tuple[str, str]) -> str:  # noqa: ARG002
+        return self.predict(self.prompts.prompt_ids(q[0]))
+
+    def icl_answer(self, i: int, q: tuple[str, str], draws: list) -> str:
+        return self.predict(self.prompts.demo_ids(draws[i]) + self.prompts.prompt_ids(q[0], after_demos=True))
+
+    def faast_answer(self, i: int, q: tuple[str, str], draws: list) -> str:
+        self.model.reset_fast_weights()
+        self.model.learn([self.prompts.example_ids(t, y) for t, y in draws[i]], batch_size=self.args.batch_size)
+        return self.predict(self.prompts.prompt_ids(q[0]))
+
+    def after_prefix(self, i: int, q: tuple[str, str], prefix: object) -> str:  # noqa: ARG002
+        return self.predict(self.prompts.prompt_ids(q[0], after_demos=True), prefix)
+
+    def timed(self, fn) -> tuple[list[str], float]:  # noqa: ANN001
+        started = time.perf_counter()
+        out = [fn(i, q) for i, q in enumerate(self.queries)]
+        return out, time.perf_counter() - started
+
+    def score(self, method: str, shots: object, answers: list[str], seconds: float, learn_s: float = 0.0) -> None:
+        from faast.hf.evaluate import wilson_interval
+
+        queries = self.queries
         correct = sum(a == q[1] for a, q in zip(answers, queries, strict=True))
         low, high = wilson_interval(correct, len(queries))
-        rows.append({"method": method, "shots": shots, "accuracy": correct / len(queries), "ci95": [low, high],
-                     "queries": len(queries), "seconds": seconds, "learn_s": learn_s,
-                     "predicted_positive": sum(a == "positive" for a in answers)})  # fmt: skip
+        self.rows.append({"method": method, "shots": shots, "accuracy": correct / len(queries), "ci95": [low, high],
+                          "queries": len(queries), "seconds": seconds, "learn_s": learn_s,
+                          "predicted_positive": sum(a == "positive" for a in answers)})  # fmt: skip
         print(f"  {method} {shots}: {correct}/{len(queries)} ({seconds:.1f} s)", flush=True)
 
-    def fits(shots: object, lengths: list[int]) -> bool:
+    def fits(self, shots: object, lengths: list[int]) -> bool:
         """Whether every ICL prompt (with its longest label) fits in the context; a note says so when not."""
-        longest = max(lengths) + max(map(len, prompts.labels))
-        if context and longest > context:
-            notes.append(f"ICL {shots}: not run; the longest prompt with its demonstrations takes {longest:,} tokens, "
-                         f"more than the model's context of {context:,}")  # fmt: skip
+        longest = max(lengths) + max(map(len, self.prompts.labels))
+        if self.context and longest > self.context:
+            self.notes.append(f"ICL {shots}: not run; the longest prompt with its demonstrations takes {longest:,} "
+                              f"tokens, more than the model's context of {self.context:,}")  # fmt: skip
             return False
         return True
 
-    def timed(fn):  # noqa: ANN001, ANN202
-        started = time.perf_counter()
-        out = [fn(i, q) for i, q in enumerate(queries)]
-        return out, time.perf_counter() - started
+    def zero_shot(self) -> None:
+        with self.model.disable_faast():
+            answers, seconds = self.timed(self.alone)
+        self.score("zero-shot", 0, answers, seconds)
 
-    with model.disable_faast():
-        answers, seconds = timed(lambda i, q: predict(prompts.prompt_ids(q[0])))
-    score("zero-shot", 0, answers, seconds)
+    def full(self, methods: set[str]) -> None:
+        """FAAST learns the whole support set once; ICL puts it before every query (its KV cache computed once)."""
+        from faast.hf.evaluate import encode_prefix
 
-    for shots in args.shots:
-        if shots == "full":
-            demos = support
-            if "faast" in methods:
-                model.reset_fast_weights()
-                started = time.perf_counter()
-                model.learn([prompts.example_ids(t, y) for t, y in demos], batch_size=args.batch_size)
-                learn_s = time.perf_counter() - started
-                answers, seconds = timed(lambda i, q: predict(prompts.prompt_ids(q[0])))
-                score("FAAST", "full", answers, seconds, learn_s)
-            if "icl" in methods:
-                shared = prompts.demo_ids(demos)
-                if fits("full", [len(shared) + len(prompts.prompt_ids(q[0], after_demos=True)) for q in queries]):
-                    with model.disable_faast():
-                        started = time.perf_counter()
-                        cached = encode_prefix(model, shared)  # the same demonstrations before every query
-                        learn_s = time.perf_counter() - started
-                        answers, seconds = timed(partial(after_prefix, prefix=cached))
-                    score("ICL", "full", answers, seconds, learn_s)
-            continue
+        model, prompts, demos = self.model, self.prompts, self.support
+        if "faast" in methods:
+            model.reset_fast_weights()
+            started = time.perf_counter()
+            model.learn([prompts.example_ids(t, y) for t, y in demos], batch_size=self.args.batch_size)
+            learn_s = time.perf_counter() - started
+            answers, seconds = self.timed(self.alone)
+            self.score("FAAST", "full", answers, seconds, learn_s)
+        if "icl" in methods:
+            shared = prompts.demo_ids(demos)
+            lengths = [len(shared) + len(prompts.prompt_ids(q[0], after_demos=True)) for q in self.queries]
+            if self.fits("full", lengths):
+                with model.disable_faast():
+                    started = time.perf_counter()
+                    cached = encode_prefix(model, shared)  # the same demonstrations before every query
+                    learn_s = time.perf_counter() - started
+                    answers, seconds = self.timed(partial(self.after_prefix, prefix=cached))
+                self.score("ICL", "full", answers, seconds, learn_s)
+
+    def k_shot(self, shots: int, methods: set[str]) -> None:
+        """k examples per label drawn for each query (seeded by its index): FAAST learns them, ICL prepends them."""
+        seed, queries = self.args.seed, self.queries
         draws = [
-            balanced_sample(support, shots, random.Random(f"{args.seed}/{i}/{shots}")) for i in range(len(queries))
+            balanced_sample(self.support, shots, random.Random(f"{seed}/{i}/{shots}")) for i in range(len(queries))
         ]
         if "faast" in methods:
-            answers, seconds = timed(partial(faast_answer, draws=draws))
-            score("FAAST", shots, answers, seconds)
+            answers, seconds = self.timed(partial(self.faast_answer, draws=draws))
+            self.score("FAAST", shots, answers, seconds)
         lengths = [
-            len(prompts.demo_ids(d)) + len(prompts.prompt_ids(q[0], after_demos=True))
+            len(self.prompts.demo_ids(d)) + len(self.prompts.prompt_ids(q[0], after_demos=True))
             for d, q in zip(draws, queries, strict=True)
         ]
-        if "icl" in methods and fits(shots, lengths):
-            with model.disable_faast():
-                answers, seconds = timed(partial(icl_answer, draws=draws))
-            score("ICL", shots, answers, seconds)
-    model.reset_fast_weights()
+        if "icl" in methods and self.fits(shots, lengths):
+            with self.model.disable_faast():
+                answers, seconds = self.timed(partial(self.icl_answer, draws=draws))
+            self.score("ICL", shots, answers, seconds)
 
-    payload = {"model": description, "data": data, "support": len(support), "queries": len(queries),
-               "max_words": args.max_words, "layers": model.faast_config.layers, "rows": rows, "notes": notes,
-               "seed": args.seed, "torch_threads": torch.get_num_threads()}  # fmt: skip
-    lines = [
-        f"# Few-shot sentiment classification: {description}",
-        "",
-        f"{data}: {len(support)} support examples, {len(queries)} distinct queries; shots are per label. "
-        "95% Wilson interval over the queries.",
+
+def report_lines(payload: dict) -> list[str]:
+    """The Markdown below the title: the setting, the methods' table and the notes."""
+    return [
+        f"{payload['data']}: {payload['support']} support examples, {payload['queries']} distinct queries; shots are "
+        "per label. 95% Wilson interval over the queries.",
         "",
         *table(
             ["method", "shots per label", "accuracy", "95% CI", "predicted positive", "time per query, ms"],
@@ -258,12 +275,42 @@ def main(argv: list[str] | None = None) -> dict:
                     r["predicted_positive"],
                     f"{1000 * r['seconds'] / r['queries']:.0f}",
                 ]
-                for r in rows
+                for r in payload["rows"]
             ],  # fmt: skip
         ),
-        *[f"- {n}" for n in notes],
+        *[f"- {n}" for n in payload["notes"]],
     ]
-    write_results(args, "lm_sentiment", payload, lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import torch
+
+    args = parse_args(argv)
+    record = start_record()
+    model, tokenizer, description = load_model(args)
+    support, queries, data = load_data(args)
+    rng = random.Random(args.seed)
+    rng.shuffle(support)
+    rng.shuffle(queries)
+    support, queries = support[: args.support_limit], queries[: args.limit]
+    if not queries or not support:
+        raise SystemExit(f"{data}: expected support and query examples, got {len(support)} and {len(queries)}")
+    print(f"{description}: {len(support)} support, {len(queries)} queries ({data})", flush=True)
+
+    scoring = Scoring(model, Prompts(tokenizer, args.max_words), support, queries, args)
+    scoring.zero_shot()
+    for shots in args.shots:
+        if shots == "full":
+            scoring.full(args.methods)
+        else:
+            scoring.k_shot(shots, args.methods)
+    model.reset_fast_weights()
+
+    payload = {"model": description, "data": data, "support": len(support), "queries": len(queries),
+               "max_words": args.max_words, "layers": model.faast_config.layers, "rows": scoring.rows,
+               "notes": scoring.notes, "seed": args.seed, "torch_threads": torch.get_num_threads()}  # fmt: skip
+    title = f"Few-shot sentiment classification: {description}"
+    write_results(args, "lm_sentiment", record, payload, title, report_lines(payload))
     return payload
 
 

@@ -15,8 +15,9 @@ first line. BLEU is sacrebleu's corpus BLEU over distinct queries, with a bootst
 method (not after every query).
 
 Data: `--dataset iwslt2017` (datasets library, config iwslt2017-<src>-<tgt>, train -> test), or `--data-file` (JSONL
-with one field per language code and split = train|test), by default experiments/data/parallel_en_de_fr.jsonl written
-for this project. `--pairs` lists the directions, e.g. en-de,de-en,en-fr,fr-en.
+with one field per language code and split = train|test, read through the datasets library's json builder), by default
+experiments/data/parallel_en_de_fr.jsonl written for this project. `--pairs` lists the directions, e.g.
+en-de,de-en,en-fr,fr-en.
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ROOT, add_model_arguments, load_model, read_split_jsonl, table, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    ROOT,
+    add_model_arguments,
+    load_model,
+    read_split_jsonl,
+    start_record,
+    table,
+    write_results,
+)
 
 DEFAULT_DATA = ROOT / "experiments" / "data" / "parallel_en_de_fr.jsonl"
 LANGUAGES = {"en": "English", "de": "German", "fr": "French", "es": "Spanish", "it": "Italian", "nl": "Dutch",
@@ -222,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not set(shots) <= {"1", "full"} or not methods <= {"faast", "icl"}:
         p.error("--shots: expected 1 and/or full; --methods: faast and/or icl")
 
+    record = start_record()
     model, tokenizer, description = load_model(args)
     rows, examples = [], {}
     for src, tgt in pairs:
@@ -231,8 +241,6 @@ def main(argv: list[str] | None = None) -> dict:
                "num_beams": args.num_beams, "layers": model.faast_config.layers, "rows": rows, "examples": examples,
                "seed": args.seed, "torch_threads": torch.get_num_threads()}  # fmt: skip
     lines = [
-        f"# Translation after learning: {description}",
-        "",
         f"{payload['data']}; {'greedy' if args.num_beams == 1 else f'beam {args.num_beams}'} decoding with the KV "
         "cache; sacrebleu corpus BLEU over distinct queries (95% bootstrap half-width).",
         "",
@@ -252,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
             ],  # fmt: skip
         ),
     ]
-    write_results(args, "lm_translation", payload, lines)
+    write_results(args, "lm_translation", record, payload, f"Translation after learning: {description}", lines)
     return payload
 
 

@@ -5,4 +5,4 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 faast_env demo
 cd "$ROOT"
-python -m faast.demo "$@"
+python -m faast.hf.demo "$@"

@@ -1,4 +1,5 @@
-"""Tiny GPT-2 / Llama / Qwen2 causal LMs built from a config in-process (no hub), and a character tokenizer."""
+"""Tiny causal LMs built from a config in-process (no hub): GPT-2 / Llama / Qwen2 (tiny_model), any transformers model
+type (arch_model), and a character tokenizer."""
 
 from __future__ import annotations
 
@@ -36,6 +37,37 @@ def tiny_model(kind: str, seed: int = 0, layers: int = 4) -> torch.nn.Module:
 
 
 KINDS = ["gpt2", "llama", "qwen2"]
+
+# Tiny-config settings beyond the shared ones (arch_model) that a type needs to build at hidden size 32.
+ARCH_OVERRIDES: dict[str, dict] = {
+    "helium": {"head_dim": 8},  # its default head_dim (128) ignores hidden_size / heads
+    "gptj": {"rotary_dim": 4},  # rotary_dim must fit the head (8)
+    "codegen": {"rotary_dim": 4},
+    # The scales real checkpoints use (granite-3: 8 or 16), so a head that ignored them would show.
+    "granite": {"logits_scaling": 4.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22},
+    "granitemoe": {"logits_scaling": 4.0, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "shared_expert_intermediate_size": 32},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8},
+}  # fmt: skip
+
+
+def arch_model(model_type: str, seed: int = 0, layers: int = 2, **overrides: object) -> torch.nn.Module:
+    """A tiny *ForCausalLM of any transformers model type (hidden 32, 4 heads, 2 key-value heads, vocab VOCAB), built
+    from AutoConfig.for_model in-process; `overrides` replace config fields."""
+    torch.manual_seed(seed)
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    settings.update(ARCH_OVERRIDES.get(model_type, {}), **overrides)
+    config = transformers.AutoConfig.for_model(model_type, **settings)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
 
 
 class CharTokenizer:

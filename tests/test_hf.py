@@ -4,6 +4,7 @@ generation, and errors. The real SmolLM2 path is in test_hf_smollm2.py (slow).""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -60,9 +61,12 @@ def test_unknown_model_type_names_the_supported_ones():
     class Fake(torch.nn.Module):
         config = type("C", (), {"model_type": "bert"})()
 
-    with pytest.raises(ValueError, match=r"supports model types \['gpt2', 'llama', 'qwen2'\], got 'bert'"):
+    # Types outside the table go through discovery (test_hf_archs.py); a model it cannot read is refused.
+    supported = re.escape(str(sorted(TARGETS)))
+    expected = rf"supports model types {supported}, got 'bert' \(Fake\), and discovery failed"
+    with pytest.raises(ValueError, match=expected):
         apply_faast(Fake(), FaastConfig())
-    assert sorted(TARGETS) == ["gpt2", "llama", "qwen2"]
+    assert {"gpt2", "llama", "qwen2"} <= set(TARGETS)
 
 
 def test_config_round_trip_and_errors(tmp_path):

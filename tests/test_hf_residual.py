@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from faast.hf import FaastConfig, apply_faast
+from faast.hf import output as output_module
 from faast.hf.output import HELD_OUT_SHARE
 from faast.hf.targets import TARGETS
 from hf_models import KINDS, VOCAB, tiny_model
@@ -99,7 +100,12 @@ def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(
     assert rel(logits, (h + h @ m) @ head.T) < 1e-5
 
 
-def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force():
+@pytest.mark.parametrize("sample", [None, 37])
+def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force(sample, monkeypatch):
+    # sample: the NLL is evaluated on `sample` positions spread evenly over the held-out span (TUNE_SAMPLE), while the
+    # fit still leaves out the whole span.
+    if sample is not None:
+        monkeypatch.setattr(output_module, "TUNE_SAMPLE", sample)
     model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=4096))
     x = ids(batch=8, seq=100, period=23)
     model.learn(x)
@@ -114,11 +120,13 @@ def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force():
     kf = k[:-held]
     rf = head[y[:-held]] - torch.softmax(kf @ head.T, -1) @ head
     w = newton(kf.T @ kf, kf.T @ rf, float(kf.shape[0]), mu_gram, mass, head, damping=1.0, n_curvature=k.shape[0])
-    z0, z1 = k[-held:] @ head.T, (k[-held:] @ w) @ head.T
+    picked = torch.arange(held) if sample is None else torch.linspace(0, held - 1, sample).round().long()
+    kh, yh = k[-held:][picked], y[-held:][picked]
+    z0, z1 = kh @ head.T, (kh @ w) @ head.T
 
     def nll(eta):
         z = z0 + eta * z1
-        return float((torch.logsumexp(z, -1) - z.gather(-1, y[-held:, None]).squeeze(-1)).mean())
+        return float((torch.logsumexp(z, -1) - z.gather(-1, yh[:, None]).squeeze(-1)).mean())
 
     grid = torch.linspace(0, 4, 801).tolist()
     best = min(grid, key=nll)

@@ -22,7 +22,7 @@ def smollm2():
 
 
 def asyncio_tokens(tokenizer, learn, score):
-    from faast.demo import domain_files, tokens_of
+    from faast.hf.demo import domain_files, tokens_of
     from faast.hf.evaluate import token_windows
 
     learn_files, eval_files = domain_files("asyncio")

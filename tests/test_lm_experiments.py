@@ -110,6 +110,7 @@ def write_reviews(path: Path) -> None:
 
 
 def test_the_sentiment_experiment_scores_each_query_once(tmp_path):
+    pytest.importorskip("datasets")  # the local JSONL file is read through the datasets library
     checkpoint = save_tiny_checkpoint("gpt2", tmp_path / "tiny", PROSE)
     write_reviews(tmp_path / "reviews.jsonl")
     module = load_script("lm_sentiment")
@@ -130,6 +131,12 @@ def test_the_sentiment_experiment_scores_each_query_once(tmp_path):
     with pytest.raises(ValueError, match="4 per label needs 4"):
         module.main(["--model", checkpoint, "--data-file", str(tmp_path / "reviews.jsonl"), "--shots", "4",
                      "--results-dir", str(tmp_path)])  # fmt: skip
+    # The result files carry faast.provenance's record: JSON under "provenance", Markdown as the header block.
+    written = json.loads((tmp_path / "s.json").read_text(encoding="utf-8"))
+    assert written["provenance"]["git_sha"] and written["provenance"]["loadavg_at_end"] is not None
+    assert written["rows"] == payload["rows"] and str(ROOT) not in json.dumps(written["provenance"])
+    md = (tmp_path / "s.md").read_text(encoding="utf-8").splitlines()
+    assert md[0].startswith("# Few-shot sentiment classification: ") and md[2].startswith("- run: ")
 
 
 def test_sentiment_prompts_and_balanced_draws():
@@ -147,6 +154,7 @@ def test_sentiment_prompts_and_balanced_draws():
 @pytest.mark.parametrize("chat", [False, True])
 def test_the_translation_experiment_runs_end_to_end(tmp_path, chat):
     pytest.importorskip("sacrebleu")
+    pytest.importorskip("datasets")
     checkpoint = save_tiny_checkpoint("qwen2", tmp_path / "tiny", PROSE)
     if chat:
         tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
@@ -198,6 +206,7 @@ def test_the_shipped_evaluation_data_is_balanced_and_split():
 def test_the_experiments_read_datasets_through_the_datasets_library(tmp_path):
     """The --dataset path (hub names such as wikitext, sst2, imdb, iwslt2017) on a local folder of JSON splits."""
     pytest.importorskip("datasets")
+    pytest.importorskip("sacrebleu")  # the translation run scores BLEU
     checkpoint = save_tiny_checkpoint("llama", tmp_path / "tiny", PROSE)
     folders = {name: tmp_path / name for name in ("text", "reviews", "pairs")}
     for folder in folders.values():
@@ -232,6 +241,7 @@ def test_the_experiments_read_datasets_through_the_datasets_library(tmp_path):
 
 
 def test_local_data_files_name_the_bad_line(tmp_path):
+    pytest.importorskip("datasets")
     import _common  # the experiments' shared module (put on sys.path by load_script)
 
     load_script("lm_sentiment")
@@ -239,6 +249,50 @@ def test_local_data_files_name_the_bad_line(tmp_path):
     path.write_text(json.dumps({"text": "ok", "label": 1, "split": "train"}) + "\n" + json.dumps({"text": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:2: expected non-empty \['label'\] and split"):
         _common.read_split_jsonl(path, ("text", "label"))
+
+
+class RecordedLoads:
+    """datasets.load_dataset, recording each call's builder and data files."""
+
+    def __init__(self, load_dataset):  # noqa: ANN001
+        self.load_dataset, self.calls = load_dataset, []
+
+    def __call__(self, builder, **kwargs):  # noqa: ANN001, ANN003, ANN204
+        self.calls.append((builder, list(kwargs["data_files"])))
+        return self.load_dataset(builder, **kwargs)
+
+
+def test_local_files_are_read_through_datasets_load_dataset(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    recorded = RecordedLoads(datasets.load_dataset)
+    monkeypatch.setattr(datasets, "load_dataset", recorded)
+    load_script("lm_sentiment")
+    import _common
+
+    rows = [{"text": "a [good] film", "label": "positive", "split": "train"},
+            {"text": "query", "label": 0, "split": "test", "extra": 1.5},
+            {"text": "dull", "label": "negative", "split": "train"}]  # fmt: skip
+    path = tmp_path / "rows[1].jsonl"  # glob characters in the name: still this one file
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    (tmp_path / "rows1.jsonl").write_text(json.dumps({"text": "other", "label": 1, "split": "train"}) + "\n")
+    train, test = _common.read_split_jsonl(path, ("text", "label"))
+    assert recorded.calls == [("json", [str(path).replace("[", "[[]")])]
+    # Columns are the union over rows (a row without one reads None), so compare the fields each row wrote.
+    assert [{k: r[k] for k in rows[0]} for r in train] == [rows[0], rows[2]]
+    assert [{k: r[k] for k in rows[1]} for r in test] == [rows[1]] and train[0]["extra"] is None
+    # lm_ppl's default data (a stdlib package's source files) goes through the text builder, one row per file, and
+    # gives each file's text exactly.
+    from faast.hf._tokens import token_lists
+    from faast.hf.demo import domain_files
+
+    module = load_script("lm_ppl")
+    args = module.parse_args(["--stdlib-package", "json", "--limit", "100000", "--score-limit", "100000"])
+    recorded.calls.clear()
+    learn, score, _ = module.load_data(args, CharTokenizer())
+    learn_files, score_files = domain_files("json")
+    assert [(b, len(files)) for b, files in recorded.calls] == [("text", len(learn_files)), ("text", len(score_files))]
+    assert learn == token_lists((f.read_text(encoding="utf-8") for f in learn_files), CharTokenizer(), 100000)
+    assert score == token_lists((f.read_text(encoding="utf-8") for f in score_files), CharTokenizer(), 100000)
 
 
 def test_the_experiment_script_prints_its_usage_without_arguments_and_names_an_unknown_experiment():

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from faast import FastWeights, _persist
+from faast import FastWeights
+from faast.persist import write_atomic
 
 
 def learned(**kwargs):
@@ -84,12 +85,12 @@ def test_corrupted_files_are_reported(tmp_path):
 
 def test_foreign_and_future_files_are_refused(tmp_path):
     foreign = tmp_path / "foreign.safetensors"
-    _persist.write_atomic(foreign, {"x": torch.zeros(2)}, {"format": "something-else"})
+    write_atomic(foreign, {"x": torch.zeros(2)}, {"format": "something-else"})
     with pytest.raises(ValueError, match="not a faast.FastWeights file"):
         FastWeights.load(foreign)
     m = learned()
     future = tmp_path / "future.safetensors"
-    _persist.write_atomic(future, dict(m.state_dict()), {"format": "faast.FastWeights", "format_version": "99",
+    write_atomic(future, dict(m.state_dict()), {"format": "faast.FastWeights", "format_version": "99",
                                                           "config": json.dumps(m.config())})  # fmt: skip
     with pytest.raises(ValueError, match="newer faast"):
         FastWeights.load(future)
@@ -129,7 +130,7 @@ def test_loading_moves_to_the_requested_device_and_keeps_float64(tmp_path):
 )
 def test_malformed_metadata_is_reported(tmp_path, metadata):
     path = tmp_path / "bad.safetensors"
-    _persist.write_atomic(path, dict(learned().state_dict()), metadata)
+    write_atomic(path, dict(learned().state_dict()), metadata)
     with pytest.raises(ValueError, match="bad.safetensors"):
         FastWeights.load(path)
 

@@ -17,7 +17,7 @@ from faast_kernels import interpreting  # noqa: E402
 from faast_kernels import ops as kernel_ops  # noqa: E402,F401 - registers torch.ops.faast_kernels
 from faast_kernels import residual as residual_kernels  # noqa: E402
 
-from tolerances import ELEMENTWISE, TRITON_EXACT16_SCORED_REL, TRITON_FP32_MODE_REL, rel  # noqa: E402
+from tolerances import ELEMENTWISE, TRITON_EXACT16_SCORED_REL, TRITON_FP32_MODE_REL, assert_close, rel  # noqa: E402
 
 # The interpreter runs CPU tensors; compiled kernels need CUDA ones (conftest interprets only without a GPU).
 DEVICE = "cpu" if interpreting() else "cuda"
@@ -82,6 +82,40 @@ def test_gram_float32_modes(precision, dtype, options):
     # exact16 splits the score-weighted factors s·v into two 16-bit terms: ~16 significant bits of each.
     tol = TRITON_EXACT16_SCORED_REL if precision == "exact16" else TRITON_FP32_MODE_REL
     _assert_statistics(got, ref, tol)
+
+
+def _largest_tile(precision: str) -> int:
+    return max(config.kwargs["BM"] for config in gram_kernels._configs(precision))
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32-tf32-split", "bfloat16"])
+@pytest.mark.parametrize("layout", ["new", "in-place", "two-splits"])
+def test_gram_float32_modes_mirror_every_upper_tile(precision, dtype, layout):
+    """dk = 2 tiles + 3 (odd): S has 3 x 3 tiles whatever tile the tuner picks; the kernel computes the 6 upper ones
+    and stores each off-diagonal one transposed into the lower triangle. Float32 inputs take the TF32 split in
+    tf32x3 (three TF32 dots per product), bfloat16 inputs one dot."""
+    tile = _largest_tile(precision)
+    dk = 2 * tile + 3
+    keys, values, scores, mask = _rows(2, 41, dk, 5, dtype, DEVICE, contiguous=False, seed=dk)
+    ref = gram_kernels.naive_gram(keys, values, scores, mask)
+    accumulators, start = {}, (0.0, 0.0, 0.0)
+    if layout == "in-place":
+        # A symmetric S0 already in the accumulators: the mirrored tile must be S0 + the batch, not the batch alone.
+        g = torch.Generator().manual_seed(1)
+        s0 = torch.randn(2, dk, dk, generator=g, dtype=torch.float64)
+        t0 = torch.randn(2, dk, 5, generator=g, dtype=torch.float64)
+        start = (s0 + s0.mT, t0, torch.rand(2, generator=g, dtype=torch.float64))
+        accumulators = dict(zip(("gram", "cross", "sqnorm"), (t.clone().to(DEVICE) for t in start), strict=True))
+    # flush_rows=16: several float32 chunks per program; two splits: partial tiles that start as NaN under test.
+    got = gram_kernels.gram_accumulate(keys, values, scores, mask, precision=precision, flush_rows=16,
+                                       splits=2 if layout == "two-splits" else 1, **accumulators)  # fmt: skip
+    expected = [r + s for r, s in zip(ref, start, strict=True)]
+    _assert_statistics(got, expected, TRITON_FP32_MODE_REL)  # includes S == S^T bit for bit
+    for i in range(3):
+        for j in range(i):  # the lower tiles, written only by the mirror
+            rows, cols = slice(i * tile, (i + 1) * tile), slice(j * tile, (j + 1) * tile)
+            assert_close(got[0][:, rows, cols], expected[0][:, rows, cols], dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -1,10 +1,13 @@
 """The vision reproduction path without the real data or weights: a tiny CLIP built from a config in-process,
-dataset loaders on files in the official formats written here, and the protocol on synthetic features."""
+dataset loaders on files in the official formats written here, and benchmarks/repro_vision.py's protocol run as a
+script on synthetic features."""
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,10 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import repro_vision  # noqa: E402
+from faast.classify import ClipEncoder, load_cifar10, load_mini_imagenet
 
-from faast.clip import ClipEncoder  # noqa: E402
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "repro_vision.py"
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,7 @@ def test_cifar10_loader_reads_the_official_layout(tmp_path):
         batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), b"labels": list(rng.integers(0, 10, n))}
         (folder / name).write_bytes(pickle.dumps(batch))
     (folder / "batches.meta").write_bytes(pickle.dumps({b"label_names": [f"c{i}".encode() for i in range(10)]}))
-    data = repro_vision.load_cifar10(tmp_path)
+    data = load_cifar10(tmp_path)
     assert data["support_images"].shape == (20, 32, 32, 3) and data["query_images"].shape == (3, 32, 32, 3)
     raw = pickle.loads((folder / "test_batch").read_bytes())[b"data"][0]
     assert torch.equal(data["query_images"][0, :, :, 0].flatten(), torch.from_numpy(raw[:1024].copy()))  # red plane
@@ -87,19 +89,20 @@ def test_mini_imagenet_halves_each_class_with_seed_42(tmp_path):
     )
     names = tmp_path / "names.json"
     names.write_text(json.dumps({"n01": "dog", "n02": "cat", "n03": "ship"}))
-    data = repro_vision.load_mini_imagenet(tmp_path, names, use_ids=False)
+    data = load_mini_imagenet(tmp_path, names, use_ids=False)
     assert data["class_names"] == ["dog", "cat", "ship"]  # sorted wnids
     support = set(data["support_images"][:, 0, 0, 0].tolist())
     query = set(data["query_images"][:, 0, 0, 0].tolist())
     assert len(support) == len(query) == 9 and not support & query
     assert torch.bincount(data["support_labels"]).tolist() == [3, 3, 3]
-    again = repro_vision.load_mini_imagenet(tmp_path, names, use_ids=True)
+    again = load_mini_imagenet(tmp_path, names, use_ids=True)
     assert torch.equal(again["support_images"], data["support_images"]) and again["class_names"] == sorted(wnids)
     with pytest.raises(ValueError, match="--class-names"):
-        repro_vision.load_mini_imagenet(tmp_path, None, use_ids=False)
+        load_mini_imagenet(tmp_path, None, use_ids=False)
 
 
-def test_protocol_runs_every_method_on_synthetic_features():
+def test_protocol_runs_every_method_on_synthetic_features(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
     g = torch.Generator().manual_seed(0)
     label_keys = torch.nn.functional.normalize(torch.randn(3, 8, generator=g), dim=-1)
 
@@ -111,7 +114,17 @@ def test_protocol_runs_every_method_on_synthetic_features():
     query, query_labels = split(30)
     features = {"support": support, "support_labels": support_labels, "query": query, "query_labels": query_labels,
                 "label_keys": label_keys}  # fmt: skip
-    table = repro_vision.run_protocol(features, dataset="cifar10", shots=[1, 5], queries=4, episodes=3, seed=0)
+    safetensors_torch.save_file(features, str(tmp_path / "synthetic.safetensors"))
+    out = tmp_path / "results"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dataset", "cifar10", "--features", str(tmp_path / "synthetic.safetensors"),
+         "--shots", "1", "5", "--queries", "4", "--episodes", "3", "--seed", "0", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (result,) = out.glob("vision_cifar10_*.json")
+    table = json.loads(result.read_text())["results"]
     assert list(table) == ["1-shot", "5-shot", "full"]
     assert len(table["full"]) == 8 and all(0 <= r["accuracy"] <= 1 for row in table.values() for r in row.values())
     assert table["full"]["FAAST default"]["accuracy"] >= 0.9  # well-separated synthetic classes

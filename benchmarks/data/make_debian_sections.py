@@ -31,25 +31,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "python" / "faast" / "data" / "debian_sections.tsv.gz"
 DEFAULT_GLOB = "/var/lib/apt/lists/*_main_binary-amd64_Packages*"
 
-# Section id -> title used by packages.debian.org.
-SECTIONS: dict[str, str] = {
-    "admin": "Administration Utilities",
-    "database": "Databases",
-    "devel": "Development",
-    "editors": "Editors",
-    "electronics": "Electronics",
-    "fonts": "Fonts",
-    "games": "Games",
-    "graphics": "Graphics",
-    "hamradio": "Amateur Radio",
-    "mail": "Mail",
-    "math": "Mathematics",
-    "net": "Network",
-    "science": "Science",
-    "sound": "Sound",
-    "video": "Video",
-    "web": "Web Software",
-}
+# Section id -> title: the one definition is the package's, which reads the file this script writes (so this
+# script needs faast's own dependencies, torch included).
+sys.path.insert(0, str(REPO_ROOT / "python"))
+from faast.classify.data import DEBIAN_SECTIONS as SECTIONS  # noqa: E402
+
 CAP_PER_CLASS = 400
 HEADER = ("split", "label", "package", "text")
 _WS = re.compile(r"\s+")
@@ -277,7 +263,7 @@ packages.debian.org publishes them. Only the package name, section and synopsis 
 
 Gzip-compressed UTF-8 TSV with header `split\\tlabel\\tpackage\\ttext`; rows sorted by split, label, package.
 `label` is the section id (`hamradio`), `text` the synopsis with whitespace collapsed (no tabs or newlines).
-`faast.datasets.load_debian_sections(split)` loads one split; label ids follow the sorted section ids.
+`faast.classify.load_debian_sections(split)` loads one split; label ids follow the sorted section ids.
 
 ## Rules
 

@@ -19,13 +19,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import ops
+from .ops import _validate
 from .ops.solve import SolveInfo
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type-only: memory.py imports this module at run time, never the reverse
     from .memory import FastWeights
 
-# Rows whose entries exceed this could overflow float64 when squared and summed over ~1e8 rows.
-_MAX_ABS = 1e145
+# Rows whose entries exceed this could overflow float64 when squared and summed over ~1e8 rows. One call may fold and
+# append several chunks and must not stop half-way, so FastWeights' door rejects such rows up front (max_abs).
+MAX_ABS = 1e145
 
 
 def capacity(window: int, chunk: int) -> int:
@@ -58,27 +61,16 @@ def reset(fw: FastWeights) -> None:
     fw.folded_count.fill_(fw.prior_count)
 
 
-def _compact(keys, values, scores, mask):  # noqa: ANN001, ANN202 - internal
-    """Drop masked rows. The chunks count rows, so the mask must be the same for every memory of the batch."""
-    if mask is None:
-        return keys, values, scores
-    rows = mask.reshape(-1, mask.shape[-1])
-    if not bool((rows == rows[:1]).all()):
-        raise ValueError("mask: mode='blend' needs the same mask for every memory in batch_shape")
-    keep = rows[0].nonzero().squeeze(-1)
+def _compact(rows: _validate.Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Drop masked rows. The chunks count rows, so the door has checked the mask is the same for every memory."""
+    if rows.mask is None:
+        return rows.keys, rows.values, rows.scores
+    keep = rows.mask.reshape(-1, rows.mask.shape[-1])[0].nonzero().squeeze(-1)
     return (
-        keys.index_select(-2, keep),
-        values.index_select(-2, keep),
-        None if scores is None else scores.index_select(-1, keep),
+        rows.keys.index_select(-2, keep),
+        rows.values.index_select(-2, keep),
+        None if rows.scores is None else rows.scores.index_select(-1, keep),
     )
-
-
-def _check_magnitude(keys, values, scores) -> None:  # noqa: ANN001 - internal
-    # One call may fold and append several chunks and must not stop half-way: rule out float64 overflow up front
-    # (FastWeights.update has already rejected NaN/Inf).
-    for name, t in (("keys", keys), ("values", values), ("scores", scores)):
-        if t is not None and t.numel() and float(t.abs().max()) > _MAX_ABS:
-            raise ValueError(f"{name}: entries above {_MAX_ABS:g} in magnitude would overflow the float64 statistics")
 
 
 def _cursor(fw: FastWeights) -> tuple[int, int]:
@@ -130,12 +122,12 @@ def _fold_oldest(fw: FastWeights) -> None:
     _window_from_slots(fw)
 
 
-def update(fw: FastWeights, keys, values, scores, mask) -> None:  # noqa: ANN001 - validated by FastWeights
-    keys, values, scores = _compact(keys, values, scores, mask)
-    _check_magnitude(keys, values, scores)
-    rows, chunk = keys.shape[-2], fw.blend_chunk
-    for start in range(0, rows, chunk):
-        end = min(rows, start + chunk)
+def update(fw: FastWeights, rows: _validate.Rows) -> None:
+    """Learn rows checked by FastWeights' door (finite, below MAX_ABS, one mask for every memory)."""
+    keys, values, scores = _compact(rows)
+    n, chunk = keys.shape[-2], fw.blend_chunk
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
         while float(fw.blend_rows.sum()) >= fw.blend_window:
             _fold_oldest(fw)
         pos = start
@@ -143,8 +135,12 @@ def update(fw: FastWeights, keys, values, scores, mask) -> None:  # noqa: ANN001
             slot = _open_slot(fw)
             stop = min(end, pos + chunk - int(fw.blend_rows[slot]))
             part = (slice(None),) * len(fw.batch_shape) + (slice(pos, stop),)
-            sub = (keys[part], values[part], None if scores is None else scores[part], None)
-            d_gram, d_cross, d_sqnorm = fw._statistics(sub, *sub)
+            d_gram, d_cross, d_sqnorm = ops._statistics(
+                keys[part], values[part], None if scores is None else scores[part], None,
+                weighted_least_squares=fw.weighted_least_squares, compute_dtype=fw.compute_dtype,
+            )  # fmt: skip
+            # Products of three entries below MAX_ABS can still overflow: raise before this chunk is added.
+            _validate.require_finite_statistics(d_gram, d_cross, d_sqnorm)
             for window, per_slot, delta in (
                 (fw.gram, fw.blend_gram, d_gram),
                 (fw.cross, fw.blend_cross, d_cross),

@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from . import _checks, _persist
+from . import _persist
 from ._version import __version__
 from .distributed import find_memories
 from .memory import FastWeights
+from .ops._validate import require_nonnegative_number, require_positive_int
+from .persist import CorruptFileError, read_verified, write_atomic
 
 FORMAT = "faast.Checkpoint"
 FORMAT_VERSION = 1
@@ -67,14 +69,12 @@ class Checkpointer:
         world_size: int | None = None,
     ) -> None:
         self.directory = Path(directory)
-        self.keep = _checks.require_positive_int("keep", keep)
+        self.keep = require_positive_int("keep", keep)
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.]+", name):
             raise ValueError(f"name: expected letters, digits, '_' or '.', got {name!r}")
         self.name = name
         default_rank, default_size = _distributed_rank_and_size()
-        self.world_size = _checks.require_positive_int(
-            "world_size", default_size if world_size is None else world_size
-        )
+        self.world_size = require_positive_int("world_size", default_size if world_size is None else world_size)
         self.rank = default_rank if rank is None else rank
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank: expected an int in [0, {self.world_size}), got {self.rank!r}")
@@ -128,7 +128,7 @@ class Checkpointer:
     ) -> tuple[dict, list]:
         """Validate a checkpoint against `memories` without touching them. Returns (position, [(memory, tensors)]).
         same_run: also require this checkpointer's world size (needed to resume a sharded stream)."""
-        tensors, metadata = _persist.read_verified(path)
+        tensors, metadata = read_verified(path)
         if metadata.get("format") != FORMAT:
             raise ValueError(f"{path}: not a {FORMAT} file (format={metadata.get('format')!r})")
         try:
@@ -153,7 +153,7 @@ class Checkpointer:
             prefix = f"{name}." if name else ""
             own = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix) and (name or "." not in k)}
             source = f"{path} (memory {name or '<root>'})"
-            m._check_compatible(own, saved[name]["config"], source)
+            _persist.check_compatible(m, own, saved[name]["config"], source)
             plan.append((m, own))
         return position, plan
 
@@ -172,12 +172,12 @@ class Checkpointer:
         for path in candidates:
             try:
                 position, plan = self._read(path, memories)
-            except _persist.CorruptFileError as err:
+            except CorruptFileError as err:
                 _log.warning("faast: skipping unreadable checkpoint %s (%s)", path, err)
                 failures.append(str(err))
                 continue
             for m, own in plan:
-                m._copy_tensors(own)
+                _persist.copy_tensors(m, own)
             return position
         if failures:
             raise ValueError(f"{self.directory}: no intact checkpoint for rank {self.rank}: " + "; ".join(failures))
@@ -199,7 +199,7 @@ def _write(path: Path, obj: object, position_json: str, rank: int, world_size: i
         "position": position_json,
         "memories": json.dumps(configs, sort_keys=True),
     }
-    return _persist.write_atomic(path, tensors, metadata)
+    return write_atomic(path, tensors, metadata)
 
 
 def save_state(path: str | Path, obj: object) -> Path:
@@ -282,9 +282,9 @@ def learn_stream(
             raise TypeError(f"step: required to learn into a {type(obj).__name__} (the default handles a FastWeights)")
         step = _update_memory
     if every is not None:
-        every = _checks.require_positive_int("every", every)
+        every = require_positive_int("every", every)
     if every_seconds is not None:
-        every_seconds = _checks.require_nonnegative_number("every_seconds", every_seconds, allow_zero=False)
+        every_seconds = require_nonnegative_number("every_seconds", every_seconds, allow_zero=False)
     if checkpointer is None and checkpoint_dir is not None:
         checkpointer = Checkpointer(checkpoint_dir, keep=keep)
     find_memories(obj)  # fail now, not at the first checkpoint, if obj holds no memory
@@ -322,5 +322,5 @@ def load_checkpoint(path: str | Path, obj: object) -> dict:
     path = Path(path)
     position, plan = Checkpointer(path.parent, rank=0, world_size=1)._read(path, find_memories(obj), same_run=False)
     for m, own in plan:
-        m._copy_tensors(own)
+        _persist.copy_tensors(m, own)
     return position

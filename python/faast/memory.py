@@ -8,8 +8,6 @@ addition, unlearning is subtraction, and discounting is a scale.
 
 from __future__ import annotations
 
-import json
-import math
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,20 +16,15 @@ from typing import Literal
 import torch
 from torch import nn
 
-from . import _blend, _checks, _persist, ops
-from ._version import __version__
-from .ops._validate import any_nonfinite, check_rows, check_scores, check_solve_options, explain_nonfinite
+from . import _blend, _persist, ops
+from .ops import _validate
+from .ops._validate import check_solve_options
 from .ops.solve import SolveInfo, solve_from_eigh
 
-FORMAT = "faast.FastWeights"
-FORMAT_VERSION = 1
 # docs/numerics.md §1: statistics summed from float32 GEMMs resolve eigenvalues only down to this fraction of λmax.
 FLOAT32_EPS2_FLOOR = 1e-7
 
 _STATISTICS = ("gram", "cross", "count", "target_sqnorm")
-_NONNEGATIVE = ("count", "target_sqnorm", "num_dropped", "blend_sqnorm", "blend_rows", "folded_count")
-# Configuration that fixes the shape or meaning of the statistics: a file must match it to be loaded into a memory.
-_STRUCTURE = ("dim_key", "dim_value", "batch_shape", "mode", "blend_window", "blend_chunk", "weighted_least_squares")
 
 
 class FastWeights(nn.Module):
@@ -97,13 +90,13 @@ class FastWeights(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.dim_key = _checks.require_positive_int("dim_key", dim_key)
-        self.dim_value = _checks.require_positive_int("dim_value", dim_value)
-        self.batch_shape = tuple(_checks.require_positive_int("batch_shape", s) for s in batch_shape)
+        self.dim_key = _validate.require_positive_int("dim_key", dim_key)
+        self.dim_value = _validate.require_positive_int("dim_value", dim_value)
+        self.batch_shape = tuple(_validate.require_positive_int("batch_shape", s) for s in batch_shape)
         check_solve_options(alpha, rtol, ridge, target_sqnorm=True)
         self.alpha, self.rtol, self.ridge = alpha, rtol, ridge
-        self.discount = _check_fraction("discount", discount)
-        self.prior_count = _checks.require_nonnegative_number("prior_count", prior_count)
+        self.discount = _validate.require_fraction("discount", discount)
+        self.prior_count = _validate.require_nonnegative_number("prior_count", prior_count)
         self.weighted_least_squares = bool(weighted_least_squares)
         if compute_dtype not in (torch.float32, torch.float64):
             raise TypeError(f"compute_dtype: expected torch.float32 or torch.float64, got {compute_dtype}")
@@ -115,9 +108,9 @@ class FastWeights(nn.Module):
         if mode not in ("exact", "blend"):
             raise ValueError(f"mode: expected 'exact' or 'blend', got {mode!r}")
         self.mode = mode
-        self.blend_window = _checks.require_positive_int("blend_window", blend_window)
-        self.blend_chunk = _checks.require_positive_int("blend_chunk", blend_chunk)
-        self.blend_discount = _check_fraction("blend_discount", blend_discount)
+        self.blend_window = _validate.require_positive_int("blend_window", blend_window)
+        self.blend_chunk = _validate.require_positive_int("blend_chunk", blend_chunk)
+        self.blend_discount = _validate.require_fraction("blend_discount", blend_discount)
         if mode == "blend":
             if self.blend_window < self.blend_chunk:
                 raise ValueError(f"blend_window: expected >= blend_chunk ({blend_chunk}), got {blend_window}")
@@ -125,7 +118,7 @@ class FastWeights(nn.Module):
                 raise ValueError("discount: mode='blend' discounts through blend_discount; leave discount at 1.0")
             if self.drop_nonfinite:
                 raise ValueError("drop_nonfinite: not supported with mode='blend' (its chunks count rows exactly)")
-        if dtype not in _checks.FLOAT_DTYPES:
+        if dtype not in _validate.FLOAT_DTYPES:
             raise TypeError(f"dtype: expected a floating dtype for the weights, got {dtype!r}")
         self.dtype = dtype
 
@@ -162,13 +155,13 @@ class FastWeights(nn.Module):
             if dk != dv:
                 raise ValueError(f"prior: 'identity' needs dim_key == dim_value, got {dk} and {dv}")
             return torch.eye(dk, dtype=torch.float64, device=device).expand(*batch, dk, dk).clone()
-        _checks.require_tensor("prior", prior)
+        _validate.require_tensor("prior", prior)
         if tuple(prior.shape) not in ((dk, dv), (*batch, dk, dv)):
             raise ValueError(
                 f"prior: expected shape [dim_key, dim_value] = {[dk, dv]} or {[*batch, dk, dv]}, "
                 f"got {list(prior.shape)}"
             )
-        _checks.require_finite("prior", prior)
+        _validate.require_finite("prior", prior)
         return prior.detach().to(device=device, dtype=torch.float64).expand(*batch, dk, dv).clone()
 
     def config(self) -> dict:
@@ -243,66 +236,36 @@ class FastWeights(nn.Module):
 
     # ------------------------------------------------------------------ learning
 
-    def _rows(
+    def _checked_rows(
         self,
         keys: torch.Tensor,
         values: torch.Tensor,
         scores: torch.Tensor | None,
         mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Check types, shapes and device (no value scans yet), and flatten the row dims: keys [*batch, N, dk] etc."""
-        check_rows(keys, values, scores, mask)
-        _checks.require_same_device("the memory", self.gram, keys=keys)
-        batch, dk, dv = self.batch_shape, self.dim_key, self.dim_value
-        layout = "[" + ", ".join([*map(str, batch), "...", "{}"]) + "]"
-        if keys.shape[-1] != dk or keys.dim() < len(batch) + 2 or tuple(keys.shape[: len(batch)]) != batch:
-            raise ValueError(
-                f"keys: expected shape {layout.format(dk)} (batch_shape, rows, dim_key), got {list(keys.shape)}"
-            )
-        if values.shape[-1] != dv:
-            raise ValueError(
-                f"values: expected shape {layout.format(dv)} (batch_shape, rows, dim_value), got {list(values.shape)}"
-            )
-        n = math.prod(keys.shape[len(batch) : -1])
-        keys, values = keys.reshape(*batch, n, dk), values.reshape(*batch, n, dv)
-        scores = None if scores is None else scores.reshape(*batch, n)
-        mask = None if mask is None else mask.reshape(*batch, n)
-        return keys, values, scores, mask
+        *,
+        eager: bool,
+    ) -> _validate.Rows:
+        """The door of update and forget: every check of the rows, once (see faast.ops._validate.memory_rows)."""
+        blend = self.mode == "blend"
+        return _validate.memory_rows(
+            keys, values, scores, mask, batch_shape=self.batch_shape, dim_key=self.dim_key, dim_value=self.dim_value,
+            device=self.device, drop_nonfinite=self.drop_nonfinite, eager=eager,
+            max_abs=_blend.MAX_ABS if blend else None, same_mask=blend,
+        )  # fmt: skip
 
-    def _keep_finite_rows(
-        self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """drop_nonfinite: the mask of rows to learn, and how many rows were dropped per memory."""
-        if not self.drop_nonfinite:
-            return mask, torch.zeros(self.batch_shape, dtype=torch.int64, device=self.device)
-        good = torch.isfinite(keys).all(-1) & torch.isfinite(values).all(-1)
-        if scores is not None:
-            good &= torch.isfinite(scores)
-        considered = torch.ones_like(good) if mask is None else mask
-        dropped = (considered & ~good).sum(-1)
-        return considered & good, dropped
+    def _row_counts(self, rows: _validate.Rows) -> torch.Tensor:
+        if rows.mask is None:
+            return torch.full(self.batch_shape, float(rows.keys.shape[-2]), dtype=torch.float64, device=self.device)
+        return rows.mask.sum(-1).to(torch.float64)
 
-    def _row_counts(self, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        if mask is None:
-            return torch.full(self.batch_shape, float(keys.shape[-2]), dtype=torch.float64, device=self.device)
-        return mask.sum(-1).to(torch.float64)
-
-    def _statistics(self, original, keys, values, scores, mask):  # noqa: ANN001, ANN202 - internal
-        """(dS, dT, dyy) of validated, flattened rows; errors name indices in the caller's `original` tensors."""
-        try:
-            with torch.no_grad():
-                return ops.gram_statistics(
-                    keys, values, scores, mask,
-                    weighted_least_squares=self.weighted_least_squares, compute_dtype=self.compute_dtype,
-                )  # fmt: skip
-        except ValueError:
-            # Explain against the caller's tensors (their indices) and the mask actually used (dropped rows excluded).
-            used = None if mask is None else mask.reshape(original[0].shape[:-1])
-            raise explain_nonfinite(*original[:3], used) from None
-
-    def _require_finite(self, original, keys, values, scores, mask) -> None:  # noqa: ANN001 - internal
-        if any_nonfinite(keys, values, scores, mask):
-            raise explain_nonfinite(*original)
+    def _statistics(self, rows: _validate.Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float64 (dS, dT, dyy) of checked rows; raises, memory untouched, if finite rows overflow float64."""
+        statistics = ops._statistics(
+            rows.keys, rows.values, rows.scores, rows.mask,
+            weighted_least_squares=self.weighted_least_squares, compute_dtype=self.compute_dtype,
+        )  # fmt: skip
+        _validate.require_finite_statistics(*statistics)
+        return statistics
 
     @torch.no_grad()
     def update(
@@ -323,26 +286,22 @@ class FastWeights(nn.Module):
 
         Returns self. Raises TypeError/ValueError naming the argument on bad input, with the memory untouched.
         """
-        original = (keys, values, scores, mask)
-        keys, values, scores, mask = self._rows(keys, values, scores, mask)
+        rows = self._checked_rows(keys, values, scores, mask, eager=self._checks_eagerly())
         self._updates += 1
-        if not self._checks_eagerly():
-            return self._update_deferred(keys, values, scores, mask)
-        mask, dropped = self._keep_finite_rows(keys, values, scores, mask)
-        check_scores(scores, mask)
         if self.mode == "blend":
-            self._require_finite(original, keys, values, scores, mask)
-            _blend.update(self, keys, values, scores, mask)
-        else:
-            d_gram, d_cross, d_sqnorm = self._statistics(original, keys, values, scores, mask)
+            _blend.update(self, rows)
+        elif rows.rejected is None:
+            d_gram, d_cross, d_sqnorm = self._statistics(rows)
             if self.discount != 1.0:
                 for name in _STATISTICS:
                     getattr(self, name).mul_(self.discount)
             self.gram.add_(d_gram)
             self.cross.add_(d_cross)
             self.target_sqnorm.add_(d_sqnorm)
-            self.count.add_(self._row_counts(keys, mask))
-        self.num_dropped.add_(dropped)
+            self.count.add_(self._row_counts(rows))
+        else:
+            self._update_deferred(rows)
+        self.num_dropped.add_(rows.dropped)
         self._changed()
         return self
 
@@ -351,22 +310,13 @@ class FastWeights(nn.Module):
             return True
         return self.device.type != "cuda" if self.eager_checks is None else self.eager_checks
 
-    def _update_deferred(self, keys, values, scores, mask) -> FastWeights:  # noqa: ANN001 - validated, flattened
+    def _update_deferred(self, rows: _validate.Rows) -> None:
         """update without a host synchronisation: a memory whose batch holds a bad learned row (NaN/Inf, a negative
-        score) learns nothing from that batch (decided on the device), and the error is raised by the next solve."""
-        rows = torch.ones(keys.shape[:-1], dtype=torch.bool, device=keys.device) if mask is None else mask
-        mask, dropped = self._keep_finite_rows(keys, values, scores, rows)
-        code = torch.zeros(self.batch_shape, dtype=torch.int64, device=self.device)
-        for number, t in enumerate((keys, values, scores), start=1):
-            if t is not None:
-                bad = (~torch.isfinite(t)).any(-1) if t.dim() > mask.dim() else ~torch.isfinite(t)
-                code = torch.where((code == 0) & (bad & mask).any(-1), number, code)
-        if scores is not None:
-            code = torch.where((code == 0) & ((scores < 0) & mask).any(-1), 4, code)
-        ok = code == 0
-        mask = mask & ok.unsqueeze(-1)
+        score) learns nothing from that batch (decided on the device by the door), and the error is raised by the
+        next solve."""
+        ok = rows.rejected == 0
         first = (self._rejected[..., 0] == 0) & ~ok
-        self._rejected[..., 0] = torch.where(first, code, self._rejected[..., 0])
+        self._rejected[..., 0] = torch.where(first, rows.rejected, self._rejected[..., 0])
         self._rejected[..., 1] = torch.where(first, self._updates, self._rejected[..., 1])
         if self.discount != 1.0:  # the discount belongs to the update: a rejected batch leaves the memory as it was
             one = torch.ones(self.batch_shape, dtype=torch.float64, device=self.device)
@@ -375,15 +325,11 @@ class FastWeights(nn.Module):
                 t = getattr(self, name)
                 t.mul_(gamma.reshape(gamma.shape + (1,) * (t.dim() - gamma.dim())))
         ops.accumulate_gram_unchecked(
-            keys, values, scores, mask, gram=self.gram, cross=self.cross, target_sqnorm=self.target_sqnorm,
-            weighted_least_squares=self.weighted_least_squares, compute_dtype=self.compute_dtype,
+            rows.keys, rows.values, rows.scores, rows.mask, gram=self.gram, cross=self.cross,
+            target_sqnorm=self.target_sqnorm, weighted_least_squares=self.weighted_least_squares,
+            compute_dtype=self.compute_dtype,
         )  # fmt: skip
-        self.count.add_(mask.sum(-1).to(torch.float64))
-        self.num_dropped.add_(dropped)
-        self._changed()
-        return self
-
-    _REJECTED = {1: "keys", 2: "values", 3: "scores", 4: "scores"}
+        self.count.add_(self._row_counts(rows))
 
     def check(self) -> FastWeights:
         """Raise the error a deferred-check update recorded (once; the flag is then cleared). Returns self.
@@ -402,8 +348,9 @@ class FastWeights(nn.Module):
         where = f" (memory {index})" if self.batch_shape else ""
         expected = "non-negative weights" if code == 4 else "finite values"
         found = "a negative score" if code == 4 else "NaN/Inf"
+        name = _validate.REJECTED[code]
         raise ValueError(
-            f"{self._REJECTED[code]}: expected {expected}, found {found} in a learned row of update #{number}{where}; "
+            f"{name}: expected {expected}, found {found} in a learned row of update #{number}{where}; "
             "that batch was not learned by this memory, every other batch was (checks are deferred to the next solve "
             "on CUDA; FastWeights(eager_checks=True) raises in update, drop_nonfinite=True drops such rows)"
         )
@@ -428,18 +375,15 @@ class FastWeights(nn.Module):
         reset to exact zeros, so rounding residue cannot masquerade as data.
         """
         self._require_exact("forget")
-        original = (keys, values, scores, mask)
-        keys, values, scores, mask = self._rows(keys, values, scores, mask)
-        mask, _ = self._keep_finite_rows(keys, values, scores, mask)
-        check_scores(scores, mask)
-        removed = self._row_counts(keys, mask)
+        rows = self._checked_rows(keys, values, scores, mask, eager=True)
+        removed = self._row_counts(rows)
         remaining = self.count - removed
         if bool((remaining < -1e-9 * removed.clamp_min(1)).any()):
             raise ValueError(
                 f"keys: forget would remove {removed.tolist()} rows but the memory holds {self.count.tolist()}; "
                 "nothing was forgotten"
             )
-        d_gram, d_cross, d_sqnorm = self._statistics(original, keys, values, scores, mask)
+        d_gram, d_cross, d_sqnorm = self._statistics(rows)
         self.gram.sub_(d_gram)
         self.cross.sub_(d_cross)
         self.target_sqnorm.sub_(d_sqnorm)
@@ -479,7 +423,7 @@ class FastWeights(nn.Module):
         """Multiply S, T, N and the GCV statistic by gamma in (0, 1] now (the constructor's discount does it per
         update)."""
         self._require_exact("apply_discount")
-        gamma = _check_fraction("gamma", gamma)
+        gamma = _validate.require_fraction("gamma", gamma)
         for name in _STATISTICS:
             getattr(self, name).mul_(gamma)
         self._changed()
@@ -598,9 +542,9 @@ class FastWeights(nn.Module):
         """
         self._require_exact("solve_for")
         self.check()
-        _checks.require_tensor("cross", cross)
-        _checks.require_shape("cross", cross, self.cross.shape, "[*batch_shape, dim_key, dim_value]")
-        _checks.require_same_device("the memory", self.gram, cross=cross)
+        _validate.require_tensor("cross", cross)
+        _validate.require_shape("cross", cross, self.cross.shape, "[*batch_shape, dim_key, dim_value]")
+        _validate.require_same_device("the memory", self.gram, cross=cross)
         options = self._options(None, None, None)
         weights, _ = self._solve_statistics(self.gram, cross, self.count, self.target_sqnorm, options)
         return self._with_prior(weights, self.count)
@@ -626,10 +570,10 @@ class FastWeights(nn.Module):
 
     def forward(self, query: torch.Tensor) -> torch.Tensor:
         """Read the memory: query [*batch_shape, ..., dk] -> query @ W [*batch_shape, ..., dv]."""
-        _checks.require_tensor("query", query)
+        _validate.require_tensor("query", query)
         if query.shape[-1] != self.dim_key:
             raise ValueError(f"query: expected last dim dim_key={self.dim_key}, got shape {list(query.shape)}")
-        _checks.require_same_device("the memory", self.gram, query=query)
+        _validate.require_same_device("the memory", self.gram, query=query)
         weights = self.weights
         dtype = torch.promote_types(query.dtype, weights.dtype)
         if self.batch_shape:
@@ -642,105 +586,18 @@ class FastWeights(nn.Module):
             return (rows.to(dtype) @ weights.to(dtype)).reshape(*query.shape[:-1], self.dim_value)
         return query.to(dtype) @ weights.to(dtype)
 
-    # ------------------------------------------------------------------ persistence
+    # ------------------------------------------------------------------ persistence (faast._persist)
 
     def save(self, path: str | Path) -> Path:
         """Write the statistics and configuration to a safetensors file, atomically (missing parent folders are
         created). Returns the path."""
-        metadata = {
-            "format": FORMAT,
-            "format_version": str(FORMAT_VERSION),
-            "faast_version": __version__,
-            "config": json.dumps(self.config(), sort_keys=True),
-        }
-        return _persist.write_atomic(path, dict(self.state_dict()), metadata)
-
-    @staticmethod
-    def _read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-        tensors, metadata = _persist.read_verified(path)
-        if metadata.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a {FORMAT} file (format={metadata.get('format')!r})")
-        try:
-            version = int(metadata.get("format_version", "0"))
-            config = json.loads(metadata["config"])
-        except (ValueError, KeyError) as err:
-            raise ValueError(f"{path}: malformed {FORMAT} metadata ({err!r})") from None
-        if version > FORMAT_VERSION:
-            raise ValueError(
-                f"{path}: written by a newer faast (format_version {version}, this version reads {FORMAT_VERSION}); "
-                "upgrade faast"
-            )
-        if not isinstance(config, dict):
-            raise ValueError(f"{path}: malformed {FORMAT} metadata (config is not an object)")
-        return tensors, config
+        return _persist.save(self, path)
 
     @classmethod
     def load(cls, path: str | Path, *, device: torch.device | str | None = None) -> FastWeights:
         """Rebuild a memory saved with `save`, bit-exact, on `device` (default CPU)."""
-        tensors, config = cls._read(path)
-        try:
-            for key in ("compute_dtype", "dtype"):
-                config[key] = getattr(torch, config[key])
-            memory = cls(**config, prior=tensors.get("prior"), device=device)
-        except (TypeError, ValueError, KeyError, AttributeError) as err:
-            raise ValueError(f"{path}: the saved configuration cannot rebuild a FastWeights ({err})") from None
-        memory._load_tensors(tensors, path)
-        return memory
+        return _persist.load(cls, path, device)
 
     def load_state(self, path: str | Path) -> FastWeights:
         """Load statistics saved with `save` into this memory; the file's structure must match this memory's."""
-        tensors, config = self._read(path)
-        self._check_compatible(tensors, config, path)
-        self._load_tensors(tensors, path)
-        return self
-
-    def _check_compatible(self, tensors: dict[str, torch.Tensor], config: dict, source: object) -> None:
-        """Raise ValueError naming `source` unless saved tensors + config fit this memory's structure."""
-        mine = self.config()
-        for field in _STRUCTURE:
-            if config.get(field) != mine[field]:
-                raise ValueError(
-                    f"{source}: saved with {field}={config.get(field)!r}, this memory has {mine[field]!r}"
-                )
-        if ("prior" in tensors) != (self.prior is not None):
-            raise ValueError(
-                f"{source}: saved {'with' if 'prior' in tensors else 'without'} a prior, this memory differs"
-            )
-        self._validate_tensors(tensors, source)
-
-    @torch.no_grad()
-    def _load_tensors(self, tensors: dict[str, torch.Tensor], path: object) -> None:
-        self._validate_tensors(tensors, path)
-        self._copy_tensors(tensors)
-
-    def _validate_tensors(self, tensors: dict[str, torch.Tensor], path: object) -> None:
-        expected = dict(self.state_dict())
-        if set(tensors) != set(expected):
-            raise ValueError(f"{path}: expected tensors {sorted(expected)}, found {sorted(tensors)}")
-        for name, t in tensors.items():
-            if t.shape != expected[name].shape or t.dtype != expected[name].dtype:
-                raise ValueError(
-                    f"{path}: tensor {name} has shape {list(t.shape)} {t.dtype}, expected "
-                    f"{list(expected[name].shape)} {expected[name].dtype}"
-                )
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"{path}: tensor {name} holds NaN/Inf; refusing to load it")
-            if name in _NONNEGATIVE and bool((t < 0).any()):
-                raise ValueError(f"{path}: tensor {name} holds negative entries; refusing to load it")
-        if "blend_cursor" in tensors:
-            head, used = tensors["blend_cursor"].tolist()
-            if not (0 <= head < self.blend_rows.shape[0] and 0 <= used <= self.blend_rows.shape[0]):
-                raise ValueError(f"{path}: tensor blend_cursor {[head, used]} is out of range; refusing to load it")
-
-    @torch.no_grad()
-    def _copy_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        for name, t in tensors.items():
-            self._buffers[name].copy_(t)
-        self._changed()
-
-
-def _check_fraction(name: str, value: object) -> float:
-    value = _checks.require_nonnegative_number(name, value, allow_zero=False)
-    if value > 1:
-        raise ValueError(f"{name}: expected a number in (0, 1], got {value}")
-    return value
+        return _persist.load_state(self, path)

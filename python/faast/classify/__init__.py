@@ -1,7 +1,11 @@
-"""faast.classify: classifiers over frozen embeddings with the scikit-learn estimator API.
+"""faast.classify: classifiers over frozen embeddings with the scikit-learn estimator API, and what feeds them.
 
 FAASTClassifier learns closed-form fast weights from (embedding, label) pairs in one streaming pass; the baselines
-share its API and features so that comparisons are like for like; `episodes` implements the few-shot protocol.
+share its API and features so that comparisons are like for like; `episodes` implements the few-shot protocol (its
+`sample_episode` is the one few-shot sampler). The rest feeds them: `data` (the shipped Debian-sections text task),
+`vision_data` (CIFAR-10 and mini-ImageNet readers), `sentence_encoder` and `clip_encoder` (frozen encoders, cached),
+`debian_task` (the Debian task embedded once) and `readout` (one-hot values and accuracy for hand-driven FastWeights).
+transformers is imported only when an encoder is built.
 """
 
 from .baselines import (
@@ -12,20 +16,40 @@ from .baselines import (
     ZeroShotClassifier,
     validation_split,
 )
-from .episodes import EvalResult, evaluate_episodes, evaluate_full, mean_ci, sample_episode, wilson_ci
+from .clip_encoder import ClipEncoder
+from .data import DEBIAN_SECTIONS, TextClassificationData, load_debian_sections
+from .debian_task import ZERO_SHOT_TEMPLATE, EmbeddedTask, cache_dir, embed_debian_sections
+from .episodes import Episode, EvalResult, evaluate_episodes, evaluate_full, mean_ci, sample_episode, wilson_ci
 from .faast_classifier import FAASTClassifier
+from .readout import accuracy, one_hot
+from .sentence_encoder import SentenceEncoder
+from .vision_data import load_cifar10, load_mini_imagenet
 
 __all__ = [
+    "DEBIAN_SECTIONS",
+    "ZERO_SHOT_TEMPLATE",
+    "ClipEncoder",
+    "EmbeddedTask",
+    "Episode",
     "EvalResult",
     "FAASTClassifier",
     "KNNMemoryClassifier",
     "LinearAttentionClassifier",
     "LinearProbeClassifier",
+    "SentenceEncoder",
     "SoftmaxAttentionClassifier",
+    "TextClassificationData",
     "ZeroShotClassifier",
+    "accuracy",
+    "cache_dir",
+    "embed_debian_sections",
     "evaluate_episodes",
     "evaluate_full",
+    "load_cifar10",
+    "load_debian_sections",
+    "load_mini_imagenet",
     "mean_ci",
+    "one_hot",
     "sample_episode",
     "validation_split",
     "wilson_ci",

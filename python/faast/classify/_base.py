@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .. import _checks
+from ..ops import _validate
 
 
 def as_embeddings(name: str, X: object, *, width: int | None = None) -> torch.Tensor:
@@ -32,7 +32,7 @@ def as_embeddings(name: str, X: object, *, width: int | None = None) -> torch.Te
     if width is not None and X.shape[1] != width:
         raise ValueError(f"{name}: expected {width} features per sample (as at fit time), got {X.shape[1]}")
     X = X.to(torch.float32) if X.dtype != torch.float64 else X
-    _checks.require_finite(name, X)
+    _validate.require_finite(name, X)
     return X
 
 

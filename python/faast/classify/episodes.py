@@ -46,7 +46,11 @@ def sample_episode(
     query_labels: object = None,
 ) -> Episode:
     """One episode. `labels` [n] int codes of the support pool; `query_labels` of a separate query pool (e.g. a
-    test split), or None to draw queries from the same pool, disjoint from the support examples. ways=None: all."""
+    test split), or None to draw queries from the same pool, disjoint from the support examples. ways=None: all.
+
+    This is faast's one few-shot sampler. queries=0 draws only the support set (class-balanced, `shots` distinct
+    examples of each chosen class), for callers that score on a whole split instead of sampled queries.
+    """
     support_codes = _codes("labels", labels)
     separate = query_labels is not None
     query_codes = _codes("query_labels", query_labels) if separate else support_codes
@@ -55,8 +59,8 @@ def sample_episode(
         ways = available.numel()
     if not 1 <= ways <= available.numel():
         raise ValueError(f"ways: expected 1..{available.numel()} (the classes present), got {ways}")
-    if shots < 1 or queries < 1:
-        raise ValueError(f"shots and queries: expected >= 1, got shots={shots}, queries={queries}")
+    if shots < 1 or queries < 0:
+        raise ValueError(f"shots, queries: expected shots >= 1 and queries >= 0, got shots={shots}, queries={queries}")
     chosen = available[torch.randperm(available.numel(), generator=generator)[:ways]].sort().values
     support, query = [], []
     for c in chosen.tolist():
@@ -123,6 +127,8 @@ def evaluate_episodes(
     """Mean query accuracy over `episodes` seeded episodes. `make(classes)` builds a fresh classifier for the
     episode's classes (so a prior can select their label embeddings); it is fitted on the support set with labels
     given as the pool's class codes."""
+    if queries < 1 or episodes < 1:
+        raise ValueError(f"queries and episodes: expected >= 1, got queries={queries}, episodes={episodes}")
     g = torch.Generator().manual_seed(seed)
     codes = _codes("labels", labels)
     q_codes = None if query_labels is None else _codes("query_labels", query_labels)

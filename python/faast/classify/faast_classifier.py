@@ -283,5 +283,5 @@ class FAASTClassifier(EmbeddingClassifier):
         if labels is not None:
             model._labels = labels
         memory_state = {k[len("memory.") :]: v for k, v in tensors.items() if k.startswith("memory.")}
-        model.memory_._load_tensors(memory_state, path)
+        _persist.load_tensors(model.memory_, memory_state, path)
         return model

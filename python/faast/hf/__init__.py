@@ -1,14 +1,19 @@
-"""faast.hf: test-time learning for Hugging Face causal LMs (GPT-2, Llama, Qwen2).
+"""faast.hf: test-time learning for Hugging Face models.
 
-`apply_faast(model, config)` attaches memory layers to a frozen model by hooking its own modules (no copied modeling
-code); the returned model learns from text in forward passes (`learn`), and `generate` reads the fast weights.
+`apply_faast(model, config)` attaches memory layers to a frozen causal LM (the decoder types of
+faast.hf.targets.TARGETS, others through discovery) by hooking its own modules (no copied modeling code); the
+returned model learns from text in forward passes (`learn`), and `generate` reads the fast weights.
+`FaastConfig(target_modules=...)` puts a memory on any module, PEFT-style (an encoder's classification head, an LM
+head: faast.hf.modules), and `apply_faast_to_peft` does the same inside a PEFT model (faast.hf.peft_method).
 transformers is imported only by the functions that load models (faast.hf.default), not by importing this package.
 """
 
 from .config import FaastConfig
 from .layers import MemoryLayer, OutputMemoryLayer
 from .model import FaastModel, LearnStats, apply_faast, from_pretrained
-from .targets import TARGETS
+from .modules import FaastModuleModel
+from .peft_method import apply_faast_to_peft
+from .targets import TARGETS, discover_target
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy: `python -m faast.hf.train` must not find it imported already
@@ -23,11 +28,14 @@ __all__ = [
     "TARGETS",
     "FaastConfig",
     "FaastModel",
+    "FaastModuleModel",
     "LearnStats",
     "MemoryLayer",
     "OutputMemoryLayer",
     "TrainConfig",
     "apply_faast",
+    "apply_faast_to_peft",
+    "discover_target",
     "from_pretrained",
     "train_readout",
 ]

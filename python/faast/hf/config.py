@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -17,6 +18,27 @@ PAPER_SMALL_MODEL_PARAMS = 1_000_000_000
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_target_modules(value: object) -> list[str] | str | None:
+    """None, a regular expression (str), or a list of distinct non-empty names (a tuple or set becomes a list)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            re.compile(value)
+        except re.error as err:
+            raise ValueError(f"target_modules: {value!r} is not a valid regular expression ({err})") from None
+        return value
+    if isinstance(value, set | frozenset):
+        value = sorted(value)
+    if not isinstance(value, list | tuple) or not value or not all(isinstance(n, str) and n for n in value):
+        raise ValueError(
+            f"target_modules: expected None, a regular expression or a non-empty list of module names, got {value!r}"
+        )
+    if len(set(value)) != len(value):
+        raise ValueError(f"target_modules: names must be distinct, got {value!r}")
+    return list(value)
 
 
 @dataclass
@@ -49,6 +71,15 @@ class FaastConfig:
         dropout: dropout on h·W before the readout while training it (inference folds M = W·P, no dropout).
         compute_dtype: 'float64' (default, exact) or 'float32' for the per-batch statistics GEMMs (summed in
             float64): faster on hardware with slow float64, see FastWeights(compute_dtype=).
+        target_modules: put a memory on each module these name (docs/design.md §6.6), matched as PEFT matches its
+            target_modules: a list of names (a module matches when its qualified name equals an entry or ends with
+            "." + the entry) or a string, a regular expression that must match the whole qualified name. Keys are the
+            module's input [..., d_in], values what its output [..., d_out] should have been; None: no module
+            memories. On a model without an entry in faast.hf.targets (e.g. a BERT classifier) they are the only
+            memories attached.
+        module_fit: what a module memory fits. 'residual' (the default): the values are y - f(x), the targets minus
+            the module's own output, and the module returns f(x) + x·W. 'replace': the values are the targets y and
+            the module returns x·W. An empty memory returns f(x) either way.
         model_type, hidden_size, num_hidden_layers: filled in by apply_faast from the model; a saved readout only
             loads into a model of the same shape.
         base_model: free-form name of the base model the readout was trained on (informational).
@@ -70,6 +101,8 @@ class FaastConfig:
     scorer: bool = True
     dropout: float = 0.1
     compute_dtype: Literal["float64", "float32"] = "float64"
+    target_modules: list[str] | str | None = None
+    module_fit: Literal["residual", "replace"] = "residual"
     model_type: str | None = None
     hidden_size: int | None = None
     num_hidden_layers: int | None = None
@@ -114,6 +147,13 @@ class FaastConfig:
             and not (isinstance(self.ridge, int | float) and self.ridge >= 0)
         ):
             raise ValueError(f"ridge: expected None, a number >= 0 or 'auto', got {self.ridge!r}")
+        self.target_modules = _check_target_modules(self.target_modules)
+        if self.module_fit not in ("residual", "replace"):
+            raise ValueError(f"module_fit: expected 'residual' or 'replace', got {self.module_fit!r}")
+
+    def lm_layers_requested(self) -> bool:
+        """Whether this configuration asks for memory layers of a causal LM (middle layers or the output layer)."""
+        return self.output_layer or self.num_layers is None or self.num_layers > 0 or bool(self.layers)
 
     def block_indices(self, num_blocks: int, num_parameters: int) -> list[int]:
         """The blocks that get a memory layer before them, for a model with `num_blocks` blocks."""

@@ -1,5 +1,6 @@
-"""Text corpora for readout training and the demo: local files or a datasets split, read lazily, cut into
-(learn, predict) windows of one document.
+"""Text corpora for readout training and the demo: local files or a datasets split, streamed through the datasets
+library (`datasets.load_dataset("text" | "json", data_files=...)` for local files), cut into (learn, predict)
+windows of one document.
 
 A training step learns one window of a document into the fast weights and is scored on the *next* window of the
 same document, which is not in the attention context. That is the test-time situation (learn a corpus, then
@@ -19,49 +20,90 @@ import torch
 
 from ._tokens import pad_rows
 
+# Local files the trainer reads through the datasets library's packaged builders, by suffix.
+LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text"}
+
 
 def read_text_files(
     patterns: Sequence[str], *, min_chars: int = 1, shuffle_seed: int | None = None
 ) -> Iterator[tuple[str, str]]:
-    """(path, text) of every file matching the glob patterns (recursive '**' allowed).
+    """(path, text) of every file matching the glob patterns (recursive '**' allowed), one document per file.
 
-    Files are read lazily in sorted order, or in a seeded random order over all patterns (so sources mix). Files
-    that are not UTF-8 text or shorter than min_chars are skipped; a pattern that matches no file raises, so a typo
-    does not train on an empty corpus.
+    Read lazily through `datasets.load_dataset("text", sample_by="document", streaming=True)`, in sorted order or in
+    a seeded random order over all patterns (so sources mix). Files that are not UTF-8 text (their undecodable bytes
+    read as U+FFFD) or shorter than min_chars are skipped; a pattern that matches no file raises, so a typo does not
+    train on an empty corpus.
     """
-    paths: list[str] = []
-    for pattern in patterns:
-        found = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
-        if not found:
-            raise FileNotFoundError(f"text_files: the pattern {pattern!r} matches no file")
-        paths.extend(found)
-    paths = list(dict.fromkeys(paths))
+    paths = _expand(patterns, "text_files")
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(paths)
-    for path in paths:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if len(text) >= min_chars:
+    # One row per file, in the order given: the rows are matched to the paths by position.
+    rows = _load_local("text", paths, split="train", sample_by="document", encoding_errors="replace")
+    for path, row in zip(paths, rows, strict=True):
+        text = row["text"]
+        if "\ufffd" not in text and len(text) >= min_chars:
             yield path, text
 
 
 def read_dataset(
     name: str, *, config: str | None = None, split: str = "train", text_column: str = "text", streaming: bool = True
 ) -> Iterator[tuple[str, str]]:
-    """(id, text) rows of a Hugging Face datasets split, streamed (needs `datasets` and access to the data)."""
-    try:
-        import datasets
-    except ImportError as err:
-        raise ImportError("dataset: reading a Hugging Face dataset needs `pip install datasets`") from err
-    rows = datasets.load_dataset(name, config, split=split, streaming=streaming)
+    """(id, text) rows of a datasets split, streamed (needs `datasets`); empty texts are skipped.
+
+    `name` is a hub dataset (needs access to the hub), a local folder of data files (its splits named by the file
+    names), or local JSON Lines / JSON / text files: a path or a glob pattern ending in one of LOCAL_BUILDERS'
+    suffixes, read as the split `split` (a text file gives one row per line).
+    """
+    builder = _local_builder(name)
+    if builder is not None:
+        rows = _load_local(builder, _expand([name], "dataset"), split=split, streaming=streaming)
+    else:
+        rows = _datasets().load_dataset(name, config, split=split, streaming=streaming)
     for i, row in enumerate(rows):
         if text_column not in row:
             raise ValueError(f"text_column: {text_column!r} is not a column of {name} (columns: {sorted(row)})")
         text = row[text_column]
         if text and text.strip():
             yield f"{name}:{split}:{i}", text
+
+
+def _datasets():  # noqa: ANN202 - the datasets module
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError("reading a corpus needs the datasets library: `pip install datasets`") from err
+    return datasets
+
+
+def _expand(patterns: Sequence[str], argument: str) -> list[str]:
+    """The files matching each glob pattern, sorted per pattern, without repeats; a pattern matching none raises."""
+    paths: list[str] = []
+    for pattern in patterns:
+        found = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+        if not found:
+            raise FileNotFoundError(f"{argument}: the pattern {pattern!r} matches no file")
+        paths.extend(found)
+    return list(dict.fromkeys(paths))
+
+
+def _local_builder(name: str) -> str | None:
+    """The packaged builder for a local file or glob pattern (by its suffix), or None for a hub name or a folder."""
+    if Path(name).is_dir() or not (Path(name).is_file() or glob.has_magic(name)):
+        return None
+    suffix = Path(name).suffix.lower()
+    if suffix not in LOCAL_BUILDERS:
+        raise ValueError(
+            f"dataset: {name!r} is a local file of unknown type; expected one of {sorted(LOCAL_BUILDERS)}"
+        )
+    return LOCAL_BUILDERS[suffix]
+
+
+def _load_local(builder: str, paths: list[str], *, split: str, streaming: bool = True, **options: object):  # noqa: ANN202
+    """The rows of local files through a packaged builder ('json' or 'text'), in the order of `paths`, streamed
+    unless streaming=False."""
+    # datasets globs each data file again: escaped, a name with [ ] * ? stays the one file it is.
+    files = [glob.escape(p) for p in paths]
+    return _datasets().load_dataset(builder, data_files={split: files}, split=split, streaming=streaming, **options)
 
 
 @dataclass

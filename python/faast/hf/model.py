@@ -30,8 +30,10 @@ from ._tokens import overlapping_windows, pad_rows
 from .bank import BankCapture
 from .config import FaastConfig
 from .layers import MemoryLayer, OutputMemoryLayer, memory_bank
+from .learn_datasets import LabelledIds, dataset_items, is_dataset
+from .modules import FaastModuleModel, ModuleMemories, wants_module_model
 from .output import ResidualOutputLayer
-from .targets import get_submodule, target_for
+from .targets import get_submodule, residual_head, target_for
 
 _log = logging.getLogger("faast.hf")
 
@@ -125,7 +127,7 @@ class FaastModel(nn.Module):
         )
         self.output_memory_layer: OutputMemoryLayer | ResidualOutputLayer | None = None
         if config.output_layer and config.output_target == "residual":
-            head = base_model.get_output_embeddings()
+            head = residual_head(base_model, target)  # scaled when the type scales its logits (targets.py)
             if head is None or getattr(head, "weight", None) is None or head.weight.shape[-1] != hidden:
                 raise ValueError(
                     f"model: the residual output layer needs an LM head (get_output_embeddings()) reading the hidden"
@@ -136,7 +138,7 @@ class FaastModel(nn.Module):
             self.output_memory_layer.attach_head(head)
         elif config.output_layer:
             self.output_memory_layer = OutputMemoryLayer(hidden, hidden, self.faast_config, device=device)
-        self._disabled_parts = {"all": 0, "middle": 0, "output": 0}
+        self._disabled_parts = {"all": 0, "middle": 0, "output": 0, "modules": 0}
         self._learn: _LearnContext | None = None
         # Capture buffers [L, B, T-1, d], reused by the next batch of the same shape; learn() drops them at its end.
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -148,6 +150,10 @@ class FaastModel(nn.Module):
             self._handles.append(final_norm.register_forward_hook(self._residual_hook))
         elif self.output_memory_layer is not None:
             self._handles.append(final_norm.register_forward_pre_hook(self._output_hook, with_kwargs=True))
+        # Memories on FaastConfig.target_modules (modules.py); empty, with no hooks, when none are configured.
+        self.module_memories = ModuleMemories(
+            base_model, self.faast_config, enabled=lambda: not self._part_disabled("modules")
+        )
 
     # ------------------------------------------------------------------ delegation to the base model
 
@@ -222,9 +228,10 @@ class FaastModel(nn.Module):
     @contextlib.contextmanager
     def disable_faast(self, which: str = "all") -> Iterator[None]:
         """Inside, memory layers neither read nor learn. which='all' (outputs are the base model's, bit for bit),
-        'middle' (only the output layer acts) or 'output' (only the middle layers act): for ablations."""
-        if which not in ("all", "middle", "output"):
-            raise ValueError(f"which: expected 'all', 'middle' or 'output', got {which!r}")
+        'middle' (only the output layer acts), 'output' (only the middle layers act) or 'modules' (the
+        target_modules memories pass their modules' outputs through): for ablations."""
+        if which not in ("all", "middle", "output", "modules"):
+            raise ValueError(f"which: expected 'all', 'middle' or 'output' (or 'modules'), got {which!r}")
         self._disabled_parts[which] += 1
         try:
             yield
@@ -239,6 +246,7 @@ class FaastModel(nn.Module):
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.module_memories.remove_hooks()
         return self.base_model
 
     # ------------------------------------------------------------------ learning
@@ -272,7 +280,11 @@ class FaastModel(nn.Module):
             capture = BankCapture(layers, pair_mask, differentiable, workspace=self._workspace)
         self._learn = context = _LearnContext(pair_mask, next_embeddings, differentiable, capture)
         try:
-            with torch.set_grad_enabled(differentiable), _eval_mode(self.base_model):
+            with (
+                torch.set_grad_enabled(differentiable),
+                _eval_mode(self.base_model),
+                self.module_memories.passthrough(),  # every layer learns from the base model's own activations
+            ):
                 backbone(input_ids=input_ids, attention_mask=mask.long(), position_ids=positions, use_cache=False)
         finally:
             self._learn = None
@@ -300,6 +312,7 @@ class FaastModel(nn.Module):
         input_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         tokenizer: object | None = None,
+        text_column: str | None = None,
         max_length: int = 1024,
         batch_size: int = 8,
         progress: bool | None = None,
@@ -309,16 +322,21 @@ class FaastModel(nn.Module):
         Args:
             inputs: input_ids [B, T] (int64) with an optional attention_mask [B, T] (left or right padding: a pair
                 counts only if both tokens are real); or a text, or an iterable of texts, of token-id lists, of
-                input_ids tensors, or of tokenised batches (mappings with input_ids and optionally attention_mask).
-                Texts and token-id lists are tokenised
-                with `tokenizer`, split into windows of `max_length` tokens that overlap by one token (so no pair is
-                lost) and learned `batch_size` windows at a time; an iterable is consumed lazily, so a corpus never
-                has to fit in memory.
+                input_ids tensors, or of tokenised batches (mappings with input_ids and optionally attention_mask);
+                or a datasets.Dataset / IterableDataset (see text_column). Texts are tokenised with `tokenizer`;
+                texts and token-id lists are split into windows of `max_length` tokens that overlap by one token (so
+                no pair is lost) and learned `batch_size` windows at a time; an iterable or a dataset is consumed
+                lazily, so a corpus never has to fit in memory.
             input_ids: the input_ids tensor by keyword, so `model.learn(**tokenizer(texts, return_tensors="pt",
                 padding=True))` works; give either inputs or input_ids.
             labels: [B, T] int64 with an input_ids tensor, as for a Hugging Face causal LM: the pair predicting
                 position t is learned only where labels[:, t] != -100 (e.g. an instruction dataset learns answers
                 only), and labels are the targets of the residual output layer.
+            text_column: with a dataset, the column of texts to learn (tokenised with `tokenizer`, which must take a
+                list of texts, as transformers tokenizers do; rows are read and tokenised 64 at a time). By default
+                the dataset's `input_ids` column (one token-id list per row, with its `labels` column if present,
+                -100 marking pairs not learned, and its `attention_mask` column if present, left or right padding),
+                else its only string column. Learning a dataset learns what the same texts (or rows) as a list do.
             progress: show a tqdm bar with tokens/s (default: when learning from an iterable and stderr is a tty).
 
         Returns LearnStats (tokens, pairs per layer, batches, seconds, tokens_per_second).
@@ -338,9 +356,15 @@ class FaastModel(nn.Module):
             finally:
                 self._workspace = None  # the capture buffers live for one learn call
         if labels is not None:
-            raise ValueError("labels: only valid with an input_ids tensor")
+            raise ValueError("labels: only valid with an input_ids tensor; a dataset gives them as its labels column")
         if attention_mask is not None:
             raise ValueError("attention_mask: only valid with an input_ids tensor; batches carry their own masks")
+        if is_dataset(inputs):
+            inputs = dataset_items(inputs, tokenizer, text_column)
+        elif text_column is not None:
+            raise ValueError(
+                f"text_column: only valid with a datasets.Dataset or IterableDataset, not {_describe(inputs)}"
+            )
         if isinstance(inputs, str):
             inputs = [inputs]
         if isinstance(inputs, Mapping) or (
@@ -353,8 +377,8 @@ class FaastModel(nn.Module):
         bar = _progress_bar(progress)
         try:
             with torch.no_grad():
-                for ids, mask in batches:
-                    learned = self._learn_batch(ids, mask)
+                for ids, mask, batch_labels in batches:
+                    learned = self._learn_batch(ids, mask, labels=batch_labels)
                     stats += learned
                     if bar is not None:
                         bar.update(learned.tokens)
@@ -364,6 +388,30 @@ class FaastModel(nn.Module):
             if bar is not None:
                 bar.close()
         return stats
+
+    def learn_modules(
+        self,
+        *args: object,
+        targets: torch.Tensor | Mapping[str, torch.Tensor],
+        mask: torch.Tensor | Mapping[str, torch.Tensor] | None = None,
+        **model_inputs: object,
+    ) -> int:
+        """Learn the target_modules memories from one forward pass of the base model on `model_inputs` (eval mode,
+        no grad; the LM memory layers pass through): each target module's input is paired with its targets, a tensor
+        (one target module) or a mapping name -> tensor, float [..., d_out] or class ids [...] (-100 not learned),
+        row for row with the module's input (for lm_head: targets[:, t] is what position t should predict).
+        Returns the rows learned. See docs/design.md §6.6."""
+        with torch.no_grad(), _eval_mode(self.base_model), contextlib.ExitStack() as stack:
+            stack.enter_context(self.disable_faast("middle"))
+            stack.enter_context(self.disable_faast("output"))
+            return self.module_memories.learn_forward(lambda: self.base_model(*args, **model_inputs), targets, mask)
+
+    def learn_module(
+        self, inputs: torch.Tensor, *, targets: torch.Tensor, name: str | None = None, mask: torch.Tensor | None = None
+    ) -> int:
+        """Learn target module `name` (None: the only one) from its inputs [..., d_in] and targets (float
+        [..., d_out] or class ids [...]); the module computes its own output. Returns the rows learned."""
+        return self.module_memories.learn_inputs(inputs, targets, name=name, mask=mask)
 
     def solve(self) -> FaastModel:
         """Solve every memory layer now, for the model's device and dtype; otherwise the first forward pass after
@@ -376,6 +424,7 @@ class FaastModel(nn.Module):
                 layer.weights(device, dtype)
             else:
                 layer.folded(device, dtype)
+        self.module_memories.solve()
         return self
 
     def reset_fast_weights(self) -> FaastModel:
@@ -483,6 +532,7 @@ class FaastModel(nn.Module):
         Also reads a checkpoint of this model in the bank layout (faast.checkpoint on the FaastModel itself, memories
         `memory_bank` and `output_memory_layer.memory`), ignoring its stream position.
         """
+        self.module_memories.prepare_load(path)  # sizes the memories of modules of unknown width
         if _saved_memory_names(path) == sorted(name for name, _ in self._bank_memories()):
             load_checkpoint(path, self._bank_holder())
             return self
@@ -502,6 +552,7 @@ class FaastModel(nn.Module):
         if isinstance(self.output_memory_layer, ResidualOutputLayer):
             named.append(("output_memory_layer.curvature", self.output_memory_layer.curvature))
             named.append(("output_memory_layer.token_mass", self.output_memory_layer.token_mass))
+        named.extend(self.module_memories.named_memories())
         return named
 
     def _bank_holder(self) -> nn.Module:
@@ -510,6 +561,7 @@ class FaastModel(nn.Module):
             holder.memory_bank = self.memory_bank
         if self.output_memory_layer is not None:
             holder.output_memory_layer = self.output_memory_layer
+        holder.module_memories = self.module_memories
         return holder
 
     def _per_layer_memories(self, *, copy: bool) -> nn.Module:
@@ -531,6 +583,7 @@ class FaastModel(nn.Module):
         holder.memory_layers = layers
         if self.output_memory_layer is not None:
             holder.output_memory_layer = self.output_memory_layer
+        holder.module_memories = self.module_memories
         return holder
 
     def fast_weight_bytes(self) -> int:
@@ -628,8 +681,9 @@ def _describe(x: object) -> str:
 
 def _batches(
     inputs: Iterable, tokenizer: object | None, max_length: int, batch_size: int, device: torch.device | None = None
-) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(input_ids, attention_mask) batches from texts, id tensors or tokenised mappings, lazily.
+) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """(input_ids, attention_mask, labels or None) batches from texts, id lists, LabelledIds, id tensors or tokenised
+    mappings, lazily.
 
     Batches built here from texts or token-id lists are put on `device` (the model's); tensors the caller passes keep
     their device, so a mismatch is reported by the batch check rather than copied silently."""
@@ -641,7 +695,7 @@ def _batches(
         raise ValueError(f"max_length: expected an int >= 2, got {max_length!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-    pending: list[list[int]] = []
+    pending: list[tuple[list[int], list[int] | None]] = []
     for n, item in enumerate(inputs):
         if isinstance(item, Mapping):
             if "input_ids" not in item:
@@ -649,15 +703,19 @@ def _batches(
             yield (
                 built(item["input_ids"]),
                 (None if item.get("attention_mask") is None else built(item["attention_mask"])),
+                None,
             )
             continue
         if isinstance(item, torch.Tensor):
-            yield item, None
+            yield item, None, None
             continue
+        labels = None
         if isinstance(item, str):
             if tokenizer is None:
                 raise ValueError("tokenizer: required to learn from texts")
             ids = tokenizer(item, add_special_tokens=False)["input_ids"]
+        elif isinstance(item, LabelledIds):
+            ids, labels = item.input_ids, item.labels
         elif isinstance(item, list | tuple) and all(isinstance(t, int) for t in item):
             ids = item
         else:
@@ -665,13 +723,28 @@ def _batches(
                 f"inputs[{n}]: expected a text, a list of token ids, an input_ids tensor or a mapping, got "
                 f"{type(item).__name__}"
             )
+        # Labels are cut into the same windows as the ids: both have the same length.
+        label_windows = overlapping_windows(labels, max_length) if labels is not None else None
         for window in overlapping_windows(ids, max_length):
-            pending.append(window)
+            pending.append((window, None if label_windows is None else next(label_windows)))
             if len(pending) == batch_size:
-                yield tuple(t.to(device) for t in pad_rows(pending))
+                yield _padded(pending, device)
                 pending = []
     if pending:
-        yield tuple(t.to(device) for t in pad_rows(pending))
+        yield _padded(pending, device)
+
+
+def _padded(
+    windows: list[tuple[list[int], list[int] | None]], device: torch.device | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(input_ids, attention_mask, labels or None) [B, T] from windows, right padded; labels are padded with -100 and
+    are the ids themselves for a window without labels (every pair learned), or None when no window has any."""
+    ids, mask = pad_rows([w for w, _ in windows])
+    labels = None
+    if any(lab is not None for _, lab in windows):
+        labels, _ = pad_rows([w if lab is None else lab for w, lab in windows], pad_id=-100)
+        labels = labels.to(device)
+    return ids.to(device), mask.to(device), labels
 
 
 def _progress_bar(progress: bool | None):  # noqa: ANN202 - tqdm or None
@@ -692,17 +765,19 @@ def _progress_bar(progress: bool | None):  # noqa: ANN202 - tqdm or None
 # ---------------------------------------------------------------------------------------------------- entry points
 
 
-def apply_faast(model: nn.Module, config: FaastConfig | None = None) -> FaastModel:
-    """Attach FAAST memory layers to a transformers causal LM (gpt2, llama, qwen2) and freeze its parameters.
+def apply_faast(model: nn.Module, config: FaastConfig | None = None) -> FaastModel | FaastModuleModel:
+    """Attach FAAST memory layers to a transformers causal LM and freeze its parameters (the model types of
+    faast.hf.targets.TARGETS; others through faast.hf.targets.discover_target, or refused with the reason).
 
     Args:
         model: a *ForCausalLM model; it is modified in place (hooks on its blocks and final norm).
         config: FaastConfig (default: FaastConfig(), the paper's placement).
 
     Returns a FaastModel wrapping `model`: call it or `generate` as the base model, plus learn, reset_fast_weights,
-    disable_faast, save_pretrained, save_fast_weights / load_fast_weights.
+    disable_faast, save_pretrained, save_fast_weights / load_fast_weights. With config.target_modules on a model that
+    is not an LM (e.g. a BERT classifier), a FaastModuleModel holding only those memories (docs/design.md §6.6).
     """
-    if isinstance(model, FaastModel):
+    if isinstance(model, FaastModel | FaastModuleModel):
         raise ValueError("model: FAAST is already applied to this model")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a transformers causal LM (nn.Module), got {type(model).__name__}")
@@ -710,6 +785,8 @@ def apply_faast(model: nn.Module, config: FaastConfig | None = None) -> FaastMod
         config = FaastConfig()
     if not isinstance(config, FaastConfig):
         raise TypeError(f"config: expected a faast.hf.FaastConfig, got {type(config).__name__}")
+    if wants_module_model(model, config):
+        return FaastModuleModel(model, config)  # e.g. an encoder classifier: only its target_modules get memories
     return FaastModel(model, config)
 
 

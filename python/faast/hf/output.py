@@ -41,6 +41,10 @@ MAX_STEP = 4.0
 HELD_OUT_SHARE = 0.2
 MIN_HELD_OUT = 128
 MIN_FIT_TOKENS = 256
+# With output_tune_tokens above TUNE_SAMPLE, the held-out NLL is evaluated on TUNE_SAMPLE positions spread evenly over
+# the held-out span (the fit still leaves out all of it): bounds the cost of the [n, V] logits. A longer span is not
+# better by default: 8192 chose a better step than 2048 on one domain and a worse one on another (docs/design.md §6.3).
+TUNE_SAMPLE = 2048
 _CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
 
 
@@ -76,9 +80,9 @@ class ResidualOutputLayer(nn.Module):
         self.token_mass = FastWeights(1, vocab_size, compute_dtype=compute, device=device)
         self.step, self.damping = config.output_step, float(config.output_damping)
         self.tune_tokens, self.default_step = config.output_tune_tokens, float(config.output_default_step)
-        # The held-out tail: the last tune_tokens learned positions (h̃ [n, d] float32, y [n]). Learning state of this
-        # process (not saved): after a load, step='auto' uses default_step until more text is learned.
-        self._tail: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # The held-out tail: the last tune_tokens learned positions (h̃ [n, d] float32, y [n], mask [n]). Learning
+        # state of this process (not saved): after a load, step='auto' uses default_step until more text is learned.
+        self._tail: list[tuple[torch.Tensor, ...]] = []
         self._head: tuple[nn.Module, ...] = ()  # the model's LM head, held outside the module tree
         self._folded: tuple[tuple, torch.Tensor | None] | None = None
         self.last_tuning: dict | None = None
@@ -176,14 +180,16 @@ class ResidualOutputLayer(nn.Module):
         return out
 
     def _tail_statistics(self, held: int) -> tuple[torch.Tensor, ...]:
-        """(keys [held, d], targets [held], their S, T and count): the last `held` learned positions."""
+        """(keys [n, d] and targets [n] of at most TUNE_SAMPLE positions spread over the last `held` learned positions;
+        the S, T and count of all `held`)."""
         keys, ys, keep = self._tail[0]
         keys, ys = keys[keep][-held:], ys[keep][-held:]
         every = torch.ones_like(ys, dtype=torch.bool)[None]
         grads, _, _ = self._gradients(keys[None], ys[None], every)
         k64, g64 = keys.double(), grads[0].double()
         count = torch.tensor(float(held), dtype=torch.float64, device=keys.device)
-        return keys, ys, k64.T @ k64, k64.T @ g64, count
+        sample = torch.linspace(0, held - 1, min(held, TUNE_SAMPLE), device=keys.device).round().long()
+        return keys[sample], ys[sample], k64.T @ k64, k64.T @ g64, count
 
     def _tune(self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor) -> tuple[float, list[tuple[float, float]]]:
         """The step η >= 0 minimising the mean NLL of targets ys [n] from logits z0 + η·z1 (z1 the logits' change for
@@ -233,7 +239,7 @@ class ResidualOutputLayer(nn.Module):
         """Positions the step is tuned on: the last HELD_OUT_SHARE of what was learned, at most tune_tokens (0 when
         too little text was learned, or after a load: the tail is learning state of this process)."""
         learned = int(self.memory.count)
-        kept = int(self._tail[0][2].sum()) if self._tail else 0
+        kept = int(self._tail[0][-1].sum()) if self._tail else 0
         held = min(kept, self.tune_tokens, int(learned * HELD_OUT_SHARE))
         return held if held >= MIN_HELD_OUT and learned - held >= MIN_FIT_TOKENS else 0
 

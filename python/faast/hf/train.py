@@ -212,23 +212,9 @@ def train_readout(
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
-    start, history = 0, []
     directory = Path(config.checkpoint_dir) if config.checkpoint_dir else None
-    if directory is not None:
-        for path in _checkpoints(directory):
-            try:
-                start, history = load_training_checkpoint(path, model, optimizer, scheduler)
-            except (ValueError, RuntimeError, OSError, KeyError) as err:
-                _log.warning("faast: skipping unreadable checkpoint %s (%s)", path, err)
-                continue
-            _log.info("faast: resuming from %s (step %d)", path, start)
-            break
-    if callable(batches):
-        stream: Iterator = iter(batches(start))
-    else:
-        stream = iter(batches)
-        for _ in range(start):  # a plain iterable cannot seek: read and drop what the checkpoint consumed
-            next(stream, None)
+    start, history = _resume(directory, model, optimizer, scheduler)
+    stream = _stream_from(batches, start)
     was_training = model.training
     model.base_model.eval()
     for layer in model.memory_layers.values():
@@ -239,39 +225,89 @@ def train_readout(
             if batch is None:
                 _log.warning("faast: the data ran out after %d steps (of %d)", step, config.steps)
                 break
-            started = time.perf_counter()
-            try:
-                loss = training_step(model, batch, config.discount)
-                loss.backward()
-                if config.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            finally:
-                end_training_step(model)
-            record = {
-                "step": step + 1,
-                "loss": float(loss.detach()),
-                "lr": optimizer.param_groups[0]["lr"],
-                "tokens": int(batch.get("attention_mask", batch["input_ids"]).ne(0).sum()),
-                "seconds": time.perf_counter() - started,
-            }
+            record = {"step": step + 1, **_optimizer_step(model, batch, params, optimizer, scheduler, config)}
             history.append(record)
             if callback is not None:
                 callback(record)
-            if (step + 1) % config.log_every == 0:
-                recent = history[-config.log_every :]
-                _log.info(
-                    "step %d loss %.4f lr %.2e %.1f s/step", step + 1,
-                    sum(r["loss"] for r in recent) / len(recent), record["lr"],
-                    sum(r["seconds"] for r in recent) / len(recent),
-                )  # fmt: skip
+            _log_progress(history, config)
             if directory is not None and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
                 save_training_checkpoint(directory, model, optimizer, scheduler, step + 1, history, config.keep)
     finally:
         model.train(was_training)
     return history
+
+
+def _resume(
+    directory: Path | None, model: FaastModel, optimizer: torch.optim.Optimizer, scheduler: object
+) -> tuple[int, list[dict]]:
+    """(start step, history) of the newest readable checkpoint in `directory`, loaded into the model, optimizer and
+    scheduler; (0, []) when there is none."""
+    if directory is None:
+        return 0, []
+    for path in _checkpoints(directory):
+        try:
+            start, history = load_training_checkpoint(path, model, optimizer, scheduler)
+        except (ValueError, RuntimeError, OSError, KeyError) as err:
+            _log.warning("faast: skipping unreadable checkpoint %s (%s)", path, err)
+            continue
+        _log.info("faast: resuming from %s (step %d)", path, start)
+        return start, history
+    return 0, []
+
+
+def _stream_from(
+    batches: Iterable[dict[str, torch.Tensor]] | Callable[[int], Iterable[dict[str, torch.Tensor]]], start: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The batches from step `start` on: a function seeks itself; a plain iterable is read and its first `start`
+    batches dropped (what the checkpoint consumed)."""
+    if callable(batches):
+        return iter(batches(start))
+    stream = iter(batches)
+    for _ in range(start):
+        next(stream, None)
+    return stream
+
+
+def _optimizer_step(
+    model: FaastModel,
+    batch: dict[str, torch.Tensor],
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    scheduler: object,
+    config: TrainConfig,
+) -> dict:
+    """One training step on `batch` (learn, loss, backward, clip, AdamW and schedule steps); returns its history
+    record without the step number (loss, lr, tokens, seconds)."""
+    started = time.perf_counter()
+    try:
+        loss = training_step(model, batch, config.discount)
+        loss.backward()
+        if config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    finally:
+        end_training_step(model)
+    return {
+        "loss": float(loss.detach()),
+        "lr": optimizer.param_groups[0]["lr"],
+        "tokens": int(batch.get("attention_mask", batch["input_ids"]).ne(0).sum()),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _log_progress(history: list[dict], config: TrainConfig) -> None:
+    """Log the mean loss and time per step of the last log_every steps, every log_every steps."""
+    record = history[-1]
+    if record["step"] % config.log_every != 0:
+        return
+    recent = history[-config.log_every :]
+    _log.info(
+        "step %d loss %.4f lr %.2e %.1f s/step", record["step"],
+        sum(r["loss"] for r in recent) / len(recent), record["lr"],
+        sum(r["seconds"] for r in recent) / len(recent),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- command line
@@ -286,8 +322,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (transformers gguf_file=)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text-files", nargs="+", metavar="GLOB", help="local text files (recursive ** allowed)")
-    src.add_argument("--dataset", help="a datasets name, e.g. wikitext (needs `datasets` and access to it)")
+    src.add_argument(
+        "--text-files", nargs="+", metavar="GLOB", help="local text files, one document each (recursive ** allowed)"
+    )
+    src.add_argument(
+        "--dataset",
+        help="a datasets name, e.g. wikitext (needs access to the hub), a local folder of data files, or local "
+        ".jsonl/.json/.txt files (a path or a glob; --split names them)",
+    )
     p.add_argument("--dataset-config", default=None)
     p.add_argument("--split", default="train")
     p.add_argument("--text-column", default="text")

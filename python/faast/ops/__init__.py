@@ -12,8 +12,7 @@ import math
 
 import torch
 
-from .. import _checks
-from . import _cuda_backend, _dispatch, _triton_backend, reference
+from . import _cuda_backend, _dispatch, _triton_backend, _validate, reference
 from ._validate import (
     as_count,
     check_accumulator,
@@ -51,6 +50,47 @@ _triton_backend.register()
 _cuda_backend.register()
 
 
+def _flat_rows(
+    keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The rows with their leading dims folded into one, as the backends take them: [L, N, d] and [L, N]."""
+    batch = tuple(keys.shape[:-2])
+    n, dk, dv = keys.shape[-2], keys.shape[-1], values.shape[-1]
+    size = math.prod(batch)  # explicit: reshape(-1, 0, dk) is ambiguous when N = 0
+    return (
+        keys.reshape(size, n, dk),
+        values.reshape(size, n, dv),
+        None if scores is None else scores.reshape(size, n),
+        None if mask is None else mask.reshape(size, n),
+    )
+
+
+def _statistics(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    *,
+    weighted_least_squares: bool,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unchecked entry: float64 (dS [*, dk, dk], dT [*, dk, dv], dyy [*]) of rows the caller validated.
+
+    No argument checks and no value scans: the results may be non-finite if the rows were. faast.FastWeights calls it
+    after its own check (faast.ops._validate.memory_rows); gram_statistics is the checked form.
+    """
+    batch, dk, dv = tuple(keys.shape[:-2]), keys.shape[-1], values.shape[-1]
+    flat = _flat_rows(keys, values, scores, mask)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in flat[:3])
+    name, impl = _dispatch.resolve("accumulate_gram", keys.device)
+    # The torch backend's streaming kernel is not differentiable, and no kernel differentiates with respect to keys.
+    if needs_grad and (name == "torch" or keys.requires_grad):
+        impl = reference.accumulate_gram_differentiable
+    gram, cross, sqnorm = impl(*flat, weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype)
+    gram, cross, sqnorm = gram.to(torch.float64), cross.to(torch.float64), sqnorm.to(torch.float64)
+    return gram.reshape(*batch, dk, dk), cross.reshape(*batch, dk, dv), sqnorm.reshape(batch)
+
+
 def gram_statistics(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -64,30 +104,18 @@ def gram_statistics(
     dT [*, dk, dv], dyy [*]), finite-checked.
 
     dyy is the squared norm of the regression targets (sum ||s_n v_n||^2, or sum s_n ||v_n||^2 for weighted least
-    squares), the extra statistic generalized cross-validation needs. Raises ValueError if any of them is not finite.
+    squares), the extra statistic generalized cross-validation needs. Raises ValueError if any of them is not finite:
+    the rows are scanned only then, to name the first bad input.
     """
     if compute_dtype not in (torch.float32, torch.float64):
         raise TypeError(f"compute_dtype: expected torch.float32 or torch.float64, got {compute_dtype}")
-    batch = tuple(keys.shape[:-2])
-    n, dk, dv = keys.shape[-2], keys.shape[-1], values.shape[-1]
-    size = math.prod(batch)  # explicit: reshape(-1, 0, dk) is ambiguous when N = 0
-    flat = (
-        keys.reshape(size, n, dk),
-        values.reshape(size, n, dv),
-        None if scores is None else scores.reshape(size, n),
-        None if mask is None else mask.reshape(size, n),
+    gram, cross, sqnorm = _statistics(
+        keys, values, scores, mask, weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype
     )
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in flat[:3])
-    name, impl = _dispatch.resolve("accumulate_gram", keys.device)
-    # The torch backend's streaming kernel is not differentiable, and no kernel differentiates with respect to keys.
-    if needs_grad and (name == "torch" or keys.requires_grad):
-        impl = reference.accumulate_gram_differentiable
-    gram, cross, sqnorm = impl(*flat, weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype)
     finite = torch.isfinite(gram).all() & torch.isfinite(cross).all() & torch.isfinite(sqnorm).all()
     if not bool(finite):
         raise explain_nonfinite(keys, values, scores, mask)
-    gram, cross, sqnorm = gram.to(torch.float64), cross.to(torch.float64), sqnorm.to(torch.float64)
-    return gram.reshape(*batch, dk, dk), cross.reshape(*batch, dk, dv), sqnorm.reshape(batch)
+    return gram, cross, sqnorm
 
 
 def accumulate_gram(
@@ -166,15 +194,9 @@ def accumulate_gram_unchecked(
     in-place kernel and the accumulators are contiguous float64, it adds into them directly (one launch: the Triton
     backend on CUDA); otherwise the batch's statistics are computed and added.
     """
-    batch = tuple(keys.shape[:-2])
-    n, dk, dv = keys.shape[-2], keys.shape[-1], values.shape[-1]
+    batch, dk, dv = tuple(keys.shape[:-2]), keys.shape[-1], values.shape[-1]
     size = math.prod(batch)
-    flat = (
-        keys.reshape(size, n, dk),
-        values.reshape(size, n, dv),
-        None if scores is None else scores.reshape(size, n),
-        None if mask is None else mask.reshape(size, n),
-    )
+    flat = _flat_rows(keys, values, scores, mask)
     name, impl = _dispatch.resolve("accumulate_gram", keys.device)
     in_place = _dispatch.implementation(name, "accumulate_gram_")
     accumulators = (gram, cross, target_sqnorm)
@@ -196,8 +218,8 @@ def eigh_gram(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Only the lower triangle is read. Batched across the leading dims by the selected backend (the cuSOLVER batched
     solver where available). Never runs in float32: it would lose every direction below ~1e-5·λmax.
     """
-    _checks.require_tensor("gram", gram, dtypes=_checks.ACCUMULATOR_DTYPES)
-    _checks.require_ndim("gram", gram, 2, "[*, d, d]")
+    _validate.require_tensor("gram", gram, dtypes=_validate.ACCUMULATOR_DTYPES)
+    _validate.require_ndim("gram", gram, 2, "[*, d, d]")
     d = gram.shape[-1]
     if gram.shape[-2] != d:
         raise ValueError(f"gram: expected square matrices [*, d, d], got {list(gram.shape)}")
@@ -218,14 +240,14 @@ def solve_fast_weights_ex(
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, SolveInfo]:
     """solve_fast_weights that also returns a SolveInfo (kept rank, cut, ridge, GCV score) per batch element."""
-    _checks.require_tensor("gram", gram, dtypes=_checks.ACCUMULATOR_DTYPES)
-    _checks.require_ndim("gram", gram, 2, "[*, dim_key, dim_key]")
+    _validate.require_tensor("gram", gram, dtypes=_validate.ACCUMULATOR_DTYPES)
+    _validate.require_ndim("gram", gram, 2, "[*, dim_key, dim_key]")
     dk = gram.shape[-1]
     if gram.shape[-2] != dk or dk == 0:
         raise ValueError(f"gram: expected a non-empty square matrix [*, dim_key, dim_key], got {list(gram.shape)}")
     batch = tuple(gram.shape[:-2])
-    _checks.require_tensor("cross", cross, dtypes=_checks.ACCUMULATOR_DTYPES)
-    _checks.require_ndim("cross", cross, 2, "[*, dim_key, dim_value]")
+    _validate.require_tensor("cross", cross, dtypes=_validate.ACCUMULATOR_DTYPES)
+    _validate.require_ndim("cross", cross, 2, "[*, dim_key, dim_value]")
     if tuple(cross.shape[:-1]) != (*batch, dk) or cross.shape[-1] == 0:
         raise ValueError(
             f"cross: expected shape [*, dim_key, dim_value] with [*, dim_key] = {[*batch, dk]} as in gram, "
@@ -233,11 +255,11 @@ def solve_fast_weights_ex(
         )
     check_solve_options(alpha, rtol, ridge, target_sqnorm)
     if target_sqnorm is not None:
-        _checks.require_tensor("target_sqnorm", target_sqnorm, dtypes=_checks.ACCUMULATOR_DTYPES)
-        _checks.require_shape("target_sqnorm", target_sqnorm, batch, "[*] (the batch dims of gram)")
-    _checks.require_same_device("gram", gram, cross=cross, target_sqnorm=target_sqnorm)
-    _checks.require_finite("gram", gram)
-    _checks.require_finite("cross", cross)
+        _validate.require_tensor("target_sqnorm", target_sqnorm, dtypes=_validate.ACCUMULATOR_DTYPES)
+        _validate.require_shape("target_sqnorm", target_sqnorm, batch, "[*] (the batch dims of gram)")
+    _validate.require_same_device("gram", gram, cross=cross, target_sqnorm=target_sqnorm)
+    _validate.require_finite("gram", gram)
+    _validate.require_finite("cross", cross)
     counts = as_count(count, batch, gram.device)
     lam, vecs = eigh_gram(gram.detach())
     lam, vecs = lam.reshape(-1, dk), vecs.reshape(-1, dk, dk)
@@ -300,12 +322,12 @@ def residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     Returns:
         [..., d] in x.dtype, accumulated in float32 (float64 if either input is float64).
     """
-    _checks.require_tensor("x", x)
-    _checks.require_ndim("x", x, 1, "[..., d]")
-    _checks.require_tensor("m", m)
+    _validate.require_tensor("x", x)
+    _validate.require_ndim("x", x, 1, "[..., d]")
+    _validate.require_tensor("m", m)
     d = x.shape[-1]
-    _checks.require_shape("m", m, (d, d), "[d, d] with d = x.shape[-1]")
-    _checks.require_same_device("x", x, m=m)
+    _validate.require_shape("m", m, (d, d), "[d, d] with d = x.shape[-1]")
+    _validate.require_same_device("x", x, m=m)
     _, impl = _dispatch.resolve("residual_project", x.device)
     return impl(x, m)
 
@@ -324,17 +346,17 @@ def fold_readout(
     Returns:
         M [*, dk, d_out].
     """
-    _checks.require_tensor("weights", weights)
-    _checks.require_ndim("weights", weights, 2, "[*, dim_key, dim_value]")
-    _checks.require_tensor("readout", readout)
-    _checks.require_ndim("readout", readout, 2, "[dim_value, d_out]")
+    _validate.require_tensor("weights", weights)
+    _validate.require_ndim("weights", weights, 2, "[*, dim_key, dim_value]")
+    _validate.require_tensor("readout", readout)
+    _validate.require_ndim("readout", readout, 2, "[dim_value, d_out]")
     batch = tuple(weights.shape[:-2])
     if readout.shape[-2] != weights.shape[-1] or (readout.dim() > 2 and tuple(readout.shape[:-2]) != batch):
         raise ValueError(
             f"readout: expected shape [dim_value, d_out] or [*, dim_value, d_out] with dim_value = "
             f"{weights.shape[-1]} and * = {list(batch)} as in weights, got {list(readout.shape)}"
         )
-    _checks.require_same_device("weights", weights, readout=readout)
+    _validate.require_same_device("weights", weights, readout=readout)
     dtype = out_dtype or torch.promote_types(weights.dtype, readout.dtype)
     return (weights.to(torch.float64) @ readout.to(torch.float64)).to(dtype)
 
@@ -362,14 +384,14 @@ def pinv_fast_weights(
     check_scores(scores, None)
     for name, t in (("keys", keys), ("values", values), ("scores", scores)):
         if t is not None:
-            _checks.require_finite(name, t)
+            _validate.require_finite(name, t)
     compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     batch = tuple(keys.shape[:-2])
     # A tensor rtol stays [*batch]: torch.linalg.pinv adds the singular-value dim itself.
     rtol = (
         per_batch("rtol", rtol, batch, device=keys.device, dtype=compute)
         if isinstance(rtol, torch.Tensor)
-        else (_checks.require_nonnegative_number("rtol", rtol))
+        else (_validate.require_nonnegative_number("rtol", rtol))
     )
     k = keys.to(compute)
     v = values.to(compute)

@@ -1,14 +1,106 @@
-"""Argument validation for faast.ops and faast.FastWeights.
+"""Argument validation for faast: the ops, faast.FastWeights, the checkpoints and the classifiers.
 
-Order matters: types, shapes and devices are checked first, and only then are values scanned (negative scores,
-NaN/Inf), so a value scan never runs on a tensor the call is going to reject anyway (e.g. on another device).
+Every check raises before any state is touched, and every message names the argument, what was expected and what
+was received, so that a user can fix the call without reading our source. Order matters: types, shapes and devices
+are checked first, and only then are values scanned (negative scores, NaN/Inf), so a value scan never runs on a tensor
+the call is going to reject anyway (e.g. on another device).
+
+`memory_rows` is the door of FastWeights.update / forget: it checks one batch of rows once and hands back the
+flattened rows that the ops then take unchecked.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 
-from .. import _checks
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Accumulators hold sums of squares over many rows: fp16 overflows (an outlier of 3000 squared is above 65504) and
+# bf16 keeps 8 bits, so only float32 and float64 are accepted for S and T.
+ACCUMULATOR_DTYPES = (torch.float32, torch.float64)
+
+# ---------------------------------------------------------------------------------------------------- single values
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def require_tensor(name: str, value: object, *, dtypes: Sequence[torch.dtype] = FLOAT_DTYPES) -> torch.Tensor:
+    """Raise TypeError unless `value` is a tensor whose dtype is one of `dtypes`."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: expected dtype in ({allowed}), got {str(value.dtype).replace('torch.', '')}")
+    return value
+
+
+def require_ndim(name: str, t: torch.Tensor, min_ndim: int, layout: str) -> None:
+    if t.dim() < min_ndim:
+        raise ValueError(f"{name}: expected a tensor of shape {layout} (at least {min_ndim} dims), got {_shape(t)}")
+
+
+def require_shape(name: str, t: torch.Tensor, expected: Sequence[int], layout: str) -> None:
+    if tuple(t.shape) != tuple(expected):
+        want = "[" + ", ".join(str(s) for s in expected) + "]"
+        raise ValueError(f"{name}: expected shape {layout} = {want}, got {_shape(t)}")
+
+
+def require_same_device(
+    reference_name: str, reference: torch.Tensor | torch.device, **others: torch.Tensor | None
+) -> None:
+    """Every tensor of `others` on the device of `reference` (a tensor, or the device itself)."""
+    device = reference if isinstance(reference, torch.device) else reference.device
+    for name, t in others.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name}: expected device {device} (the device of {reference_name}), got {t.device}")
+
+
+def first_nonfinite(t: torch.Tensor) -> tuple[int, ...] | None:
+    """Index of the first NaN/Inf entry of `t`, or None. Only called on the error path."""
+    bad = ~torch.isfinite(t)
+    if not bool(bad.any()):
+        return None
+    return tuple(int(i) for i in bad.nonzero()[0])
+
+
+def require_finite(name: str, t: torch.Tensor) -> None:
+    index = first_nonfinite(t)
+    if index is not None:
+        raise ValueError(f"{name}: expected finite values, found {t[index].item()} at index {list(index)}")
+
+
+def require_nonnegative_number(name: str, value: object, *, allow_zero: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}: expected a finite number {bound}, got {value}")
+    return value
+
+
+def require_fraction(name: str, value: object) -> float:
+    """A number in (0, 1], e.g. a discount factor."""
+    value = require_nonnegative_number(name, value, allow_zero=False)
+    if value > 1:
+        raise ValueError(f"{name}: expected a number in (0, 1], got {value}")
+    return value
+
+
+def require_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------- rows
 
 
 def check_rows(
@@ -18,10 +110,10 @@ def check_rows(
     mask: torch.Tensor | None,
 ) -> None:
     """Types, shapes and devices of one batch of rows: keys [*, N, dk], values [*, N, dv], scores/mask [*, N]."""
-    _checks.require_tensor("keys", keys)
-    _checks.require_ndim("keys", keys, 2, "[*, N, dim_key]")
-    _checks.require_tensor("values", values)
-    _checks.require_ndim("values", values, 2, "[*, N, dim_value]")
+    require_tensor("keys", keys)
+    require_ndim("keys", keys, 2, "[*, N, dim_key]")
+    require_tensor("values", values)
+    require_ndim("values", values, 2, "[*, N, dim_value]")
     if keys.shape[-1] == 0 or values.shape[-1] == 0:
         raise ValueError(
             f"keys/values: expected at least one feature, got dim_key={keys.shape[-1]}, dim_value={values.shape[-1]}"
@@ -32,12 +124,12 @@ def check_rows(
             f"values: expected shape [*, N, dim_value] with [*, N] = {list(rows)} as in keys, got {list(values.shape)}"
         )
     if scores is not None:
-        _checks.require_tensor("scores", scores)
-        _checks.require_shape("scores", scores, rows, "[*, N] (one score per key)")
+        require_tensor("scores", scores)
+        require_shape("scores", scores, rows, "[*, N] (one score per key)")
     if mask is not None:
-        _checks.require_tensor("mask", mask, dtypes=(torch.bool,))
-        _checks.require_shape("mask", mask, rows, "[*, N] (one flag per key)")
-    _checks.require_same_device("keys", keys, values=values, scores=scores, mask=mask)
+        require_tensor("mask", mask, dtypes=(torch.bool,))
+        require_shape("mask", mask, rows, "[*, N] (one flag per key)")
+    require_same_device("keys", keys, values=values, scores=scores, mask=mask)
 
 
 def check_scores(scores: torch.Tensor | None, mask: torch.Tensor | None) -> None:
@@ -69,6 +161,13 @@ def any_nonfinite(
     return any(bool(_nonfinite(t, mask).any()) for t in (keys, values, scores) if t is not None)
 
 
+def overflow_error() -> ValueError:
+    """The error for finite rows whose statistics are not finite."""
+    return ValueError(
+        "keys/values: the statistics of this batch overflow float64 (entries too large to square); nothing was learned"
+    )
+
+
 def explain_nonfinite(
     keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, mask: torch.Tensor | None
 ) -> ValueError:
@@ -86,9 +185,137 @@ def explain_nonfinite(
                 f"{name}: expected finite values, found {t[tuple(index)].item()} at index {index}; nothing was "
                 "learned (pass drop_nonfinite=True to faast.FastWeights to drop such rows instead)"
             )
-    return ValueError(
-        "keys/values: the statistics of this batch overflow float64 (entries too large to square); nothing was learned"
-    )
+    return overflow_error()
+
+
+def require_finite_statistics(*statistics: torch.Tensor) -> None:
+    """Raise the overflow error unless every statistic is finite (their rows were checked finite already)."""
+    finite = torch.stack([torch.isfinite(t).all() for t in statistics]).all()
+    if not bool(finite):
+        raise overflow_error()
+
+
+# ------------------------------------------------------------------------------------------------- the memory's door
+
+
+class Rows(NamedTuple):
+    """One checked batch of a FastWeights memory, its row dims flattened to one."""
+
+    keys: torch.Tensor  # [*batch_shape, n, dk]
+    values: torch.Tensor  # [*batch_shape, n, dv]
+    scores: torch.Tensor | None  # [*batch_shape, n]
+    mask: torch.Tensor | None  # [*batch_shape, n] bool, the rows to learn; None: all of them
+    dropped: torch.Tensor  # int64 [*batch_shape]: rows left out as non-finite (drop_nonfinite)
+    # int64 [*batch_shape] when checked on the device: 0 if the memory's batch is clean, else REJECTED's code of its
+    # first bad input (its rows are then masked out). None when checked eagerly (a bad batch raised instead).
+    rejected: torch.Tensor | None
+
+
+# Codes of the deferred checks, by the argument they name.
+REJECTED = {1: "keys", 2: "values", 3: "scores", 4: "scores"}
+_NEGATIVE_SCORE = 4
+
+
+def _bad_row_flags(keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Per input (keys, values, scores), which rows [*batch, n] hold a NaN/Inf (None for absent scores)."""
+    return [
+        None if t is None else (~torch.isfinite(t)).any(-1) if t.dim() > keys.dim() - 1 else ~torch.isfinite(t)
+        for t in (keys, values, scores)
+    ]
+
+
+def memory_rows(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    *,
+    batch_shape: tuple[int, ...],
+    dim_key: int,
+    dim_value: int,
+    device: torch.device,
+    drop_nonfinite: bool = False,
+    eager: bool = True,
+    max_abs: float | None = None,
+    same_mask: bool = False,
+) -> Rows:
+    """Check one batch of rows for a FastWeights memory once, and flatten its row dims.
+
+    keys [*batch_shape, ..., dk], values [*batch_shape, ..., dv], scores / mask [*batch_shape, ...] (every dim after
+    the batch dims indexes rows). Types, dtypes, shapes, devices and empty feature dims always raise TypeError /
+    ValueError naming the argument. Values (NaN/Inf in a learned row, negative scores) raise here when `eager`; else
+    they are checked on the device without a host synchronisation and reported in `Rows.rejected`.
+
+    drop_nonfinite: rows with a NaN/Inf are left out of the mask and counted instead. max_abs: also reject learned
+    entries above it in magnitude. same_mask: require the same mask for every memory of the batch.
+    """
+    original = (keys, values, scores, mask)
+    check_rows(keys, values, scores, mask)
+    require_same_device("the memory", device, keys=keys)
+    batch, dk, dv = batch_shape, dim_key, dim_value
+    layout = "[" + ", ".join([*map(str, batch), "...", "{}"]) + "]"
+    if keys.shape[-1] != dk or keys.dim() < len(batch) + 2 or tuple(keys.shape[: len(batch)]) != batch:
+        raise ValueError(
+            f"keys: expected shape {layout.format(dk)} (batch_shape, rows, dim_key), got {list(keys.shape)}"
+        )
+    if values.shape[-1] != dv:
+        raise ValueError(
+            f"values: expected shape {layout.format(dv)} (batch_shape, rows, dim_value), got {list(values.shape)}"
+        )
+    n = math.prod(keys.shape[len(batch) : -1])
+    keys, values = keys.reshape(*batch, n, dk), values.reshape(*batch, n, dv)
+    scores = None if scores is None else scores.reshape(*batch, n)
+    mask = None if mask is None else mask.reshape(*batch, n)
+
+    # One scan for NaN/Inf serves all three uses: dropping rows, the deferred codes and the eager error.
+    flags = _bad_row_flags(keys, values, scores)
+    bad = flags[0] | flags[1] if flags[2] is None else flags[0] | flags[1] | flags[2]
+    dropped = torch.zeros(batch, dtype=torch.int64, device=device)
+    if drop_nonfinite:
+        considered = torch.ones_like(bad) if mask is None else mask
+        dropped = (considered & bad).sum(-1)
+        mask = considered & ~bad
+    if not eager:
+        mask, rejected = _deferred(keys, scores, mask, flags)
+        return Rows(keys, values, scores, mask, dropped, rejected)
+    check_scores(scores, mask)
+    if not drop_nonfinite and bool((bad if mask is None else bad & mask).any()):
+        # Explained against the caller's tensors (their indices) and the mask actually used.
+        used = None if mask is None else mask.reshape(original[0].shape[:-1])
+        raise explain_nonfinite(*original[:3], used)
+    if same_mask and mask is not None:
+        flat = mask.reshape(-1, n)
+        if not bool((flat == flat[:1]).all()):
+            raise ValueError("mask: mode='blend' needs the same mask for every memory in batch_shape")
+    if max_abs is not None:
+        for name, t in (("keys", keys), ("values", values), ("scores", scores)):
+            if t is None or t.numel() == 0:
+                continue
+            learned = None if mask is None else mask.unsqueeze(-1) if t.dim() > mask.dim() else mask
+            size = t.abs() if learned is None else torch.where(learned, t.abs(), 0)
+            if float(size.max()) > max_abs:
+                raise ValueError(
+                    f"{name}: entries above {max_abs:g} in magnitude would overflow the float64 statistics"
+                )
+    return Rows(keys, values, scores, mask, dropped, None)
+
+
+def _deferred(
+    keys: torch.Tensor, scores: torch.Tensor | None, mask: torch.Tensor | None, flags: list[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The value checks on the device, never read back to the host: (the rows to learn [*batch, n], the code of
+    each memory [*batch]). A memory whose batch holds a bad learned row gets a nonzero code and learns none of it."""
+    learned = torch.ones(keys.shape[:-1], dtype=torch.bool, device=keys.device) if mask is None else mask
+    code = torch.zeros(keys.shape[:-2], dtype=torch.int64, device=keys.device)
+    for number, bad in enumerate(flags, start=1):
+        if bad is not None:
+            code = torch.where((code == 0) & (bad & learned).any(-1), number, code)
+    if scores is not None:
+        code = torch.where((code == 0) & ((scores < 0) & learned).any(-1), _NEGATIVE_SCORE, code)
+    return learned & (code == 0).unsqueeze(-1), code
+
+
+# ---------------------------------------------------------------------------------------------------- op arguments
 
 
 def check_accumulator(
@@ -97,9 +324,9 @@ def check_accumulator(
     """An in-place accumulator: float32/float64, the right shape and device, and safely writable."""
     if acc is None:
         return
-    _checks.require_tensor(name, acc, dtypes=_checks.ACCUMULATOR_DTYPES)
-    _checks.require_shape(name, acc, shape, layout)
-    _checks.require_same_device("keys", keys, **{name: acc})
+    require_tensor(name, acc, dtypes=ACCUMULATOR_DTYPES)
+    require_shape(name, acc, shape, layout)
+    require_same_device("keys", keys, **{name: acc})
     # Checked up front so that a failing in-place add cannot leave the other accumulators half-updated.
     if any(stride == 0 and size > 1 for stride, size in zip(acc.stride(), acc.shape, strict=False)):
         raise ValueError(f"{name}: expected a writable accumulator, got one whose elements share memory "
@@ -113,7 +340,7 @@ def per_batch(
 ) -> torch.Tensor:
     """A finite, non-negative number or tensor broadcast to the batch shape: [*batch] in `dtype` on `device`."""
     if not isinstance(value, torch.Tensor):
-        number = _checks.require_nonnegative_number(name, value)
+        number = require_nonnegative_number(name, value)
         return torch.full(batch, number, dtype=dtype, device=device)
     if value.dtype == torch.bool or value.is_complex():
         raise TypeError(f"{name}: expected a real number or real tensor, got dtype {value.dtype}")
@@ -139,16 +366,16 @@ def check_solve_options(alpha: object, rtol: object, ridge: object, target_sqnor
     if alpha != "auto":
         if isinstance(alpha, str):
             raise ValueError(f"alpha: expected a number >= 0 or 'auto', got {alpha!r}")
-        _checks.require_nonnegative_number("alpha", alpha)
+        require_nonnegative_number("alpha", alpha)
     if rtol is not None:
-        _checks.require_nonnegative_number("rtol", rtol)
+        require_nonnegative_number("rtol", rtol)
         if alpha == "auto":
             raise ValueError("rtol: a fixed rtol contradicts alpha='auto'; pass one or the other")
     if ridge is not None:
         if ridge != "auto":
             if isinstance(ridge, str):
                 raise ValueError(f"ridge: expected None, a number >= 0 or 'auto', got {ridge!r}")
-            _checks.require_nonnegative_number("ridge", ridge)
+            require_nonnegative_number("ridge", ridge)
         if rtol is not None or alpha == "auto":
             raise ValueError("ridge: ridge replaces the spectral cut; do not combine it with rtol or alpha='auto'")
     if (alpha == "auto" or ridge == "auto") and target_sqnorm is None:
