@@ -20,7 +20,6 @@ right before the measured work and reports two peaks above it:
 from __future__ import annotations
 
 import gc
-import json
 import math
 import multiprocessing as mp
 import os
@@ -30,7 +29,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -330,23 +329,6 @@ def run_isolated(fn: Callable, *args: object, env: dict[str, str] | None = None,
 
 
 # ---------------------------------------------------------------------------------------------------- output
-
-
-def _jsonable(x: object) -> object:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if hasattr(x, "__dataclass_fields__"):
-        return _jsonable(asdict(x))
-    return x
-
-
-def write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_jsonable(payload), indent=2) + "\n")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -155,7 +155,7 @@ def main() -> None:
                          episodes=args.episodes, seed=args.seed)  # fmt: skip
     source = f"features-{args.features.stem}" if args.features is not None else args.encoder
     name = f"vision_{args.dataset}_{source.replace(':', '-').replace('/', '-')}"
-    payload = {"config": {k: str(v) for k, v in vars(args).items()}, "results": table}
+    payload = {"config": {k: H.provenance.relative(str(v), H.REPO) for k, v in vars(args).items()}, "results": table}
     title = f"Image classification over frozen CLIP features: {args.dataset}, {source}"
     H.write(args.out / name, record, payload, title, markdown(table))
     print((args.out / f"{name}.md").read_text())
