@@ -31,7 +31,7 @@ from .bank import BankCapture
 from .config import FaastConfig
 from .layers import MemoryLayer, OutputMemoryLayer, memory_bank
 from .learn_datasets import LabelledIds, dataset_items, is_dataset
-from .modules import FaastModuleModel, ModuleMemories, wants_module_model
+from .modules import BaseModelDelegate, FaastModuleModel, ModuleMemories, wants_module_model
 from .output import ResidualOutputLayer
 from .targets import get_submodule, residual_head, target_for
 
@@ -74,7 +74,7 @@ class _LearnContext:
     output_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # the output layer's keys and values
 
 
-class FaastModel(nn.Module):
+class FaastModel(BaseModelDelegate):
     """A causal LM with FAAST memory layers. Build it with `apply_faast(model, config)`.
 
     Attributes:
@@ -154,22 +154,6 @@ class FaastModel(nn.Module):
         self.module_memories = ModuleMemories(
             base_model, self.faast_config, enabled=lambda: not self._part_disabled("modules")
         )
-
-    # ------------------------------------------------------------------ delegation to the base model
-
-    def __getattr__(self, name: str):  # noqa: ANN204 - any attribute of the base model
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "base_model":
-                raise
-            return getattr(self._modules["base_model"], name)
-
-    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
-        return self.base_model(*args, **kwargs)
-
-    def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
-        return self.base_model.generate(*args, **kwargs)
 
     def faast_layers(self) -> Iterator[MemoryLayer | OutputMemoryLayer]:
         """Every memory layer: the middle ones in block order, then the output layer."""

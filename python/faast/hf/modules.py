@@ -383,7 +383,25 @@ def wants_module_model(model: nn.Module, config: FaastConfig) -> bool:
     return model_type not in TARGETS and (get_head is None or get_head() is None)
 
 
-class FaastModuleModel(nn.Module):
+class BaseModelDelegate(nn.Module):
+    """An nn.Module wrapping `self.base_model`: unknown attributes, forward and generate go to the base model."""
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - any attribute of the base model
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "base_model":
+                raise
+            return getattr(self._modules["base_model"], name)
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
+        return self.base_model(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
+        return self.base_model.generate(*args, **kwargs)
+
+
+class FaastModuleModel(BaseModelDelegate):
     """Any model with memories on its target modules and nothing else; built by apply_faast (wants_module_model).
 
     Attributes:
@@ -411,20 +429,6 @@ class FaastModuleModel(nn.Module):
             p.requires_grad_(False)
         self._disabled = 0
         self.module_memories = ModuleMemories(base_model, self.faast_config, enabled=lambda: self._disabled == 0)
-
-    def __getattr__(self, name: str):  # noqa: ANN204 - any attribute of the base model
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "base_model":
-                raise
-            return getattr(self._modules["base_model"], name)
-
-    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
-        return self.base_model(*args, **kwargs)
-
-    def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
-        return self.base_model.generate(*args, **kwargs)
 
     def learn(
         self,
