@@ -87,6 +87,23 @@ def _upper_tile(t, nk):
 
 
 @triton.jit
+def _keep_rows(MASK, layer, stride_ml, stride_mn, rows, end_row, HAS_MASK: tl.constexpr):
+    """Which of `rows` count: those before end_row and, with a mask, not masked out."""
+    keep = rows < end_row
+    if HAS_MASK:
+        flag = tl.load(MASK + layer * stride_ml + rows.to(tl.int64) * stride_mn, mask=keep, other=0)
+        keep = keep & (flag != 0)
+    return keep
+
+
+@triton.jit
+def _load_scores(SCORES, layer, stride_sl, stride_sn, rows, keep):
+    """The scores of `rows`, 0 where a row does not count."""
+    s = tl.load(SCORES + layer * stride_sl + rows.to(tl.int64) * stride_sn, mask=keep, other=0.0)
+    return tl.where(keep, s, 0.0)
+
+
+@triton.jit
 def _chunk_product(
     a_base, b_base, SCORES, MASK, layer, start_row, end_row,
     stride_an, stride_ad, stride_bn, stride_bd, stride_sl, stride_sn, stride_ml, stride_mn,
@@ -101,15 +118,11 @@ def _chunk_product(
         acc = tl.zeros((BM, BM), dtype=tl.float32)
     for start in range(start_row, end_row, BK):
         rows = start + tl.arange(0, BK)
-        keep = rows < end_row
-        if HAS_MASK:
-            flag = tl.load(MASK + layer * stride_ml + rows.to(tl.int64) * stride_mn, mask=keep, other=0)
-            keep = keep & (flag != 0)
+        keep = _keep_rows(MASK, layer, stride_ml, stride_mn, rows, end_row, HAS_MASK)
         a_t = tl.trans(_load_rows(a_base, stride_an, stride_ad, rows, cols_i, DA, keep))
         b = _load_rows(b_base, stride_bn, stride_bd, rows, cols_j, DB, keep)
         if SCORED:
-            s = tl.load(SCORES + layer * stride_sl + rows.to(tl.int64) * stride_sn, mask=keep, other=0.0)
-            s = tl.where(keep, s, 0.0)
+            s = _load_scores(SCORES, layer, stride_sl, stride_sn, rows, keep)
         if PRECISION == "fp64":
             b64 = b.to(tl.float64)
             if SCORED:
@@ -153,6 +166,106 @@ def _chunk_product(
     return acc
 
 
+@triton.jit
+def _tile_of(tile, n_s, nk, nv):
+    """(is_t, i, j): program `tile` owns tile (i, j) of S's upper triangle (the first n_s tiles) or of T (the rest)."""
+    is_t = tile >= n_s
+    ti_s, tj_s = _upper_tile(tl.minimum(tile, n_s - 1), nk)
+    t_idx = tl.maximum(tile - n_s, 0)
+    ti = tl.where(is_t, t_idx // nv, ti_s)
+    tj = tl.where(is_t, t_idx % nv, tj_s)
+    return is_t, ti, tj
+
+
+@triton.jit
+def _out_tile(OUT, split, split_stride, layer, DK, D_OUT, cols_i, cols_j):
+    """(base, offsets, inside) of the [BM, BM] tile (cols_i, cols_j) of one layer's [DK, D_OUT] float64 output."""
+    out = OUT + split.to(tl.int64) * split_stride + layer * DK * D_OUT
+    offs = cols_i.to(tl.int64)[:, None] * D_OUT + cols_j[None, :]
+    inside = (cols_i[:, None] < DK) & (cols_j[None, :] < D_OUT)
+    return out, offs, inside
+
+
+@triton.jit
+def _tile_chunk_product(
+    k_base, b_base, SCORES, MASK, layer, start_row, end_row, is_t,
+    stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn, stride_ml, stride_mn,
+    cols_i, cols_j, DK, b_cols,
+    HAS_SCORES: tl.constexpr, HAS_MASK: tl.constexpr, WLS: tl.constexpr, PRECISION: tl.constexpr,
+    NATIVE16: tl.constexpr, TF32_SPLIT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """_chunk_product for a tile of S (is_t false) or of T, scored where the options say so."""
+    # Scores weight the values (tiles of T) only; with weighted least squares, the rows of S too. SCORED is a
+    # constexpr and is_t is not: one call for each value SCORED takes.
+    if HAS_SCORES:
+        if WLS:
+            acc = _chunk_product(k_base, b_base, SCORES, MASK, layer, start_row, end_row,
+                                 stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn,
+                                 stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, True, HAS_MASK,
+                                 PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
+        elif is_t:
+            acc = _chunk_product(k_base, b_base, SCORES, MASK, layer, start_row, end_row,
+                                 stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn,
+                                 stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, True, HAS_MASK,
+                                 PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
+        else:
+            acc = _chunk_product(k_base, b_base, SCORES, MASK, layer, start_row, end_row,
+                                 stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn,
+                                 stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, False, HAS_MASK,
+                                 PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
+    else:
+        acc = _chunk_product(k_base, b_base, SCORES, MASK, layer, start_row, end_row,
+                             stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn,
+                             stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, False, HAS_MASK,
+                             PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
+    return acc
+
+
+@triton.jit
+def _flush(out, offs, inside, acc):
+    """Add a chunk's sum into the program's own float64 tile in global memory (read-modify-write)."""
+    tl.debug_barrier()  # the previous flush's stores (by any thread of the program) before this load
+    prev = tl.load(out + offs, mask=inside, other=0.0)
+    tl.store(out + offs, prev + acc.to(tl.float64), mask=inside)
+
+
+@triton.jit
+def _mirror_s_tile(out, offs, inside, cols_i, cols_j, ti, tj, DK):
+    """Make a finished tile (ti, tj) of S symmetric: a diagonal tile within itself, an off-diagonal one into the lower
+    triangle."""
+    tl.debug_barrier()
+    total = tl.load(out + offs, mask=inside, other=0.0)
+    if ti == tj:  # a diagonal tile: its two triangles hold the same sums, possibly rounded differently
+        total = tl.where(cols_i[:, None] <= cols_j[None, :], total, tl.trans(total))
+        tl.debug_barrier()
+        tl.store(out + offs, total, mask=inside)
+    else:  # mirror into the lower triangle
+        offs_t = cols_j.to(tl.int64)[None, :] * DK + cols_i[:, None]
+        tl.store(out + offs_t, total, mask=inside)
+
+
+@triton.jit
+def _sqnorm_block(
+    v_base, SCORES, MASK, OUT_SQ, layer, split, tj, row_start, row_end,
+    stride_vn, stride_vd, stride_sl, stride_sn, stride_ml, stride_mn, DV, NV_MAX,
+    HAS_SCORES: tl.constexpr, HAS_MASK: tl.constexpr, WLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """The GCV statistic ‖Y‖² over value-column block tj: Σ s²‖v‖² (Σ s‖v‖² with weighted least squares)."""
+    cols = tj * BM + tl.arange(0, BM)
+    sq = tl.zeros((BM,), dtype=tl.float64)
+    for start in range(row_start, row_end, BK):
+        rows = start + tl.arange(0, BK)
+        keep = _keep_rows(MASK, layer, stride_ml, stride_mn, rows, row_end, HAS_MASK)
+        v = _load_rows(v_base, stride_vn, stride_vd, rows, cols, DV, keep).to(tl.float64)
+        if HAS_SCORES:
+            s = _load_scores(SCORES, layer, stride_sl, stride_sn, rows, keep).to(tl.float64)
+            w = s if WLS else s * s
+            sq += tl.sum(v * v * w[:, None], axis=0)
+        else:
+            sq += tl.sum(v * v, axis=0)
+    tl.store(OUT_SQ + (split * tl.num_programs(1) + layer) * NV_MAX + tj, tl.sum(sq, axis=0))
+
+
 @triton.jit(do_not_specialize=["N", "ROWS_PER_SPLIT"])
 def _gram_kernel(
     K, V, SCORES, MASK, OUT_S, OUT_T, OUT_SQ,
@@ -178,11 +291,7 @@ def _gram_kernel(
     k_base = K + layer * stride_kl
     v_base = V + layer * stride_vl
     if tile < n_s + n_t:
-        is_t = tile >= n_s
-        ti_s, tj_s = _upper_tile(tl.minimum(tile, n_s - 1), nk)
-        t_idx = tl.maximum(tile - n_s, 0)
-        ti = tl.where(is_t, t_idx // nv, ti_s)
-        tj = tl.where(is_t, t_idx % nv, tj_s)
+        is_t, ti, tj = _tile_of(tile, n_s, nk, nv)
         cols_i = ti * BM + tl.arange(0, BM)
         cols_j = tj * BM + tl.arange(0, BM)
         if is_t:
@@ -190,78 +299,30 @@ def _gram_kernel(
             b_stride_n = stride_vn
             b_stride_d = stride_vd
             b_cols = DV
-            out = OUT_T + split.to(tl.int64) * split_stride_t + layer * DK * DV
-            offs = cols_i.to(tl.int64)[:, None] * DV + cols_j[None, :]
-            inside = (cols_i[:, None] < DK) & (cols_j[None, :] < DV)
+            out, offs, inside = _out_tile(OUT_T, split, split_stride_t, layer, DK, DV, cols_i, cols_j)
         else:
             b_base = k_base
             b_stride_n = stride_kn
             b_stride_d = stride_kd
             b_cols = DK
-            out = OUT_S + split.to(tl.int64) * split_stride_s + layer * DK * DK
-            offs = cols_i.to(tl.int64)[:, None] * DK + cols_j[None, :]
-            inside = (cols_i[:, None] < DK) & (cols_j[None, :] < DK)
+            out, offs, inside = _out_tile(OUT_S, split, split_stride_s, layer, DK, DK, cols_i, cols_j)
         # Each chunk's sum goes straight into the program's own float64 tile in global memory (read-modify-write):
         # only the float32 accumulator lives in registers.
         if not ACCUMULATE:
             tl.store(out + offs, tl.zeros((BM, BM), dtype=tl.float64), mask=inside)
         for chunk in range(row_start, row_end, FLUSH_ROWS):
             chunk_end = tl.minimum(chunk + FLUSH_ROWS, row_end)
-            # Scores weight the values (tiles of T) only; with weighted least squares, the rows of S too.
-            if HAS_SCORES:
-                if WLS:
-                    acc = _chunk_product(k_base, b_base, SCORES, MASK, layer, chunk, chunk_end,
-                                         stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn,
-                                         stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, True, HAS_MASK,
-                                         PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
-                elif is_t:
-                    acc = _chunk_product(k_base, b_base, SCORES, MASK, layer, chunk, chunk_end,
-                                         stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn,
-                                         stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, True, HAS_MASK,
-                                         PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
-                else:
-                    acc = _chunk_product(k_base, b_base, SCORES, MASK, layer, chunk, chunk_end,
-                                         stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn,
-                                         stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, False, HAS_MASK,
-                                         PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
-            else:
-                acc = _chunk_product(k_base, b_base, SCORES, MASK, layer, chunk, chunk_end,
-                                     stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn,
-                                     stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, False, HAS_MASK,
-                                     PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
-            tl.debug_barrier()  # the previous flush's stores (by any thread of the program) before this load
-            prev = tl.load(out + offs, mask=inside, other=0.0)
-            tl.store(out + offs, prev + acc.to(tl.float64), mask=inside)
+            acc = _tile_chunk_product(k_base, b_base, SCORES, MASK, layer, chunk, chunk_end, is_t,
+                                      stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn,
+                                      stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, HAS_SCORES, HAS_MASK,
+                                      WLS, PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
+            _flush(out, offs, inside, acc)
         if not is_t:
-            tl.debug_barrier()
-            total = tl.load(out + offs, mask=inside, other=0.0)
-            if ti == tj:  # a diagonal tile: its two triangles hold the same sums, possibly rounded differently
-                total = tl.where(cols_i[:, None] <= cols_j[None, :], total, tl.trans(total))
-                tl.debug_barrier()
-                tl.store(out + offs, total, mask=inside)
-            else:  # mirror into the lower triangle
-                offs_t = cols_j.to(tl.int64)[None, :] * DK + cols_i[:, None]
-                tl.store(out + offs_t, total, mask=inside)
+            _mirror_s_tile(out, offs, inside, cols_i, cols_j, ti, tj, DK)
     else:
-        # The GCV statistic ‖Y‖² over one block of value columns: Σ s²‖v‖² (Σ s‖v‖² with weighted least squares).
-        tj = tile - n_s - n_t
-        cols = tj * BM + tl.arange(0, BM)
-        sq = tl.zeros((BM,), dtype=tl.float64)
-        for start in range(row_start, row_end, BK):
-            rows = start + tl.arange(0, BK)
-            keep = rows < row_end
-            if HAS_MASK:
-                flag = tl.load(MASK + layer * stride_ml + rows.to(tl.int64) * stride_mn, mask=keep, other=0)
-                keep = keep & (flag != 0)
-            v = _load_rows(v_base, stride_vn, stride_vd, rows, cols, DV, keep).to(tl.float64)
-            if HAS_SCORES:
-                s = tl.load(SCORES + layer * stride_sl + rows.to(tl.int64) * stride_sn, mask=keep, other=0.0)
-                s = tl.where(keep, s, 0.0).to(tl.float64)
-                w = s if WLS else s * s
-                sq += tl.sum(v * v * w[:, None], axis=0)
-            else:
-                sq += tl.sum(v * v, axis=0)
-        tl.store(OUT_SQ + (split * tl.num_programs(1) + layer) * NV_MAX + tj, tl.sum(sq, axis=0))
+        _sqnorm_block(v_base, SCORES, MASK, OUT_SQ, layer, split, tile - n_s - n_t, row_start, row_end,
+                      stride_vn, stride_vd, stride_sl, stride_sn, stride_ml, stride_mn, DV, NV_MAX,
+                      HAS_SCORES, HAS_MASK, WLS, BM, BK)  # fmt: skip
 
 
 @functools.cache
@@ -298,6 +359,146 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple, device: torch.device
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
 
 
+def _checked_inputs(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    precision: str,
+    flush_rows: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """gram_accumulate's inputs checked: (keys, values) in one common dtype, and the rows per flush."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    for name, t in (("keys", keys), ("values", values)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating tensor [L, N, d], got {getattr(t, 'shape', type(t))}")
+    L, N, dk = keys.shape
+    dv = values.shape[-1]
+    device = keys.device
+    if values.shape[:2] != (L, N):
+        raise ValueError(f"values: expected shape [{L}, {N}, dv] (the L, N of keys), got {list(values.shape)}")
+    _check("values", values, (L, N, dv), device)
+    _check("scores", scores, (L, N), device)
+    _check("mask", mask, (L, N), device)
+    if keys.dtype != values.dtype:  # one dtype for both dot operands; the promotion is exact
+        common = torch.promote_types(keys.dtype, values.dtype)
+        keys, values = keys.to(common), values.to(common)
+    if precision == "exact16" and keys.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"keys: precision='exact16' needs bfloat16 or float16 keys and values, got {keys.dtype}")
+    flush = FLUSH_ROWS[precision] if flush_rows is None else int(flush_rows)
+    if flush < 1:
+        raise ValueError(f"flush_rows: expected an int >= 1, got {flush_rows!r}")
+    return keys, values, flush
+
+
+def _accumulators(
+    gram: torch.Tensor | None,
+    cross: torch.Tensor | None,
+    sqnorm: torch.Tensor | None,
+    L: int,
+    dk: int,
+    dv: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(gram, cross, sqnorm, accumulate): the caller's accumulators checked (accumulate: True), or new empty ones."""
+    accumulators = {"gram": gram, "cross": cross, "sqnorm": sqnorm}
+    given = [k for k, v in accumulators.items() if v is not None]
+    if given and len(given) != 3:
+        raise ValueError("gram, cross, sqnorm: pass all three accumulators or none")
+    accumulate = bool(given)
+    if accumulate:
+        for name, t, shape in (("gram", gram, (L, dk, dk)), ("cross", cross, (L, dk, dv)), ("sqnorm", sqnorm, (L,))):
+            if t.dtype != torch.float64 or tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
+                raise ValueError(f"{name}: expected a contiguous float64 tensor {list(shape)} on {device}")
+    else:
+        gram = torch.empty((L, dk, dk), dtype=torch.float64, device=device)
+        cross = torch.empty((L, dk, dv), dtype=torch.float64, device=device)
+        sqnorm = torch.empty((L,), dtype=torch.float64, device=device)
+    return gram, cross, sqnorm, accumulate
+
+
+def _nothing_to_launch(
+    shape: tuple[int, int, int, int], gram: torch.Tensor, cross: torch.Tensor, sqnorm: torch.Tensor, accumulate: bool
+) -> bool:
+    """Whether an empty dimension of shape (L, N, dk, dv) leaves the kernel nothing to do; new accumulators are zeroed
+    where it has nothing to add to them."""
+    L, N, dk, dv = shape
+    if L == 0 or dk == 0:
+        if not accumulate:
+            cross.zero_()
+            sqnorm.zero_()
+        return True
+    if N == 0 or dv == 0:
+        if not accumulate:
+            gram.zero_()
+            cross.zero_()
+            sqnorm.zero_()
+        # dv == 0 still has a Gram to compute: only an empty stream has nothing to add.
+        if N == 0:
+            return True
+    return False
+
+
+def _split_outputs(
+    gram: torch.Tensor, cross: torch.Tensor, in_place: bool, nsplit: int, nv_max: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(out_s, out_t, out_sq, in_place) the kernel writes: the accumulators themselves with one split (added into
+    when in_place), else float64 partials [splits, L, ...]; out_sq: a partial ‖Y‖² per split, layer, column block."""
+    L, dk, dv = cross.shape  # gram [L, dk, dk], cross [L, dk, dv]
+    device = gram.device
+    if nsplit == 1:
+        out_s, out_t = gram, cross
+    else:
+        out_s = torch.empty((nsplit, L, dk, dk), dtype=torch.float64, device=device)
+        out_t = torch.empty((nsplit, L, dk, dv), dtype=torch.float64, device=device)
+        in_place = False
+    out_sq = torch.zeros((nsplit, L, nv_max), dtype=torch.float64, device=device)
+    return out_s, out_t, out_sq, in_place
+
+
+def _grid(L: int, dk: int, dv: int, nsplit: int):  # noqa: ANN202 - a launch grid function
+    def grid(meta: dict) -> tuple[int, int, int]:
+        # Tiles of S's upper triangle, tiles of T, and one program per value-column block for ‖Y‖².
+        nk, nv = triton.cdiv(dk, meta["BM"]), triton.cdiv(dv, meta["BM"])
+        return (nk * (nk + 1) // 2 + nk * nv + nv, L, nsplit)
+
+    return grid
+
+
+def _sum_splits(
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    gram: torch.Tensor,
+    cross: torch.Tensor,
+    sqnorm: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    """Sum the kernel's outputs (out_s, out_t, out_sq) over splits into gram, cross (unless the kernel wrote them
+    itself, with one split) and sqnorm: added when accumulating, copied otherwise."""
+    out_s, out_t, out_sq = out
+    nsplit = out_sq.shape[0]
+    if nsplit > 1:
+        # Partials summed in split order (a fixed order: bitwise reproducible), then into the accumulators.
+        total_s, total_t = out_s[0], out_t[0]
+        for k in range(1, nsplit):
+            total_s = total_s + out_s[k]
+            total_t = total_t + out_t[k]
+        if accumulate:
+            gram.add_(total_s)
+            cross.add_(total_t)
+        else:
+            gram.copy_(total_s)
+            cross.copy_(total_t)
+    # Entries past the chosen tile's column-block count stay zero in out_sq.
+    batch_sq = out_sq[0].sum(-1)
+    for k in range(1, nsplit):
+        batch_sq = batch_sq + out_sq[k].sum(-1)
+    if accumulate:
+        sqnorm.add_(batch_sq)
+    else:
+        sqnorm.copy_(batch_sq)
+
+
 def gram_accumulate(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -327,76 +528,25 @@ def gram_accumulate(
 
     Returns (gram, cross, sqnorm), float64.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
-    for name, t in (("keys", keys), ("values", values)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
-            raise ValueError(f"{name}: expected a floating tensor [L, N, d], got {getattr(t, 'shape', type(t))}")
+    keys, values, flush = _checked_inputs(keys, values, scores, mask, precision, flush_rows)
     L, N, dk = keys.shape
     dv = values.shape[-1]
     device = keys.device
-    if values.shape[:2] != (L, N):
-        raise ValueError(f"values: expected shape [{L}, {N}, dv] (the L, N of keys), got {list(values.shape)}")
-    _check("values", values, (L, N, dv), device)
-    _check("scores", scores, (L, N), device)
-    _check("mask", mask, (L, N), device)
-    if keys.dtype != values.dtype:  # one dtype for both dot operands; the promotion is exact
-        common = torch.promote_types(keys.dtype, values.dtype)
-        keys, values = keys.to(common), values.to(common)
-    if precision == "exact16" and keys.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"keys: precision='exact16' needs bfloat16 or float16 keys and values, got {keys.dtype}")
-    flush = FLUSH_ROWS[precision] if flush_rows is None else int(flush_rows)
-    if flush < 1:
-        raise ValueError(f"flush_rows: expected an int >= 1, got {flush_rows!r}")
-    accumulators = {"gram": gram, "cross": cross, "sqnorm": sqnorm}
-    given = [k for k, v in accumulators.items() if v is not None]
-    if given and len(given) != 3:
-        raise ValueError("gram, cross, sqnorm: pass all three accumulators or none")
-    accumulate = bool(given)
-    if accumulate:
-        for name, t, shape in (("gram", gram, (L, dk, dk)), ("cross", cross, (L, dk, dv)), ("sqnorm", sqnorm, (L,))):
-            if t.dtype != torch.float64 or tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
-                raise ValueError(f"{name}: expected a contiguous float64 tensor {list(shape)} on {device}")
-    else:
-        gram = torch.empty((L, dk, dk), dtype=torch.float64, device=device)
-        cross = torch.empty((L, dk, dv), dtype=torch.float64, device=device)
-        sqnorm = torch.empty((L,), dtype=torch.float64, device=device)
-    if L == 0 or dk == 0:
-        if not accumulate:
-            cross.zero_()
-            sqnorm.zero_()
+    gram, cross, sqnorm, accumulate = _accumulators(gram, cross, sqnorm, L, dk, dv, device)
+    if _nothing_to_launch((L, N, dk, dv), gram, cross, sqnorm, accumulate):
         return gram, cross, sqnorm
-    if N == 0 or dv == 0:
-        if not accumulate:
-            gram.zero_()
-            cross.zero_()
-            sqnorm.zero_()
-        if N == 0 or not accumulate:
-            return gram, cross, sqnorm
     nsplit = plan_splits(N, dk, dv, L, device) if splits is None else int(splits)
     if nsplit < 1:
         raise ValueError(f"splits: expected an int >= 1, got {splits!r}")
     rows_per_split = triton.cdiv(N, nsplit)
     block = _configs(precision)[-1].kwargs["BM"]  # the smallest tile: the most column tiles of any configuration
     nv_max = triton.cdiv(dv, block)
-    if nsplit == 1:
-        out_s, out_t, in_place = gram, cross, accumulate
-    else:
-        out_s = torch.empty((nsplit, L, dk, dk), dtype=torch.float64, device=device)
-        out_t = torch.empty((nsplit, L, dk, dv), dtype=torch.float64, device=device)
-        in_place = False
-    out_sq = torch.zeros((nsplit, L, nv_max), dtype=torch.float64, device=device)
+    out_s, out_t, out_sq, in_place = _split_outputs(gram, cross, accumulate, nsplit, nv_max)
     mask_arg = mask.to(torch.int8) if mask is not None else keys  # dummy pointer when absent
     scores_arg = scores if scores is not None else keys
     native16 = keys.dtype in (torch.float16, torch.bfloat16) and not interpreting() and device.type == "cuda"
     tf32_split = keys.dtype in (torch.float32, torch.float64)
-
-    def grid(meta: dict) -> tuple[int, int, int]:
-        # Tiles of S's upper triangle, tiles of T, and one program per value-column block for ‖Y‖².
-        nk, nv = triton.cdiv(dk, meta["BM"]), triton.cdiv(dv, meta["BM"])
-        return (nk * (nk + 1) // 2 + nk * nv + nv, L, nsplit)
-
-    _tuned(precision)[grid](
+    _tuned(precision)[_grid(L, dk, dv, nsplit)](
         keys, values, scores_arg, mask_arg, out_s, out_t, out_sq,
         N, dk, dv, rows_per_split,
         *keys.stride(), *values.stride(),
@@ -406,26 +556,7 @@ def gram_accumulate(
         HAS_SCORES=scores is not None, HAS_MASK=mask is not None, WLS=bool(weighted_least_squares),
         ACCUMULATE=in_place, PRECISION=precision, NATIVE16=native16, TF32_SPLIT=tf32_split, FLUSH_ROWS=flush,
     )  # fmt: skip
-    if nsplit > 1:
-        # Partials summed in split order (a fixed order: bitwise reproducible), then into the accumulators.
-        total_s, total_t = out_s[0], out_t[0]
-        for k in range(1, nsplit):
-            total_s = total_s + out_s[k]
-            total_t = total_t + out_t[k]
-        if accumulate:
-            gram.add_(total_s)
-            cross.add_(total_t)
-        else:
-            gram.copy_(total_s)
-            cross.copy_(total_t)
-    # Entries past the chosen tile's column-block count stay zero in out_sq.
-    batch_sq = out_sq[0].sum(-1)
-    for k in range(1, nsplit):
-        batch_sq = batch_sq + out_sq[k].sum(-1)
-    if accumulate:
-        sqnorm.add_(batch_sq)
-    else:
-        sqnorm.copy_(batch_sq)
+    _sum_splits((out_s, out_t, out_sq), gram, cross, sqnorm, accumulate)
     return gram, cross, sqnorm
 
 

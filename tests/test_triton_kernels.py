@@ -42,6 +42,7 @@ SHAPES = [  # (L, N, dk, dv): odd sizes, N not a multiple of the row block, one-
     (2, 130, 33, 65),
     (1, 0, 7, 4),
     (2, 40, 1, 1),
+    (2, 9, 6, 0),  # no values: the Gram is still KᵀK
 ]
 
 

@@ -325,38 +325,28 @@ class FaastModel(BaseModelDelegate):
 
         Returns LearnStats (tokens, pairs per layer, batches, seconds, tokens_per_second).
         """
-        if input_ids is not None:
-            if inputs is not None:
-                raise ValueError("input_ids: give the batch either as inputs or as input_ids, not both")
-            if not isinstance(input_ids, torch.Tensor):
-                raise TypeError(f"input_ids: expected an int64 tensor [batch, seq], got {_describe(input_ids)}")
-            inputs = input_ids
-        if inputs is None:
-            raise ValueError("inputs: nothing to learn (give input_ids, a text or an iterable of texts or batches)")
+        inputs = _learn_source(inputs, input_ids)
         if isinstance(inputs, torch.Tensor):
-            try:
-                with torch.no_grad():
-                    return self._learn_batch(inputs, attention_mask, labels=labels)
-            finally:
-                self._workspace = None  # the capture buffers live for one learn call
-        if labels is not None:
-            raise ValueError("labels: only valid with an input_ids tensor; a dataset gives them as its labels column")
-        if attention_mask is not None:
-            raise ValueError("attention_mask: only valid with an input_ids tensor; batches carry their own masks")
-        if is_dataset(inputs):
-            inputs = dataset_items(inputs, tokenizer, text_column)
-        elif text_column is not None:
-            raise ValueError(
-                f"text_column: only valid with a datasets.Dataset or IterableDataset, not {_describe(inputs)}"
-            )
-        if isinstance(inputs, str):
-            inputs = [inputs]
-        if isinstance(inputs, Mapping) or (
-            isinstance(inputs, list | tuple) and inputs and all(isinstance(t, int) for t in inputs)
-        ):
-            inputs = [inputs]  # one tokenised batch, or one text as token ids
+            return self._learn_tensor(inputs, attention_mask, labels)
+        inputs = _learn_items(inputs, attention_mask, labels, tokenizer, text_column)
         device = self.base_model.get_input_embeddings().weight.device
         batches = _batches(inputs, tokenizer, max_length, batch_size, device)
+        return self._learn_stream(batches, progress)
+
+    def _learn_tensor(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None
+    ) -> LearnStats:
+        """learn() on one input_ids batch."""
+        try:
+            with torch.no_grad():
+                return self._learn_batch(input_ids, attention_mask, labels=labels)
+        finally:
+            self._workspace = None  # the capture buffers live for one learn call
+
+    def _learn_stream(
+        self, batches: Iterable[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]], progress: bool | None
+    ) -> LearnStats:
+        """learn() on (input_ids, attention_mask, labels) batches, consumed lazily, with an optional progress bar."""
         stats = LearnStats()
         bar = _progress_bar(progress)
         try:
@@ -661,6 +651,47 @@ def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"a {x.dtype} tensor of shape {list(x.shape)}"
     return type(x).__name__
+
+
+def _learn_source(inputs: object, input_ids: object) -> object:
+    """learn()'s inputs, given either positionally or as the input_ids keyword."""
+    if input_ids is not None:
+        if inputs is not None:
+            raise ValueError("input_ids: give the batch either as inputs or as input_ids, not both")
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids: expected an int64 tensor [batch, seq], got {_describe(input_ids)}")
+        inputs = input_ids
+    if inputs is None:
+        raise ValueError("inputs: nothing to learn (give input_ids, a text or an iterable of texts or batches)")
+    return inputs
+
+
+def _learn_items(
+    inputs: object,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    tokenizer: object | None,
+    text_column: str | None,
+) -> Iterable:
+    """learn()'s inputs other than an input_ids tensor as an iterable of items for _batches: a dataset's rows, a
+    single text, token-id list or tokenised batch as a list of one, any other iterable as it is."""
+    if labels is not None:
+        raise ValueError("labels: only valid with an input_ids tensor; a dataset gives them as its labels column")
+    if attention_mask is not None:
+        raise ValueError("attention_mask: only valid with an input_ids tensor; batches carry their own masks")
+    if is_dataset(inputs):
+        inputs = dataset_items(inputs, tokenizer, text_column)
+    elif text_column is not None:
+        raise ValueError(
+            f"text_column: only valid with a datasets.Dataset or IterableDataset, not {_describe(inputs)}"
+        )
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if isinstance(inputs, Mapping) or (
+        isinstance(inputs, list | tuple) and inputs and all(isinstance(t, int) for t in inputs)
+    ):
+        inputs = [inputs]  # one tokenised batch, or one text as token ids
+    return inputs
 
 
 def _batches(
