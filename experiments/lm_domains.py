@@ -64,6 +64,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--train-batch-size", type=int, default=4)
     p.add_argument("--linear-lr", type=float, default=1e-4)
     p.add_argument("--lora-lr", type=float, default=1e-3)
+    p.add_argument("--baselines-from", type=Path, nargs="+", default=[],
+                   help="earlier result JSONs: rows of kNN-LM, LoRA and linear are taken from the first that has the"
+                        " domain with the same zero-shot perplexity (same text, same model) instead of re-run; each"
+                        " such row records the run it came from")  # fmt: skip
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--out", default="lm_domains_smollm2")
     args = p.parse_args(argv)
@@ -294,7 +298,40 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
     for method in ("lora", "linear"):
         if method in args.methods:
             run_backprop(domain, base, layers, method, args)
+    import_baselines(domain, args)
     return domain.payload()
+
+
+BASELINE_PREFIXES = {"knn": "kNN-LM", "lora": "LoRA", "linear": "linear"}
+
+
+def import_baselines(domain: Domain, args: argparse.Namespace) -> None:
+    """Rows of the baselines not run here, from the first earlier run (--baselines-from) that scored the same held-out
+    tokens with the same zero-shot perplexity (rel. 1e-5): the baselines do not depend on FAAST's code, so a row
+    measured there is the row this run would measure, up to timing. Each keeps the provenance of its run."""
+    zero = domain.rows[0]
+    for method, prefix in BASELINE_PREFIXES.items():
+        if method in args.methods:
+            continue
+        for path in args.baselines_from:
+            earlier = json.loads(path.read_text(encoding="utf-8"))
+            match = next((d for d in earlier["domains"] if d["domain"] == domain.name), None)
+            if match is None or match["scored_tokens"] != domain.scored:
+                continue
+            if abs(match["rows"][0]["ppl"] / zero["ppl"] - 1) > 1e-5:
+                earlier_zero = match["rows"][0]["ppl"]
+                raise SystemExit(f"--baselines-from {path}: {domain.name}'s zero-shot perplexity {earlier_zero:.6f}"
+                                 f" differs from this run's {zero['ppl']:.6f}")  # fmt: skip
+            row = next((r for r in match["rows"] if r["method"].startswith(prefix)), None)
+            if row is None:
+                continue
+            source = earlier.get("provenance") or {}
+            domain.rows.append({**{k: v for k, v in row.items() if k != "reduction"}, "imported_from": {
+                "file": path.name, "git_sha": source.get("git_sha"), "date": source.get("date")}})  # fmt: skip
+            if method in match.get("curve", {}):
+                domain.curve[method] = match["curve"][method]
+            print(f"  {domain.name} {row['method']}: ppl {row['ppl']:.3f} (from {path.name})", flush=True)
+            break
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -72,17 +72,22 @@ def _yes(ok: bool) -> str:
 
 def _method_table(rows: list[dict]) -> list[str]:
     return table(["method", "perplexity", "change", "learn s", "score s", "memory added"], [
-        [r["method"], f"{r['ppl']:.3f}", f"{-100 * r['reduction']:+.1f}%", f"{r['learn_s']:.1f}",
+        [r["method"] + (" †" if r.get("imported_from") else ""),
+         f"{r['ppl']:.3f}", f"{-100 * r['reduction']:+.1f}%", f"{r['learn_s']:.1f}",
          f"{r['score_s']:.1f}", f"{r['memory_bytes'] / 2**20:,.2f} MB"] for r in rows])  # fmt: skip
 
 
 def report(payload: dict) -> list[str]:
     mean = averages(payload)
     record = payload.get("provenance")
+    imported = any(r.get("imported_from") for d in payload["domains"] for r in d["rows"])
     lines = [f"# Test-time learning on {len(payload['domains'])} local domains: {payload['model']}", "",
              *([markdown(record), ""] if record else []),
              "Change = perplexity change against zero-shot on the held-out files (negative is better). Every method"
-             " learned the same tokens in the same process.", "",
+             " learned the same tokens in the same process" + (
+                 "; rows marked † were measured on the same text and model by an earlier run"
+                 " (`imported_from` in the JSON: its file, git sha and date; --baselines-from)" if imported else "")
+             + ".", "",
              f"## Goals (averages over the domains; default: {default_label(payload)})", "",
              *table(["goal", "measured", "met"], goals(payload, mean)),
              "", "## Averages", "", *_method_table([{**m, "ppl": float("nan")} for m in mean]).__iter__()]  # fmt: skip

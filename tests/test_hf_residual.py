@@ -141,6 +141,54 @@ def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force(sample,
     assert adapted < base
 
 
+def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(monkeypatch):
+    # Five texts (a repeated phrase at different offsets, 700 pairs) learned two windows per batch; the held-out tail
+    # is the last 140 positions, inside the fifth text, whose 34 earlier positions the fit must leave out too.
+    lengths = (140, 120, 160, 110, 175)
+    phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
+    texts = [phrase.roll(5 * i).repeat(8)[:n].tolist() for i, n in enumerate(lengths)]
+    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=160))
+    model.learn(texts, max_length=200, batch_size=2)
+    layer = model.output_memory_layer
+    layer.folded(torch.device("cpu"), torch.float32)
+    tuning = layer.last_tuning
+    held, gap = 140, 34
+    assert (tuning["held_out_tokens"], tuning["document_gap_tokens"]) == (held, gap)
+    x = torch.zeros((len(texts), max(lengths)), dtype=torch.long)
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    for i, t in enumerate(texts):
+        x[i, : len(t)], mask[i, : len(t)] = torch.tensor(t), True
+    k, y, _, _, mu_gram, mass = reference_statistics(model, x, mask)
+    assert k.shape[0] == sum(lengths) - len(lengths) and tuning["fitted_tokens"] == k.shape[0] - held - gap
+    head = model.base_model.get_output_embeddings().weight.double()
+    kf = k[: -held - gap]
+    rf = head[y[: -held - gap]] - torch.softmax(kf @ head.T, -1) @ head
+    w = newton(kf.T @ kf, kf.T @ rf, float(kf.shape[0]), mu_gram, mass, head, damping=1.0, n_curvature=k.shape[0])
+    z0, z1 = k[-held:] @ head.T, (k[-held:] @ w) @ head.T
+
+    def nll(eta):
+        z = z0 + eta * z1
+        return float((torch.logsumexp(z, -1) - z.gather(-1, y[-held:, None]).squeeze(-1)).mean())
+
+    best = min(torch.linspace(0, 4, 801).tolist(), key=nll)
+    assert tuning["step"] > 0.05
+    assert abs(tuning["step"] - best) <= 0.01 + 0.02 * best
+    # The same tokens as one text: as many positions as the tail holds are left out before it (704 learned: 140 held
+    # out, 140 before them); when that would leave fewer than MIN_FIT_TOKENS to fit on, only the tail is.
+    for min_fit, gap in ((256, 140), (500, 0)):
+        monkeypatch.setattr(output_module, "MIN_FIT_TOKENS", min_fit)
+        one = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=160))
+        one.learn([sum(texts, [])], max_length=200, batch_size=2)
+        one.output_memory_layer.folded(torch.device("cpu"), torch.float32)
+        tuning = one.output_memory_layer.last_tuning
+        assert (tuning["held_out_tokens"], tuning["document_gap_tokens"]) == (140, gap)
+    # A tensor batch's rows have no known documents: the tail alone too.
+    rows = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=160))
+    rows.learn(x, mask)
+    rows.output_memory_layer.folded(torch.device("cpu"), torch.float32)
+    assert rows.output_memory_layer.last_tuning["document_gap_tokens"] == 0
+
+
 def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tuned():
     # Random tokens: nothing to learn, so the held-out loss rises with any step and η = 0 keeps the base model.
     model = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=0))

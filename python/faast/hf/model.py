@@ -94,6 +94,7 @@ class FaastModel(BaseModelDelegate):
         blocks = get_submodule(base_model, target.blocks, "transformer blocks")
         final_norm = get_submodule(base_model, target.final_norm, "final norm")
         self._backbone_path = target.backbone
+        self._documents = 0  # texts learned so far: numbers each window's document (the output layer's step tuning)
         get_submodule(base_model, target.backbone, "decoder backbone")
         hidden = int(base_model.config.hidden_size)
         embeddings = base_model.get_input_embeddings()
@@ -242,6 +243,7 @@ class FaastModel(BaseModelDelegate):
         *,
         labels: torch.Tensor | None = None,
         differentiable: bool = False,
+        documents: torch.Tensor | None = None,
     ) -> LearnStats:
         input_ids, mask = _check_batch(input_ids, attention_mask, self.base_model)
         started = time.perf_counter()
@@ -281,7 +283,7 @@ class FaastModel(BaseModelDelegate):
                 for layer in self.memory_layers.values():
                     layer.add_step_cross(step[layer.slot])
         if context.output_rows is not None and isinstance(self.output_memory_layer, ResidualOutputLayer):
-            self.output_memory_layer.learn(context.output_rows[0], targets, pair_mask)
+            self.output_memory_layer.learn(context.output_rows[0], targets, pair_mask, documents)
         elif context.output_rows is not None:
             self.output_memory_layer.memory.update(*context.output_rows, mask=pair_mask)
         # One host sync for both counts.
@@ -344,15 +346,23 @@ class FaastModel(BaseModelDelegate):
             self._workspace = None  # the capture buffers live for one learn call
 
     def _learn_stream(
-        self, batches: Iterable[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]], progress: bool | None
+        self,
+        batches: Iterable[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[int] | None]],
+        progress: bool | None,
     ) -> LearnStats:
-        """learn() on (input_ids, attention_mask, labels) batches, consumed lazily, with an optional progress bar."""
+        """learn() on (input_ids, attention_mask, labels, documents) batches, consumed lazily, with an optional
+        progress bar."""
         stats = LearnStats()
         bar = _progress_bar(progress)
+        # Document numbers continue across learn() calls, so a later call's texts never share one with earlier ones.
+        first = self._documents
         try:
             with torch.no_grad():
-                for ids, mask, batch_labels in batches:
-                    learned = self._learn_batch(ids, mask, labels=batch_labels)
+                for ids, mask, batch_labels, documents in batches:
+                    if documents is not None:  # host ints: numbering them costs no device sync
+                        self._documents = first + documents[-1] + 1
+                        documents = torch.tensor(documents, dtype=torch.long, device=ids.device) + first
+                    learned = self._learn_batch(ids, mask, labels=batch_labels, documents=documents)
                     stats += learned
                     if bar is not None:
                         bar.update(learned.tokens)
@@ -696,9 +706,10 @@ def _learn_items(
 
 def _batches(
     inputs: Iterable, tokenizer: object | None, max_length: int, batch_size: int, device: torch.device | None = None
-) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
-    """(input_ids, attention_mask, labels or None) batches from texts, id lists, LabelledIds, id tensors or tokenised
-    mappings, lazily.
+) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[int] | None]]:
+    """(input_ids, attention_mask, labels or None, documents or None) batches from texts, id lists, LabelledIds, id
+    tensors or tokenised mappings, lazily. documents (B ints) are the index in `inputs` of the text each window was
+    cut from (None for a tensor or a mapping: their rows' documents are not known).
 
     Batches built here from texts or token-id lists are put on `device` (the model's); tensors the caller passes keep
     their device, so a mismatch is reported by the batch check rather than copied silently."""
@@ -719,10 +730,11 @@ def _batches(
                 built(item["input_ids"]),
                 (None if item.get("attention_mask") is None else built(item["attention_mask"])),
                 None,
+                None,
             )
             continue
         if isinstance(item, torch.Tensor):
-            yield item, None, None
+            yield item, None, None, None
             continue
         labels = None
         if isinstance(item, str):
@@ -741,7 +753,7 @@ def _batches(
         # Labels are cut into the same windows as the ids: both have the same length.
         label_windows = overlapping_windows(labels, max_length) if labels is not None else None
         for window in overlapping_windows(ids, max_length):
-            pending.append((window, None if label_windows is None else next(label_windows)))
+            pending.append((window, None if label_windows is None else next(label_windows), n))
             if len(pending) == batch_size:
                 yield _padded(pending, device)
                 pending = []
@@ -750,16 +762,17 @@ def _batches(
 
 
 def _padded(
-    windows: list[tuple[list[int], list[int] | None]], device: torch.device | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(input_ids, attention_mask, labels or None) [B, T] from windows, right padded; labels are padded with -100 and
-    are the ids themselves for a window without labels (every pair learned), or None when no window has any."""
-    ids, mask = pad_rows([w for w, _ in windows])
+    windows: list[tuple[list[int], list[int] | None, int]], device: torch.device | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
+    """(input_ids, attention_mask, labels or None) [B, T] and the rows' documents (a list of B ints) from (window,
+    labels, document) triples, right padded; labels are padded with -100 and are the ids themselves for a window
+    without labels (every pair learned), or None when no window has any."""
+    ids, mask = pad_rows([w for w, _, _ in windows])
     labels = None
-    if any(lab is not None for _, lab in windows):
-        labels, _ = pad_rows([w if lab is None else lab for w, lab in windows], pad_id=-100)
+    if any(lab is not None for _, lab, _ in windows):
+        labels, _ = pad_rows([w if lab is None else lab for w, lab, _ in windows], pad_id=-100)
         labels = labels.to(device)
-    return ids.to(device), mask.to(device), labels
+    return ids.to(device), mask.to(device), labels, [doc for _, _, doc in windows]
 
 
 def _progress_bar(progress: bool | None):  # noqa: ANN202 - tqdm or None

@@ -12,8 +12,10 @@ learned tokens for a linear correction h̃W, with a Kronecker-factored curvature
 S⁺T alone is the gradient step, the Fisher whitens it so that directions where the logits are sensitive move
 less. The step η is chosen from the learned stream itself: the last HELD_OUT_SHARE of the learned positions (at
 most `tune_tokens`) are held out, the weights are fitted on the rest (statistics subtract exactly) and η minimises
-the held-out NLL, which is convex in η (a bracketed 1-D Newton search); then the full statistics are used. All state
-has a fixed size: three d×d sums, a V-vector and a `tune_tokens`-position buffer.
+the held-out NLL, which is convex in η (a bracketed 1-D Newton search); then the full statistics are used. When the
+learned stream is several documents, the fit also leaves out the held-out tail's document just before it (up to as
+many positions as the tail), so that η is tuned on text unlike what was fitted. All state has a fixed size: three d×d
+sums, a V-vector and a 2·`tune_tokens`-position buffer.
 
 Measured on five local domains (benchmarks and choices: experiments/lm_domains.py, docs/design.md §6.3).
 """
@@ -108,13 +110,22 @@ class ResidualOutputLayer(nn.Module):
     # ------------------------------------------------------------------ learning
 
     @torch.no_grad()
-    def learn(self, hidden: torch.Tensor, targets: torch.Tensor, pair_mask: torch.Tensor) -> None:
+    def learn(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        pair_mask: torch.Tensor,
+        documents: torch.Tensor | None = None,
+    ) -> None:
         """Add the positions of hidden [B, T, d] (the final norm's output) that predict targets [B, T-1] (the next
-        token ids) where pair_mask [B, T-1] is True."""
+        token ids) where pair_mask [B, T-1] is True. documents [B] int64: which document each row belongs to,
+        non-decreasing along the stream (-1 or None: unknown); the step tuning holds out whole documents with it."""
         keys = hidden[:, :-1]
         if targets.shape != keys.shape[:-1] or pair_mask.shape != targets.shape:
             raise ValueError(f"targets, pair_mask: expected shape {tuple(keys.shape[:-1])}, got "
                              f"{tuple(targets.shape)} and {tuple(pair_mask.shape)}")  # fmt: skip
+        if documents is not None and documents.shape != keys.shape[:1]:
+            raise ValueError(f"documents: expected shape {tuple(keys.shape[:1])}, got {tuple(documents.shape)}")
         grads, mean_gram, prob_sum = self._gradients(keys, targets, pair_mask)
         k = keys if keys.dtype == torch.float64 else keys.float()
         self.memory.update(k, grads.to(k.dtype), mask=pair_mask)
@@ -127,12 +138,22 @@ class ResidualOutputLayer(nn.Module):
             memory.count.add_(positions.to(memory.count.dtype))
             memory._changed()
         if self.tune_tokens:
-            # The last tune_tokens positions, masked ones included (selecting the kept ones here would cost a host
-            # sync per batch on a GPU); the mask is applied when the step is tuned.
-            new = (keys.reshape(-1, keys.shape[-1]).float(), targets.reshape(-1), pair_mask.reshape(-1))
-            if self._tail:
-                new = tuple(torch.cat([old, part]) for old, part in zip(self._tail[0], new, strict=True))
-            self._tail = [tuple(t[-self.tune_tokens :] for t in new)]
+            self._keep_tail(keys, targets, pair_mask, documents)
+
+    def _keep_tail(self, keys, targets, pair_mask, documents) -> None:  # noqa: ANN001 - learn's tensors
+        """Keep the last 2·tune_tokens learned positions (states, targets, documents): the held-out tail and, before
+        it, the positions of its first document the fit must leave out too. Only learned positions are kept: with
+        right-padded batches the last positions of a batch are often padding (selecting them costs a host sync, as
+        the learn step's own counts do)."""
+        d = keys.shape[-1]
+        docs = torch.full(keys.shape[:2], -1, dtype=torch.long, device=keys.device)
+        if documents is not None:
+            docs = docs.copy_(documents.to(torch.long)[:, None].expand_as(docs))
+        keep = pair_mask.reshape(-1)
+        new = (keys.reshape(-1, d)[keep].float(), targets.reshape(-1)[keep], docs.reshape(-1)[keep])
+        if self._tail:
+            new = tuple(torch.cat([old, part]) for old, part in zip(self._tail[0], new, strict=True))
+        self._tail = [tuple(t[-2 * self.tune_tokens :] for t in new)]
 
     def _gradients(
         self, keys: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
@@ -181,15 +202,27 @@ class ResidualOutputLayer(nn.Module):
 
     def _tail_statistics(self, held: int) -> tuple[torch.Tensor, ...]:
         """(keys [n, d] and targets [n] of at most TUNE_SAMPLE positions spread over the last `held` learned positions;
-        the S, T and count of all `held`)."""
-        keys, ys, keep = self._tail[0]
-        keys, ys = keys[keep][-held:], ys[keep][-held:]
-        every = torch.ones_like(ys, dtype=torch.bool)[None]
-        grads, _, _ = self._gradients(keys[None], ys[None], every)
-        k64, g64 = keys.double(), grads[0].double()
-        count = torch.tensor(float(held), dtype=torch.float64, device=keys.device)
+        the S, T and count of the positions the fit leaves out; how many of those precede the tail).
+
+        Left out: the `held` tail positions and, when the first of them belongs to a known document that started
+        earlier, up to `held` positions of that document just before the tail, as long as MIN_FIT_TOKENS remain
+        to fit on. Text next to the tail in the same document shares its names and phrasing, so a fit that saw it
+        rewards a larger step than text of another document would (docs/design.md §6.3)."""
+        keys, ys, docs = self._tail[0]
+        first = int(docs[-held])
+        gap = 0
+        if first >= 0:
+            before = docs[max(0, docs.shape[0] - 2 * held) : -held]
+            gap = int((before == first).sum())  # the document's positions are contiguous: the last `gap` of them
+            if int(self.memory.count) - held - gap < MIN_FIT_TOKENS:
+                gap = 0  # one document (nearly) all along: the tail alone is held out
+        out_k, out_y = keys[-held - gap :], ys[-held - gap :]
+        every = torch.ones_like(out_y, dtype=torch.bool)[None]
+        grads, _, _ = self._gradients(out_k[None], out_y[None], every)
+        k64, g64 = out_k.double(), grads[0].double()
+        count = torch.tensor(float(held + gap), dtype=torch.float64, device=keys.device)
         sample = torch.linspace(0, held - 1, min(held, TUNE_SAMPLE), device=keys.device).round().long()
-        return keys[sample], ys[sample], k64.T @ k64, k64.T @ g64, count
+        return keys[-held:][sample], ys[-held:][sample], k64.T @ k64, k64.T @ g64, count, gap
 
     def _tune(self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor) -> tuple[float, list[tuple[float, float]]]:
         """The step η >= 0 minimising the mean NLL of targets ys [n] from logits z0 + η·z1 (z1 the logits' change for
@@ -239,7 +272,7 @@ class ResidualOutputLayer(nn.Module):
         """Positions the step is tuned on: the last HELD_OUT_SHARE of what was learned, at most tune_tokens (0 when
         too little text was learned, or after a load: the tail is learning state of this process)."""
         learned = int(self.memory.count)
-        kept = int(self._tail[0][-1].sum()) if self._tail else 0
+        kept = self._tail[0][0].shape[0] if self._tail else 0
         held = min(kept, self.tune_tokens, int(learned * HELD_OUT_SHARE))
         return held if held >= MIN_HELD_OUT and learned - held >= MIN_FIT_TOKENS else 0
 
@@ -251,7 +284,7 @@ class ResidualOutputLayer(nn.Module):
             _log.info("faast: output layer: too little text to tune the step; using %s", self.default_step)
             self.last_tuning = {"step": self.default_step, "tuned": False}
             return self.default_step
-        keys, ys, s_tail, t_tail, n_tail = self._tail_statistics(held)
+        keys, ys, s_tail, t_tail, n_tail, gap = self._tail_statistics(held)
         memory = self.memory
         dt = memory.gram.dtype
         # Fitted without the held-out positions: their statistics subtract exactly. The curvature keeps them: it
@@ -259,8 +292,8 @@ class ResidualOutputLayer(nn.Module):
         w = self._newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
                          curvature)  # fmt: skip
         eta, trace = self._tune(keys, ys, w)
-        self.last_tuning = {"step": eta, "tuned": True, "held_out_tokens": held,
-                            "fitted_tokens": int(memory.count) - held, "held_out_nll": trace}  # fmt: skip
+        self.last_tuning = {"step": eta, "tuned": True, "held_out_tokens": held, "document_gap_tokens": gap,
+                            "fitted_tokens": int(memory.count) - held - gap, "held_out_nll": trace}  # fmt: skip
         return eta
 
     def folded(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
@@ -286,5 +319,6 @@ class ResidualOutputLayer(nn.Module):
         return hidden if m is None else ops.residual_project(hidden, m)
 
     def tail_capacity_bytes(self) -> int:
-        """Bytes the held-out tail takes when full (tune_tokens positions: float32 states, int64 ids, bool mask)."""
-        return self.tune_tokens * (self.memory.dim_key * 4 + 8 + 1)
+        """Bytes the held-out buffer takes when full: 2·tune_tokens positions (float32 states, int64 ids and
+        documents)."""
+        return 2 * self.tune_tokens * (self.memory.dim_key * 4 + 8 + 8)
