@@ -307,8 +307,9 @@ BASELINE_PREFIXES = {"knn": "kNN-LM", "lora": "LoRA", "linear": "linear"}
 
 def import_baselines(domain: Domain, args: argparse.Namespace) -> None:
     """Rows of the baselines not run here, from the first earlier run (--baselines-from) that scored the same held-out
-    tokens with the same zero-shot perplexity (rel. 1e-5): the baselines do not depend on FAAST's code, so a row
-    measured there is the row this run would measure, up to timing. Each keeps the provenance of its run."""
+    tokens with the same zero-shot perplexity (rel. 1e-4; runs differ by ~1e-5 in float32 sums): the baselines do not
+    depend on FAAST's code, so a row measured there is the row this run would measure, up to timing. Each keeps the
+    provenance of its run."""
     zero = domain.rows[0]
     for method, prefix in BASELINE_PREFIXES.items():
         if method in args.methods:
@@ -318,14 +319,14 @@ def import_baselines(domain: Domain, args: argparse.Namespace) -> None:
             match = next((d for d in earlier["domains"] if d["domain"] == domain.name), None)
             if match is None or match["scored_tokens"] != domain.scored:
                 continue
-            if abs(match["rows"][0]["ppl"] / zero["ppl"] - 1) > 1e-5:
+            if abs(match["rows"][0]["ppl"] / zero["ppl"] - 1) > 1e-4:
                 earlier_zero = match["rows"][0]["ppl"]
                 raise SystemExit(f"--baselines-from {path}: {domain.name}'s zero-shot perplexity {earlier_zero:.6f}"
                                  f" differs from this run's {zero['ppl']:.6f}")  # fmt: skip
             row = next((r for r in match["rows"] if r["method"].startswith(prefix)), None)
             if row is None:
                 continue
-            source = earlier.get("provenance") or {}
+            source = earlier.get("provenance") or earlier.get("header") or {}
             domain.rows.append({**{k: v for k, v in row.items() if k != "reduction"}, "imported_from": {
                 "file": path.name, "git_sha": source.get("git_sha"), "date": source.get("date")}})  # fmt: skip
             if method in match.get("curve", {}):

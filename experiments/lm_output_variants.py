@@ -211,6 +211,8 @@ def doc_aware(layer, scorer, cap: float | None = None):  # noqa: ANN001, ANN201
 VARIANTS = {
     "docaware": doc_aware,
     "docaware_cap1": lambda layer, scorer: doc_aware(layer, scorer, cap=1.0),
+    "docaware_cap2": lambda layer, scorer: doc_aware(layer, scorer, cap=2.0),
+    "docaware_cap3": lambda layer, scorer: doc_aware(layer, scorer, cap=3.0),
     "shipped": shipped,
     "oracle": oracle,
     "shrink90": shrunk(0.9),

@@ -141,9 +141,12 @@ def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force(sample,
     assert adapted < base
 
 
-def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(monkeypatch):
+@pytest.mark.parametrize("multiple", [1, 2])
+def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(multiple, monkeypatch):
     # Five texts (a repeated phrase at different offsets, 700 pairs) learned two windows per batch; the held-out tail
-    # is the last 140 positions, inside the fifth text, whose 34 earlier positions the fit must leave out too.
+    # is the last 140 positions, inside the fifth text, whose 34 earlier positions the fit must leave out too (the
+    # buffer holds them for either gap multiple).
+    monkeypatch.setattr(output_module, "GAP_MULTIPLE", multiple)
     lengths = (140, 120, 160, 110, 175)
     phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
     texts = [phrase.roll(5 * i).repeat(8)[:n].tolist() for i, n in enumerate(lengths)]
@@ -173,8 +176,9 @@ def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(monkey
     best = min(torch.linspace(0, 4, 801).tolist(), key=nll)
     assert tuning["step"] > 0.05
     assert abs(tuning["step"] - best) <= 0.01 + 0.02 * best
-    # The same tokens as one text: as many positions as the tail holds are left out before it (704 learned: 140 held
-    # out, 140 before them); when that would leave fewer than MIN_FIT_TOKENS to fit on, only the tail is.
+    # The same tokens as one text: GAP_MULTIPLE times as many positions as the tail holds are left out before it (704
+    # learned: 140 held out); when that would leave fewer than MIN_FIT_TOKENS to fit on, only the tail is.
+    monkeypatch.setattr(output_module, "GAP_MULTIPLE", 1)
     for min_fit, gap in ((256, 140), (500, 0)):
         monkeypatch.setattr(output_module, "MIN_FIT_TOKENS", min_fit)
         one = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=160))

@@ -13,9 +13,9 @@ S⁺T alone is the gradient step, the Fisher whitens it so that directions where
 less. The step η is chosen from the learned stream itself: the last HELD_OUT_SHARE of the learned positions (at
 most `tune_tokens`) are held out, the weights are fitted on the rest (statistics subtract exactly) and η minimises
 the held-out NLL, which is convex in η (a bracketed 1-D Newton search); then the full statistics are used. When the
-learned stream is several documents, the fit also leaves out the held-out tail's document just before it (up to as
-many positions as the tail), so that η is tuned on text unlike what was fitted. All state has a fixed size: three d×d
-sums, a V-vector and a 2·`tune_tokens`-position buffer.
+learned stream is several documents, the fit also leaves out the held-out tail's document just before it (up to
+GAP_MULTIPLE times as many positions as the tail), so that η is tuned on text unlike what was fitted. All state has a
+fixed size: three d×d sums, a V-vector and a (1 + GAP_MULTIPLE)·`tune_tokens`-position buffer.
 
 Measured on five local domains (benchmarks and choices: experiments/lm_domains.py, docs/design.md §6.3).
 """
@@ -47,6 +47,9 @@ MIN_FIT_TOKENS = 256
 # the held-out span (the fit still leaves out all of it): bounds the cost of the [n, V] logits. A longer span is not
 # better by default: 8192 chose a better step than 2048 on one domain and a worse one on another (docs/design.md §6.3).
 TUNE_SAMPLE = 2048
+# The fit that tunes the step also leaves out up to GAP_MULTIPLE × (held-out positions) of the tail's document just
+# before the tail: nearby text of the same document shares its names and phrasing (docs/design.md §6.3).
+GAP_MULTIPLE = 2
 _CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
 
 
@@ -141,10 +144,10 @@ class ResidualOutputLayer(nn.Module):
             self._keep_tail(keys, targets, pair_mask, documents)
 
     def _keep_tail(self, keys, targets, pair_mask, documents) -> None:  # noqa: ANN001 - learn's tensors
-        """Keep the last 2·tune_tokens learned positions (states, targets, documents): the held-out tail and, before
-        it, the positions of its first document the fit must leave out too. Only learned positions are kept: with
-        right-padded batches the last positions of a batch are often padding (selecting them costs a host sync, as
-        the learn step's own counts do)."""
+        """Keep the last (1 + GAP_MULTIPLE)·tune_tokens learned positions (states, targets, documents): the held-out
+        tail and, before it, the positions of its first document the fit must leave out too. Only learned positions
+        are kept: with right-padded batches the last positions of a batch are often padding (selecting them costs a
+        host sync, as the learn step's own counts do)."""
         d = keys.shape[-1]
         docs = torch.full(keys.shape[:2], -1, dtype=torch.long, device=keys.device)
         if documents is not None:
@@ -153,7 +156,7 @@ class ResidualOutputLayer(nn.Module):
         new = (keys.reshape(-1, d)[keep].float(), targets.reshape(-1)[keep], docs.reshape(-1)[keep])
         if self._tail:
             new = tuple(torch.cat([old, part]) for old, part in zip(self._tail[0], new, strict=True))
-        self._tail = [tuple(t[-2 * self.tune_tokens :] for t in new)]
+        self._tail = [tuple(t[-(1 + GAP_MULTIPLE) * self.tune_tokens :] for t in new)]
 
     def _gradients(
         self, keys: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
@@ -205,14 +208,14 @@ class ResidualOutputLayer(nn.Module):
         the S, T and count of the positions the fit leaves out; how many of those precede the tail).
 
         Left out: the `held` tail positions and, when the first of them belongs to a known document that started
-        earlier, up to `held` positions of that document just before the tail, as long as MIN_FIT_TOKENS remain
-        to fit on. Text next to the tail in the same document shares its names and phrasing, so a fit that saw it
-        rewards a larger step than text of another document would (docs/design.md §6.3)."""
+        earlier, up to GAP_MULTIPLE·`held` positions of that document just before the tail, as long as MIN_FIT_TOKENS
+        remain to fit on. Text next to the tail in the same document shares its names and phrasing, so a fit that saw
+        it rewards a larger step than text of another document would (docs/design.md §6.3)."""
         keys, ys, docs = self._tail[0]
         first = int(docs[-held])
         gap = 0
         if first >= 0:
-            before = docs[max(0, docs.shape[0] - 2 * held) : -held]
+            before = docs[max(0, docs.shape[0] - (1 + GAP_MULTIPLE) * held) : -held]
             gap = int((before == first).sum())  # the document's positions are contiguous: the last `gap` of them
             if int(self.memory.count) - held - gap < MIN_FIT_TOKENS:
                 gap = 0  # one document (nearly) all along: the tail alone is held out
@@ -319,6 +322,6 @@ class ResidualOutputLayer(nn.Module):
         return hidden if m is None else ops.residual_project(hidden, m)
 
     def tail_capacity_bytes(self) -> int:
-        """Bytes the held-out buffer takes when full: 2·tune_tokens positions (float32 states, int64 ids and
-        documents)."""
-        return 2 * self.tune_tokens * (self.memory.dim_key * 4 + 8 + 8)
+        """Bytes the held-out buffer takes when full: (1 + GAP_MULTIPLE)·tune_tokens positions (float32 states, int64
+        ids and documents)."""
+        return (1 + GAP_MULTIPLE) * self.tune_tokens * (self.memory.dim_key * 4 + 8 + 8)
