@@ -305,16 +305,27 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append(row)
                 print(f"{name:>15} {amount:>6} {variant:>11}: {100 * row['change']:+6.1f}%  step {step}  "
                       f"({solve_s:.1f} s)", flush=True)  # fmt: skip
-    payload = {"model": description, "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
+    payload = {"model": description, "settings": settings, "rows": rows}
     markdown = table(rows, chosen)
     provenance.write(args.results_dir / args.out, provenance.finish(record), payload,
                      "Residual output layer: variants on cached states", markdown)  # fmt: skip
     return payload
 
 
+LEGEND = [
+    "Variants (docs/design.md §6.3): `shipped` tunes η on the held-out tail with the rest of the stream fitted;"
+    " `docaware` also leaves out of that fit the whole earlier part of the document the tail starts in;"
+    " `docaware_capK` leaves out at most K times the tail's size of it; `shrinkF` cuts the tuned η to the smallest"
+    " step with F of the tail's best gain; `ridge` chooses a ridge with η on the tail; `dampingX` sets the curvature"
+    " damping; `oracle` tunes η on the held-out files themselves (not a method: the headroom of any step rule).",
+    "",
+]
+
+
 def table(rows: list[dict], variants: list[str]) -> list[str]:
     domains = list(dict.fromkeys(r["domain"] for r in rows))
-    lines = []
+    lines = list(LEGEND)
     for amount in sorted({r["tokens"] for r in rows}):
         lines += [f"## {amount} tokens learned (perplexity change vs zero-shot)", "",
                   "| variant | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]  # fmt: skip
