@@ -15,7 +15,7 @@ the fast-weight state against what storing the keys would cost, and a generation
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -165,15 +165,20 @@ def _show_generations(model: object, tokenizer: object, prompt: list[int], new_t
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the demo; returns (and with --json writes) its numbers: perplexities, times, state sizes."""
+    from .. import provenance
+
     args = _parse(argv)
+    record = provenance.start(argv=["-m", "faast.demo", *(sys.argv[1:] if argv is None else argv)])
     torch.manual_seed(0)
     print("faast demo: a frozen LM learns a new text domain at test time (closed-form fast weights)\n")
     model, tokenizer = _load_model(args)
     learn_ids, eval_windows = _load_domain(args, tokenizer)
     result = _learn_and_score(model, args, learn_ids, eval_windows)
     _show_generations(model, tokenizer, eval_windows[0][:48], args.generate)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.json:  # with the run's provenance (git sha, versions, device, load, command), written atomically
+        from ..persist import write_text_atomic
+
+        write_text_atomic(Path(args.json), provenance.to_json(result, provenance.finish(record)))
     return result
 
 
