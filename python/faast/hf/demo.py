@@ -134,7 +134,7 @@ def _learn_and_score(model: object, args: argparse.Namespace, learn_ids: list[li
     keys_bf16 = stats.pairs * layers * cfg.hidden_size * 2 * 2  # keys + values, bf16, as the authors' bank holds them
     print(f"learned    {n_learn:,} tokens in {stats.seconds:.1f} s ({n_learn / stats.seconds:,.0f} tokens/s), "
           f"forward passes only, no gradient; solved in {solve_s:.1f} s")  # fmt: skip
-    print(f"state      fast-weight statistics {_mb(state)} (float64, fixed whatever the token count); storing "
+    print(f"state      {_mb(state)} learned (statistics and buffers, fixed whatever the token count); storing "
           f"the keys and values would take {_mb(keys_bf16)} in bf16 and grow with every token")  # fmt: skip
     return {
         "package": args.package,
