@@ -70,7 +70,10 @@ def test_lm_demo_steps_on_a_tiny_model(monkeypatch, tmp_path, capsys):
             "--json", str(out)]  # fmt: skip
     result = demo.main(argv)
     text = capsys.readouterr().out
-    assert json.loads(out.read_text()) == result  # floats round-trip through JSON exactly
+    saved = json.loads(out.read_text())
+    record = saved.pop("provenance")  # faast.provenance's record of the run
+    assert record["command"].startswith("python -m faast.demo --package json --learn-tokens 600") and "torch" in record
+    assert saved == result  # floats round-trip through JSON exactly
     assert result["package"] == "json" and result["learn_tokens"] == 600
     assert math.isclose(result["ppl_before"], base, rel_tol=1e-6)  # an empty memory is a no-op
     assert result["ppl_after"] != result["ppl_before"]
