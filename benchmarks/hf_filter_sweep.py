@@ -11,6 +11,7 @@ that is not the demo's, so the demo's number is not tuned on its own test text.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -19,7 +20,6 @@ import _harness as H  # noqa: E402
 
 H.add_source_path()
 
-import torch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -46,21 +46,18 @@ def main(argv: list[str] | None = None) -> dict:
     base = perplexity(model, windows).ppl
     model.learn(learn, max_length=512, batch_size=4)
     middle = list(model.memory_layers.values())
-    readouts = [layer.readout.weight.detach().clone() for layer in middle]
-    output = model.output_memory_layer
     rows, records = [], []
+    # The filter being chosen is the middle layers' (the residual output layer has its own, output_alpha); each row
+    # also scores the middle layers alone and the output layer alone, by disabling the other part.
+    parts = (("both", None), ("middle", "output"), ("output", "middle"))
     for text in args.alphas.split(","):
         alpha = text if text == "auto" else float(text)
-        for layer in model.faast_layers():
+        for layer in middle:
             layer.memory.alpha = alpha
         result = {"alpha": alpha}
-        for name, use_middle, use_output in (("both", True, True), ("middle", True, False), ("output", False, True)):
-            with torch.no_grad():
-                for layer, w in zip(middle, readouts, strict=True):
-                    layer.readout.weight.copy_(w if use_middle else torch.zeros_like(w))
-            if output is not None:
-                output.mix = model.faast_config.output_mix if use_output else 0.0
-            result[name] = perplexity(model, windows).ppl
+        for name, disabled in parts:
+            with model.disable_faast(disabled) if disabled else contextlib.nullcontext():
+                result[name] = perplexity(model, windows).ppl
         records.append(result)
         rows.append(
             [str(alpha)]
