@@ -122,7 +122,8 @@ class ResidualOutputLayer(nn.Module):
     ) -> None:
         """Add the positions of hidden [B, T, d] (the final norm's output) that predict targets [B, T-1] (the next
         token ids) where pair_mask [B, T-1] is True. documents [B] int64: which document each row belongs to,
-        non-decreasing along the stream (-1 or None: unknown); the step tuning holds out whole documents with it."""
+        non-decreasing along the stream (-1 or None: unknown); the step tuning uses it to leave the text just before
+        the held-out tail out of its fit when both come from one document."""
         keys = hidden[:, :-1]
         if targets.shape != keys.shape[:-1] or pair_mask.shape != targets.shape:
             raise ValueError(f"targets, pair_mask: expected shape {tuple(keys.shape[:-1])}, got "
