@@ -158,6 +158,29 @@ def ridge_joint(grid: tuple[float, ...]):  # noqa: ANN201
     return variant
 
 
+def ridge_per_token(c: float):  # noqa: ANN201
+    """A ridge that fades with the text learned: μ = c·d/N (relative to the keys' mean eigenvalue), a prior worth
+    c·d positions; η tuned on the held-out tail with the fit's own μ (c·d/N_fit)."""
+
+    def variant(layer, scorer):  # noqa: ANN001, ANN202
+        import torch
+
+        curvature = layer._curvature()
+        held = layer.held_out_positions()
+        mem = layer.memory
+        if not held:
+            return None, None
+        d = mem.gram.shape[-1]
+        keys, ys, s_tail, t_tail, n_tail, _ = layer._tail_statistics(held)
+        n_fit = float(mem.count - n_tail)
+        w = ridge_newton(mem.gram - s_tail, mem.cross - t_tail, curvature, c * d / n_fit)
+        eta, _ = layer._tune(keys, ys, w)
+        w = ridge_newton(mem.gram, mem.cross, curvature, c * d / float(mem.count))
+        return (eta * w).to(torch.float32), f"{eta:.3f}"
+
+    return variant
+
+
 def ridge_newton(gram, cross, curvature, mu: float):  # noqa: ANN001, ANN201
     import torch
 
@@ -220,6 +243,9 @@ VARIANTS = {
     "shrink50": shrunk(0.5),
     "ridge": ridge_joint((0.0, 1e-3, 1e-2, 1e-1, 1.0)),
     "damping0.3": damping(0.3),
+    "ridgeN0.25": ridge_per_token(0.25),
+    "ridgeN1": ridge_per_token(1.0),
+    "ridgeN4": ridge_per_token(4.0),
     "damping3": damping(3.0),
 }
 
@@ -244,15 +270,16 @@ def add_tail_helpers(layer) -> None:  # noqa: ANN001
     layer._tail_nll = tail_nll
 
 
-def doc_starts(name: str, tokenizer, positions: int) -> list[int]:  # noqa: ANN001
-    """First position of each learned document in the cached stream (each text of n tokens gives n - 1 positions)."""
+def doc_starts(name: str, tokenizer, positions: int, budget: int) -> list[int]:  # noqa: ANN001
+    """First position of each learned document in the cached stream (each text of n tokens gives n - 1 positions);
+    `budget` is the token count the cache was made with (its --learn-tokens)."""
     from lm_output_states import domain_texts
 
     from faast.hf._tokens import token_lists
 
     learn_texts, _ = domain_texts(name)
     starts, at = [], 0
-    for ids in token_lists(learn_texts, tokenizer, 32768):
+    for ids in token_lists(learn_texts, tokenizer, budget):
         starts.append(at)
         at += len(ids) - 1
     assert at == positions, (name, at, positions)
@@ -284,7 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
         scorer = Scorer(head, hidden, ys)
         layer = layer_for(head, keys.shape[1], head.weight.shape[0])
         layer._all_keys, layer._all_targets = keys, targets
-        layer._doc_starts = doc_starts(name, tokenizer, len(targets))
+        budget = int(data["settings"].get("learn_tokens", 32768))
+        layer._doc_starts = doc_starts(name, tokenizer, len(targets), budget)
         done = 0
         for amount in curve:
             amount = min(amount, len(targets))

@@ -193,6 +193,28 @@ def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(multip
     assert rows.output_memory_layer.last_tuning["document_gap_tokens"] == 0
 
 
+@pytest.mark.parametrize(("per_dim", "tuned"), [(16, True), (18, False)])
+def test_the_step_is_tuned_only_on_a_fit_of_at_least_fit_per_key_dim_positions_per_key_dimension(
+    per_dim, tuned, monkeypatch
+):
+    # 704 learned positions of one text, 140 held out: 564 left to fit. With d = 32, 16 per dimension (512) allows
+    # tuning, but no gap (the 140 positions before the tail would leave 424); 18 per dimension (576) does not.
+    monkeypatch.setattr(output_module, "FIT_PER_KEY_DIM", per_dim)
+    phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
+    text = phrase.repeat(40)[:705].tolist()
+    config = FaastConfig(num_layers=0, output_tune_tokens=160, output_default_step=0.03)
+    model = apply_faast(tiny_model("llama"), config)
+    model.learn([text], max_length=200, batch_size=2)
+    layer = model.output_memory_layer
+    assert layer.memory.dim_key == 32 and int(layer.memory.count) == 704
+    layer.folded(torch.device("cpu"), torch.float32)
+    if tuned:
+        assert layer.last_tuning["tuned"] and layer.last_tuning["fitted_tokens"] == 564
+        assert layer.last_tuning["document_gap_tokens"] == 0 and layer.last_tuning["step"] > 0.05
+    else:
+        assert layer.last_tuning == {"step": 0.03, "tuned": False}
+
+
 def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tuned():
     # Random tokens: nothing to learn, so the held-out loss rises with any step and η = 0 keeps the base model.
     model = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=0))

@@ -43,6 +43,11 @@ MAX_STEP = 4.0
 HELD_OUT_SHARE = 0.2
 MIN_HELD_OUT = 128
 MIN_FIT_TOKENS = 256
+# ... and at least FIT_PER_KEY_DIM × d positions (d = the key width). A d×d map fitted on fewer is mostly noise, and a
+# tail cut from the same text cannot tell: SmolLM2 (d = 576) learning one 2K-token file chose a step 5× the one that
+# suits other files and doubled their perplexity, while three validation domains lost at most 2.4% by not stepping
+# (docs/design.md §6.3).
+FIT_PER_KEY_DIM = 4
 # With output_tune_tokens above TUNE_SAMPLE, the held-out NLL is evaluated on TUNE_SAMPLE positions spread evenly over
 # the held-out span (the fit still leaves out all of it): bounds the cost of the [n, V] logits. A longer span is not
 # better by default: 8192 chose a better step than 2048 on one domain and a worse one on another (docs/design.md §6.3).
@@ -209,16 +214,16 @@ class ResidualOutputLayer(nn.Module):
         the S, T and count of the positions the fit leaves out; how many of those precede the tail).
 
         Left out: the `held` tail positions and, when the first of them belongs to a known document that started
-        earlier, up to GAP_MULTIPLE·`held` positions of that document just before the tail, as long as MIN_FIT_TOKENS
-        remain to fit on. Text next to the tail in the same document shares its names and phrasing, so a fit that saw
-        it rewards a larger step than text of another document would (docs/design.md §6.3)."""
+        earlier, up to GAP_MULTIPLE·`held` positions of that document just before the tail, as long as `_min_fit()`
+        positions remain to fit on. Text next to the tail in the same document shares its names and phrasing, so a fit
+        that saw it rewards a larger step than text of another document would (docs/design.md §6.3)."""
         keys, ys, docs = self._tail[0]
         first = int(docs[-held])
         gap = 0
         if first >= 0:
             before = docs[max(0, docs.shape[0] - (1 + GAP_MULTIPLE) * held) : -held]
             gap = int((before == first).sum())  # the document's positions are contiguous: the last `gap` of them
-            if int(self.memory.count) - held - gap < MIN_FIT_TOKENS:
+            if int(self.memory.count) - held - gap < self._min_fit():
                 gap = 0  # one document (nearly) all along: the tail alone is held out
         out_k, out_y = keys[-held - gap :], ys[-held - gap :]
         every = torch.ones_like(out_y, dtype=torch.bool)[None]
@@ -272,13 +277,18 @@ class ResidualOutputLayer(nn.Module):
                 break
         return eta, trace
 
+    def _min_fit(self) -> int:
+        """Fewest positions the step's tuning fit may have: MIN_FIT_TOKENS, and FIT_PER_KEY_DIM per key dimension."""
+        return max(MIN_FIT_TOKENS, FIT_PER_KEY_DIM * self.memory.dim_key)
+
     def held_out_positions(self) -> int:
         """Positions the step is tuned on: the last HELD_OUT_SHARE of what was learned, at most tune_tokens (0 when
-        too little text was learned, or after a load: the tail is learning state of this process)."""
+        too little text was learned to fit on the rest, or after a load: the tail is learning state of this
+        process)."""
         learned = int(self.memory.count)
         kept = self._tail[0][0].shape[0] if self._tail else 0
         held = min(kept, self.tune_tokens, int(learned * HELD_OUT_SHARE))
-        return held if held >= MIN_HELD_OUT and learned - held >= MIN_FIT_TOKENS else 0
+        return held if held >= MIN_HELD_OUT and learned - held >= self._min_fit() else 0
 
     def _choose_step(self, curvature: torch.Tensor) -> float:
         if self.step != "auto":
