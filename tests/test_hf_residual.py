@@ -212,7 +212,47 @@ def test_the_step_is_tuned_only_on_a_fit_of_at_least_fit_per_key_dim_positions_p
         assert layer.last_tuning["tuned"] and layer.last_tuning["fitted_tokens"] == 564
         assert layer.last_tuning["document_gap_tokens"] == 0 and layer.last_tuning["step"] > 0.05
     else:
-        assert layer.last_tuning == {"step": 0.03, "tuned": False}
+        assert layer.last_tuning == {"step": 0.03, "tuned": False, "saved_step": False}
+
+
+def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exactly_like_the_saved_one(
+    tmp_path, monkeypatch
+):
+    from faast.checkpoint import save_state
+
+    monkeypatch.setattr(output_module, "FIT_PER_KEY_DIM", 16)  # lets the tiny model tune (see the test above)
+    phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
+    config = FaastConfig(num_layers=0, output_tune_tokens=160, output_default_step=0.03)
+    model = apply_faast(tiny_model("llama"), config)
+    model.learn([phrase.repeat(40)[:705].tolist()], max_length=200, batch_size=2)
+    step = model.output_memory_layer.chosen_step()
+    assert model.output_memory_layer.last_tuning["tuned"] and step > 0.05
+    path = model.save_fast_weights(tmp_path / "fw.safetensors")
+    fresh = apply_faast(tiny_model("llama"), config).load_fast_weights(path)
+    probe = ids(batch=2, seq=15, seed=9)
+    with torch.no_grad():
+        assert torch.equal(fresh(probe).logits, model(probe).logits)
+    assert fresh.output_memory_layer.last_tuning == {"step": step, "tuned": False, "saved_step": True}
+    # A file whose step is not a finite number >= 0 is refused before anything is copied.
+    holder = model._per_layer_memories(copy=True)
+    for bad in (-0.5, float("nan"), "0.1", True):
+        save_state(tmp_path / "bad.safetensors", holder, {"output_step": bad})
+        other = apply_faast(tiny_model("llama"), config)
+        with pytest.raises(ValueError, match="output_step: expected a finite number >= 0"):
+            other.load_fast_weights(tmp_path / "bad.safetensors")
+        assert int(other.output_memory_layer.memory.count) == 0
+    # Forgetting drops the saved step and the held-out buffer: a little new text gets the default step again.
+    fresh.reset_fast_weights()
+    assert fresh.output_memory_layer.chosen_step() is None
+    fresh.learn(ids(batch=1, seq=30))
+    assert fresh.output_memory_layer.chosen_step() == 0.03
+    assert not fresh.output_memory_layer.last_tuning["saved_step"]
+    # A fixed step is the configuration's: nothing extra is saved.
+    fixed = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_step=0.2))
+    fixed.learn(ids(batch=1, seq=30))
+    fixed.save_fast_weights(tmp_path / "fixed.safetensors")
+    again = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0)).load_fast_weights(tmp_path / "fixed.safetensors")
+    assert again.output_memory_layer._restored_step is None
 
 
 def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tuned():
@@ -229,7 +269,7 @@ def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tu
     few = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=0, output_default_step=0.02))
     few.learn(ids(batch=1, seq=30))
     few.output_memory_layer.folded(torch.device("cpu"), torch.float32)
-    assert few.output_memory_layer.last_tuning == {"step": 0.02, "tuned": False}
+    assert few.output_memory_layer.last_tuning == {"step": 0.02, "tuned": False, "saved_step": False}
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -202,10 +202,19 @@ def _write(path: Path, obj: object, position_json: str, rank: int, world_size: i
     return write_atomic(path, tensors, metadata)
 
 
-def save_state(path: str | Path, obj: object) -> Path:
+def save_state(path: str | Path, obj: object, extra: Mapping[str, object] | None = None) -> Path:
     """Write the statistics of every memory in `obj` to one file, atomically (missing parent folders are created);
-    load_checkpoint reads it back."""
-    return _write(Path(path), obj, json.dumps({"batches": 0}), 0, 1)
+    load_checkpoint reads it back and returns `extra` (JSON-serialisable settings of the owner) in its position."""
+    position = {"batches": 0}
+    if extra:
+        if "batches" in extra:
+            raise ValueError("extra: 'batches' is the stream position's own key")
+        position.update(extra)
+    try:
+        position_json = json.dumps(position, sort_keys=True)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"extra: must be JSON-serialisable ({err})") from None
+    return _write(Path(path), obj, position_json, 0, 1)
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
@@ -317,10 +326,13 @@ def learn_stream(
     return {**position, "resumed_from": start, "seconds": time.monotonic() - began}
 
 
-def load_checkpoint(path: str | Path, obj: object) -> dict:
-    """Load one specific checkpoint file into the memories of `obj` (all or nothing); returns its position."""
+def load_checkpoint(path: str | Path, obj: object, check: Callable[[dict], None] | None = None) -> dict:
+    """Load one specific checkpoint file into the memories of `obj` (all or nothing); returns its position.
+    check(position), when given, runs before anything is copied: it raises to refuse the file."""
     path = Path(path)
     position, plan = Checkpointer(path.parent, rank=0, world_size=1)._read(path, find_memories(obj), same_run=False)
+    if check is not None:
+        check(position)
     for m, own in plan:
         _persist.copy_tensors(m, own)
     return position

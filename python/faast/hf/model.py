@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -415,6 +417,8 @@ class FaastModel(BaseModelDelegate):
         """Forget everything learned (the readout and scorer stay)."""
         for memory in self.fast_weights():
             memory.reset()
+        if isinstance(self.output_memory_layer, ResidualOutputLayer):
+            self.output_memory_layer.forget()  # also its held-out buffer and saved step
         return self
 
     # ------------------------------------------------------------------ readout training (faast.hf.train)
@@ -506,9 +510,15 @@ class FaastModel(BaseModelDelegate):
 
         The file keeps the per-layer layout (a faast.Checkpoint file with one d×d memory per middle layer, named
         `memory_layers.<block>.memory`, and `output_memory_layer.memory`), so files written before the middle layers
-        shared one bank and files written now are interchangeable.
+        shared one bank and files written now are interchangeable. With the residual output layer's step 'auto', the
+        step in use is written too (its tuning buffer is not), so the loaded model reads exactly like this one.
         """
-        return save_state(path, self._per_layer_memories(copy=True))
+        extra = {}
+        if isinstance(self.output_memory_layer, ResidualOutputLayer) and self.output_memory_layer.step == "auto":
+            step = self.output_memory_layer.chosen_step()
+            if step is not None:
+                extra["output_step"] = step
+        return save_state(path, self._per_layer_memories(copy=True), extra)
 
     def load_fast_weights(self, path: str | Path) -> FaastModel:
         """Load statistics written by save_fast_weights (the layers must match; all or nothing).
@@ -517,17 +527,26 @@ class FaastModel(BaseModelDelegate):
         `memory_bank` and `output_memory_layer.memory`), ignoring its stream position.
         """
         self.module_memories.prepare_load(path)  # sizes the memories of modules of unknown width
+        check = partial(_saved_output_step, path)
         if _saved_memory_names(path) == sorted(name for name, _ in self._bank_memories()):
-            load_checkpoint(path, self._bank_holder())
+            self._restore_output_step(load_checkpoint(path, self._bank_holder(), check))
             return self
         holder = self._per_layer_memories(copy=False)
-        load_checkpoint(path, holder)  # validates every memory of the file before copying any
+        # validates every memory of the file (and the saved step) before copying any
+        self._restore_output_step(load_checkpoint(path, holder, check))
         if self.memory_bank is not None:
             slots = [holder.memory_layers[key].memory for key in self.memory_layers]
             self.memory_bank.load_state_dict(
                 {name: torch.stack([getattr(m, name) for m in slots]) for name in self.memory_bank.state_dict()}
             )
         return self
+
+    def _restore_output_step(self, position: dict) -> None:
+        """Hand the residual output layer the step saved with its statistics (None in files without one)."""
+        layer = self.output_memory_layer
+        if isinstance(layer, ResidualOutputLayer):
+            layer.restore_step(position.get("output_step"))
+            layer._tail = []  # positions learned before the load are not in the loaded statistics
 
     def _bank_memories(self) -> list[tuple[str, FastWeights]]:
         named = [] if self.memory_bank is None else [("memory_bank", self.memory_bank)]
@@ -816,6 +835,13 @@ def apply_faast(model: nn.Module, config: FaastConfig | None = None) -> FaastMod
     if wants_module_model(model, config):
         return FaastModuleModel(model, config)  # e.g. an encoder classifier: only its target_modules get memories
     return FaastModel(model, config)
+
+
+def _saved_output_step(path: str | Path, position: dict) -> None:
+    """Refuse a file whose saved output-layer step is not a finite number >= 0."""
+    step = position.get("output_step")
+    if step is not None and not (type(step) in (int, float) and math.isfinite(step) and step >= 0):
+        raise ValueError(f"{path}: output_step: expected a finite number >= 0, got {step!r}")
 
 
 def from_pretrained(base_model: nn.Module, directory: str | Path, **overrides: object) -> FaastModel:

@@ -23,6 +23,7 @@ Measured on five local domains (benchmarks and choices: experiments/lm_domains.p
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch import nn
@@ -93,6 +94,9 @@ class ResidualOutputLayer(nn.Module):
         # The held-out tail: the last tune_tokens learned positions (h̃ [n, d] float32, y [n], mask [n]). Learning
         # state of this process (not saved): after a load, step='auto' uses default_step until more text is learned.
         self._tail: list[tuple[torch.Tensor, ...]] = []
+        # The step saved with the statistics (FaastModel.save_fast_weights writes the one in use): after a load it
+        # stands in for default_step until the step can be tuned again, so a loaded model reads like the saved one.
+        self._restored_step: float | None = None
         self._head: tuple[nn.Module, ...] = ()  # the model's LM head, held outside the module tree
         self._folded: tuple[tuple, torch.Tensor | None] | None = None
         self.last_tuning: dict | None = None
@@ -295,9 +299,12 @@ class ResidualOutputLayer(nn.Module):
             return float(self.step)
         held = self.held_out_positions()
         if not held:
-            _log.info("faast: output layer: too little text to tune the step; using %s", self.default_step)
-            self.last_tuning = {"step": self.default_step, "tuned": False}
-            return self.default_step
+            restored = self._restored_step is not None
+            step = self._restored_step if restored else self.default_step
+            _log.info("faast: output layer: too little text to tune the step; using the %s step %s",
+                      "saved" if restored else "default", step)  # fmt: skip
+            self.last_tuning = {"step": step, "tuned": False, "saved_step": restored}
+            return step
         keys, ys, s_tail, t_tail, n_tail, gap = self._tail_statistics(held)
         memory = self.memory
         dt = memory.gram.dtype
@@ -326,6 +333,28 @@ class ResidualOutputLayer(nn.Module):
                     m = (eta * self._newton(memory.gram, memory.cross, memory.count, curvature)).to(compute)
             self._folded = (key, m)
         return self._folded[1]
+
+    def chosen_step(self) -> float | None:
+        """The step η the layer applies now (solving and tuning if the statistics changed); None while empty."""
+        if float(self.memory.count) <= 0:
+            return None
+        if self.step != "auto":
+            return float(self.step)
+        self.folded(self.memory.gram.device, torch.float32)
+        return float(self.last_tuning["step"])
+
+    def restore_step(self, step: float | None) -> None:
+        """Use `step` (saved with the statistics) where the step cannot be tuned; None: default_step again."""
+        if step is not None and not (isinstance(step, (int, float)) and math.isfinite(step) and step >= 0):
+            raise ValueError(f"step: expected a finite number >= 0 or None, got {step!r}")
+        self._restored_step = None if step is None else float(step)
+        self._folded = None
+
+    def forget(self) -> None:
+        """Drop everything learned: the statistics, the held-out buffer and any saved step."""
+        for memory in (self.memory, self.curvature, self.token_mass):
+            memory.reset()
+        self._tail, self._restored_step, self._folded, self.last_tuning = [], None, None, None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, d] (the final norm's output) -> hidden + hidden·M, same shape and dtype."""
