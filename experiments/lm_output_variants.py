@@ -231,7 +231,20 @@ def doc_aware(layer, scorer, cap: float | None = None):  # noqa: ANN001, ANN201
     return (eta * full).float(), f"{eta:.3f} (gap {tail_start - doc_start})"
 
 
+def fixed(eta: float):  # noqa: ANN201
+    """The shipped W at a fixed step η (what `output_default_step` gives when the step cannot be tuned)."""
+
+    def variant(layer, scorer):  # noqa: ANN001, ANN202
+        mem = layer.memory
+        return (eta * layer._newton(mem.gram, mem.cross, mem.count, layer._curvature())).float(), eta
+
+    return variant
+
+
 VARIANTS = {
+    "fixed0.03": fixed(0.03),
+    "fixed0.015": fixed(0.015),
+    "fixed0.01": fixed(0.01),
     "docaware": doc_aware,
     "docaware_cap1": lambda layer, scorer: doc_aware(layer, scorer, cap=1.0),
     "docaware_cap2": lambda layer, scorer: doc_aware(layer, scorer, cap=2.0),
