@@ -87,7 +87,8 @@ def report(payload: dict) -> list[str]:
              " learned the same tokens in the same process" + (
                  "; rows marked † were measured on the same text and model by an earlier run"
                  " (`imported_from` in the JSON: its file, git sha and date; --baselines-from)" if imported else "")
-             + ".", "",
+             + ". FAAST's learn time is its learning passes and its last solve; the solves at the earlier curve"
+             " points, there only to score them, are listed with the curve (LoRA and the others learn once).", "",
              f"## Goals (averages over the domains; default: {default_label(payload)})", "",
              *table(["goal", "measured", "met"], goals(payload, mean)),
              "", "## Averages", "", *_method_table([{**m, "ppl": float("nan")} for m in mean]).__iter__()]  # fmt: skip
@@ -98,9 +99,10 @@ def report(payload: dict) -> list[str]:
         for key, name in [*payload["variants"].items(), ("knn", "kNN-LM")]:
             c = d["curve"].get(key)
             if c:
-                steps = c.get("step")
+                steps, solves = c.get("step"), c.get("solve_s")
                 lines += ["", f"{name} against tokens learned: " + ", ".join(
                     f"{t:,} → {p:.3f}" + (f" (η {steps[i]:.3g})" if steps and steps[i] is not None else "")
+                    + (f" [solve {solves[i]:.1f} s]" if solves else "")
                     for i, (t, p) in enumerate(zip(c["tokens"], c["ppl"], strict=True)))]  # fmt: skip
     return lines
 
