@@ -231,6 +231,29 @@ def doc_aware(layer, scorer, cap: float | None = None):  # noqa: ANN001, ANN201
     return (eta * full).float(), f"{eta:.3f} (gap {tail_start - doc_start})"
 
 
+def prefix(share: float):  # noqa: ANN201
+    """η tuned on the held-out tail with W fitted on the stream's first `share` only: far from the tail, the fit
+    shares less of its names and phrasing even when the whole stream is one document."""
+
+    def variant(layer, scorer):  # noqa: ANN001, ANN202
+        import torch
+
+        held = layer.held_out_positions()
+        if not held:
+            return shipped(layer, scorer)
+        keys, ys, *_ = layer._tail_statistics(held)
+        n = int(int(layer.memory.count) * share)
+        k, y = layer._all_keys[:n], layer._all_targets[:n]
+        grads, _, _ = layer._gradients(k[None], y[None], torch.ones_like(y, dtype=torch.bool)[None])
+        k64, g64 = k.double(), grads[0].double()
+        mem, curvature = layer.memory, layer._curvature()
+        w = layer._newton(k64.T @ k64, k64.T @ g64, torch.tensor(float(n), dtype=torch.float64), curvature)
+        eta, _ = layer._tune(keys, ys, w)
+        return (eta * layer._newton(mem.gram, mem.cross, mem.count, curvature)).float(), eta
+
+    return variant
+
+
 def fixed(eta: float):  # noqa: ANN201
     """The shipped W at a fixed step η (what `output_default_step` gives when the step cannot be tuned)."""
 
@@ -242,6 +265,8 @@ def fixed(eta: float):  # noqa: ANN201
 
 
 VARIANTS = {
+    "prefix0.5": prefix(0.5),
+    "prefix0.7": prefix(0.7),
     "fixed0.03": fixed(0.03),
     "fixed0.015": fixed(0.015),
     "fixed0.01": fixed(0.01),

@@ -64,7 +64,9 @@ class FaastConfig:
         output_damping: the 'residual' layer's curvature damping δ (relative to the curvature's mean diagonal).
         output_alpha: the 'residual' layer's spectral filter exponent (its own; `alpha` is the middle layers').
         output_tune_tokens: learned positions held out to tune the step (0: no tuning, use output_default_step).
-        output_default_step: η when the step cannot be tuned (too little text, or after loading saved statistics).
+        output_default_step: η when the step cannot be tuned: too little text learned (fewer than about 5 positions per
+            hidden dimension), and no step saved with loaded statistics. 0.015 was the best fixed step after 2K tokens
+            on three validation domains (docs/design.md §6.3).
         alpha: spectral filter exponent (keep σ > N^-alpha·σmax), or 'auto' for the GCV-chosen rank.
         ridge: None for the truncated pseudo-inverse (the paper), a penalty μ, or 'auto' (GCV).
         scorer: weight values by the token scorer s = sigmoid(a·[k; v]) in middle layers.
@@ -95,7 +97,7 @@ class FaastConfig:
     output_damping: float = 1.0
     output_alpha: float = 1.0
     output_tune_tokens: int = 2048
-    output_default_step: float = 0.03
+    output_default_step: float = 0.015
     alpha: float | Literal["auto"] = 1.0
     ridge: float | Literal["auto"] | None = None
     scorer: bool = True
