@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--curve", default=",".join(map(str, CURVE)))
     p.add_argument("--score-sample", type=int, default=0, help="score this many held-out positions (0: all)")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument("--head-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="output_head_dtype of the layer: the dtype of its head products while learning")
     p.add_argument("--out", default="lm_output_variants_smollm2")
     return p.parse_args(argv)
 
@@ -347,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
             pick = torch.linspace(0, len(ys) - 1, args.score_sample).round().long()
             hidden, ys = hidden[pick], ys[pick]
         scorer = Scorer(head, hidden, ys)
-        layer = layer_for(head, keys.shape[1], head.weight.shape[0])
+        layer = layer_for(head, keys.shape[1], head.weight.shape[0], output_head_dtype=args.head_dtype)
         layer._all_keys, layer._all_targets = keys, targets
         budget = int(data["settings"].get("learn_tokens", 32768))
         layer._doc_starts = doc_starts(name, tokenizer, len(targets), budget)

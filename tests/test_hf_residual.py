@@ -12,7 +12,7 @@ from faast.hf import output as output_module
 from faast.hf.output import HELD_OUT_SHARE
 from faast.hf.targets import TARGETS
 from hf_models import KINDS, VOCAB, tiny_model
-from tolerances import REORDER_REL, rel
+from tolerances import BF16_HEAD_PRODUCTS_REL, REORDER_REL, rel
 
 # The statistics are float64 sums of float32 products (keys and logits come from the float32 model).
 STAT_REL = 1e-6
@@ -66,9 +66,11 @@ def newton(s, t, n, mu_gram, mass, head, damping, alpha=1.0, n_curvature=None):
     return w @ torch.linalg.inv(c)
 
 
+@pytest.mark.parametrize("head_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_statistics_equal_a_float64_hand_computation_under_padding(kind):
-    model = apply_faast(tiny_model(kind), FaastConfig(num_layers=0))
+def test_statistics_equal_a_float64_hand_computation_under_padding(kind, head_dtype):
+    model = apply_faast(tiny_model(kind), FaastConfig(num_layers=0, output_head_dtype=head_dtype))
+    tol = {"float32": STAT_REL, "bfloat16": BF16_HEAD_PRODUCTS_REL}[head_dtype]
     x = ids(batch=3, seq=24)
     mask = torch.ones_like(x, dtype=torch.bool)
     mask[1, 17:] = False  # right padding
@@ -77,14 +79,15 @@ def test_statistics_equal_a_float64_hand_computation_under_padding(kind):
     layer = model.output_memory_layer
     k, _, s, t, mu_gram, mass = reference_statistics(model, x, mask)
     assert layer.memory.count.item() == k.shape[0] == layer.curvature.count.item() == layer.token_mass.count.item()
-    assert rel(layer.memory.gram, s) < STAT_REL
-    assert rel(layer.memory.cross, t) < STAT_REL
-    assert rel(layer.curvature.gram, mu_gram) < STAT_REL
-    assert rel(layer.token_mass.cross[0], mass) < STAT_REL
+    assert rel(layer.memory.gram, s) < STAT_REL  # the keys are the model's states whatever the head products' dtype
+    assert rel(layer.memory.cross, t) < tol
+    assert rel(layer.curvature.gram, mu_gram) < tol
+    assert rel(layer.token_mass.cross[0], mass) < tol
 
 
 def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step():
-    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_step=0.37, output_damping=0.5))
+    config = FaastConfig(num_layers=0, output_step=0.37, output_damping=0.5, output_head_dtype="float32")
+    model = apply_faast(tiny_model("llama"), config)
     x = ids(batch=4, seq=40)
     mask = torch.ones_like(x, dtype=torch.bool)
     model.learn(x, mask)
@@ -255,6 +258,30 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
     assert again.output_memory_layer._restored_step is None
 
 
+def test_head_products_in_bfloat16_learn_what_float32_learns_within_the_declared_tolerance(monkeypatch):
+    x = ids(batch=4, seq=60, period=13)
+    learned = {}
+    for dtype in ("float32", "bfloat16"):
+        model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_step=0.5, output_head_dtype=dtype))
+        model.learn(x)
+        layer = model.output_memory_layer
+        learned[dtype] = (layer.memory.gram, layer.memory.cross, layer.folded(torch.device("cpu"), torch.float32))
+    (s32, t32, m32), (s16, t16, m16) = learned["float32"], learned["bfloat16"]
+    assert torch.equal(s16, s32)  # the keys are the model's own states either way
+    t_err, m_err = rel(t16, t32), rel(m16, m32)
+    assert 0 < t_err <= BF16_HEAD_PRODUCTS_REL and 0 < m_err <= BF16_HEAD_PRODUCTS_REL
+    # 'auto': bfloat16 where the device multiplies it natively, float32 otherwise and for float64 states.
+    keys32, keys64 = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float64)
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(output_module, "_cpu_has_bf16", lambda native=native: native)
+        assert output_module.products_dtype("auto", keys32) == expected
+        assert output_module.products_dtype("auto", keys64) == torch.float32
+        assert output_module.products_dtype("float32", keys32) == torch.float32
+        assert output_module.products_dtype("bfloat16", keys64) == torch.bfloat16
+    with pytest.raises(ValueError, match="output_head_dtype: expected 'auto', 'float32' or 'bfloat16'"):
+        FaastConfig(output_head_dtype="float16")
+
+
 def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tuned():
     # Random tokens: nothing to learn, so the held-out loss rises with any step and η = 0 keeps the base model.
     model = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=0))
@@ -369,7 +396,7 @@ def test_learn_takes_a_tokenizer_batch_by_keyword_and_labels_select_the_pairs():
     # An instruction-style batch: only the answer (the last 12 positions) is learned.
     labels = x.clone()
     labels[:, :18] = -100
-    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0))
+    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_head_dtype="float32"))
     stats = model.learn(input_ids=x, labels=labels)
     every = torch.ones_like(x, dtype=torch.bool)
     k, _, _, _, _, _ = reference_statistics(model, x, every)

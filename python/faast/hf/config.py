@@ -67,6 +67,9 @@ class FaastConfig:
         output_default_step: η when the step cannot be tuned: too little text learned (fewer than about 5 positions per
             hidden dimension), and no step saved with loaded statistics. 0.015 was the best fixed step after 2K tokens
             on three validation domains (docs/design.md §6.3).
+        output_head_dtype: dtype of the 'residual' layer's LM-head products while learning (logits and p·H per
+            position, float32 accumulation, statistics in float64): 'auto' is bfloat16 on CUDA and on CPUs with
+            native bfloat16 (AVX512-BF16 or AMX), else float32; 'float32' or 'bfloat16' forces one.
         alpha: spectral filter exponent (keep σ > N^-alpha·σmax), or 'auto' for the GCV-chosen rank.
         ridge: None for the truncated pseudo-inverse (the paper), a penalty μ, or 'auto' (GCV).
         scorer: weight values by the token scorer s = sigmoid(a·[k; v]) in middle layers.
@@ -98,6 +101,7 @@ class FaastConfig:
     output_alpha: float = 1.0
     output_tune_tokens: int = 2048
     output_default_step: float = 0.015
+    output_head_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     alpha: float | Literal["auto"] = 1.0
     ridge: float | Literal["auto"] | None = None
     scorer: bool = True
@@ -134,6 +138,10 @@ class FaastConfig:
             value = getattr(self, name)
             if not (_is_number(value) and (value > 0 if positive else value >= 0)):
                 raise ValueError(f"{name}: expected a number {'> 0' if positive else '>= 0'}, got {value!r}")
+        if self.output_head_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(
+                f"output_head_dtype: expected 'auto', 'float32' or 'bfloat16', got {self.output_head_dtype!r}"
+            )
         tune = self.output_tune_tokens
         if isinstance(tune, bool) or not isinstance(tune, int) or tune < 0:
             raise ValueError(f"output_tune_tokens: expected an int >= 0, got {self.output_tune_tokens!r}")
