@@ -254,7 +254,8 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
     fixed = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_step=0.2))
     fixed.learn(ids(batch=1, seq=30))
     fixed.save_fast_weights(tmp_path / "fixed.safetensors")
-    again = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0)).load_fast_weights(tmp_path / "fixed.safetensors")
+    again = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0))
+    again.load_fast_weights(tmp_path / "fixed.safetensors")
     assert again.output_memory_layer._restored_step is None
 
 
