@@ -207,8 +207,8 @@ class ResidualOutputLayer(nn.Module):
         mean_gram = torch.zeros((d, d), dtype=torch.float64, device=keys.device)
         w32 = weight.float()
         # The two V×d products per position are most of learning's cost beyond the backbone: in bfloat16 (float32
-        # accumulation) they take about 0.7× the time, and the learned statistics moved held-out perplexity by at
-        # most 0.07 points on two validation domains (docs/design.md §6.3).
+        # accumulation) they took 0.65× the time, and held-out perplexity moved by at most 0.04 points on three
+        # validation domains (docs/design.md §6.3).
         wp = weight.to(products_dtype(self.head_dtype, keys))
         for i in range(0, flat.shape[0], _CHUNK):
             rows = slice(i, i + _CHUNK)
