@@ -222,13 +222,14 @@ def doc_aware(layer, scorer, cap: float | None = None):  # noqa: ANN001, ANN201
         m, eta = shipped(layer, scorer)
         return m, f"{eta:.3f} (1 doc)"
     keys, ys, s_tail, t_tail, n_tail, _ = layer._tail_statistics(held)
-    gap_k, gap_y = layer._all_keys[doc_start:tail_start], layer._all_targets[doc_start:tail_start]
-    grads, _, _ = layer._gradients(gap_k[None], gap_y[None], torch.ones_like(gap_y, dtype=torch.bool)[None])
-    k64, g64 = gap_k.double(), grads[0].double()
     mem, curvature = layer.memory, layer._curvature()
-    w = layer._newton(mem.gram - s_tail - k64.T @ k64, mem.cross - t_tail - k64.T @ g64,
-                      mem.count - n_tail - len(gap_y), curvature)  # fmt: skip
-    eta, _ = layer._tune(keys, ys, w)
+    gram, cross, count = mem.gram - s_tail, mem.cross - t_tail, mem.count - n_tail
+    if tail_start > doc_start:
+        gap_k, gap_y = layer._all_keys[doc_start:tail_start], layer._all_targets[doc_start:tail_start]
+        grads, _, _ = layer._gradients(gap_k[None], gap_y[None], torch.ones_like(gap_y, dtype=torch.bool)[None])
+        k64, g64 = gap_k.double(), grads[0].double()
+        gram, cross, count = gram - k64.T @ k64, cross - k64.T @ g64, count - len(gap_y)
+    eta, _ = layer._tune(keys, ys, layer._newton(gram, cross, count, curvature))
     full = layer._newton(mem.gram, mem.cross, mem.count, curvature)
     return (eta * full).float(), f"{eta:.3f} (gap {tail_start - doc_start})"
 
@@ -272,6 +273,7 @@ VARIANTS = {
     "fixed0.03": fixed(0.03),
     "fixed0.015": fixed(0.015),
     "fixed0.01": fixed(0.01),
+    "tail": lambda layer, scorer: doc_aware(layer, scorer, cap=0.0),  # the tail alone held out (the earlier rule)
     "docaware": doc_aware,
     "docaware_cap1": lambda layer, scorer: doc_aware(layer, scorer, cap=1.0),
     "docaware_cap2": lambda layer, scorer: doc_aware(layer, scorer, cap=2.0),
@@ -382,11 +384,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 LEGEND = [
-    "Variants (docs/design.md §6.3): `shipped` tunes η on the held-out tail with the rest of the stream fitted;"
-    " `docaware` also leaves out of that fit the whole earlier part of the document the tail starts in;"
-    " `docaware_capK` leaves out at most K times the tail's size of it; `shrinkF` cuts the tuned η to the smallest"
-    " step with F of the tail's best gain; `ridge` chooses a ridge with η on the tail; `dampingX` sets the curvature"
-    " damping; `oracle` tunes η on the held-out files themselves (not a method: the headroom of any step rule).",
+    "Variants (docs/design.md §6.3): `shipped` is the layer as it ships (η tuned on the held-out tail, the fit also"
+    " leaving out up to 2× the tail's size of the tail's document before it; `output_default_step` when under 4"
+    " fitted positions per key dimension); `tail` holds out the tail alone (the earlier rule); `docaware` leaves out"
+    " the whole earlier part of the tail's document, `docaware_capK` at most K times the tail's size of it (all three"
+    " tune at any size); `prefixF` fits on the stream's first share F and tunes on the tail; `fixedX` is the step X;"
+    " `shrinkF` cuts the tuned η to the smallest step with F of the tail's best gain; `ridge` chooses a ridge with η"
+    " on the tail; `dampingX` sets the curvature damping; `oracle` tunes η on the held-out files themselves (not a"
+    " method: the headroom of any step rule).",
     "",
 ]
 
