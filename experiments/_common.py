@@ -20,20 +20,21 @@ for _path in (ROOT, ROOT / "python"):
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="'smollm2' (embedded) or a transformers id/path")
     parser.add_argument(
-        "--readout", default=None, help="a trained adapter folder (default: the shipped one for smollm2)"
+        "--readout", default=None, help="a trained adapter folder (default: none, faast's default configuration)"
     )
     parser.add_argument("--results-dir", default=str(RESULTS))
     parser.add_argument("--out", default=None, help="result file stem (default: <experiment>_<model>)")
 
 
 def load_model(args: argparse.Namespace):  # noqa: ANN201 - (FaastModel, tokenizer, description)
-    """The base model with FAAST's memory layers: the readout given, the shipped one for smollm2, else untrained."""
+    """The base model with FAAST's memory layers: the readout given (`--readout`, e.g. faast/data/smollm2-readout for
+    the shipped middle layers), else faast's default configuration (FaastConfig(): the residual output layer), as the
+    demo and experiments/lm_domains.py run it."""
     from faast.hf import FaastConfig, apply_faast, from_pretrained
-    from faast.hf.default import DEFAULT_READOUT, load_base_model
+    from faast.hf.default import load_base_model
 
     base, tokenizer, description = load_base_model(args.model)
-    readout = args.readout or (DEFAULT_READOUT if args.model == "smollm2" else None)
-    model = from_pretrained(base, readout) if readout else apply_faast(base, FaastConfig())
+    model = from_pretrained(base, args.readout) if args.readout else apply_faast(base, FaastConfig())
     return model, tokenizer, description
 
 

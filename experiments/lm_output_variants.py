@@ -75,14 +75,22 @@ def layer_for(head, dim: int, vocab: int, **config):  # noqa: ANN001, ANN201
     return layer
 
 
-def feed(layer, keys, targets, chunk: int = 4096) -> None:  # noqa: ANN001
-    """layer.learn over keys [n, d] -> targets [n] in chunks (as a stream of batches)."""
+def feed(layer, keys, targets, starts: list[int], offset: int = 0, chunk: int = 4096) -> None:  # noqa: ANN001
+    """layer.learn over keys [n, d] -> targets [n] as a stream of batches of at most `chunk` positions, one row per
+    document piece with its document number, as FaastModel.learn passes them: the shipped step rule then sees where
+    documents start. `starts`: the first position of each document in the whole cached stream; `offset`: the stream
+    position of keys[0]."""
+    import bisect
+
     import torch
 
-    for i in range(0, len(targets), chunk):
-        k, y = keys[i : i + chunk], targets[i : i + chunk]
+    cuts = sorted({0, len(targets)} | {s - offset for s in starts if 0 < s - offset < len(targets)}
+                  | set(range(0, len(targets), chunk)))  # fmt: skip
+    for i, j in zip(cuts[:-1], cuts[1:], strict=True):
+        k, y = keys[i:j], targets[i:j]
         hidden = torch.cat([k, k[-1:]])[None]  # learn reads hidden[:, :-1]: the appended row predicts nothing
-        layer.learn(hidden, y[None], torch.ones_like(y, dtype=torch.bool)[None])
+        doc = torch.tensor([bisect.bisect_right(starts, offset + i) - 1], dtype=torch.long)
+        layer.learn(hidden, y[None], torch.ones_like(y, dtype=torch.bool)[None], doc)
 
 
 # ----------------------------------------------------------------------------------------------- variants
@@ -359,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
         for amount in curve:
             amount = min(amount, len(targets))
             started = time.perf_counter()
-            feed(layer, keys[done:amount], targets[done:amount])
+            feed(layer, keys[done:amount], targets[done:amount], layer._doc_starts, done)
             done = amount
             learn_s = time.perf_counter() - started
             add_tail_helpers(layer)
