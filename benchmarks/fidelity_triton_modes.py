@@ -1,6 +1,6 @@
 """Which Triton Gram precision mode passes the float64 fidelity suite? (the test that decides the GPU default)
 
-    TRITON_INTERPRET=1 python benchmarks/fidelity_triton_modes.py      # CPU: Triton's interpreter
+    TRITON_INTERPRET=1 python benchmarks/fidelity_triton_modes.py --jobs 2   # CPU: Triton's interpreter, 2 processes
     python benchmarks/fidelity_triton_modes.py [--out DIR]             # GPU: the compiled kernels
     python benchmarks/fidelity_triton_modes.py --smoke --out DIR       # two spectra, N = 1000 (the script runs)
 
@@ -75,51 +75,67 @@ def stream(keys: torch.Tensor, values: torch.Tensor, mode: str, flush: int | Non
 
 
 def measure(
-    kinds: list[str], sizes: tuple[int, ...], device: torch.device, only_modes: list[str] | None
+    kinds: list[str], sizes: tuple[int, ...], device: torch.device, only_modes: list[str] | None, jobs: int = 1
 ) -> tuple[list[dict], dict[str, str]]:
     """Every (spectrum, N, mode, flush R, alpha) against the float64 SVD truth: (result rows, {mode: error} for the
-    modes that could not run here)."""
+    modes that could not run here). jobs > 1 runs the (spectrum, N) cases in that many forked processes (the CPU
+    interpreter runs every tile in Python, one core each); rows keep the order of a serial run."""
+    cases = [(kind, n) for kind in kinds for n in sizes if not (kind == "lowN_pow1o" and n > 1000)]
+    if jobs > 1 and device.type == "cpu":
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        fork = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(jobs, mp_context=fork, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            parts = list(pool.map(_measure_case, cases, [device] * len(cases), [only_modes] * len(cases)))
+    else:
+        parts = [_measure_case(kind, n, device, only_modes) for kind, n in cases]
     results, errors = [], {}
-    for kind in kinds:
-        for n in sizes:
-            if kind == "lowN_pow1o" and n > 1000:
-                continue
-            keys32, held_out = spectra.make_keys(kind, n, D, n_test=N_TEST)
-            values = spectra.make_values(keys32, DV)
-            count = keys32.shape[0]  # lowN_pow1o keeps fewer rows than asked: the cut uses the rows learned
-            svd = {}
-            for mode, flush in variants():
-                if mode in errors or (only_modes and mode not in only_modes):
-                    continue
-                in_dtype = INPUT_DTYPE.get(mode, torch.float32)
-                keys = keys32.to(in_dtype)
-                if in_dtype not in svd:
-                    svd[in_dtype] = torch.linalg.svd(keys.double(), full_matrices=False)
-                u, sv, vh = svd[in_dtype]
-                start = time.perf_counter()
-                try:
-                    s, t = stream(keys, values.to(in_dtype), mode, flush, device)
-                except Exception as err:  # noqa: BLE001 - e.g. a mode Triton cannot compile for this GPU
-                    errors[mode] = f"{type(err).__name__}: {str(err)[:300]}"
-                    print(mode, errors[mode], flush=True)
-                    continue
-                seconds = time.perf_counter() - start
-                for alpha in (0.8, 1.0):
-                    keep = sv > count**-alpha * sv[0]
-                    truth = vh[keep].T @ ((u[:, keep].T @ values.to(in_dtype).double()) / sv[keep].unsqueeze(-1))
-                    w, info = ops.solve_fast_weights_ex(s, t, count=float(count), alpha=alpha)
-                    w = w[0].cpu()
-                    r = {
-                        "kind": kind, "n": count, "mode": mode, "flush_rows": flush, "input": str(in_dtype),
-                        "alpha": alpha, "rank": int(info.rank[0]), "rank_truth": int(keep.sum()),
-                        "rel_w": rel(w, truth), "rel_p": rel(held_out.double() @ w, held_out.double() @ truth),
-                        "learn_s": seconds,
-                    }  # fmt: skip
-                    r["pass"] = (
-                        r["rank"] == r["rank_truth"] and r["rel_w"] <= TRUTH_REL_W and r["rel_p"] <= TRUTH_REL_P
-                    )
-                    results.append(r)
-                    print(*_row(r), flush=True)
+    for rows, errs in parts:
+        results += rows
+        errors.update(errs)
+    return results, errors
+
+
+def _measure_case(kind: str, n: int, device: torch.device, only_modes: list[str] | None) -> tuple[list, dict]:
+    """One spectrum at one N, every mode: (result rows, {mode: error})."""
+    results, errors = [], {}
+    keys32, held_out = spectra.make_keys(kind, n, D, n_test=N_TEST)
+    values = spectra.make_values(keys32, DV)
+    count = keys32.shape[0]  # lowN_pow1o keeps fewer rows than asked: the cut uses the rows learned
+    svd = {}
+    for mode, flush in variants():
+        if mode in errors or (only_modes and mode not in only_modes):
+            continue
+        in_dtype = INPUT_DTYPE.get(mode, torch.float32)
+        keys = keys32.to(in_dtype)
+        if in_dtype not in svd:
+            svd[in_dtype] = torch.linalg.svd(keys.double(), full_matrices=False)
+        u, sv, vh = svd[in_dtype]
+        start = time.perf_counter()
+        try:
+            s, t = stream(keys, values.to(in_dtype), mode, flush, device)
+        except Exception as err:  # noqa: BLE001 - e.g. a mode Triton cannot compile for this GPU
+            errors[mode] = f"{type(err).__name__}: {str(err)[:300]}"
+            print(mode, errors[mode], flush=True)
+            continue
+        seconds = time.perf_counter() - start
+        for alpha in (0.8, 1.0):
+            keep = sv > count**-alpha * sv[0]
+            truth = vh[keep].T @ ((u[:, keep].T @ values.to(in_dtype).double()) / sv[keep].unsqueeze(-1))
+            w, info = ops.solve_fast_weights_ex(s, t, count=float(count), alpha=alpha)
+            w = w[0].cpu()
+            r = {
+                "kind": kind, "n": count, "mode": mode, "flush_rows": flush, "input": str(in_dtype),
+                "alpha": alpha, "rank": int(info.rank[0]), "rank_truth": int(keep.sum()),
+                "rel_w": rel(w, truth), "rel_p": rel(held_out.double() @ w, held_out.double() @ truth),
+                "learn_s": seconds,
+            }  # fmt: skip
+            r["pass"] = (
+                r["rank"] == r["rank_truth"] and r["rel_w"] <= TRUTH_REL_W and r["rel_p"] <= TRUTH_REL_P
+            )
+            results.append(r)
+            print(*_row(r), flush=True)
     return results, errors
 
 
@@ -140,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=None, help="precision modes to run (default: every mode)")
     parser.add_argument("--flush", type=int, nargs="+", default=None, help="exact16 flush lengths R to sweep")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--jobs", type=int, default=1, help="CPU interpreter: run the cases in this many processes")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     global D, DV, FLUSH_SWEEP
@@ -153,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     record = H.start()
     where = "interpreter" if device.type == "cpu" else H.slug(record["gpu"])
     name = "triton_fidelity_" + ("smoke" if args.smoke else where) + ("_" + "_".join(args.modes) if args.modes else "")
-    results, errors = measure(kinds, sizes, device, args.modes)
+    results, errors = measure(kinds, sizes, device, args.modes, args.jobs)
     summary = summarise(results)
     table = H.markdown_table(
         ["spectrum", "N", "alpha", "mode", "flush R", "rank / truth", "relW", "relP", "pass"],
