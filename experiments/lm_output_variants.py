@@ -96,6 +96,19 @@ def feed(layer, keys, targets, starts: list[int], offset: int = 0, chunk: int = 
 # ----------------------------------------------------------------------------------------------- variants
 
 
+def tail_statistics(layer, held: int):  # noqa: ANN001, ANN201
+    """layer._tail_statistics(held) for the tail alone: the variants leave out their own gaps (the shipped rule's
+    gap before the tail is its own, from the document numbers the layer kept)."""
+    import torch
+
+    keys, ys, docs = layer._tail[0]
+    layer._tail[0] = (keys, ys, torch.full_like(docs, -1))
+    try:
+        return layer._tail_statistics(held)
+    finally:
+        layer._tail[0] = (keys, ys, docs)
+
+
 def shipped(layer, scorer):  # noqa: ANN001, ANN201
     """The layer as it ships: (M, chosen step)."""
     m = layer.folded(layer.memory.gram.device, torch_float32())
@@ -152,7 +165,7 @@ def ridge_joint(grid: tuple[float, ...]):  # noqa: ANN201
         mem = layer.memory
         if not held:
             return None, None
-        keys, ys, s_tail, t_tail, n_tail, _ = layer._tail_statistics(held)
+        keys, ys, s_tail, t_tail, n_tail, _ = tail_statistics(layer, held)
         fit = (mem.gram - s_tail, mem.cross - t_tail)
         best = None
         for mu in grid:
@@ -181,7 +194,7 @@ def ridge_per_token(c: float):  # noqa: ANN201
         if not held:
             return None, None
         d = mem.gram.shape[-1]
-        keys, ys, s_tail, t_tail, n_tail, _ = layer._tail_statistics(held)
+        keys, ys, s_tail, t_tail, n_tail, _ = tail_statistics(layer, held)
         n_fit = float(mem.count - n_tail)
         w = ridge_newton(mem.gram - s_tail, mem.cross - t_tail, curvature, c * d / n_fit)
         eta, _ = layer._tune(keys, ys, w)
@@ -229,7 +242,7 @@ def doc_aware(layer, scorer, cap: float | None = None):  # noqa: ANN001, ANN201
     if tail_start - doc_start >= learned - held - 256:  # within one document: nothing to leave out
         m, eta = shipped(layer, scorer)
         return m, f"{eta:.3f} (1 doc)"
-    keys, ys, s_tail, t_tail, n_tail, _ = layer._tail_statistics(held)
+    keys, ys, s_tail, t_tail, n_tail, _ = tail_statistics(layer, held)
     mem, curvature = layer.memory, layer._curvature()
     gram, cross, count = mem.gram - s_tail, mem.cross - t_tail, mem.count - n_tail
     if tail_start > doc_start:
@@ -252,7 +265,7 @@ def prefix(share: float):  # noqa: ANN201
         held = layer.held_out_positions()
         if not held:
             return shipped(layer, scorer)
-        keys, ys, *_ = layer._tail_statistics(held)
+        keys, ys, *_ = tail_statistics(layer, held)
         n = int(int(layer.memory.count) * share)
         k, y = layer._all_keys[:n], layer._all_targets[:n]
         grads, _, _ = layer._gradients(k[None], y[None], torch.ones_like(y, dtype=torch.bool)[None])
@@ -306,7 +319,7 @@ def add_tail_helpers(layer) -> None:  # noqa: ANN001
     if not held:
         layer._variant_tail = None
         return
-    keys, ys, s_tail, t_tail, n_tail, _ = layer._tail_statistics(held)
+    keys, ys, s_tail, t_tail, n_tail, _ = tail_statistics(layer, held)
     mem = layer.memory
     w = layer._newton(mem.gram - s_tail, mem.cross - t_tail, mem.count - n_tail, layer._curvature())
     layer._variant_tail = (keys, ys, w)
