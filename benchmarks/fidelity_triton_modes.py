@@ -87,7 +87,8 @@ def measure(
 
         fork = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(jobs, mp_context=fork, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            parts = list(pool.map(_measure_case, cases, [device] * len(cases), [only_modes] * len(cases)))
+            kinds_, sizes_ = [k for k, _ in cases], [n for _, n in cases]
+            parts = list(pool.map(_measure_case, kinds_, sizes_, [device] * len(cases), [only_modes] * len(cases)))
     else:
         parts = [_measure_case(kind, n, device, only_modes) for kind, n in cases]
     results, errors = [], {}
