@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cpu" and not args.smoke:
         print("bench_eigh: needs a CUDA device (there is nothing meaningful to time on a CPU)", file=sys.stderr)
         return 2
-    from faast.ops import _cuda_backend
+    from faast import ops
 
-    error = _cuda_backend.load_error() if device == "cuda" else "no CUDA device"
+    error = ops.native_extension_error() if device == "cuda" else "no CUDA device"
     if error is not None and not args.smoke:
         print(f"bench_eigh: {error}", file=sys.stderr)
         return 2

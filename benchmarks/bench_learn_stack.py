@@ -93,7 +93,7 @@ def authors_layer(batches: list, layer: int, alpha: float) -> torch.Tensor:
 def time_faast_settings(batches: list, cfg: dict, device: str, reps: int) -> tuple[dict, torch.Tensor | None]:
     """learn -> W under each (FAAST_BACKEND, compute dtype) setting: the best of `reps` runs after a warm-up, with W's
     error against the first setting that ran. Returns ({setting: timings or error}, the first setting's W)."""
-    from faast.ops import _dispatch
+    from faast import ops
 
     f64, f32 = torch.float64, torch.float32
     # (FAAST_BACKEND, compute_dtype): the exact float64 statistics, then float32 compute (the exact16 kernel mode for
@@ -101,10 +101,10 @@ def time_faast_settings(batches: list, cfg: dict, device: str, reps: int) -> tup
     settings = [("torch", f64), ("eigh=cuda,torch", f64), ("triton", f64), ("torch", f32), ("triton", f32),
                 ("accumulate_gram=triton,eigh=cuda", f32)]  # fmt: skip
     faast_runs, weights = {}, None
-    saved = os.environ.get(_dispatch.ENV_VAR)
+    saved = os.environ.get(ops.BACKEND_ENV_VAR)
     for backend, compute in settings:
         setting = f"{backend}, compute {str(compute).split('.')[-1]}"
-        os.environ[_dispatch.ENV_VAR] = backend
+        os.environ[ops.BACKEND_ENV_VAR] = backend
         try:
             learn_faast(batches[:1], cfg, device, compute)  # warm-up: kernel compilation, handles, allocator
             runs = [learn_faast(batches, cfg, device, compute) for _ in range(reps)]
@@ -119,9 +119,9 @@ def time_faast_settings(batches: list, cfg: dict, device: str, reps: int) -> tup
         if device == "cuda":
             torch.cuda.empty_cache()
     if saved is None:
-        os.environ.pop(_dispatch.ENV_VAR, None)
+        os.environ.pop(ops.BACKEND_ENV_VAR, None)
     else:
-        os.environ[_dispatch.ENV_VAR] = saved
+        os.environ[ops.BACKEND_ENV_VAR] = saved
     return faast_runs, weights
 
 

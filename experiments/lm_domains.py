@@ -93,8 +93,8 @@ class Domain:
     """One domain's token lists and the rows measured on it."""
 
     def __init__(self, name: str, tokenizer: object, args: argparse.Namespace):
-        from faast.hf._tokens import token_lists
         from faast.hf.evaluate import token_windows
+        from faast.hf.tokens import token_lists
 
         learn_texts, score_texts = domain_texts(name)
         self.name = name
@@ -127,8 +127,8 @@ def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
     """One learning pass of the shipped middle layers + the residual output layer, scored along the curve as it is
     and with the middle layers disabled (the residual output layer alone: its statistics do not depend on them)."""
     from faast.hf import from_pretrained
-    from faast.hf._tokens import split_by_tokens
     from faast.hf.evaluate import perplexity
+    from faast.hf.tokens import split_by_tokens
 
     model = from_pretrained(base, readout, output_target="residual", **output_overrides(args))
     try:
@@ -171,8 +171,8 @@ def run_default(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa
     learning pass and the last solve (with its step tuning). The solves at the earlier curve points exist only to
     score them (LoRA is trained once, on all the text): their time is reported apart, as curve_solve_s."""
     from faast.hf import FaastConfig, apply_faast
-    from faast.hf._tokens import split_by_tokens
     from faast.hf.evaluate import perplexity
+    from faast.hf.tokens import split_by_tokens
 
     model = apply_faast(base, FaastConfig(**output_overrides(args)))
     try:
@@ -239,8 +239,8 @@ def run_paper(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
 
 
 def run_knn(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa: ANN001
-    from faast.hf._tokens import split_by_tokens
     from faast.hf.knnlm import KNNLM, KNNConfig
+    from faast.hf.tokens import split_by_tokens
 
     knn = KNNLM(base, KNNConfig())
     amounts = points(domain.learned, KNN_CURVE)

@@ -50,7 +50,7 @@ def states(base, windows: list[list[int]], batch_size: int):  # noqa: ANN001, AN
     """Final-norm states of every position that predicts a next token, and that token, window by window."""
     import torch
 
-    from faast.hf._tokens import pad_rows
+    from faast.hf.tokens import pad_rows
 
     hs, ys = [], []
     backbone = base.get_decoder() if hasattr(base, "get_decoder") else base.model
@@ -67,9 +67,9 @@ def states(base, windows: list[list[int]], batch_size: int):  # noqa: ANN001, AN
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    from faast.hf._tokens import overlapping_windows, token_lists
     from faast.hf.default import load_base_model
     from faast.hf.evaluate import token_windows
+    from faast.hf.tokens import overlapping_windows, token_lists
 
     args = parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)

@@ -338,7 +338,7 @@ def doc_starts(name: str, tokenizer, positions: int, budget: int) -> list[int]: 
     `budget` is the token count the cache was made with (its --learn-tokens)."""
     from lm_output_states import domain_texts
 
-    from faast.hf._tokens import token_lists
+    from faast.hf.tokens import token_lists
 
     learn_texts, _ = domain_texts(name)
     starts, at = [], 0

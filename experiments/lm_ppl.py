@@ -38,7 +38,7 @@ METHODS = ("zero-shot", "faast", "knn", "linear", "lora", "icl")
 
 def load_data(args: argparse.Namespace, tokenizer: object) -> tuple[list[list[int]], list[list[int]], str]:
     """(learn token lists, score token lists, description)."""
-    from faast.hf._tokens import token_lists
+    from faast.hf.tokens import token_lists
 
     if args.dataset:
         from faast.hf.corpus import read_dataset
@@ -300,8 +300,8 @@ def report_lines(payload: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
-    from faast.hf._tokens import split_by_tokens
     from faast.hf.evaluate import perplexity, token_windows
+    from faast.hf.tokens import split_by_tokens
 
     args = parse_args(argv)
     record = start_record()

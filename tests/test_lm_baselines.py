@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from faast.hf._tokens import split_by_tokens
 from faast.hf.baselines import LinearProjection, apply_lora, fit_causal_lm, kv_cache_bytes, lora_rank_for
 from faast.hf.evaluate import continuation_log_probs, encode_prefix, perplexity, wilson_interval
+from faast.hf.tokens import split_by_tokens
 from hf_models import KINDS, VOCAB, tiny_model
 from tolerances import LM_LAYOUT_ABS
 

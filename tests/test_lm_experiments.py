@@ -285,8 +285,8 @@ def test_local_files_are_read_through_datasets_load_dataset(tmp_path, monkeypatc
     assert [{k: r[k] for k in rows[1]} for r in test] == [rows[1]] and train[0]["extra"] is None
     # lm_ppl's default data (a stdlib package's source files) goes through the text builder, one row per file, and
     # gives each file's text exactly.
-    from faast.hf._tokens import token_lists
     from faast.hf.demo import domain_files
+    from faast.hf.tokens import token_lists
 
     module = load_script("lm_ppl")
     args = module.parse_args(["--stdlib-package", "json", "--limit", "100000", "--score-limit", "100000"])

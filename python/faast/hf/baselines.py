@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._tokens import overlapping_windows, pad_rows
 from .targets import get_submodule, target_for
+from .tokens import overlapping_windows, pad_rows
 
 # Attention projections LoRA adapts per model type (the LoRA paper's W_q, W_v; GPT-2 fuses q, k, v in c_attn).
 LORA_MODULES: dict[str, tuple[str, ...]] = {

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ._tokens import pad_rows
+from .tokens import pad_rows
 
 # Local files the trainer reads through the datasets library's packaged builders, by suffix.
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text"}

@@ -37,7 +37,7 @@ def domain_files(package: str) -> tuple[list[Path], list[Path]]:
 
 def tokens_of(files: list[Path], tokenizer: object, limit: int) -> list[list[int]]:
     """Token ids per file, stopping once `limit` tokens are collected (the last file is cut at the limit)."""
-    from ._tokens import token_lists
+    from .tokens import token_lists
 
     # Lazy reads: files past the limit are never opened.
     return token_lists((f.read_text(encoding="utf-8") for f in files), tokenizer, limit)

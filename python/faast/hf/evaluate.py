@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..intervals import wilson_interval  # noqa: F401 - re-exported: faast.hf.evaluate.wilson_interval
-from ._tokens import pad_rows
+from .tokens import pad_rows
 
 
 @dataclass

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._tokens import overlapping_windows, pad_rows
 from .evaluate import Perplexity
+from .tokens import overlapping_windows, pad_rows
 
 
 @dataclass

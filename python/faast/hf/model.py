@@ -28,7 +28,6 @@ from .. import _persist
 from .._version import __version__
 from ..checkpoint import load_checkpoint, save_state
 from ..memory import FastWeights
-from ._tokens import overlapping_windows, pad_rows
 from .bank import BankCapture
 from .config import FaastConfig
 from .layers import MemoryLayer, OutputMemoryLayer, memory_bank
@@ -36,6 +35,7 @@ from .learn_datasets import LabelledIds, dataset_items, is_dataset
 from .modules import BaseModelDelegate, FaastModuleModel, ModuleMemories, wants_module_model
 from .output import ResidualOutputLayer
 from .targets import get_submodule, residual_head, target_for
+from .tokens import overlapping_windows, pad_rows
 
 _log = logging.getLogger("faast.hf")
 

@@ -25,11 +25,13 @@ from ._validate import (
 from .solve import SolveInfo, solve_from_eigh
 
 __all__ = [
+    "BACKEND_ENV_VAR",
     "SolveInfo",
     "accumulate_gram",
     "accumulate_gram_unchecked",
     "eigh_gram",
     "fold_readout",
+    "native_extension_error",
     "pinv_fast_weights",
     "residual_project",
     "solve_fast_weights",
@@ -48,6 +50,14 @@ _dispatch.register_backend(
 )
 _triton_backend.register()
 _cuda_backend.register()
+
+#: The environment variable that chooses backends: "torch", "triton", "cuda", or per op ("eigh=cuda,torch").
+BACKEND_ENV_VAR = _dispatch.ENV_VAR
+
+
+def native_extension_error() -> str | None:
+    """Why the native extension faast._C (cuSOLVER's batched eigensolver) cannot be used here; None when it loads."""
+    return _cuda_backend.load_error()
 
 
 def _flat_rows(

@@ -1,4 +1,9 @@
-"""Token-id helpers shared by learning, training data and evaluation."""
+"""Token-id helpers shared by learning, training data, evaluation and the experiment scripts (public).
+
+Texts become token-id lists (`token_lists`), id lists become right-padded rows with a mask (`pad_rows`) or windows
+that share one token (`overlapping_windows`), and a sequence of tokenised texts is cut at token thresholds
+(`split_by_tokens`).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,13 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+__all__ = ["overlapping_windows", "pad_rows", "split_by_tokens", "token_lists"]
+
 
 def overlapping_windows(ids: Sequence[int], max_length: int) -> Iterator[list[int]]:
     """Windows of at most max_length tokens overlapping by one, so every adjacent pair is in exactly one window."""
+    if max_length < 2:
+        raise ValueError(f"max_length: expected an int >= 2 (a token and its successor), got {max_length!r}")
     step = max_length - 1
     for start in range(0, max(len(ids) - 1, 1), step):
         window = list(ids[start : start + max_length])
@@ -18,6 +27,8 @@ def overlapping_windows(ids: Sequence[int], max_length: int) -> Iterator[list[in
 
 def pad_rows(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids int64, attention_mask bool) [len(rows), longest], right padded with pad_id."""
+    if len(rows) == 0:
+        raise ValueError("rows: expected at least one row of token ids, got none")
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.bool)
