@@ -275,7 +275,8 @@ def test_separate_query_pool():
 
 
 def test_support_only_episode_is_the_one_few_shot_sampler():
-    """queries=0: `shots` distinct examples of every class, seeded; what the demo and bench_gcv_text draw."""
+    """queries=0: `shots` distinct examples of every class, seeded; what the classification demo draws (the
+    benchmarks draw support and queries together through evaluate_episodes)."""
     labels = torch.arange(90) % 6
     ep = sample_episode(labels, ways=None, shots=5, queries=0, generator=torch.Generator().manual_seed(2))
     assert ep.query.numel() == 0 and ep.support.unique().numel() == 30

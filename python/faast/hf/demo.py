@@ -88,8 +88,8 @@ def _load_model(args: argparse.Namespace) -> tuple[object, object]:
             layer.memory.alpha = alpha
     cfg = model.faast_config
     middle = f"memory layers before blocks {cfg.layers} + " if cfg.layers else ""
-    print(f"model      SmolLM2-135M-Instruct, frozen; {middle}the {cfg.output_target} output layer "
-          f"(loaded in {time.perf_counter() - started:.0f} s)")  # fmt: skip
+    print(f"model      SmolLM2-135M-Instruct (GGUF Q4_1 dequantised), frozen; {middle}the {cfg.output_target} "
+          f"output layer (loaded in {time.perf_counter() - started:.0f} s)")  # fmt: skip
     return model, tokenizer
 
 
