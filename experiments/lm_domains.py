@@ -35,10 +35,11 @@ from domains import DOMAINS, domain_texts  # noqa: E402
 
 from faast import provenance  # noqa: E402
 
-METHODS = ("default", "faast", "output", "paper", "knn", "lora", "linear")
+METHODS = ("default", "logit", "faast", "output", "paper", "knn", "lora", "linear")
+# "logit": the residual output layer read in logit space (the default before probability space), along the curve.
 # "faast" (the shipped middle layers + the residual output layer, both variants along the curve) and "paper" (the
-# paper's output layer, the previous default) on request: each is one more pass.
-DEFAULT_METHODS = ("default", "knn", "lora", "linear")
+# paper's output layer) on request: each is one more pass.
+DEFAULT_METHODS = ("default", "logit", "knn", "lora", "linear")
 CURVE = (2048, 8192, 32768)
 KNN_CURVE = (32768,)
 RUN_ORDER = ("asyncio", "man", "copyright", "perl", "tkinter")  # code, roff, legal prose, then the rest
@@ -120,7 +121,8 @@ class Domain:
                 "rows": self.rows, "curve": self.curve}  # fmt: skip
 
 
-VARIANTS = {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only"}
+VARIANTS = {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only",
+            "logit": "FAAST: logit-space residual output (previous default)"}  # fmt: skip
 
 
 def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> None:  # noqa: ANN001
@@ -134,7 +136,7 @@ def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
     try:
         amounts = points(domain.learned, CURVE)
         # With the "default" method in the run, the residual output layer alone is its row and curve.
-        keys = [k for k in VARIANTS if not (k == "output" and "default" in args.methods)]
+        keys = [k for k in ("full", "output") if not (k == "output" and "default" in args.methods)]
         curves = {key: {"tokens": amounts, "ppl": [], "bytes": [], "step": []} for key in keys}
         learn_s, results = 0.0, {}
         bank_bytes = sum(b.numel() * b.element_size() for b in model.memory_bank.buffers())
@@ -165,19 +167,20 @@ def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
         model.remove_faast()
 
 
-def run_default(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa: ANN001
-    """FAAST's default configuration (FaastConfig(): the residual output layer, no readout) learned in growing parts
-    and scored after each (the PPL-vs-tokens curve). Learn time is what learning all the text costs: every part's
-    learning pass and the last solve (with its step tuning). The solves at the earlier curve points exist only to
-    score them (LoRA is trained once, on all the text): their time is reported apart, as curve_solve_s."""
+def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "output", **config: object) -> None:  # noqa: ANN001
+    """FAAST's default configuration (FaastConfig(**config): the residual output layer, no readout) learned in
+    growing parts and scored after each (the PPL-vs-tokens curve), recorded as VARIANTS[key]. Learn time is what
+    learning all the text costs: every part's learning pass and the last solve (with its step tuning). The solves at
+    the earlier curve points exist only to score them (LoRA is trained once, on all the text): their time is reported
+    apart, as curve_solve_s."""
     from faast.hf import FaastConfig, apply_faast
     from faast.hf.evaluate import perplexity
     from faast.hf.tokens import split_by_tokens
 
-    model = apply_faast(base, FaastConfig(**output_overrides(args)))
+    model = apply_faast(base, FaastConfig(**config, **output_overrides(args)))
     try:
         amounts = points(domain.learned, CURVE)
-        curve = domain.curve["output"] = {"tokens": amounts, "ppl": [], "bytes": [], "step": []}
+        curve = domain.curve[key] = {"tokens": amounts, "ppl": [], "bytes": [], "step": [], "weight": []}
         learn_s, solves = 0.0, []
         for part in split_by_tokens(domain.learn, amounts):
             started = time.perf_counter()
@@ -192,9 +195,10 @@ def run_default(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa
             curve["ppl"].append(result.ppl)
             curve["bytes"].append(model.fast_weight_bytes())
             curve["step"].append((model.output_memory_layer.last_tuning or {}).get("step"))
+            curve["weight"].append((model.output_memory_layer.last_tuning or {}).get("weight"))
         tuning = {k: v for k, v in (model.output_memory_layer.last_tuning or {}).items() if k != "held_out_nll"}
         curve["solve_s"] = solves
-        domain.add(VARIANTS["output"], result, learn_s + solves[-1], model.fast_weight_bytes(), tuning=tuning,
+        domain.add(VARIANTS[key], result, learn_s + solves[-1], model.fast_weight_bytes(), tuning=tuning,
                    curve_solve_s=sum(solves[:-1]))  # fmt: skip
     finally:
         model.remove_faast()
@@ -294,6 +298,8 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
     domain.add("zero-shot", perplexity(base, domain.windows, batch_size=args.batch_size), 0.0, 0)
     if "default" in args.methods:
         run_default(domain, base, args)
+    if "logit" in args.methods:
+        run_default(domain, base, args, "logit", output_space="logit")
     if "faast" in args.methods:
         run_faast(domain, base, readout, args)
     if "output" in args.methods:

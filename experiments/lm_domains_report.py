@@ -99,9 +99,11 @@ def report(payload: dict) -> list[str]:
         for key, name in [*payload["variants"].items(), ("knn", "kNN-LM")]:
             c = d["curve"].get(key)
             if c:
-                steps, solves = c.get("step"), c.get("solve_s")
+                steps, weights, solves = c.get("step"), c.get("weight"), c.get("solve_s")
                 lines += ["", f"{name} against tokens learned: " + ", ".join(
-                    f"{t:,} → {p:.3f}" + (f" (η {steps[i]:.3g})" if steps and steps[i] is not None else "")
+                    f"{t:,} → {p:.3f}" + (f" (η {steps[i]:.3g}" if steps and steps[i] is not None else "")
+                    + (f", λ {weights[i]:.2f}" if weights and weights[i] is not None and weights[i] < 1 else "")
+                    + (")" if steps and steps[i] is not None else "")
                     + (f" [solve {solves[i]:.1f} s]" if solves else "")
                     for i, (t, p) in enumerate(zip(c["tokens"], c["ppl"], strict=True)))]  # fmt: skip
     return lines

@@ -53,16 +53,23 @@ class Scorer:
         self.t0 = self.z0.gather(-1, targets[:, None]).squeeze(-1)
         self.base = float((torch.logsumexp(self.z0, -1) - self.t0).mean())
 
-    def nll(self, m) -> float:  # noqa: ANN001
+    def nll(self, m, weight: float = 1.0) -> float:  # noqa: ANN001
+        """Mean NLL with the correction M read in logit space (weight 1) or as a mixture (1 − λ)·p + λ·p_M."""
+        import math
+
         import torch
 
-        if m is None:
+        if m is None or weight <= 0:
             return self.base
         total = 0.0
         for i in range(0, len(self.targets), 1024):
-            h = self.hidden[i : i + 1024]
-            z = self.z0[i : i + 1024] + (h @ m.float()) @ self.weight.T
-            total += float((torch.logsumexp(z, -1) - z.gather(-1, self.targets[i : i + 1024, None]).squeeze(-1)).sum())
+            h, z0, y = self.hidden[i : i + 1024], self.z0[i : i + 1024], self.targets[i : i + 1024, None]
+            z = z0 + (h @ m.float()) @ self.weight.T
+            log_p = z.gather(-1, y).squeeze(-1) - torch.logsumexp(z, -1)
+            if weight < 1:
+                log_p0 = z0.gather(-1, y).squeeze(-1) - torch.logsumexp(z0, -1)
+                log_p = torch.logaddexp(log_p0 + math.log1p(-weight), log_p + math.log(weight))
+            total -= float(log_p.sum())
         return total / len(self.targets)
 
 
@@ -110,9 +117,23 @@ def tail_statistics(layer, held: int):  # noqa: ANN001, ANN201
 
 
 def shipped(layer, scorer):  # noqa: ANN001, ANN201
-    """The layer as it ships: (M, chosen step)."""
-    m = layer.folded(layer.memory.gram.device, torch_float32())
-    return m, (layer.last_tuning or {}).get("step")
+    """The layer as it ships (probability space, η and λ tuned): (M, chosen step, chosen weight)."""
+    m, weight = layer.solution(layer.memory.gram.device, torch_float32())
+    return m, (layer.last_tuning or {}).get("step"), weight
+
+
+def space(name: str, weight: float | str = "auto"):  # noqa: ANN201
+    """The shipped rule read in another space, or with the mixture weight fixed: (M, step, weight)."""
+
+    def variant(layer, scorer):  # noqa: ANN001, ANN202
+        layer.space, layer.weight, layer._folded = name, weight, None
+        try:
+            m, lam = layer.solution(layer.memory.gram.device, torch_float32())
+            return m, (layer.last_tuning or {}).get("step"), lam
+        finally:
+            layer.space, layer.weight, layer._folded = "probability", "auto", None
+
+    return variant
 
 
 def torch_float32():  # noqa: ANN201
@@ -300,6 +321,9 @@ VARIANTS = {
     "docaware_cap2": lambda layer, scorer: doc_aware(layer, scorer, cap=2.0),
     "docaware_cap3": lambda layer, scorer: doc_aware(layer, scorer, cap=3.0),
     "shipped": shipped,
+    "logit": space("logit"),
+    "weight0.3": space("probability", 0.3),
+    "weight0.5": space("probability", 0.5),
     "oracle": oracle,
     "shrink90": shrunk(0.9),
     "shrink75": shrunk(0.75),
@@ -386,13 +410,14 @@ def main(argv: list[str] | None = None) -> dict:
             add_tail_helpers(layer)
             for variant in chosen:
                 started = time.perf_counter()
-                m, step = VARIANTS[variant](copy.copy(layer) if variant == "shipped" else layer, scorer)
+                m, step, weight = (*VARIANTS[variant](copy.copy(layer) if variant == "shipped" else layer, scorer),
+                                   1.0)[:3]  # fmt: skip
                 solve_s = time.perf_counter() - started
                 layer._folded = None
-                nll = scorer.nll(m)
+                nll = scorer.nll(m, weight)
                 row = {"domain": name, "tokens": amount, "variant": variant, "ppl": math.exp(nll),
                        "zero_shot": math.exp(scorer.base), "change": math.exp(nll - scorer.base) - 1,
-                       "step": step, "solve_s": solve_s, "learn_s": learn_s}  # fmt: skip
+                       "step": step, "weight": weight, "solve_s": solve_s, "learn_s": learn_s}  # fmt: skip
                 rows.append(row)
                 print(f"{name:>15} {amount:>6} {variant:>11}: {100 * row['change']:+6.1f}%  step {step}  "
                       f"({solve_s:.1f} s)", flush=True)  # fmt: skip
@@ -405,9 +430,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 LEGEND = [
-    "Variants (docs/design.md §6.3): `shipped` is the layer as it ships (η tuned on the held-out tail, the fit also"
-    " leaving out up to 2× the tail's size of the tail's document before it; `output_default_step` when under 4"
-    " fitted positions per key dimension); `tail` holds out the tail alone (the earlier rule); `docaware` leaves out"
+    "Variants (docs/design.md §6.3): `shipped` is the layer as it ships (read in probability space, η and λ tuned"
+    " on the held-out tail, the fit also leaving out up to 2× the tail's size of the tail's document before it; the"
+    " default step and weight when under 4 fitted positions per key dimension); `logit` is the same rule read in logit"
+    " space (the earlier default); `weightX` fixes the mixture weight λ at X and tunes η; the other variants read in"
+    " logit space: `tail` holds out the tail alone (the earlier rule); `docaware` leaves out"
     " the whole earlier part of the tail's document, `docaware_capK` at most K times the tail's size of it (all three"
     " tune at any size); `prefixF` fits on the stream's first share F and tunes on the tail; `fixedX` is the step X;"
     " `shrinkF` cuts the tuned η to the smallest step with F of the tail's best gain; `ridge` chooses a ridge with η"

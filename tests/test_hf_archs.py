@@ -190,6 +190,18 @@ def test_scaled_logits_give_the_gradient_and_fisher_of_the_scaled_softmax(kind):
     assert rel(layer.curvature.gram, mu.T @ mu) < STAT_REL
     assert rel(layer.token_mass.cross[0], p.sum(0)) < STAT_REL
     assert rel(layer._head_second_moment(), (head.T * p.sum(0)) @ head) < STAT_REL
+    # Read in probability space, the model's logits are the log of the mixture of its own scaled softmax and the
+    # corrected one (the head hook divides by the scale the model multiplies by again).
+    layer.step, layer.weight = 0.5, 0.4
+    m = layer.folded(torch.device("cpu"), torch.float64).double()
+    probe = ids(batch=1, seq=7, seed=4)
+    hp, base = final_norm_output(model, probe)
+    hp = hp.double()
+    with torch.no_grad():
+        logits = model(probe).logits.double()
+    mixture = 0.6 * torch.softmax(hp @ head.T, -1) + 0.4 * torch.softmax((hp + hp @ m) @ head.T, -1)
+    assert rel(base.double(), hp @ head.T) < HEAD_LOGITS_REL
+    assert rel(logits, mixture.log()) < HEAD_LOGITS_REL
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3_text"])

@@ -85,8 +85,10 @@ def test_statistics_equal_a_float64_hand_computation_under_padding(kind, head_dt
     assert rel(layer.token_mass.cross[0], mass) < tol
 
 
-def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step():
-    config = FaastConfig(num_layers=0, output_step=0.37, output_damping=0.5, output_head_dtype="float32")
+@pytest.mark.parametrize("space", ["logit", "probability"])
+def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(space):
+    config = FaastConfig(num_layers=0, output_step=0.37, output_damping=0.5, output_head_dtype="float32",
+                         output_space=space, output_weight=0.4)  # fmt: skip
     model = apply_faast(tiny_model("llama"), config)
     x = ids(batch=4, seq=40)
     mask = torch.ones_like(x, dtype=torch.bool)
@@ -96,11 +98,15 @@ def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(
     expected = 0.37 * newton(s, t, float(mask[:, 1:].sum()), mu_gram, mass, head, damping=0.5)
     m = model.output_memory_layer.folded(torch.device("cpu"), torch.float64)
     assert rel(m, expected) < 1e-6
-    # The model reads h̃ + h̃·M after the final norm.
     probe = ids(batch=1, seq=9, seed=3)
     h = final_states(model, probe, torch.ones_like(probe, dtype=torch.bool))
     logits = model(probe).logits.double()
-    assert rel(logits, (h + h @ m) @ head.T) < 1e-5
+    if space == "logit":  # the model reads h̃ + h̃·M after the final norm
+        assert rel(logits, (h + h @ m) @ head.T) < 1e-5
+    else:  # the log of 0.6·softmax(h̃Hᵀ) + 0.4·softmax((h̃ + h̃·M)Hᵀ)
+        mixture = 0.6 * torch.softmax(h @ head.T, -1) + 0.4 * torch.softmax((h + h @ m) @ head.T, -1)
+        assert rel(logits, mixture.log()) < 1e-5
+        assert rel(logits.exp().sum(-1), torch.ones(1, 9, dtype=torch.float64)) < 1e-5
 
 
 @pytest.mark.parametrize("sample", [None, 37])
@@ -109,7 +115,8 @@ def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force(sample,
     # fit still leaves out the whole span.
     if sample is not None:
         monkeypatch.setattr(output_module, "TUNE_SAMPLE", sample)
-    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=4096))
+    config = FaastConfig(num_layers=0, output_tune_tokens=4096, output_space="logit")
+    model = apply_faast(tiny_model("llama"), config)
     x = ids(batch=8, seq=100, period=23)
     model.learn(x)
     layer = model.output_memory_layer
@@ -144,6 +151,75 @@ def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force(sample,
     assert adapted < base
 
 
+def test_the_tuned_step_and_weight_minimise_the_held_out_mixture_loss_found_by_brute_force():
+    # A repeated phrase with a fifth of its tokens replaced at random: the memory predicts most tokens, so the best
+    # mixture weight lies inside (0, 1) and the step is far from both ends of its range.
+    x = ids(batch=8, seq=100, period=23)
+    noise = ids(batch=8, seq=100, seed=7)
+    x = torch.where(torch.rand(x.shape, generator=torch.Generator().manual_seed(1)) < 0.8, x, noise)
+    config = FaastConfig(num_layers=0, output_tune_tokens=4096, output_head_dtype="float32", output_weight="auto")
+    model = apply_faast(tiny_model("llama"), config)
+    assert model.faast_config.output_space == "probability"  # the default
+    model.learn(x)
+    layer = model.output_memory_layer
+    m, lam = layer.solution(torch.device("cpu"), torch.float32)
+    tuning = layer.last_tuning
+    k, y, _, _, mu_gram, mass = reference_statistics(model, x, torch.ones_like(x, dtype=torch.bool))
+    held = int(k.shape[0] * HELD_OUT_SHARE)
+    assert tuning["tuned"] and tuning["held_out_tokens"] == held and lam == tuning["weight"]
+    head = model.base_model.get_output_embeddings().weight.double()
+    kf = k[:-held]
+    rf = head[y[:-held]] - torch.softmax(kf @ head.T, -1) @ head
+    w = newton(kf.T @ kf, kf.T @ rf, float(kf.shape[0]), mu_gram, mass, head, damping=1.0, n_curvature=k.shape[0])
+    kh, yh = k[-held:], y[-held:]
+    z0, z1 = kh @ head.T, (kh @ w) @ head.T
+    log_a = torch.log_softmax(z0, -1).gather(-1, yh[:, None]).squeeze(-1)
+    lams = torch.linspace(0, 1, 1001, dtype=torch.float64)[:, None]
+
+    def nll(eta, lam):  # [len(lam)] mean held-out NLL of the mixture, float64
+        log_b = torch.log_softmax(z0 + eta * z1, -1).gather(-1, yh[:, None]).squeeze(-1)
+        return -torch.logaddexp(log_a + torch.log1p(-lam.clamp(max=1 - 1e-12)), log_b + lam.clamp_min(1e-300).log()
+                                ).mean(-1)  # fmt: skip
+
+    etas = torch.logspace(-3, 0.6, 400).tolist()
+    best_nll, best_eta, best_lam = min((float(v.min()), e, float(lams[int(v.argmin())])) for e in etas
+                                       for v in [nll(e, lams)])  # fmt: skip
+    assert 0.2 < best_eta < 3.0 and 0.1 < best_lam < 0.95  # an interior optimum: the search is really tested
+    assert abs(tuning["step"] - best_eta) <= 0.05 * best_eta and abs(tuning["weight"] - best_lam) <= 0.01
+    assert float(nll(tuning["step"], torch.tensor([[tuning["weight"]]], dtype=torch.float64))) <= best_nll + 1e-6
+    # The default holds λ at 0.5 and tunes η alone: the 1-D minimum at λ = 0.5.
+    fixed = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=4096,
+                                                         output_head_dtype="float32"))  # fmt: skip
+    fixed.learn(x)
+    assert fixed.output_memory_layer.chosen_step() > 0
+    assert fixed.output_memory_layer.chosen_weight() == 0.5 == FaastConfig().output_weight
+    half = torch.tensor([[0.5]], dtype=torch.float64)
+    eta_half = min(etas, key=lambda e: float(nll(e, half)))
+    assert abs(fixed.output_memory_layer.last_tuning["step"] - eta_half) <= 0.05 * eta_half
+    r = head[y] - torch.softmax(k @ head.T, -1) @ head  # the full statistics are solved at this step
+    assert rel(m, tuning["step"] * newton(k.T @ k, k.T @ r, float(k.shape[0]), mu_gram, mass, head, 1.0)) < 1e-5
+    with torch.no_grad():
+        adapted = model(x, labels=x).loss
+        with model.disable_faast():
+            base = model(x, labels=x).loss
+    assert adapted < base
+
+
+def test_the_best_weight_is_the_minimum_of_the_convex_mixture_loss():
+    # Synthetic target probabilities: where the memory is better (b > a) on a share of positions, λ* is interior.
+    g = torch.Generator().manual_seed(0)
+    log_a = torch.rand(500, generator=g, dtype=torch.float64).mul(-6)
+    log_b = torch.where(torch.rand(500, generator=g) < 0.4, log_a + 3, log_a - 4).clamp(max=0)
+    lams = torch.linspace(0, 1, 100001, dtype=torch.float64)
+    losses = torch.stack([torch.tensor(output_module._mixture_nll(log_a, log_b, float(v))) for v in lams[::100]])
+    coarse = float(lams[::100][int(losses.argmin())])
+    lam = output_module._best_weight(log_a, log_b)
+    assert abs(lam - coarse) <= 1e-3 and 0.05 < lam < 0.95
+    assert output_module._mixture_nll(log_a, log_b, lam) <= float(losses.min()) + 1e-12
+    assert output_module._best_weight(log_a, log_a + 1.0) == 1.0  # the memory better everywhere
+    assert output_module._best_weight(log_a, log_a - 1.0) == 0.0  # worse everywhere
+
+
 @pytest.mark.parametrize("multiple", [1, 2])
 def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(multiple, monkeypatch):
     # Five texts (a repeated phrase at different offsets, 700 pairs) learned two windows per batch; the held-out tail
@@ -153,7 +229,7 @@ def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(multip
     lengths = (140, 120, 160, 110, 175)
     phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
     texts = [phrase.roll(5 * i).repeat(8)[:n].tolist() for i, n in enumerate(lengths)]
-    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=160))
+    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=160, output_space="logit"))
     model.learn(texts, max_length=200, batch_size=2)
     layer = model.output_memory_layer
     layer.folded(torch.device("cpu"), torch.float32)
@@ -215,7 +291,8 @@ def test_the_step_is_tuned_only_on_a_fit_of_at_least_fit_per_key_dim_positions_p
         assert layer.last_tuning["tuned"] and layer.last_tuning["fitted_tokens"] == 564
         assert layer.last_tuning["document_gap_tokens"] == 0 and layer.last_tuning["step"] > 0.05
     else:
-        assert layer.last_tuning == {"step": 0.03, "tuned": False, "saved_step": False}
+        default = {"step": 0.03, "weight": output_module.DEFAULT_WEIGHT, "tuned": False, "saved_step": False}
+        assert layer.last_tuning == default
 
 
 def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exactly_like_the_saved_one(
@@ -228,27 +305,32 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
     config = FaastConfig(num_layers=0, output_tune_tokens=160, output_default_step=0.03)
     model = apply_faast(tiny_model("llama"), config)
     model.learn([phrase.repeat(40)[:705].tolist()], max_length=200, batch_size=2)
-    step = model.output_memory_layer.chosen_step()
-    assert model.output_memory_layer.last_tuning["tuned"] and step > 0.05
+    step, weight = model.output_memory_layer.chosen_step(), model.output_memory_layer.chosen_weight()
+    assert model.output_memory_layer.last_tuning["tuned"] and step > 0.05 and 0 < weight <= 1
     path = model.save_fast_weights(tmp_path / "fw.safetensors")
     fresh = apply_faast(tiny_model("llama"), config).load_fast_weights(path)
     probe = ids(batch=2, seq=15, seed=9)
     with torch.no_grad():
         assert torch.equal(fresh(probe).logits, model(probe).logits)
-    assert fresh.output_memory_layer.last_tuning == {"step": step, "tuned": False, "saved_step": True}
-    # A file whose step is not a finite number >= 0 is refused before anything is copied.
+    saved = {"step": step, "weight": weight, "tuned": False, "saved_step": True}
+    assert fresh.output_memory_layer.last_tuning == saved
+    # A file whose step is not a finite number >= 0, or whose weight is not in [0, 1], is refused before anything is
+    # copied.
     holder = model._per_layer_memories(copy=True)
-    for bad in (-0.5, float("nan"), "0.1", True):
-        save_state(tmp_path / "bad.safetensors", holder, {"output_step": bad})
+    bad_values = [("output_step", bad, "a finite number >= 0") for bad in (-0.5, float("nan"), "0.1", True)]
+    bad_values += [("output_weight", bad, r"a number in \[0, 1\]") for bad in (1.5, -0.1, float("nan"), "0.3")]
+    for name, bad, expected in bad_values:
+        save_state(tmp_path / "bad.safetensors", holder, {name: bad})
         other = apply_faast(tiny_model("llama"), config)
-        with pytest.raises(ValueError, match="output_step: expected a finite number >= 0"):
+        with pytest.raises(ValueError, match=f"{name}: expected {expected}"):
             other.load_fast_weights(tmp_path / "bad.safetensors")
         assert int(other.output_memory_layer.memory.count) == 0
-    # Forgetting drops the saved step and the held-out buffer: a little new text gets the default step again.
+    # Forgetting drops the saved step and weight and the held-out buffer: a little new text gets the defaults again.
     fresh.reset_fast_weights()
-    assert fresh.output_memory_layer.chosen_step() is None
+    assert fresh.output_memory_layer.chosen_step() is None and fresh.output_memory_layer.chosen_weight() is None
     fresh.learn(ids(batch=1, seq=30))
     assert fresh.output_memory_layer.chosen_step() == 0.03
+    assert fresh.output_memory_layer.chosen_weight() == output_module.DEFAULT_WEIGHT
     assert not fresh.output_memory_layer.last_tuning["saved_step"]
     # A fixed step is the configuration's: nothing extra is saved.
     fixed = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_step=0.2))
@@ -293,11 +375,21 @@ def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tu
     with torch.no_grad(), model.disable_faast():
         base = model(x).logits
     assert torch.equal(model(x).logits, base)
-    # Too little text to hold any out: the configured default step.
-    few = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=0, output_default_step=0.02))
-    few.learn(ids(batch=1, seq=30))
-    few.output_memory_layer.folded(torch.device("cpu"), torch.float32)
-    assert few.output_memory_layer.last_tuning == {"step": 0.02, "tuned": False, "saved_step": False}
+    # Too little text to hold any out: the configured default step and weight, else the space's own defaults.
+    for space, kwargs, expected in (
+        ("probability", {"output_default_step": 0.02, "output_default_weight": 0.6, "output_weight": "auto"},
+         (0.02, 0.6)),
+        ("probability", {"output_default_weight": 0.6}, (output_module.DEFAULT_STEP["probability"], 0.5)),
+        ("probability", {"output_weight": "auto"}, (output_module.DEFAULT_STEP["probability"],
+                                                    output_module.DEFAULT_WEIGHT)),
+        ("logit", {}, (output_module.DEFAULT_STEP["logit"], 1.0)),
+    ):
+        few = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=0, output_space=space, **kwargs))
+        few.learn(ids(batch=1, seq=30))
+        few.output_memory_layer.folded(torch.device("cpu"), torch.float32)
+        step, weight = expected
+        assert few.output_memory_layer.last_tuning == {"step": step, "weight": weight, "tuned": False,
+                                                       "saved_step": False}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -436,3 +528,19 @@ def test_solve_does_the_first_forward_pass_work_ahead_of_it():
     with torch.no_grad():
         model(x[:1, :10])
     assert calls == [] and model.output_memory_layer._folded is folded  # nothing solved again
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_probability_space_mixes_the_rows_the_model_keeps_and_leaves_an_empty_memory_bit_exact(kind):
+    model = apply_faast(tiny_model(kind), FaastConfig(num_layers=0, output_step=0.5, output_weight=0.3))
+    x = ids(batch=2, seq=12, period=5)
+    with torch.no_grad():
+        with model.disable_faast():
+            base = model(x).logits
+        assert torch.equal(model(x).logits, base)  # nothing learned: the head's logits untouched
+        model.learn(ids(batch=4, seq=40, period=5))
+        full = model(x).logits
+        last = model(x, logits_to_keep=1).logits  # what generation asks for: the head sees the last position only
+    assert rel(last[:, -1], full[:, -1]) < 1e-6
+    assert rel(full.exp().sum(-1), torch.ones(full.shape[:-1])) < 1e-5  # log-probabilities of a distribution
+    assert not torch.allclose(full.log_softmax(-1), base.log_softmax(-1), atol=1e-3)

@@ -54,19 +54,27 @@ class FaastConfig:
         output_layer: add the output memory layer.
         output_target: what the output layer fits (docs/design.md §6.3).
             'residual' (the default): after the final norm, keys h̃ and values the gradient of the next token's
-            log-likelihood with respect to h̃ (H[y] − pH, p the model's own prediction); h̃ ← h̃ + η·h̃W with W one
-            Kronecker-factored Newton step and η chosen on the held-out tail of the learned text.
+            log-likelihood with respect to h̃ (H[y] − pH, p the model's own prediction); W one Kronecker-factored
+            Newton step, read as `output_space` says, with η (and λ) chosen on the held-out tail of the learned text.
             'embedding' (the paper's): before the final norm, values the next token's input embedding;
             h ← (1 - output_mix)·h + output_mix·h W. Configurations saved without this field load as 'embedding'.
         output_mix: the 'embedding' output layer's interpolation weight (0.9 in the paper).
+        output_space: how the 'residual' layer's correction is read (docs/design.md §6.3).
+            'probability' (the default): p = (1 − λ)·p_base + λ·softmax(z + η·(h̃W)Hᵀ), a mixture of the model's
+            prediction and the corrected one (the model returns the log of the mixture as its logits).
+            'logit': the logits of h̃ + η·h̃W (λ = 1; one head product when reading instead of two).
+            Configurations saved without this field load as 'logit', the space they were measured in.
         output_step: the 'residual' layer's step η: 'auto' (tuned at each solve on the last output_tune_tokens learned
             positions) or a number >= 0.
+        output_weight: the mixture weight λ in probability space: a number in [0, 1] (0.5: on three validation
+            domains a fixed 0.5 with η tuned beat λ tuned with η on the held-out tail), or 'auto' (tuned with η).
         output_damping: the 'residual' layer's curvature damping δ (relative to the curvature's mean diagonal).
         output_alpha: the 'residual' layer's spectral filter exponent (its own; `alpha` is the middle layers').
         output_tune_tokens: learned positions held out to tune the step (0: no tuning, use output_default_step).
         output_default_step: η when the step cannot be tuned: too little text learned (fewer than about 5 positions per
-            hidden dimension), and no step saved with loaded statistics. 0.015 was the best fixed step after 2K tokens
-            on three validation domains (docs/design.md §6.3).
+            hidden dimension), and no step saved with loaded statistics. None: the space's own, chosen after 2K tokens
+            on three validation domains (faast.hf.output.DEFAULT_STEP; docs/design.md §6.3).
+        output_default_weight: λ when it cannot be tuned (probability space); None: faast.hf.output.DEFAULT_WEIGHT.
         output_head_dtype: dtype of the 'residual' layer's LM-head products while learning (logits and p·H per
             position, float32 accumulation, statistics in float64): 'auto' is bfloat16 on CUDA and on CPUs with
             native bfloat16 (AVX512-BF16 or AMX), else float32; 'float32' or 'bfloat16' forces one.
@@ -96,11 +104,14 @@ class FaastConfig:
     output_layer: bool = True
     output_target: Literal["residual", "embedding"] = "residual"
     output_mix: float = 0.9
+    output_space: Literal["probability", "logit"] = "probability"
     output_step: float | Literal["auto"] = "auto"
+    output_weight: float | Literal["auto"] = 0.5
     output_damping: float = 1.0
     output_alpha: float = 1.0
     output_tune_tokens: int = 2048
-    output_default_step: float = 0.015
+    output_default_step: float | None = None
+    output_default_weight: float | None = None
     output_head_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     alpha: float | Literal["auto"] = 1.0
     ridge: float | Literal["auto"] | None = None
@@ -134,8 +145,17 @@ class FaastConfig:
             raise ValueError(f"output_target: expected 'residual' or 'embedding', got {self.output_target!r}")
         if self.output_step != "auto" and not (_is_number(self.output_step) and self.output_step >= 0):
             raise ValueError(f"output_step: expected 'auto' or a number >= 0, got {self.output_step!r}")
+        if self.output_space not in ("probability", "logit"):
+            raise ValueError(f"output_space: expected 'probability' or 'logit', got {self.output_space!r}")
+        if self.output_weight != "auto" and not (_is_number(self.output_weight) and 0 <= self.output_weight <= 1):
+            raise ValueError(f"output_weight: expected 'auto' or a number in [0, 1], got {self.output_weight!r}")
+        weight = self.output_default_weight
+        if weight is not None and not (_is_number(weight) and 0 <= weight <= 1):
+            raise ValueError(f"output_default_weight: expected None or a number in [0, 1], got {weight!r}")
         for name, positive in (("output_damping", True), ("output_alpha", False), ("output_default_step", False)):
             value = getattr(self, name)
+            if name == "output_default_step" and value is None:
+                continue
             if not (_is_number(value) and (value > 0 if positive else value >= 0)):
                 raise ValueError(f"{name}: expected a number {'> 0' if positive else '>= 0'}, got {value!r}")
         if self.output_head_dtype not in ("auto", "float32", "bfloat16"):
@@ -198,6 +218,8 @@ class FaastConfig:
             raise ValueError(f"FaastConfig: unknown fields {unknown}; known: {sorted(known)}")
         if "output_target" not in data:  # written before the residual output layer existed: the paper's layer
             data = {**data, "output_target": "embedding"}
+        if "output_space" not in data:  # written before probability space existed: the residual layer read logits
+            data = {**data, "output_space": "logit"}
         return cls(**data)
 
     @classmethod

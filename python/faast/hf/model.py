@@ -151,6 +151,9 @@ class FaastModel(BaseModelDelegate):
         ]
         if isinstance(self.output_memory_layer, ResidualOutputLayer):
             self._handles.append(final_norm.register_forward_hook(self._residual_hook))
+            # Probability space mixes at the head's output (its input is the final norm's output, as the model
+            # slices it, e.g. the last position only while generating).
+            self._handles.append(base_model.get_output_embeddings().register_forward_hook(self._head_hook))
         elif self.output_memory_layer is not None:
             self._handles.append(final_norm.register_forward_pre_hook(self._output_hook, with_kwargs=True))
         # Memories on FaastConfig.target_modules (modules.py); empty, with no hooks, when none are configured.
@@ -211,6 +214,11 @@ class FaastModel(BaseModelDelegate):
             self._learn.output_rows = (output, None)  # the final norm's output h̃; targets come after the pass
             return None
         return self.output_memory_layer(output)
+
+    def _head_hook(self, module: nn.Module, args: tuple, output: torch.Tensor):  # noqa: ANN202, ARG002
+        if self._part_disabled("output") or self._learn is not None or not args:
+            return None
+        return self.output_memory_layer.read_logits(args[0], output)
 
     @contextlib.contextmanager
     def disable_faast(self, which: str = "all") -> Iterator[None]:
@@ -510,14 +518,18 @@ class FaastModel(BaseModelDelegate):
 
         The file keeps the per-layer layout (a faast.Checkpoint file with one d×d memory per middle layer, named
         `memory_layers.<block>.memory`, and `output_memory_layer.memory`), so files written before the middle layers
-        shared one bank and files written now are interchangeable. With the residual output layer's step 'auto', the
-        step in use is written too (its tuning buffer is not), so the loaded model reads exactly like this one.
+        shared one bank and files written now are interchangeable. With the residual output layer's step or weight
+        'auto', the ones in use are written too (its tuning buffer is not), so the loaded model reads exactly like
+        this one.
         """
         extra = {}
-        if isinstance(self.output_memory_layer, ResidualOutputLayer) and self.output_memory_layer.step == "auto":
-            step = self.output_memory_layer.chosen_step()
-            if step is not None:
+        layer = self.output_memory_layer
+        if isinstance(layer, ResidualOutputLayer):
+            if layer.step == "auto" and (step := layer.chosen_step()) is not None:
                 extra["output_step"] = step
+            tuned_weight = layer.space == "probability" and layer.weight == "auto"
+            if tuned_weight and (weight := layer.chosen_weight()) is not None:
+                extra["output_weight"] = weight
         return save_state(path, self._per_layer_memories(copy=True), extra)
 
     def load_fast_weights(self, path: str | Path) -> FaastModel:
@@ -545,7 +557,7 @@ class FaastModel(BaseModelDelegate):
         """Hand the residual output layer the step saved with its statistics (None in files without one)."""
         layer = self.output_memory_layer
         if isinstance(layer, ResidualOutputLayer):
-            layer.restore_step(position.get("output_step"))
+            layer.restore_step(position.get("output_step"), position.get("output_weight"))
             layer._tail = []  # positions learned before the load are not in the loaded statistics
 
     def _bank_memories(self) -> list[tuple[str, FastWeights]]:
@@ -842,6 +854,9 @@ def _saved_output_step(path: str | Path, position: dict) -> None:
     step = position.get("output_step")
     if step is not None and not (type(step) in (int, float) and math.isfinite(step) and step >= 0):
         raise ValueError(f"{path}: output_step: expected a finite number >= 0, got {step!r}")
+    weight = position.get("output_weight")
+    if weight is not None and not (type(weight) in (int, float) and 0 <= weight <= 1):
+        raise ValueError(f"{path}: output_weight: expected a number in [0, 1], got {weight!r}")
 
 
 def from_pretrained(base_model: nn.Module, directory: str | Path, **overrides: object) -> FaastModel:

@@ -7,12 +7,19 @@ have raised the right token. The layer learns, in the same forward pass and with
     S = Σ h̃ h̃ᵀ,   T = Σ h̃ rᵀ          (a FastWeights(d, d): keys h̃, values r)
     C = Σ_t Cov_{p_t}(H) = Hᵀ diag(Σ p_t) H − Σ μ_t μ_tᵀ,  μ_t = p_t H      (the Fisher of the head, summed)
 
-and reads h̃ ← h̃ + η·h̃·W with W = S⁺ T (C/N + δ·mean(diag)·I)⁻¹. W is one Newton step on the log-likelihood of the
-learned tokens for a linear correction h̃W, with a Kronecker-factored curvature (keys' Gram ⊗ the head's Fisher):
-S⁺T alone is the gradient step, the Fisher whitens it so that directions where the logits are sensitive move
-less. The step η is chosen from the learned stream itself: the last HELD_OUT_SHARE of the learned positions (at
-most `tune_tokens`) are held out, the weights are fitted on the rest (statistics subtract exactly) and η minimises
-the held-out NLL, which is convex in η (a bracketed 1-D Newton search); then the full statistics are used. When the
+with W = S⁺ T (C/N + δ·mean(diag)·I)⁻¹. W is one Newton step on the log-likelihood of the learned tokens for a
+linear correction h̃W, with a Kronecker-factored curvature (keys' Gram ⊗ the head's Fisher): S⁺T alone is the
+gradient step, the Fisher whitens it so that directions where the logits are sensitive move less. The model reads
+
+    'probability' (the default):  p = (1 − λ)·softmax(z) + λ·softmax(z + η·(h̃W)Hᵀ),   z = h̃Hᵀ the base logits
+    'logit':                      p = softmax((h̃ + η·h̃W)Hᵀ)                          (λ = 1 of the above)
+
+The step η and the weight λ are chosen from the learned stream itself: the last HELD_OUT_SHARE of the learned
+positions (at most `tune_tokens`) are held out, the weights are fitted on the rest (statistics subtract exactly) and
+(η, λ) minimise the held-out NLL; then the full statistics are used. In logit space the NLL is convex in η (a
+bracketed 1-D Newton search); in probability space it is convex in λ for each η (bisection), and η is searched on a
+geometric grid refined by golden section. A mixture bounds what a wrong correction can cost a token (at most
+−log(1 − λ)), which lets the tuned step be larger where the memory is right. When the
 learned stream is several documents, the fit also leaves out the held-out tail's document just before it (up to
 GAP_MULTIPLE times as many positions as the tail), so that η is tuned on text unlike what was fitted. All state has a
 fixed size: three d×d sums, a V-vector and a (1 + GAP_MULTIPLE)·`tune_tokens`-position buffer.
@@ -58,6 +65,19 @@ TUNE_SAMPLE = 2048
 # The fit that tunes the step also leaves out up to GAP_MULTIPLE × (held-out positions) of the tail's document just
 # before the tail: nearby text of the same document shares its names and phrasing (docs/design.md §6.3).
 GAP_MULTIPLE = 2
+# Probability space: η is searched on a geometric grid (factor 2, from MIN_GRID_STEP to MAX_STEP), then refined by
+# GOLDEN_ITERATIONS golden-section steps on log η between the best grid point's neighbours; for each η, λ in [0, 1] is
+# the exact minimiser of the held-out NLL (convex in λ), found by WEIGHT_ITERATIONS bisections of its derivative.
+MIN_GRID_STEP = 1 / 256
+GOLDEN_ITERATIONS = 8
+WEIGHT_ITERATIONS = 40
+# ... and a mixture is used only when its mean held-out gain per position exceeds MIN_GAIN_SE standard errors.
+MIN_GAIN_SE = 2.0
+# η when it cannot be tuned (too little text learned, nothing saved), per space, and λ when it is 'auto' and cannot be
+# tuned: chosen on the validation domains after 2K tokens, for probability space at the default weight 0.5 (docs/
+# design.md §6.3). output_default_step / output_default_weight override them.
+DEFAULT_STEP = {"logit": 0.015, "probability": 0.03}
+DEFAULT_WEIGHT = 0.5
 _CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
 
 
@@ -80,6 +100,38 @@ def _cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def _best_weight(log_base: torch.Tensor, log_memory: torch.Tensor) -> float:
+    """argmin over λ in [0, 1] of −mean log((1 − λ)·a + λ·b), a = exp(log_base), b = exp(log_memory) [n] float64:
+    convex in λ, so bisection of the derivative −mean((b − a) / mix)."""
+
+    def slope(lam: float) -> float:
+        log_mix = _log_mixture(log_base, log_memory, lam)
+        return float(((log_base - log_mix).exp() - (log_memory - log_mix).exp()).mean())
+
+    if slope(0.0) >= 0.0:
+        return 0.0
+    if slope(1.0) <= 0.0:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(WEIGHT_ITERATIONS):
+        mid = 0.5 * (low + high)
+        low, high = (low, mid) if slope(mid) > 0.0 else (mid, high)
+    return 0.5 * (low + high)
+
+
+def _log_mixture(log_base: torch.Tensor, log_memory: torch.Tensor, lam: float) -> torch.Tensor:
+    """log((1 − λ)·exp(log_base) + λ·exp(log_memory)), elementwise."""
+    if lam <= 0.0:
+        return log_base
+    if lam >= 1.0:
+        return log_memory
+    return torch.logaddexp(log_base + math.log1p(-lam), log_memory + math.log(lam))
+
+
+def _mixture_nll(log_base: torch.Tensor, log_memory: torch.Tensor, lam: float) -> float:
+    return float(-_log_mixture(log_base, log_memory, lam).mean())
+
+
 def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
     """The dtype of the head products learning takes for keys [.., d] under output_head_dtype `setting`: 'auto' is
     bfloat16 on a CUDA device or CPU that multiplies it natively and float32 otherwise, and float32 for float64 keys
@@ -94,15 +146,23 @@ def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
 
 
 class ResidualOutputLayer(nn.Module):
-    """h̃ ← h̃ + η·h̃·W after the final norm, W a Newton step fitted to the head's log-likelihood gradients.
+    """A correction η·h̃·W of the final norm's output h̃, W a Newton step fitted to the head's log-likelihood
+    gradients, read in probability space (a mixture with the base prediction, weight λ) or in logit space.
+
+    In logit space `forward` returns h̃ + η·h̃W and the model's head does the rest. In probability space `forward`
+    leaves h̃ alone and `read_logits` turns the head's logits into the log of the mixture (FaastModel hooks it on
+    the LM head).
 
     Attributes:
         memory: FastWeights(d, d) of keys h̃ and values r = H[y] − pH (float64 statistics).
         curvature: FastWeights(d, 1) whose `gram` accumulates the head's Fisher Σ_t Cov_{p_t}(H) and `count` the
             positions (so faast.distributed and checkpoints sum and store it like any memory).
+        space: 'probability' or 'logit' (FaastConfig.output_space).
         step: 'auto' (tuned on the held-out tail at each solve) or a fixed η.
+        weight: the mixture weight λ in probability space: 'auto' (tuned with η) or a fixed number in [0, 1].
         damping: δ, added as δ·mean(diag(C/N))·I before inverting the curvature.
-        last_tuning: dict of the most recent solve: chosen step, held-out loss per step, tokens fitted / held out.
+        last_tuning: dict of the most recent solve: chosen step and weight, held-out loss per step, tokens fitted /
+            held out.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, config: FaastConfig, device: torch.device | None = None):
@@ -116,20 +176,28 @@ class ResidualOutputLayer(nn.Module):
         self.curvature = FastWeights(d, 1, compute_dtype=compute, device=device)
         self.token_mass = FastWeights(1, vocab_size, compute_dtype=compute, device=device)
         self.step, self.damping = config.output_step, float(config.output_damping)
-        self.tune_tokens, self.default_step = config.output_tune_tokens, float(config.output_default_step)
+        self.space, self.weight = config.output_space, config.output_weight
+        default_step = config.output_default_step
+        self.default_step = float(DEFAULT_STEP[self.space] if default_step is None else default_step)
+        default_weight = config.output_default_weight
+        self.default_weight = float(DEFAULT_WEIGHT if default_weight is None else default_weight)
+        self.tune_tokens = config.output_tune_tokens
         self.head_dtype = config.output_head_dtype
         # The held-out tail: the last tune_tokens learned positions (h̃ [n, d] float32, y [n], mask [n]). Learning
         # state of this process (not saved): after a load, step='auto' uses default_step until more text is learned.
         self._tail: list[tuple[torch.Tensor, ...]] = []
-        # The step saved with the statistics (FaastModel.save_fast_weights writes the one in use): after a load it
-        # stands in for default_step until the step can be tuned again, so a loaded model reads like the saved one.
+        # The step and weight saved with the statistics (FaastModel.save_fast_weights writes the ones in use): after
+        # a load they stand in for the defaults until they can be tuned again, so a loaded model reads like the saved
+        # one.
         self._restored_step: float | None = None
+        self._restored_weight: float | None = None
         self._head: tuple[nn.Module, ...] = ()  # the model's LM head, held outside the module tree
-        self._folded: tuple[tuple, torch.Tensor | None] | None = None
+        self._folded: tuple[tuple, torch.Tensor | None, float] | None = None
         self.last_tuning: dict | None = None
 
     def extra_repr(self) -> str:
-        return f"step={self.step}, damping={self.damping}, tune_tokens={self.tune_tokens}"
+        weight = f", weight={self.weight}" if self.space == "probability" else ""
+        return f"space={self.space}, step={self.step}{weight}, damping={self.damping}, tune_tokens={self.tune_tokens}"
 
     def attach_head(self, head: nn.Module) -> None:
         """The model's output embedding (LM head) whose gradients the layer fits; not a submodule of this layer."""
@@ -272,13 +340,7 @@ class ResidualOutputLayer(nn.Module):
         """The step η >= 0 minimising the mean NLL of targets ys [n] from logits z0 + η·z1 (z1 the logits' change for
         the correction keys·w): convex in η, so a safeguarded 1-D Newton iteration from η = 0 finds it.
         Returns (η, [(η_i, NLL_i) per iteration])."""
-        bias = getattr(self.head, "bias", None)
-        z0 = _head_logits(self.head, keys)
-        z1 = _head_logits(self.head, keys @ w.float())
-        if bias is not None:
-            z1 -= bias.float()
-        target0 = z0.gather(-1, ys[:, None]).squeeze(-1)
-        target1 = z1.gather(-1, ys[:, None]).squeeze(-1)
+        z0, z1, target0, target1 = self._tail_logits(keys, ys, w)
         n = keys.shape[0]
         eta, low, high, trace = 0.0, 0.0, MAX_STEP, []
         for _ in range(STEP_ITERATIONS):
@@ -312,6 +374,69 @@ class ResidualOutputLayer(nn.Module):
                 break
         return eta, trace
 
+    def _tail_logits(self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(z0, z1 [n, V] float32: the logits of keys and their change per unit step, keys·w through the head without
+        its bias; their entries at the targets ys [n])."""
+        bias = getattr(self.head, "bias", None)
+        z0 = _head_logits(self.head, keys)
+        z1 = _head_logits(self.head, keys @ w.float())
+        if bias is not None:
+            z1 -= bias.float()
+        return z0, z1, z0.gather(-1, ys[:, None]).squeeze(-1), z1.gather(-1, ys[:, None]).squeeze(-1)
+
+    def _tune_mixture(
+        self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, step: float | None, weight: float | None
+    ) -> tuple[float, float, list[tuple[float, float, float]]]:
+        """(η, λ) minimising the mean NLL of targets ys [n] under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1), with
+        `step` or `weight` held at the given value when not None. For each η the NLL is convex in λ (bisection of its
+        derivative); η is searched on a geometric grid, then by golden section on log η around the best grid point.
+        Returns (η, λ, [(η_i, λ_i, NLL_i)] sorted by η); (0, 0) when no mixture beats the base model by more than
+        MIN_GAIN_SE standard errors of the per-position gain (a sharp correction mixed in with a tiny weight lowers
+        the held-out NLL of random text a little, by chance)."""
+        z0, z1, target0, target1 = self._tail_logits(keys, ys, w)
+        log_base = (target0 - torch.logsumexp(z0, -1)).double()
+        seen: dict[float, tuple[float, float]] = {}
+
+        def log_memory(eta: float) -> torch.Tensor:  # log-probabilities of the targets with the step η
+            blocks = zip(z0.split(_CHUNK // 2), z1.split(_CHUNK // 2), strict=True)  # bounds the temporaries
+            lse = torch.cat([torch.logsumexp(torch.add(a, b, alpha=eta), -1) for a, b in blocks])
+            return (target0 + eta * target1 - lse).double()
+
+        def nll(eta: float) -> float:
+            if eta not in seen:
+                log_memory_eta = log_memory(eta)
+                lam = _best_weight(log_base, log_memory_eta) if weight is None else weight
+                seen[eta] = (_mixture_nll(log_base, log_memory_eta, lam), lam)
+            return seen[eta][0]
+
+        if step is not None:
+            nll(step)
+        else:
+            grid = [MIN_GRID_STEP * 2.0**i for i in range(int(math.log2(MAX_STEP / MIN_GRID_STEP)) + 1)]
+            best = min(range(len(grid)), key=lambda i: nll(grid[i]))
+            low, high = math.log(grid[max(best - 1, 0)]), math.log(grid[min(best + 1, len(grid) - 1)])
+            ratio = (math.sqrt(5.0) - 1.0) / 2.0
+            left, right = high - ratio * (high - low), low + ratio * (high - low)
+            f_left, f_right = nll(math.exp(left)), nll(math.exp(right))
+            for _ in range(GOLDEN_ITERATIONS):  # one new point per iteration
+                if f_left < f_right:
+                    high, right, f_right = right, left, f_left
+                    left = high - ratio * (high - low)
+                    f_left = nll(math.exp(left))
+                else:
+                    low, left, f_left = left, right, f_right
+                    right = low + ratio * (high - low)
+                    f_right = nll(math.exp(right))
+        eta = min(seen, key=lambda e: seen[e][0])
+        lam = seen[eta][1]
+        trace = [(e, seen[e][1], seen[e][0]) for e in sorted(seen)]
+        if lam <= 0.0:
+            return 0.0, 0.0, trace
+        gain = _log_mixture(log_base, log_memory(eta), lam) - log_base
+        if float(gain.mean()) <= MIN_GAIN_SE * float(gain.std()) / math.sqrt(gain.numel()):
+            return 0.0, 0.0, trace
+        return eta, lam, trace
+
     def _min_fit(self) -> int:
         """Fewest positions the step's tuning fit may have: MIN_FIT_TOKENS, and FIT_PER_KEY_DIM per key dimension."""
         return max(MIN_FIT_TOKENS, FIT_PER_KEY_DIM * self.memory.dim_key)
@@ -325,17 +450,31 @@ class ResidualOutputLayer(nn.Module):
         held = min(kept, self.tune_tokens, int(learned * HELD_OUT_SHARE))
         return held if held >= MIN_HELD_OUT and learned - held >= self._min_fit() else 0
 
-    def _choose_step(self, curvature: torch.Tensor) -> float:
-        if self.step != "auto":
-            return float(self.step)
+    def _fixed_weight(self) -> float | None:
+        """λ when it is not tuned: 1 in logit space (the correction replaces the base logits), else the configured
+        number; None for 'auto'."""
+        if self.space == "logit":
+            return 1.0
+        return None if self.weight == "auto" else float(self.weight)
+
+    def _choose_step(self, curvature: torch.Tensor) -> tuple[float, float]:
+        """(η, λ) for the current statistics: fixed ones, tuned ones, or the saved/default ones when too little text
+        was learned to tune them."""
+        fixed_step = None if self.step == "auto" else float(self.step)
+        fixed_weight = self._fixed_weight()
+        if fixed_step is not None and fixed_weight is not None:
+            return fixed_step, fixed_weight
         held = self.held_out_positions()
         if not held:
-            restored = self._restored_step is not None
-            step = self._restored_step if restored else self.default_step
-            _log.info("faast: output layer: too little text to tune the step; using the %s step %s",
-                      "saved" if restored else "default", step)  # fmt: skip
-            self.last_tuning = {"step": step, "tuned": False, "saved_step": restored}
-            return step
+            restored = self._restored_step is not None or self._restored_weight is not None
+            step = fixed_step if fixed_step is not None else self._restored_step
+            step = self.default_step if step is None else step
+            weight = fixed_weight if fixed_weight is not None else self._restored_weight
+            weight = self.default_weight if weight is None else weight
+            _log.info("faast: output layer: too little text to tune the step; using the %s step %s and weight %s",
+                      "saved" if restored else "default", step, weight)  # fmt: skip
+            self.last_tuning = {"step": step, "weight": weight, "tuned": False, "saved_step": restored}
+            return step, weight
         keys, ys, s_tail, t_tail, n_tail, gap = self._tail_statistics(held)
         memory = self.memory
         dt = memory.gram.dtype
@@ -343,27 +482,36 @@ class ResidualOutputLayer(nn.Module):
         # depends on the model's predictions only, not on the tokens that followed.
         w = self._newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
                          curvature)  # fmt: skip
-        eta, trace = self._tune(keys, ys, w)
-        self.last_tuning = {"step": eta, "tuned": True, "held_out_tokens": held, "document_gap_tokens": gap,
-                            "fitted_tokens": int(memory.count) - held - gap, "held_out_nll": trace}  # fmt: skip
-        return eta
+        if self.space == "logit":
+            (eta, trace), lam = self._tune(keys, ys, w), 1.0
+        else:
+            eta, lam, trace = self._tune_mixture(keys, ys, w, fixed_step, fixed_weight)
+        self.last_tuning = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held,
+                            "document_gap_tokens": gap, "fitted_tokens": int(memory.count) - held - gap,
+                            "held_out_nll": trace}  # fmt: skip
+        return eta, lam
 
-    def folded(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-        """M = η·W [d, d] (activation dtype for bf16/fp16, else float32; float64 for float64), or None while empty
-        or when the chosen step is 0. Cached until the statistics or the settings change."""
+    def solution(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor | None, float]:
+        """(M = η·W [d, d] in the activation dtype for bf16/fp16, else float32 (float64 for float64), λ): M is None
+        while empty or when the chosen step or weight is 0. Cached until the statistics or the settings change."""
         compute = dtype if dtype in (torch.float64, torch.bfloat16, torch.float16) else torch.float32
         key = (self.memory.solution_key, self.curvature.solution_key, self.token_mass.solution_key, self.step,
-               self.damping, self.tune_tokens, self.default_step, device, compute)  # fmt: skip
+               self.weight, self.space, self.damping, self.tune_tokens, self.default_step, self.default_weight,
+               device, compute)  # fmt: skip
         if self._folded is None or self._folded[0] != key:
-            m = None
+            m, lam = None, 0.0
             if float(self.memory.count) > 0:
                 curvature = self._curvature()
-                eta = self._choose_step(curvature)
-                if eta > 0:
+                eta, lam = self._choose_step(curvature)
+                if eta > 0 and lam > 0:
                     memory = self.memory
                     m = (eta * self._newton(memory.gram, memory.cross, memory.count, curvature)).to(compute)
-            self._folded = (key, m)
-        return self._folded[1]
+            self._folded = (key, m, lam)
+        return self._folded[1], self._folded[2]
+
+    def folded(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """M = η·W [d, d] of `solution` (None while empty or when η or λ is 0)."""
+        return self.solution(device, dtype)[0]
 
     def chosen_step(self) -> float | None:
         """The step η the layer applies now (solving and tuning if the statistics changed); None while empty."""
@@ -374,23 +522,63 @@ class ResidualOutputLayer(nn.Module):
         self.folded(self.memory.gram.device, torch.float32)
         return float(self.last_tuning["step"])
 
-    def restore_step(self, step: float | None) -> None:
-        """Use `step` (saved with the statistics) where the step cannot be tuned; None: default_step again."""
+    def chosen_weight(self) -> float | None:
+        """The mixture weight λ the layer applies now (1.0 in logit space); None while empty."""
+        if float(self.memory.count) <= 0:
+            return None
+        fixed = self._fixed_weight()
+        return fixed if fixed is not None else self.solution(self.memory.gram.device, torch.float32)[1]
+
+    def restore_step(self, step: float | None, weight: float | None = None) -> None:
+        """Use `step` and `weight` (saved with the statistics) where they cannot be tuned; None: the defaults."""
         if step is not None and not (isinstance(step, (int, float)) and math.isfinite(step) and step >= 0):
             raise ValueError(f"step: expected a finite number >= 0 or None, got {step!r}")
+        if weight is not None and not (isinstance(weight, (int, float)) and 0.0 <= weight <= 1.0):
+            raise ValueError(f"weight: expected a number in [0, 1] or None, got {weight!r}")
         self._restored_step = None if step is None else float(step)
+        self._restored_weight = None if weight is None else float(weight)
         self._folded = None
 
     def forget(self) -> None:
-        """Drop everything learned: the statistics, the held-out buffer and any saved step."""
+        """Drop everything learned: the statistics, the held-out buffer and any saved step and weight."""
         for memory in (self.memory, self.curvature, self.token_mass):
             memory.reset()
-        self._tail, self._restored_step, self._folded, self.last_tuning = [], None, None, None
+        self._tail, self._restored_step, self._restored_weight = [], None, None
+        self._folded, self.last_tuning = None, None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, T, d] (the final norm's output) -> hidden + hidden·M, same shape and dtype."""
+        """hidden [B, T, d] (the final norm's output) -> hidden + hidden·M in logit space, same shape and dtype;
+        unchanged in probability space (read_logits mixes at the head)."""
+        if self.space == "probability":
+            return hidden
         m = self.folded(hidden.device, hidden.dtype)
         return hidden if m is None else ops.residual_project(hidden, m)
+
+    def read_logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Probability space: the head's output logits [..., V] for its input hidden [..., d] (the final norm's
+        output) -> log((1 − λ)·softmax(z) + λ·softmax(z + (hidden·M)Hᵀ)) with z the logits the model reads (the
+        head's output times the type's logit scale), divided by that scale again so the model's own scaling
+        restores it. Same shape and dtype; computed in float32 (float64 for float64 logits), differentiable in hidden
+        and logits (a readout trained through the model sees it). Unchanged while the memory is empty or in logit
+        space."""
+        if self.space != "probability":
+            return logits
+        m, lam = self.solution(hidden.device, hidden.dtype)
+        if m is None:
+            return logits
+        scale = float(getattr(self.head, "scale", 1.0))
+        compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        weight = self.head.weight.to(compute)  # the scaled head for a type that scales its logits (ScaledHead)
+        rows_h, rows_z = hidden.reshape(-1, hidden.shape[-1]), logits.reshape(-1, logits.shape[-1])
+        keep, log_lam = math.log1p(-lam) if lam < 1.0 else -math.inf, math.log(lam)
+        parts = []
+        for i in range(0, rows_z.shape[0], _CHUNK):
+            z = rows_z[i : i + _CHUNK].to(compute) * scale
+            moved = torch.log_softmax(z + (rows_h[i : i + _CHUNK].to(m.dtype) @ m).to(compute) @ weight.T, -1)
+            if lam < 1.0:
+                moved = torch.logaddexp(torch.log_softmax(z, -1) + keep, moved + log_lam)
+            parts.append((moved / scale).to(logits.dtype))
+        return torch.cat(parts).reshape(logits.shape)
 
     def tail_capacity_bytes(self) -> int:
         """Bytes the held-out buffer takes when full: (1 + GAP_MULTIPLE)·tune_tokens positions (float32 states, int64
