@@ -299,12 +299,13 @@ def prefix(share: float):  # noqa: ANN201
     return variant
 
 
-def fixed(eta: float):  # noqa: ANN201
-    """The shipped W at a fixed step η (what `output_default_step` gives when the step cannot be tuned)."""
+def fixed(eta: float, weight: float = 1.0):  # noqa: ANN201
+    """The shipped W at a fixed step η (what `output_default_step` gives when the step cannot be tuned), read in logit
+    space (weight 1) or mixed in probability space with weight λ."""
 
     def variant(layer, scorer):  # noqa: ANN001, ANN202
         mem = layer.memory
-        return (eta * layer._newton(mem.gram, mem.cross, mem.count, layer._curvature())).float(), eta
+        return (eta * layer._newton(mem.gram, mem.cross, mem.count, layer._curvature())).float(), eta, weight
 
     return variant
 
@@ -324,6 +325,8 @@ VARIANTS = {
     "logit": space("logit"),
     "weight0.3": space("probability", 0.3),
     "weight0.5": space("probability", 0.5),
+    "weightauto": space("probability", "auto"),
+    **{f"mix{eta}_{lam}": fixed(eta, lam) for eta in (0.02, 0.03, 0.05, 0.07) for lam in (0.3, 0.5)},
     "oracle": oracle,
     "shrink90": shrunk(0.9),
     "shrink75": shrunk(0.75),
@@ -401,8 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
         budget = int(data["settings"].get("learn_tokens", 32768))
         layer._doc_starts = doc_starts(name, tokenizer, len(targets), budget)
         done = 0
-        for amount in curve:
-            amount = min(amount, len(targets))
+        for point in curve:
+            amount = min(point, len(targets))
             started = time.perf_counter()
             feed(layer, keys[done:amount], targets[done:amount], layer._doc_starts, done)
             done = amount
@@ -415,7 +418,7 @@ def main(argv: list[str] | None = None) -> dict:
                 solve_s = time.perf_counter() - started
                 layer._folded = None
                 nll = scorer.nll(m, weight)
-                row = {"domain": name, "tokens": amount, "variant": variant, "ppl": math.exp(nll),
+                row = {"domain": name, "point": point, "tokens": amount, "variant": variant, "ppl": math.exp(nll),
                        "zero_shot": math.exp(scorer.base), "change": math.exp(nll - scorer.base) - 1,
                        "step": step, "weight": weight, "solve_s": solve_s, "learn_s": learn_s}  # fmt: skip
                 rows.append(row)
@@ -433,7 +436,8 @@ LEGEND = [
     "Variants (docs/design.md §6.3): `shipped` is the layer as it ships (read in probability space, η and λ tuned"
     " on the held-out tail, the fit also leaving out up to 2× the tail's size of the tail's document before it; the"
     " default step and weight when under 4 fitted positions per key dimension); `logit` is the same rule read in logit"
-    " space (the earlier default); `weightX` fixes the mixture weight λ at X and tunes η; the other variants read in"
+    " space (the earlier default); `weightX` fixes the mixture weight λ at X and tunes η (`weightauto` tunes both);"
+    " `mixE_L` is the fixed step E mixed with weight L (what the default step gives); the other variants read in"
     " logit space: `tail` holds out the tail alone (the earlier rule); `docaware` leaves out"
     " the whole earlier part of the tail's document, `docaware_capK` at most K times the tail's size of it (all three"
     " tune at any size); `prefixF` fits on the stream's first share F and tunes on the tail; `fixedX` is the step X;"
@@ -445,16 +449,26 @@ LEGEND = [
 
 
 def table(rows: list[dict], variants: list[str]) -> list[str]:
+    """One table per curve point (tokens learned, at most the domain's cached positions): the change per domain, and
+    the means over the validation domains (where settings are chosen) and over the others."""
+    from lm_output_states import VALIDATION
+
     domains = list(dict.fromkeys(r["domain"] for r in rows))
+    groups = [("mean, validation", [d for d in domains if d in VALIDATION]),
+              ("mean, others", [d for d in domains if d not in VALIDATION])]  # fmt: skip
+    groups = [(label, members) for label, members in groups if members]
     lines = list(LEGEND)
-    for amount in sorted({r["tokens"] for r in rows}):
-        lines += [f"## {amount} tokens learned (perplexity change vs zero-shot)", "",
-                  "| variant | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]  # fmt: skip
+    for point in sorted({r.get("point", r["tokens"]) for r in rows}):
+        lines += [f"## {point} tokens learned (perplexity change vs zero-shot)", "",
+                  "| variant | " + " | ".join([*domains, *(g[0] for g in groups)]) + " |",
+                  "|---|" + "---|" * (len(domains) + len(groups))]  # fmt: skip
         for v in variants:
-            cells = []
-            for d in domains:
-                r = [x for x in rows if x["domain"] == d and x["tokens"] == amount and x["variant"] == v]
-                cells.append(f"{100 * r[0]['change']:+.1f}%" if r else "")
+            here = [x for x in rows if x.get("point", x["tokens"]) == point and x["variant"] == v]
+            change = {x["domain"]: x["change"] for x in here}
+            cells = [f"{100 * change[d]:+.1f}%" if d in change else "" for d in domains]
+            for _, members in groups:
+                got = [change[d] for d in members if d in change]
+                cells.append(f"{100 * sum(got) / len(got):+.1f}%" if len(got) == len(members) else "")
             lines.append(f"| {v} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
