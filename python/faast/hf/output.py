@@ -100,6 +100,27 @@ def _cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def _moments(z0: torch.Tensor, z1: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of logits z = z0 + η·z1 [n, V]: (logsumexp z, E_p[z1], E_p[z1²]) [n] with p = softmax(z), in blocks of
+    rows that bound the [rows, V] temporaries."""
+    out = []
+    for a, b in zip(z0.split(_CHUNK // 2), z1.split(_CHUNK // 2), strict=True):
+        z = torch.add(a, b, alpha=eta)
+        lse = torch.logsumexp(z, -1)
+        p = z.sub_(lse[:, None]).exp_()
+        m1 = (p * b).sum(-1)
+        out.append((lse, m1, p.mul_(b).mul_(b).sum(-1)))
+    return tuple(torch.cat(parts) for parts in zip(*out, strict=True))
+
+
+def _significant(log_base: torch.Tensor, log_memory: torch.Tensor, lam: float) -> bool:
+    """Whether mixing in log_memory with weight λ raises the mean log-likelihood of log_base [n] by more than
+    MIN_GAIN_SE standard errors of the gain per position: a sharp correction mixed in with a small weight raises the
+    held-out likelihood of random text a little, by chance."""
+    gain = _log_mixture(log_base, log_memory, lam) - log_base
+    return float(gain.mean()) > MIN_GAIN_SE * float(gain.std()) / math.sqrt(gain.numel())
+
+
 def _best_weight(log_base: torch.Tensor, log_memory: torch.Tensor) -> float:
     """argmin over λ in [0, 1] of −mean log((1 − λ)·a + λ·b), a = exp(log_base), b = exp(log_memory) [n] float64:
     convex in λ, so bisection of the derivative −mean((b − a) / mix)."""
@@ -336,27 +357,31 @@ class ResidualOutputLayer(nn.Module):
         sample = torch.linspace(0, held - 1, min(held, TUNE_SAMPLE), device=keys.device).round().long()
         return keys[-held:][sample], ys[-held:][sample], k64.T @ k64, k64.T @ g64, count, gap
 
-    def _tune(self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor) -> tuple[float, list[tuple[float, float]]]:
-        """The step η >= 0 minimising the mean NLL of targets ys [n] from logits z0 + η·z1 (z1 the logits' change for
-        the correction keys·w): convex in η, so a safeguarded 1-D Newton iteration from η = 0 finds it.
-        Returns (η, [(η_i, NLL_i) per iteration])."""
+    def _tune(
+        self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, weight: float = 1.0
+    ) -> tuple[float, list[tuple[float, float]]]:
+        """The step η >= 0 minimising the mean NLL of targets ys [n] under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1)
+        (λ = weight; at 1, the logits z0 + η·z1), z1 the logits' change for the correction keys·w. A safeguarded
+        1-D Newton iteration from η = 0, each pass giving the NLL and its first two derivatives in η: at λ = 1 the NLL
+        is convex in η; a mixture's need not be, and the bracket from the derivative's sign keeps the iteration on
+        the minimum it starts towards. A mixture's η is 0 unless it helps (`_significant`). Returns (η, [(η_i, NLL_i)
+        per iteration])."""
         z0, z1, target0, target1 = self._tail_logits(keys, ys, w)
-        n = keys.shape[0]
+        log_base = (target0 - torch.logsumexp(z0, -1)).double() if weight < 1.0 else None
         eta, low, high, trace = 0.0, 0.0, MAX_STEP, []
         for _ in range(STEP_ITERATIONS):
-            nll = grad = curv = 0.0
-            for i in range(0, n, _CHUNK // 2):  # bounds the [rows, V] temporaries
-                a, b = z0[i : i + _CHUNK // 2], z1[i : i + _CHUNK // 2]
-                z = torch.add(a, b, alpha=eta)
-                lse = torch.logsumexp(z, -1)
-                p = z.sub_(lse[:, None]).exp_()
-                m1 = (p * b).sum(-1)
-                m2 = p.mul_(b).mul_(b).sum(-1)
-                t0, t1 = target0[i : i + _CHUNK // 2], target1[i : i + _CHUNK // 2]
-                nll += float((lse - t0 - eta * t1).sum())
-                grad += float((m1 - t1).sum())
-                curv += float((m2 - m1 * m1).sum())
-            trace.append((eta, nll / n))
+            lse, m1, m2 = _moments(z0, z1, eta)
+            gap, spread = (target1 - m1).double(), (m2 - m1 * m1).double()  # d/dη log p_y; Var_p(z1)
+            log_memory = (target0 + eta * target1 - lse).double()
+            if log_base is None:
+                nll, grad, curv = float(-log_memory.mean()), float(-gap.mean()), float(spread.mean())
+            else:
+                log_mixture = _log_mixture(log_base, log_memory, weight)
+                share = (log_memory - log_mixture).exp() * weight  # λ·p_y / mixture, in [0, 1]
+                nll = float(-log_mixture.mean())
+                grad = float(-(share * gap).mean())
+                curv = float((share * spread + (share * share - share) * gap * gap).mean())
+            trace.append((eta, nll))
             if eta == 0.0 and grad >= 0:  # convex and rising from 0: no step helps
                 break
             # The derivative's sign brackets the minimum; a Newton step that leaves the bracket is replaced by
@@ -372,6 +397,10 @@ class ResidualOutputLayer(nn.Module):
             eta = new
             if done:
                 break
+        if log_base is not None and eta > 0.0:
+            log_memory = (target0 + eta * target1 - _moments(z0, z1, eta)[0]).double()
+            if not _significant(log_base, log_memory, weight):
+                eta = 0.0
         return eta, trace
 
     def _tail_logits(self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -385,14 +414,12 @@ class ResidualOutputLayer(nn.Module):
         return z0, z1, z0.gather(-1, ys[:, None]).squeeze(-1), z1.gather(-1, ys[:, None]).squeeze(-1)
 
     def _tune_mixture(
-        self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, step: float | None, weight: float | None
+        self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, step: float | None
     ) -> tuple[float, float, list[tuple[float, float, float]]]:
         """(η, λ) minimising the mean NLL of targets ys [n] under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1), with
-        `step` or `weight` held at the given value when not None. For each η the NLL is convex in λ (bisection of its
+        η held at `step` when not None (output_weight='auto'). For each η the NLL is convex in λ (bisection of its
         derivative); η is searched on a geometric grid, then by golden section on log η around the best grid point.
-        Returns (η, λ, [(η_i, λ_i, NLL_i)] sorted by η); (0, 0) when no mixture beats the base model by more than
-        MIN_GAIN_SE standard errors of the per-position gain (a sharp correction mixed in with a tiny weight lowers
-        the held-out NLL of random text a little, by chance)."""
+        Returns (η, λ, [(η_i, λ_i, NLL_i)] sorted by η); (0, 0) when no mixture helps (`_significant`)."""
         z0, z1, target0, target1 = self._tail_logits(keys, ys, w)
         log_base = (target0 - torch.logsumexp(z0, -1)).double()
         seen: dict[float, tuple[float, float]] = {}
@@ -405,7 +432,7 @@ class ResidualOutputLayer(nn.Module):
         def nll(eta: float) -> float:
             if eta not in seen:
                 log_memory_eta = log_memory(eta)
-                lam = _best_weight(log_base, log_memory_eta) if weight is None else weight
+                lam = _best_weight(log_base, log_memory_eta)
                 seen[eta] = (_mixture_nll(log_base, log_memory_eta, lam), lam)
             return seen[eta][0]
 
@@ -430,10 +457,7 @@ class ResidualOutputLayer(nn.Module):
         eta = min(seen, key=lambda e: seen[e][0])
         lam = seen[eta][1]
         trace = [(e, seen[e][1], seen[e][0]) for e in sorted(seen)]
-        if lam <= 0.0:
-            return 0.0, 0.0, trace
-        gain = _log_mixture(log_base, log_memory(eta), lam) - log_base
-        if float(gain.mean()) <= MIN_GAIN_SE * float(gain.std()) / math.sqrt(gain.numel()):
+        if lam <= 0.0 or not _significant(log_base, log_memory(eta), lam):
             return 0.0, 0.0, trace
         return eta, lam, trace
 
@@ -482,10 +506,10 @@ class ResidualOutputLayer(nn.Module):
         # depends on the model's predictions only, not on the tokens that followed.
         w = self._newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
                          curvature)  # fmt: skip
-        if self.space == "logit":
-            (eta, trace), lam = self._tune(keys, ys, w), 1.0
+        if fixed_weight is None:  # 'auto': η and λ together
+            eta, lam, trace = self._tune_mixture(keys, ys, w, fixed_step)
         else:
-            eta, lam, trace = self._tune_mixture(keys, ys, w, fixed_step, fixed_weight)
+            (eta, trace), lam = self._tune(keys, ys, w, fixed_weight), fixed_weight
         self.last_tuning = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held,
                             "document_gap_tokens": gap, "fitted_tokens": int(memory.count) - held - gap,
                             "held_out_nll": trace}  # fmt: skip
