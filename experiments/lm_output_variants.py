@@ -117,7 +117,7 @@ def tail_statistics(layer, held: int):  # noqa: ANN001, ANN201
 
 
 def shipped(layer, scorer):  # noqa: ANN001, ANN201
-    """The layer as it ships (probability space, η and λ tuned): (M, chosen step, chosen weight)."""
+    """The layer as it ships (probability space, λ = output_weight, η tuned): (M, chosen step, chosen weight)."""
     m, weight = layer.solution(layer.memory.gram.device, torch_float32())
     return m, (layer.last_tuning or {}).get("step"), weight
 
@@ -126,12 +126,16 @@ def space(name: str, weight: float | str = "auto"):  # noqa: ANN201
     """The shipped rule read in another space, or with the mixture weight fixed: (M, step, weight)."""
 
     def variant(layer, scorer):  # noqa: ANN001, ANN202
-        layer.space, layer.weight, layer._folded = name, weight, None
+        from faast.hf.output import DEFAULT_STEP
+
+        shipped_as = layer.space, layer.weight, layer.default_step
+        # The untuned step is per space (what output_default_step=None gives a layer configured in that space).
+        layer.space, layer.weight, layer.default_step, layer._folded = name, weight, DEFAULT_STEP[name], None
         try:
             m, lam = layer.solution(layer.memory.gram.device, torch_float32())
             return m, (layer.last_tuning or {}).get("step"), lam
         finally:
-            layer.space, layer.weight, layer._folded = "probability", "auto", None
+            (layer.space, layer.weight, layer.default_step), layer._folded = shipped_as, None
 
     return variant
 

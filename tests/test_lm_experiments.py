@@ -357,3 +357,23 @@ def test_the_multi_domain_report_judges_every_goal_from_the_rows_and_can_fail(tm
     text = (tmp_path / "r.md").read_text()
     assert "## Goals (averages over the domains; default: FAAST: residual output only)" in text
     assert "## a: learned 32,768 tokens" in text and "FAAST: residual output only against tokens" in text
+
+
+def test_output_variants_space_uses_that_space_default_and_restores_the_layer():
+    # lm_output_variants scores the logit-space rule on the layer the shipped rule uses: with too few positions to
+    # tune, it must read at logit space's own default step, and leave the shipped layer's settings as they were.
+    from faast.hf.output import DEFAULT_STEP
+
+    variants = load_script("lm_output_variants")
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    layer = variants.layer_for(head, 8, 11)
+    keys, targets = torch.randn(40, 8), torch.randint(0, 11, (40,))
+    variants.feed(layer, keys, targets, [0])
+    before = layer.space, layer.weight, layer.default_step
+    m, step, weight = variants.VARIANTS["logit"](layer, None)
+    assert step == DEFAULT_STEP["logit"] and weight == 1.0
+    assert (layer.space, layer.weight, layer.default_step) == before
+    m_shipped, step_shipped, weight_shipped = variants.shipped(layer, None)
+    assert step_shipped == DEFAULT_STEP["probability"] and weight_shipped == layer.weight
+    torch.testing.assert_close(m, m_shipped * DEFAULT_STEP["logit"] / DEFAULT_STEP["probability"])
