@@ -119,11 +119,19 @@ def timed_cases(model, batch: torch.Tensor, new_tokens: int) -> dict[str, H.Case
         with torch.no_grad():
             model._learn_batch(batch, mask)
 
-    def solved() -> None:
-        # The learn cases run in the same rounds and change the statistics: solve (and tune the step) untimed, so the
-        # read pass measures reading, not the solve a changed memory owes at its next read.
-        with_compute(torch.float64)()
-        model.solve()
+    output = model.output_memory_layer
+    shipped_space = getattr(output, "space", None)  # the residual output layer reads in 'probability' or 'logit' space
+
+    def solved(space: str | None = shipped_space):  # noqa: ANN202
+        def setup() -> None:
+            # The learn cases run in the same rounds and change the statistics: solve (and tune the step) untimed, so
+            # the read pass measures reading, not the solve a changed memory owes at its next read.
+            with_compute(torch.float64)()
+            if space is not None:
+                output.space = space
+            model.solve()
+
+        return setup
 
     def read_pass(_: object) -> None:
         with torch.no_grad():
@@ -142,15 +150,20 @@ def timed_cases(model, batch: torch.Tensor, new_tokens: int) -> dict[str, H.Case
 
         return run
 
-    return {
+    cases = {
         "decoder pass, base": (None, backbone_pass),
         "full forward, base": (None, full_pass),
         "learn, float64 statistics": (with_compute(torch.float64), learn),
         "learn, float32 compute": (with_compute(torch.float32), learn),
-        "forward with fast weights": (solved, read_pass),
+        "forward with fast weights": (solved(), read_pass),
         "generate, base": (None, generate(True)),
-        "generate with fast weights": (None, generate(False)),
+        "generate with fast weights": (solved(), generate(False)),
     }
+    if shipped_space == "probability":
+        # The same memory read in logit space (one head product per position instead of two), in the same rounds.
+        cases["forward with fast weights, logit space"] = (solved("logit"), read_pass)
+        cases["generate with fast weights, logit space"] = (solved("logit"), generate(False))
+    return cases
 
 
 def overhead_rows(med: dict[str, float], tokens: int, new_tokens: int) -> list[list[str]]:
@@ -163,7 +176,11 @@ def overhead_rows(med: dict[str, float], tokens: int, new_tokens: int) -> list[l
         ("learn, float32 compute", "full forward, base"),
         ("forward with fast weights", "full forward, base"),
         ("generate with fast weights", "generate, base"),
+        ("forward with fast weights, logit space", "full forward, base"),
+        ("generate with fast weights, logit space", "generate, base"),
     ):
+        if name not in med:
+            continue
         per = new_tokens if name.startswith("generate") else tokens
         rows.append(
             [
