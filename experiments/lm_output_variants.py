@@ -438,7 +438,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 LEGEND = [
     "Variants (docs/design.md §6.3): `shipped` is the layer as it ships (read in probability space with the mixture"
-    " weight λ fixed at `output_weight` 0.5, η tuned on the held-out tail, the fit also leaving out up to 2× the tail's size of the tail's document before it; the"
+    " weight λ fixed at `output_weight` 0.5, η tuned on the held-out tail, the fit also leaving out up to 2× the"
+    " tail's size of the tail's document before it; the"
     " default step and weight when under 4 fitted positions per key dimension); `logit` is the same rule read in logit"
     " space (the earlier default); `weightX` fixes the mixture weight λ at X and tunes η (`weightauto` tunes both);"
     " `mixE_L` is the fixed step E mixed with weight L (what the default step gives); the other variants read in"
