@@ -143,7 +143,11 @@ def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force(sample,
     assert tuning["step"] > 0.05  # a repeated phrase: the correction helps
     assert abs(tuning["step"] - best) <= 0.01 + 0.02 * best
     assert nll(tuning["step"]) <= nll(best) + 1e-5
-    # and the model, solved on everything, predicts the stream better than the base model
+    assert_predicts_better_than_base(model, x)  # the model, solved on everything, beats the base model
+
+
+def assert_predicts_better_than_base(model, x):
+    """The adapted model's LM loss on x is below the base model's (memory disabled)."""
     with torch.no_grad():
         adapted = model(x, labels=x).loss
         with model.disable_faast():
@@ -198,11 +202,7 @@ def test_the_tuned_step_and_weight_minimise_the_held_out_mixture_loss_found_by_b
     assert abs(fixed.output_memory_layer.last_tuning["step"] - eta_half) <= 0.05 * eta_half
     r = head[y] - torch.softmax(k @ head.T, -1) @ head  # the full statistics are solved at this step
     assert rel(m, tuning["step"] * newton(k.T @ k, k.T @ r, float(k.shape[0]), mu_gram, mass, head, 1.0)) < 1e-5
-    with torch.no_grad():
-        adapted = model(x, labels=x).loss
-        with model.disable_faast():
-            base = model(x, labels=x).loss
-    assert adapted < base
+    assert_predicts_better_than_base(model, x)
 
 
 def test_the_best_weight_is_the_minimum_of_the_convex_mixture_loss():

@@ -4,7 +4,7 @@
 
     record = provenance.start(root)                            # first thing in the run
     ...                                                        # the measurements
-    provenance.write(folder / "name", record, payload, title, body)   # name.json and name.md
+    provenance.write(folder / "run", record, payload, title, body)    # writes run.json and run.md
 
 `start(root)` returns a flat dict of JSON values:
 
