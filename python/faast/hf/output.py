@@ -115,8 +115,8 @@ def _moments(z0: torch.Tensor, z1: torch.Tensor, eta: float) -> tuple[torch.Tens
 
 
 def _mixture_logits(z: torch.Tensor, dz: torch.Tensor, lam: float) -> torch.Tensor:
-    """log((1 − λ)·softmax(z) + λ·softmax(z + dz)) [n, V] for logits z and their change dz [n, V] (both overwritten
-    where autograd allows): log p0 + log(1 − λ) + softplus(dz − c + log(λ / (1 − λ))) with c = lse(z + dz) − lse(z),
+    """log((1 − λ)·softmax(z) + λ·softmax(z + dz)) [n, V] for logits z and their change dz [n, V] (left unchanged):
+    log p0 + log(1 − λ) + softplus(dz − c + log(λ / (1 − λ))) with c = lse(z + dz) − lse(z),
     stable (softplus is linear above 20) and one transcendental pass instead of two log-softmaxes and a logaddexp."""
     if lam >= 1.0:
         return torch.log_softmax(z + dz, -1)
