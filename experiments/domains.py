@@ -12,6 +12,9 @@ was used to train or choose the shipped readout (that used /usr/share/doc/**/*.m
     perl        Perl modules (code and POD) under /usr/share/perl/<version>
     man         roff sources of the English section 1 manual pages (/usr/share/man/man1/*.gz)
     copyright   Debian copyright files (/usr/share/doc/*/copyright): licence texts and file-by-file notices
+
+VALIDATION names the domains on which FAAST's settings are chosen and which take no part in the benchmark: `email`
+and `multiprocessing` (stdlib packages) and `licenses` (/usr/share/common-licenses).
 """
 
 from __future__ import annotations
@@ -49,7 +52,11 @@ FILES: dict[str, Callable[[], list[Path]]] = {
     "perl": _perl,
     "man": _man,
     "copyright": _copyright,
+    "email": lambda: _stdlib("email"),
+    "multiprocessing": lambda: _stdlib("multiprocessing"),
+    "licenses": lambda: sorted(p for p in Path("/usr/share/common-licenses").iterdir() if p.is_file()),
 }
+VALIDATION = ("email", "multiprocessing", "licenses")
 
 
 def read(path: Path) -> str:
@@ -65,7 +72,7 @@ def domain_texts(
     """(learn texts, held-out texts) of a domain: unique non-empty files, every 4th held out (then, if they hold
     fewer than min_held_out_chars characters, the last learn files too, as long as min_learn_chars remain)."""
     if name not in FILES:
-        raise ValueError(f"name: expected one of {DOMAINS}, got {name!r}")
+        raise ValueError(f"name: expected one of {(*DOMAINS, *VALIDATION)}, got {name!r}")
     texts, seen = [], set()
     for path in FILES[name]():
         try:

@@ -31,11 +31,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS, ROOT  # noqa: E402
-from domains import DOMAINS, domain_texts  # noqa: E402
+from domains import DOMAINS, VALIDATION, domain_texts  # noqa: E402
 
 from faast import provenance  # noqa: E402
 
-METHODS = ("default", "logit", "faast", "output", "paper", "knn", "lora", "linear")
+METHODS = ("default", "fp32learn", "logit", "faast", "output", "paper", "knn", "lora", "linear")
+# "fp32learn": the default with its learning pass in float32 (learn_dtype='model': the default before bfloat16).
 # "logit": the residual output layer read in logit space (the default before probability space), along the curve.
 # "faast" (the shipped middle layers + the residual output layer, both variants along the curve) and "paper" (the
 # paper's output layer) on request: each is one more pass.
@@ -47,7 +48,8 @@ RUN_ORDER = ("asyncio", "man", "copyright", "perl", "tkinter")  # code, roff, le
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(RUN_ORDER))
+    p.add_argument("--domains", nargs="+", choices=(*DOMAINS, *VALIDATION), default=list(RUN_ORDER),
+                   help="the benchmark's five (default) or the validation domains settings are chosen on")
     p.add_argument("--learn-tokens", type=int, default=32768)
     p.add_argument("--score-tokens", type=int, default=8192)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"subset of {','.join(METHODS)}")
@@ -122,7 +124,8 @@ class Domain:
 
 
 VARIANTS = {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only",
-            "logit": "FAAST: logit-space residual output (previous default)"}  # fmt: skip
+            "logit": "FAAST: logit-space residual output (earlier default)",
+            "fp32learn": "FAAST: residual output only, float32 learning pass"}  # fmt: skip
 
 
 def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> None:  # noqa: ANN001
@@ -298,6 +301,8 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
     domain.add("zero-shot", perplexity(base, domain.windows, batch_size=args.batch_size), 0.0, 0)
     if "default" in args.methods:
         run_default(domain, base, args)
+    if "fp32learn" in args.methods:
+        run_default(domain, base, args, "fp32learn", learn_dtype="model")
     if "logit" in args.methods:
         run_default(domain, base, args, "logit", output_space="logit")
     if "faast" in args.methods:

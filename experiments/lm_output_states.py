@@ -24,14 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import ROOT  # noqa: E402,F401 - puts python/ on sys.path
-from domains import DOMAINS, FILES, _stdlib, domain_texts  # noqa: E402
-
-VALIDATION = ("email", "multiprocessing", "licenses")
-FILES.update({
-    "email": lambda: _stdlib("email"),
-    "multiprocessing": lambda: _stdlib("multiprocessing"),
-    "licenses": lambda: sorted(p for p in Path("/usr/share/common-licenses").iterdir() if p.is_file()),
-})  # fmt: skip
+from domains import DOMAINS, VALIDATION, domain_texts  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

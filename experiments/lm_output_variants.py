@@ -367,7 +367,7 @@ def add_tail_helpers(layer) -> None:  # noqa: ANN001
 def doc_starts(name: str, tokenizer, positions: int, budget: int) -> list[int]:  # noqa: ANN001
     """First position of each learned document in the cached stream (each text of n tokens gives n - 1 positions);
     `budget` is the token count the cache was made with (its --learn-tokens)."""
-    from lm_output_states import domain_texts
+    from domains import domain_texts
 
     from faast.hf.tokens import token_lists
 
@@ -456,7 +456,7 @@ LEGEND = [
 def table(rows: list[dict], variants: list[str]) -> list[str]:
     """One table per curve point (tokens learned, at most the domain's cached positions): the change per domain, and
     the means over the validation domains (where settings are chosen) and over the others."""
-    from lm_output_states import VALIDATION
+    from domains import VALIDATION
 
     domains = list(dict.fromkeys(r["domain"] for r in rows))
     groups = [("mean, validation", [d for d in domains if d in VALIDATION]),

@@ -164,7 +164,7 @@ def captured_states(model, x, mask):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_statistics_equal_a_hand_computation_from_hooked_hidden_states(kind):
-    model = apply_faast(tiny_model(kind), FaastConfig(layers=[0, 2], output_target="embedding"))
+    model = apply_faast(tiny_model(kind), FaastConfig(layers=[0, 2], output_target="embedding", learn_dtype="model"))
     randomize_readouts(model)  # non-trivial scorer weights
     x = ids(batch=3, seq=12)
     mask = torch.ones_like(x, dtype=torch.bool)

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from faast.hf import FaastConfig, apply_faast
+from faast.hf import model as model_module
 from faast.hf import output as output_module
 from faast.hf.output import HELD_OUT_SHARE
 from faast.hf.targets import TARGETS
 from hf_models import KINDS, VOCAB, tiny_model
-from tolerances import BF16_HEAD_PRODUCTS_REL, REORDER_REL, rel
+from tolerances import BF16_AUTOCAST_REL, BF16_HEAD_PRODUCTS_REL, REORDER_REL, rel
 
 # The statistics are float64 sums of float32 products (keys and logits come from the float32 model).
 STAT_REL = 1e-6
@@ -69,7 +70,7 @@ def newton(s, t, n, mu_gram, mass, head, damping, alpha=1.0, n_curvature=None):
 @pytest.mark.parametrize("head_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_statistics_equal_a_float64_hand_computation_under_padding(kind, head_dtype):
-    model = apply_faast(tiny_model(kind), FaastConfig(num_layers=0, output_head_dtype=head_dtype))
+    model = apply_faast(tiny_model(kind), FaastConfig(num_layers=0, output_head_dtype=head_dtype, learn_dtype="model"))
     tol = {"float32": STAT_REL, "bfloat16": BF16_HEAD_PRODUCTS_REL}[head_dtype]
     x = ids(batch=3, seq=24)
     mask = torch.ones_like(x, dtype=torch.bool)
@@ -88,7 +89,7 @@ def test_statistics_equal_a_float64_hand_computation_under_padding(kind, head_dt
 @pytest.mark.parametrize("space", ["logit", "probability"])
 def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(space):
     config = FaastConfig(num_layers=0, output_step=0.37, output_damping=0.5, output_head_dtype="float32",
-                         output_space=space, output_weight=0.4)  # fmt: skip
+                         output_space=space, output_weight=0.4, learn_dtype="model")  # fmt: skip
     model = apply_faast(tiny_model("llama"), config)
     x = ids(batch=4, seq=40)
     mask = torch.ones_like(x, dtype=torch.bool)
@@ -161,7 +162,9 @@ def test_the_tuned_step_and_weight_minimise_the_held_out_mixture_loss_found_by_b
     x = ids(batch=8, seq=100, period=23)
     noise = ids(batch=8, seq=100, seed=7)
     x = torch.where(torch.rand(x.shape, generator=torch.Generator().manual_seed(1)) < 0.8, x, noise)
-    config = FaastConfig(num_layers=0, output_tune_tokens=4096, output_head_dtype="float32", output_weight="auto")
+    config = FaastConfig(
+        num_layers=0, output_tune_tokens=4096, output_head_dtype="float32", output_weight="auto", learn_dtype="model"
+    )
     model = apply_faast(tiny_model("llama"), config)
     assert model.faast_config.output_space == "probability"  # the default
     model.learn(x)
@@ -365,6 +368,43 @@ def test_head_products_in_bfloat16_learn_what_float32_learns_within_the_declared
         FaastConfig(output_head_dtype="float16")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_learning_under_bfloat16_autocast_learns_the_autocast_states_and_auto_picks_it_only_where_native(
+    kind, monkeypatch
+):
+    x = ids(batch=3, seq=40, period=11)
+    mask = torch.ones_like(x, dtype=torch.bool)
+
+    def learned_gram(model_dtype, learn_dtype):
+        base = tiny_model(kind).to(model_dtype)
+        model = apply_faast(base, FaastConfig(num_layers=0, output_step=0.3, learn_dtype=learn_dtype))
+        model.learn(x)
+        return model, model.output_memory_layer.memory.gram
+
+    model, s16 = learned_gram(torch.float32, "bfloat16")
+    exact = reference_statistics(model, x, mask)[2]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h16 = final_states(model, x, mask)  # a float32 tensor: the residual stream and the norms stay float32
+    k16 = h16[:, :-1].reshape(-1, h16.shape[-1])
+    assert rel(s16, k16.T @ k16) <= STAT_REL  # learn() ran the autocast pass, and only the pass
+    assert 0 < rel(s16, exact) <= BF16_AUTOCAST_REL
+    _, s32 = learned_gram(torch.float32, "model")
+    assert rel(s32, exact) <= STAT_REL
+    # 'auto': autocast only for float32 weights on a device that multiplies bfloat16 natively.
+    for native, model_dtype, expected in ((True, torch.float32, s16), (False, torch.float32, s32),
+                                          (True, torch.float64, None)):  # fmt: skip
+        monkeypatch.setattr(model_module, "native_bf16", lambda device, native=native: native)
+        auto_model, auto = learned_gram(model_dtype, "auto")
+        if expected is None:  # float64 weights learn exactly what the float64 model computes
+            _, expected = learned_gram(torch.float64, "model")
+        assert torch.equal(auto, expected), (native, model_dtype)
+    with pytest.raises(ValueError, match="learn_dtype: expected 'auto', 'model' or 'bfloat16'"):
+        FaastConfig(learn_dtype="float16")
+    saved_before = {k: v for k, v in FaastConfig().to_dict().items() if k != "learn_dtype"}
+    assert FaastConfig.from_dict(saved_before).learn_dtype == "model"
+    assert FaastConfig.from_dict(FaastConfig(learn_dtype="bfloat16").to_dict()).learn_dtype == "bfloat16"
+
+
 def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tuned():
     # Random tokens: nothing to learn, so the held-out loss rises with any step and η = 0 keeps the base model.
     model = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=0))
@@ -489,7 +529,8 @@ def test_learn_takes_a_tokenizer_batch_by_keyword_and_labels_select_the_pairs():
     # An instruction-style batch: only the answer (the last 12 positions) is learned.
     labels = x.clone()
     labels[:, :18] = -100
-    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_head_dtype="float32"))
+    exact = FaastConfig(num_layers=0, output_head_dtype="float32", learn_dtype="model")
+    model = apply_faast(tiny_model("llama"), exact)
     stats = model.learn(input_ids=x, labels=labels)
     every = torch.ones_like(x, dtype=torch.bool)
     k, _, _, _, _, _ = reference_statistics(model, x, every)

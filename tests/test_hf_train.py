@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from faast.hf import FaastConfig, MemoryLayer, apply_faast, corpus
-from faast.hf.train import TrainConfig, lr_factor, train_readout
+from faast.hf.train import TrainConfig, end_training_step, lr_factor, train_readout, training_step
 from hf_models import VOCAB, CharTokenizer, tiny_model
 from tolerances import rel
 
@@ -88,6 +88,20 @@ def test_training_in_bf16_keeps_fp32_master_weights():
     assert layer.readout.weight.dtype == torch.float32
     assert all(math.isfinite(r["loss"]) for r in history)
     assert torch.count_nonzero(layer.readout.weight) > 0
+
+
+def test_readout_training_keeps_the_models_precision_whatever_learn_dtype_says():
+    # learn_dtype is for learn() only: a training step's differentiable pass is never autocast.
+    losses = {}
+    for learn_dtype in ("model", "bfloat16"):
+        model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=1, dropout=0.0, learn_dtype=learn_dtype))
+        loss = training_step(model, fixed_batch(), discount=1.0)
+        loss.backward()
+        layer = next(iter(model.memory_layers.values()))
+        losses[learn_dtype] = (loss.detach(), layer.readout.weight.grad.clone())
+        end_training_step(model)
+    assert torch.equal(losses["model"][0], losses["bfloat16"][0])
+    assert torch.equal(losses["model"][1], losses["bfloat16"][1])
 
 
 def test_resuming_from_a_checkpoint_gives_the_uninterrupted_result(tmp_path):

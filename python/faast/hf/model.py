@@ -33,7 +33,7 @@ from .config import FaastConfig
 from .layers import MemoryLayer, OutputMemoryLayer, memory_bank
 from .learn_datasets import LabelledIds, dataset_items, is_dataset
 from .modules import BaseModelDelegate, FaastModuleModel, ModuleMemories, wants_module_model
-from .output import ResidualOutputLayer
+from .output import ResidualOutputLayer, native_bf16
 from .targets import get_submodule, residual_head, target_for
 from .tokens import overlapping_windows, pad_rows
 
@@ -280,6 +280,7 @@ class FaastModel(BaseModelDelegate):
                 torch.set_grad_enabled(differentiable),
                 _eval_mode(self.base_model),
                 self.module_memories.passthrough(),  # every layer learns from the base model's own activations
+                self._learn_autocast(input_ids.device, differentiable),
             ):
                 backbone(input_ids=input_ids, attention_mask=mask.long(), position_ids=positions, use_cache=False)
         finally:
@@ -299,6 +300,19 @@ class FaastModel(BaseModelDelegate):
         # One host sync for both counts.
         tokens, pairs = torch.stack([mask.sum(), pair_mask.sum()]).tolist()
         return LearnStats(tokens=tokens, pairs=pairs, batches=1, seconds=time.perf_counter() - started)
+
+    def _learn_autocast(self, device: torch.device, differentiable: bool) -> contextlib.AbstractContextManager:
+        """bfloat16 autocast for learn()'s forward pass where config.learn_dtype asks for it (never while training the
+        readout: its gradients keep the model's precision). The captured states stay float32: the residual stream
+        and the norms' outputs are float32 under autocast, only the matrix products inside the blocks round."""
+        setting = self.faast_config.learn_dtype
+        if differentiable or setting == "model":
+            return contextlib.nullcontext()
+        if setting == "auto":
+            weights = self.base_model.get_input_embeddings().weight
+            if weights.dtype != torch.float32 or not native_bf16(device):
+                return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=torch.bfloat16)
 
     def learn(
         self,

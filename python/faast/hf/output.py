@@ -173,9 +173,15 @@ def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
         return getattr(torch, setting)
     if keys.dtype == torch.float64:
         return torch.float32
-    if keys.device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16 if keys.device.type == "cpu" and _cpu_has_bf16() else torch.float32
+    return torch.bfloat16 if native_bf16(keys.device) else torch.float32
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 natively: a CUDA device that supports it, or a CPU with AVX512-BF16 or
+    AMX (on other CPUs bfloat16 products are emulated and slower than float32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and _cpu_has_bf16()
 
 
 class ResidualOutputLayer(nn.Module):
