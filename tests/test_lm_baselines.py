@@ -133,6 +133,27 @@ def test_lora_rank_matches_a_parameter_budget_and_unloads_to_the_base_model(kind
         assert torch.equal(base(input_ids=batch).logits, before)
 
 
+def test_lora_under_bfloat16_autocast_runs_its_products_in_bfloat16_and_keeps_float32_parameters():
+    pytest.importorskip("peft")
+    seen = []
+    results = {}
+    for autocast in (None, torch.bfloat16):
+        lora = apply_lora(tiny_model("llama"), 2)
+        proj = lora.get_base_model().model.layers[0].self_attn.q_proj
+        handle = proj.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+        trainable = [p for p in lora.parameters() if p.requires_grad]
+        stats = fit_causal_lm(lora, trainable, [ids(40, 9)], window=16, batch_size=2, lr=1e-2, epochs=3,
+                              autocast=autocast)  # fmt: skip
+        handle.remove()
+        assert {p.dtype for p in trainable} == {torch.float32}
+        results[autocast] = (set(seen), stats.last_loss)
+        seen.clear()
+    assert results[None][0] == {torch.float32} and results[torch.bfloat16][0] == {torch.bfloat16}
+    assert results[None][1] != results[torch.bfloat16][1]
+    with pytest.raises(ValueError, match="autocast: expected None, torch.bfloat16 or torch.float16"):
+        fit_causal_lm(lora, trainable, [ids(40, 9)], autocast=torch.float32)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_kv_cache_bytes_equal_the_cache_a_forward_pass_keeps(kind):
     model = tiny_model(kind)

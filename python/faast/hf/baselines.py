@@ -131,12 +131,17 @@ def fit_causal_lm(
     epochs: int = 1,
     weight_decay: float = 0.0,
     seed: int = 0,
+    autocast: torch.dtype | None = None,
 ) -> FitStats:
     """Train `params` on the causal-LM loss over every adjacent pair of the texts (windows overlap by one token).
 
     AdamW with a linear warmup over the first 10% of steps then constant lr; gradients clipped to norm 1. The rest
-    of the model stays frozen and in eval mode (no dropout), as in the FAAST learn pass.
+    of the model stays frozen and in eval mode (no dropout), as in the FAAST learn pass. `autocast` (e.g.
+    torch.bfloat16): the forward pass runs under torch.autocast with that dtype (the parameters and AdamW's state
+    keep theirs), the mixed-precision recipe a user would reach for to match FAAST's bfloat16 learning pass.
     """
+    if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"autocast: expected None, torch.bfloat16 or torch.float16, got {autocast!r}")
     params = list(params)
     if not params:
         raise ValueError("params: expected trainable parameters, got none")
@@ -162,7 +167,8 @@ def fit_causal_lm(
                 ids, mask = ids.to(device), mask.to(device)
                 labels = ids.masked_fill(~mask, -100)
                 with torch.enable_grad():
-                    loss = model(input_ids=ids, attention_mask=mask.long(), labels=labels, use_cache=False).loss
+                    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+                        loss = model(input_ids=ids, attention_mask=mask.long(), labels=labels, use_cache=False).loss
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)

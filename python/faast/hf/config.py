@@ -83,8 +83,8 @@ class FaastConfig:
             model's weights are float32 and the device multiplies bfloat16 natively (CUDA, or a CPU with AVX512-BF16
             or AMX), else the model's own dtype; 'model': always the model's own dtype; 'bfloat16': always autocast.
             Chosen on three validation domains (docs/design.md §6.4): on 2 AMD EPYC cores learning 32K tokens took
-            about 0.7× the time, and held-out perplexity moved by at most 0.02%. Configurations saved without this
-            field load as 'model'.
+            0.77× the time, and held-out perplexity moved by at most 0.02%. Configurations saved without this field
+            load as 'model'.
         alpha: spectral filter exponent (keep σ > N^-alpha·σmax), or 'auto' for the GCV-chosen rank.
         ridge: None for the truncated pseudo-inverse (the paper), a penalty μ, or 'auto' (GCV).
         scorer: weight values by the token scorer s = sigmoid(a·[k; v]) in middle layers.
