@@ -4,7 +4,7 @@
 
     record = provenance.start(root)                            # first thing in the run
     ...                                                        # the measurements
-    provenance.write(folder / "run", record, payload, title, body)    # writes run.json and run.md
+    provenance.write(folder / stem, record, payload, title, body)    # the stem plus .json, and plus .md
 
 `start(root)` returns a flat dict of JSON values:
 
