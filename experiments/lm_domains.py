@@ -35,13 +35,14 @@ from domains import DOMAINS, VALIDATION, domain_texts  # noqa: E402
 
 from faast import provenance  # noqa: E402
 
-METHODS = ("default", "fp32learn", "logit", "faast", "output", "paper", "knn", "lora", "lora_bf16", "linear")
+METHODS = ("default", "narrow", "fp32learn", "logit", "faast", "output", "paper", "knn", "lora", "lora_bf16", "linear")
 # "lora_bf16": LoRA with its forward pass under bfloat16 autocast, the precision FAAST's learning pass uses.
 # "fp32learn": the default with its learning pass in float32 (learn_dtype='model': the default before bfloat16).
+# "narrow": the default with the output layer's keys h̃ alone (output_key_layers=[]: the default before wider keys).
 # "logit": the residual output layer read in logit space (the default before probability space), along the curve.
 # "faast" (the shipped middle layers + the residual output layer, both variants along the curve) and "paper" (the
 # paper's output layer) on request: each is one more pass.
-DEFAULT_METHODS = ("default", "logit", "knn", "lora", "linear")
+DEFAULT_METHODS = ("default", "narrow", "knn", "lora", "linear")
 CURVE = (2048, 8192, 32768)
 KNN_CURVE = (32768,)
 RUN_ORDER = ("asyncio", "man", "copyright", "perl", "tkinter")  # code, roff, legal prose, then the rest
@@ -49,8 +50,13 @@ RUN_ORDER = ("asyncio", "man", "copyright", "perl", "tkinter")  # code, roff, le
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--domains", nargs="+", choices=(*DOMAINS, *VALIDATION), default=list(RUN_ORDER),
-                   help="the benchmark's five (default) or the validation domains settings are chosen on")
+    p.add_argument(
+        "--domains",
+        nargs="+",
+        choices=(*DOMAINS, *VALIDATION),
+        default=list(RUN_ORDER),
+        help="the benchmark's five (default) or the validation domains settings are chosen on",
+    )
     p.add_argument("--learn-tokens", type=int, default=32768)
     p.add_argument("--score-tokens", type=int, default=8192)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"subset of {','.join(METHODS)}")
@@ -58,12 +64,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="keep the domains already in the result JSON, run the rest")
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--learn-window", type=int, default=None,
-                   help="tokens per window while FAAST learns (default: --window); LoRA trains on --train-window")
-    p.add_argument("--output-tune-tokens", type=int, default=None,
-                   help="held-out positions the output layer's step is tuned on (default: FaastConfig's)")
-    p.add_argument("--learn-batch-size", type=int, default=None,
-                   help="windows per learning batch (default: --batch-size)")
+    p.add_argument(
+        "--learn-window",
+        type=int,
+        default=None,
+        help="tokens per window while FAAST learns (default: --window); LoRA trains on --train-window",
+    )
+    p.add_argument(
+        "--output-tune-tokens",
+        type=int,
+        default=None,
+        help="held-out positions the output layer's step is tuned on (default: FaastConfig's)",
+    )
+    p.add_argument(
+        "--learn-batch-size", type=int, default=None, help="windows per learning batch (default: --batch-size)"
+    )
     p.add_argument("--train-window", type=int, default=256)
     p.add_argument("--train-batch-size", type=int, default=4)
     p.add_argument("--linear-lr", type=float, default=1e-4)
@@ -126,6 +141,7 @@ class Domain:
 
 VARIANTS = {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only",
             "logit": "FAAST: logit-space residual output (earlier default)",
+            "narrow": "FAAST: residual output, keys h̃ only (previous default)",
             "fp32learn": "FAAST: residual output only, float32 learning pass"}  # fmt: skip
 
 
@@ -307,6 +323,8 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
     domain.add("zero-shot", perplexity(base, domain.windows, batch_size=args.batch_size), 0.0, 0)
     if "default" in args.methods:
         run_default(domain, base, args)
+    if "narrow" in args.methods:
+        run_default(domain, base, args, "narrow", output_key_layers=[])
     if "fp32learn" in args.methods:
         run_default(domain, base, args, "fp32learn", learn_dtype="model")
     if "logit" in args.methods:

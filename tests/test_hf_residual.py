@@ -42,14 +42,45 @@ def final_states(model, x, mask):
     return seen["h"].double()
 
 
+def block_inputs(model, x, mask):
+    """The inputs of the blocks FaastConfig.output_key_layers names, each scaled to unit root-mean-square per
+    position, concatenated [B, T, d·len] float64 (None without such blocks), from plain hooks, faast disabled."""
+    blocks = model.base_model.get_submodule(TARGETS[model.faast_config.model_type].blocks)
+    seen, handles = {}, []
+    for i in model.faast_config.output_key_layers:
+
+        def capture(module, args, kwargs, i=i):
+            seen[i] = (args[0] if args else kwargs["hidden_states"]).detach().double()
+
+        handles.append(blocks[i].register_forward_pre_hook(capture, with_kwargs=True))
+    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    try:
+        with model.disable_faast(), torch.no_grad():
+            model.base_model(input_ids=x, attention_mask=mask.long(), position_ids=positions)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not seen:
+        return None
+    return torch.cat([v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) for _, v in sorted(seen.items())], -1)
+
+
+def full_keys(model, x, mask):
+    """The residual output layer's keys [B, T, d_key] float64: the final norm's output, then the block inputs."""
+    h, extra = final_states(model, x, mask), block_inputs(model, x, mask)
+    return h if extra is None else torch.cat([h, extra], -1)
+
+
 def reference_statistics(model, x, mask):
-    """(keys [n, d], targets [n], S, T, Σ μμᵀ, Σ p) in float64 over the learned pairs."""
-    h = final_states(model, x, mask)
+    """(keys [n, d_key], targets [n], S, T, Σ μμᵀ, Σ p) in float64 over the learned pairs; the keys are the final
+    norm's output h̃ [n, d] followed by the block inputs FaastConfig.output_key_layers names."""
+    h = full_keys(model, x, mask)
+    d = model.faast_config.hidden_size
     pair = (mask[:, :-1] & mask[:, 1:]).reshape(-1)
     k = h[:, :-1].reshape(-1, h.shape[-1])[pair]
     y = x[:, 1:].reshape(-1)[pair]
     head = model.base_model.get_output_embeddings().weight.double()
-    p = torch.softmax(k @ head.T, -1)
+    p = torch.softmax(k[:, :d] @ head.T, -1)
     mu = p @ head
     r = head[y] - mu
     return k, y, k.T @ k, k.T @ r, mu.T @ mu, p.sum(0)
@@ -67,10 +98,15 @@ def newton(s, t, n, mu_gram, mass, head, damping, alpha=1.0, n_curvature=None):
     return w @ torch.linalg.inv(c)
 
 
+@pytest.mark.parametrize("key_layers", ["auto", [], [1, 3]])
 @pytest.mark.parametrize("head_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_statistics_equal_a_float64_hand_computation_under_padding(kind, head_dtype):
-    model = apply_faast(tiny_model(kind), FaastConfig(num_layers=0, output_head_dtype=head_dtype, learn_dtype="model"))
+def test_statistics_equal_a_float64_hand_computation_under_padding(kind, head_dtype, key_layers):
+    # key_layers: the keys are h̃ alone, or h̃ and the RMS-normalised inputs of early blocks ('auto': block L // 7)
+    config = FaastConfig(num_layers=0, output_head_dtype=head_dtype, learn_dtype="model", output_key_layers=key_layers)
+    model = apply_faast(tiny_model(kind), config)
+    width = 32 * (1 + {"auto": 1, (): 0, (1, 3): 2}[key_layers if key_layers == "auto" else tuple(key_layers)])
+    assert model.output_memory_layer.memory.dim_key == width
     tol = {"float32": STAT_REL, "bfloat16": BF16_HEAD_PRODUCTS_REL}[head_dtype]
     x = ids(batch=3, seq=24)
     mask = torch.ones_like(x, dtype=torch.bool)
@@ -86,26 +122,36 @@ def test_statistics_equal_a_float64_hand_computation_under_padding(kind, head_dt
     assert rel(layer.token_mass.cross[0], mass) < tol
 
 
+@pytest.mark.parametrize(("key_layers", "batch", "width"), [([], 8, 32), ("auto", 8, 64), ("auto", 4, 32)])
 @pytest.mark.parametrize("space", ["logit", "probability"])
-def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(space):
+def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(space, key_layers, batch, width):
+    # width: the key columns the correction reads. With the keys widened by block 0's input ('auto' on 4 blocks), the
+    # full keys (64) once FIT_PER_KEY_DIM positions per key dimension were learned (8 × 39 = 312 >= 4 × 64), else the
+    # leading h̃ block of the same statistics alone (4 × 39 = 156).
     config = FaastConfig(num_layers=0, output_step=0.37, output_damping=0.5, output_head_dtype="float32",
-                         output_space=space, output_weight=0.4, learn_dtype="model")  # fmt: skip
+                         output_space=space, output_weight=0.4, learn_dtype="model",
+                         output_key_layers=key_layers)  # fmt: skip
     model = apply_faast(tiny_model("llama"), config)
-    x = ids(batch=4, seq=40)
+    x = ids(batch=batch, seq=40)
     mask = torch.ones_like(x, dtype=torch.bool)
     model.learn(x, mask)
     _, _, s, t, mu_gram, mass = reference_statistics(model, x, mask)
     head = model.base_model.get_output_embeddings().weight.double()
-    expected = 0.37 * newton(s, t, float(mask[:, 1:].sum()), mu_gram, mass, head, damping=0.5)
-    m = model.output_memory_layer.folded(torch.device("cpu"), torch.float64)
+    n = float(mask[:, 1:].sum())
+    expected = 0.37 * newton(s[:width, :width], t[:width], n, mu_gram, mass, head, damping=0.5)
+    layer = model.output_memory_layer
+    m = layer.folded(torch.device("cpu"), torch.float64)
+    assert layer.chosen_key_width() == width and m.shape == (width, 32)
     assert rel(m, expected) < 1e-6
     probe = ids(batch=1, seq=9, seed=3)
-    h = final_states(model, probe, torch.ones_like(probe, dtype=torch.bool))
+    keys = full_keys(model, probe, torch.ones_like(probe, dtype=torch.bool))
+    h = keys[..., :32]
     logits = model(probe).logits.double()
-    if space == "logit":  # the model reads h̃ + h̃·M after the final norm
-        assert rel(logits, (h + h @ m) @ head.T) < 1e-5
-    else:  # the log of 0.6·softmax(h̃Hᵀ) + 0.4·softmax((h̃ + h̃·M)Hᵀ)
-        mixture = 0.6 * torch.softmax(h @ head.T, -1) + 0.4 * torch.softmax((h + h @ m) @ head.T, -1)
+    corrected = h + keys[..., :width] @ m
+    if space == "logit":  # the model reads h̃ + key·M after the final norm
+        assert rel(logits, corrected @ head.T) < 1e-5
+    else:  # the log of 0.6·softmax(h̃Hᵀ) + 0.4·softmax((h̃ + key·M)Hᵀ)
+        mixture = 0.6 * torch.softmax(h @ head.T, -1) + 0.4 * torch.softmax(corrected @ head.T, -1)
         assert rel(logits, mixture.log()) < 1e-5
         assert rel(logits.exp().sum(-1), torch.ones(1, 9, dtype=torch.float64)) < 1e-5
 
@@ -116,7 +162,7 @@ def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force(sample,
     # fit still leaves out the whole span.
     if sample is not None:
         monkeypatch.setattr(output_module, "TUNE_SAMPLE", sample)
-    config = FaastConfig(num_layers=0, output_tune_tokens=4096, output_space="logit")
+    config = FaastConfig(num_layers=0, output_key_layers=[], output_tune_tokens=4096, output_space="logit")
     model = apply_faast(tiny_model("llama"), config)
     x = ids(batch=8, seq=100, period=23)
     model.learn(x)
@@ -163,7 +209,12 @@ def test_the_tuned_step_and_weight_minimise_the_held_out_mixture_loss_found_by_b
     noise = ids(batch=8, seq=100, seed=7)
     x = torch.where(torch.rand(x.shape, generator=torch.Generator().manual_seed(1)) < 0.8, x, noise)
     config = FaastConfig(
-        num_layers=0, output_tune_tokens=4096, output_head_dtype="float32", output_weight="auto", learn_dtype="model"
+        num_layers=0,
+        output_tune_tokens=4096,
+        output_head_dtype="float32",
+        output_weight="auto",
+        learn_dtype="model",
+        output_key_layers=[],
     )
     model = apply_faast(tiny_model("llama"), config)
     assert model.faast_config.output_space == "probability"  # the default
@@ -232,7 +283,10 @@ def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(multip
     lengths = (140, 120, 160, 110, 175)
     phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
     texts = [phrase.roll(5 * i).repeat(8)[:n].tolist() for i, n in enumerate(lengths)]
-    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=160, output_space="logit"))
+    model = apply_faast(
+        tiny_model("llama"),
+        FaastConfig(num_layers=0, output_key_layers=[], output_tune_tokens=160, output_space="logit"),
+    )
     model.learn(texts, max_length=200, batch_size=2)
     layer = model.output_memory_layer
     layer.folded(torch.device("cpu"), torch.float32)
@@ -284,7 +338,7 @@ def test_the_step_is_tuned_only_on_a_fit_of_at_least_fit_per_key_dim_positions_p
     monkeypatch.setattr(output_module, "FIT_PER_KEY_DIM", per_dim)
     phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
     text = phrase.repeat(40)[:705].tolist()
-    config = FaastConfig(num_layers=0, output_tune_tokens=160, output_default_step=0.03)
+    config = FaastConfig(num_layers=0, output_tune_tokens=160, output_default_step=0.03, output_key_layers=[])
     model = apply_faast(tiny_model("llama"), config)
     model.learn([text], max_length=200, batch_size=2)
     layer = model.output_memory_layer
@@ -294,7 +348,8 @@ def test_the_step_is_tuned_only_on_a_fit_of_at_least_fit_per_key_dim_positions_p
         assert layer.last_tuning["tuned"] and layer.last_tuning["fitted_tokens"] == 564
         assert layer.last_tuning["document_gap_tokens"] == 0 and layer.last_tuning["step"] > 0.05
     else:
-        default = {"step": 0.03, "weight": output_module.DEFAULT_WEIGHT, "tuned": False, "saved_step": False}
+        default = {"step": 0.03, "weight": output_module.DEFAULT_WEIGHT, "tuned": False, "saved_step": False,
+                   "key_width": 32}  # fmt: skip
         assert layer.last_tuning == default
 
 
@@ -315,7 +370,7 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
     probe = ids(batch=2, seq=15, seed=9)
     with torch.no_grad():
         assert torch.equal(fresh(probe).logits, model(probe).logits)
-    saved = {"step": step, "weight": weight, "tuned": False, "saved_step": True}
+    saved = {"step": step, "weight": weight, "tuned": False, "saved_step": True, "key_width": 32}
     assert fresh.output_memory_layer.last_tuning == saved
     # A file whose step is not a finite number >= 0, or whose weight is not in [0, 1], is refused before anything is
     # copied.
@@ -384,7 +439,7 @@ def test_learning_under_bfloat16_autocast_learns_the_autocast_states_and_auto_pi
     model, s16 = learned_gram(torch.float32, "bfloat16")
     exact = reference_statistics(model, x, mask)[2]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        h16 = final_states(model, x, mask)  # a float32 tensor: the residual stream and the norms stay float32
+        h16 = full_keys(model, x, mask)  # float32 tensors: the residual stream and the norms stay float32
     k16 = h16[:, :-1].reshape(-1, h16.shape[-1])
     assert rel(s16, k16.T @ k16) <= STAT_REL  # learn() ran the autocast pass, and only the pass
     assert 0 < rel(s16, exact) <= BF16_AUTOCAST_REL
@@ -417,11 +472,17 @@ def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tu
     assert torch.equal(model(x).logits, base)
     # Too little text to hold any out: the configured default step and weight, else the space's own defaults.
     for space, kwargs, expected in (
-        ("probability", {"output_default_step": 0.02, "output_default_weight": 0.6, "output_weight": "auto"},
-         (0.02, 0.6)),
+        (
+            "probability",
+            {"output_default_step": 0.02, "output_default_weight": 0.6, "output_weight": "auto"},
+            (0.02, 0.6),
+        ),
         ("probability", {"output_default_weight": 0.6}, (output_module.DEFAULT_STEP["probability"], 0.5)),
-        ("probability", {"output_weight": "auto"}, (output_module.DEFAULT_STEP["probability"],
-                                                    output_module.DEFAULT_WEIGHT)),
+        (
+            "probability",
+            {"output_weight": "auto"},
+            (output_module.DEFAULT_STEP["probability"], output_module.DEFAULT_WEIGHT),
+        ),
         ("logit", {}, (output_module.DEFAULT_STEP["logit"], 1.0)),
     ):
         few = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=0, output_space=space, **kwargs))
@@ -429,7 +490,7 @@ def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tu
         few.output_memory_layer.folded(torch.device("cpu"), torch.float32)
         step, weight = expected
         assert few.output_memory_layer.last_tuning == {"step": step, "weight": weight, "tuned": False,
-                                                       "saved_step": False}  # fmt: skip
+                                                       "saved_step": False, "key_width": 32}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -529,7 +590,7 @@ def test_learn_takes_a_tokenizer_batch_by_keyword_and_labels_select_the_pairs():
     # An instruction-style batch: only the answer (the last 12 positions) is learned.
     labels = x.clone()
     labels[:, :18] = -100
-    exact = FaastConfig(num_layers=0, output_head_dtype="float32", learn_dtype="model")
+    exact = FaastConfig(num_layers=0, output_head_dtype="float32", learn_dtype="model", output_key_layers=[])
     model = apply_faast(tiny_model("llama"), exact)
     stats = model.learn(input_ids=x, labels=labels)
     every = torch.ones_like(x, dtype=torch.bool)
@@ -579,9 +640,105 @@ def test_probability_space_mixes_the_rows_the_model_keeps_and_leaves_an_empty_me
         with model.disable_faast():
             base = model(x).logits
         assert torch.equal(model(x).logits, base)  # nothing learned: the head's logits untouched
-        model.learn(ids(batch=4, seq=40, period=5))
+        model.learn(ids(batch=8, seq=40, period=5))
+        assert model.output_memory_layer.chosen_key_width() == 64  # h̃ and block 0's input: a wider key to slice
         full = model(x).logits
         last = model(x, logits_to_keep=1).logits  # what generation asks for: the head sees the last position only
     assert rel(last[:, -1], full[:, -1]) < 1e-6
     assert rel(full.exp().sum(-1), torch.ones(full.shape[:-1])) < 1e-5  # log-probabilities of a distribution
     assert not torch.allclose(full.log_softmax(-1), base.log_softmax(-1), atol=1e-3)
+
+
+def noisy_phrase():
+    """8 rows of 100 tokens: a repeated phrase with a fifth of its tokens replaced at random."""
+    x, noise = ids(batch=8, seq=100, period=23), ids(batch=8, seq=100, seed=7)
+    return torch.where(torch.rand(x.shape, generator=torch.Generator().manual_seed(1)) < 0.8, x, noise)
+
+
+def test_the_key_width_is_the_one_whose_tuned_correction_predicts_the_held_out_tail_best(monkeypatch):
+    # The keys h̃ (32) and block 0's input ('auto' on 4 blocks: 64 in all). 792 positions, 158 held out: 634 fitted,
+    # enough for either width (FIT_PER_KEY_DIM × 64 = 256), so (η, λ) is tuned for both and the lower held-out NLL
+    # wins; each width's recorded NLL is checked against a float64 hand computation at its (η, λ).
+    x = noisy_phrase()
+    config = FaastConfig(num_layers=0, output_tune_tokens=4096, output_head_dtype="float32", output_weight="auto",
+                         learn_dtype="model")  # fmt: skip
+    model = apply_faast(tiny_model("llama"), config)
+    model.learn(x)
+    layer = model.output_memory_layer
+    m, _ = layer.solution(torch.device("cpu"), torch.float64)
+    tuning = layer.last_tuning
+    by_width = tuning["by_key_width"]
+    assert sorted(by_width) == [32, 64]
+    k, y, _, _, mu_gram, mass = reference_statistics(model, x, torch.ones_like(x, dtype=torch.bool))
+    held = int(k.shape[0] * HELD_OUT_SHARE)
+    assert tuning["held_out_tokens"] == held and tuning["fitted_tokens"] == k.shape[0] - held
+    head = model.base_model.get_output_embeddings().weight.double()
+    h = k[:, :32]
+    rf = head[y[:-held]] - torch.softmax(h[:-held] @ head.T, -1) @ head
+    for width, chosen in by_width.items():
+        kf = k[:-held, :width]
+        w = newton(kf.T @ kf, kf.T @ rf, float(kf.shape[0]), mu_gram, mass, head, damping=1.0,
+                   n_curvature=k.shape[0])  # fmt: skip
+        z0 = h[-held:] @ head.T
+        z = z0 + chosen["step"] * (k[-held:, :width] @ w) @ head.T
+        lam = chosen["weight"]
+        mixture = (1 - lam) * torch.softmax(z0, -1) + lam * torch.softmax(z, -1)
+        nll = float(-mixture.gather(-1, y[-held:, None]).log().mean())
+        assert abs(nll - chosen["held_out_nll"]) < 1e-5 * nll, width
+    width = min(by_width, key=lambda v: (by_width[v]["held_out_nll"], v))
+    assert tuning["key_width"] == width == layer.chosen_key_width()
+    assert (tuning["step"], tuning["weight"]) == (by_width[width]["step"], by_width[width]["weight"])
+    assert m is not None and m.shape == (width, 32)
+    # Too little fitted for the full keys (16 per dimension: 512 <= 634 < 1024): tuned for h̃ alone, no choice made.
+    monkeypatch.setattr(output_module, "FIT_PER_KEY_DIM", 16)
+    few = apply_faast(tiny_model("llama"), config)
+    few.learn(x)
+    few.output_memory_layer.folded(torch.device("cpu"), torch.float32)
+    assert few.output_memory_layer.last_tuning["key_width"] == 32 and few.output_memory_layer.last_tuning["tuned"]
+    assert few.output_memory_layer.last_tuning["by_key_width"] == {}
+
+
+@pytest.mark.parametrize("width", [32, 64])
+def test_the_chosen_key_width_is_saved_with_the_step_and_a_loaded_model_reads_the_same(width, tmp_path, monkeypatch):
+    # One width offered to the tuning, so that each is saved and restored once.
+    monkeypatch.setattr(output_module.ResidualOutputLayer, "_widths", lambda self, fitted: [width])
+    config = FaastConfig(num_layers=0, output_tune_tokens=4096)
+    model = apply_faast(tiny_model("llama"), config)
+    model.learn(noisy_phrase())
+    assert model.output_memory_layer.chosen_key_width() == width
+    assert model.output_memory_layer.chosen_step() > 0
+    path = model.save_fast_weights(tmp_path / "fw.safetensors")
+    fresh = apply_faast(tiny_model("llama"), config).load_fast_weights(path)
+    probe = ids(batch=2, seq=15, seed=9)
+    with torch.no_grad():
+        assert torch.equal(fresh(probe).logits, model(probe).logits)
+    assert fresh.output_memory_layer.chosen_key_width() == width
+    assert fresh.output_memory_layer.last_tuning["key_width"] == width
+    # A saved width that is neither h̃'s nor the full keys' is refused, naming the field.
+    with pytest.raises(ValueError, match=r"key_width: expected one of \[32, 64\] or None, got 48"):
+        fresh.output_memory_layer.restore_step(0.1, 0.5, 48)
+    from faast.checkpoint import save_state
+
+    save_state(tmp_path / "bad.safetensors", model._per_layer_memories(copy=True), {"output_key_width": "64"})
+    with pytest.raises(ValueError, match="output_key_width: expected an int > 0"):
+        apply_faast(tiny_model("llama"), config).load_fast_weights(tmp_path / "bad.safetensors")
+
+
+def test_output_key_layers_auto_resolves_to_an_early_block_and_old_configurations_keep_h_alone():
+    model = apply_faast(tiny_model("llama", layers=14), FaastConfig(num_layers=0))
+    assert model.faast_config.output_key_layers == [2]  # 14 // 7
+    assert model.output_memory_layer.memory.dim_key == 64
+    assert FaastConfig.from_dict(model.faast_config.to_dict()).output_key_layers == [2]  # saved resolved
+    saved_before = {k: v for k, v in FaastConfig().to_dict().items() if k != "output_key_layers"}
+    assert FaastConfig.from_dict(saved_before).output_key_layers == []
+    paper = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_target="embedding"))
+    assert paper.faast_config.output_key_layers == []
+    listed = "expected 'auto' or a list of block indices >= 0"
+    for value, message in (([1, 1], "block indices must be distinct"), ([-1], listed), ("early", listed),
+                           ([1.0], listed)):  # fmt: skip
+        with pytest.raises(ValueError, match=f"output_key_layers: {message}"):
+            FaastConfig(output_key_layers=value)
+    with pytest.raises(ValueError, match=r"output_key_layers: indices \[4\] are out of range for a model with 4"):
+        apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_key_layers=[4]))
+    with pytest.raises(ValueError, match="output_key_layers: only the 'residual' output layer widens its keys"):
+        apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_target="embedding", output_key_layers=[1]))

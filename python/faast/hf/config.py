@@ -14,6 +14,10 @@ from .._version import __version__
 # The paper (appendix, "Impact of model size and number of layers"): a memory layer before every block for models
 # below about 1B parameters, before every other block above.
 PAPER_SMALL_MODEL_PARAMS = 1_000_000_000
+# output_key_layers='auto' widens the residual output layer's keys with the input of block L // 7: an early block.
+# On SmolLM2 (30 blocks) blocks 4 and 10 gave the same held-out perplexity within 0.5 points on three validation
+# domains after 32K tokens (docs/design.md §6.3).
+AUTO_KEY_BLOCK_DIVISOR = 7
 
 
 def _is_number(value: object) -> bool:
@@ -75,6 +79,13 @@ class FaastConfig:
             hidden dimension), and no step saved with loaded statistics. None: the space's own, chosen after 2K tokens
             on three validation domains (faast.hf.output.DEFAULT_STEP; docs/design.md §6.3).
         output_default_weight: λ when it cannot be tuned (probability space); None: faast.hf.output.DEFAULT_WEIGHT.
+        output_key_layers: what else the 'residual' layer's keys hold besides h̃: block indices ℓ whose input hidden
+            state (RMS-normalised, no learned scale) is concatenated to h̃, so the correction reads [h̃; x_ℓ]W with W of
+            shape [d·(1 + len), d]. 'auto' (the default): one early block, ℓ = L // 7 (4 of SmolLM2's 30), chosen on
+            three validation domains (docs/design.md §6.3), resolved by apply_faast into the saved list; [] keys h̃
+            alone. Used only once the step can be tuned on enough text (FIT_PER_KEY_DIM positions per key dimension
+            fitted), else the h̃ block of the statistics is solved alone. Configurations saved without this field
+            load as [] (h̃ alone), as they were measured.
         output_head_dtype: dtype of the 'residual' layer's LM-head products while learning (logits and p·H per
             position, float32 accumulation, statistics in float64): 'auto' is bfloat16 on CUDA and on CPUs with
             native bfloat16 (AVX512-BF16 or AMX), else float32; 'float32' or 'bfloat16' forces one.
@@ -119,6 +130,7 @@ class FaastConfig:
     output_tune_tokens: int = 2048
     output_default_step: float | None = None
     output_default_weight: float | None = None
+    output_key_layers: list[int] | Literal["auto"] = "auto"
     output_head_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     learn_dtype: Literal["auto", "model", "bfloat16"] = "auto"
     alpha: float | Literal["auto"] = 1.0
@@ -172,6 +184,13 @@ class FaastConfig:
             )
         if self.learn_dtype not in ("auto", "model", "bfloat16"):
             raise ValueError(f"learn_dtype: expected 'auto', 'model' or 'bfloat16', got {self.learn_dtype!r}")
+        keys = self.output_key_layers
+        if keys != "auto":
+            if not isinstance(keys, list | tuple) or not all(type(i) is int and i >= 0 for i in keys):
+                raise ValueError(f"output_key_layers: expected 'auto' or a list of block indices >= 0, got {keys!r}")
+            if len(set(keys)) != len(keys):
+                raise ValueError(f"output_key_layers: block indices must be distinct, got {keys!r}")
+            self.output_key_layers = list(keys)
         tune = self.output_tune_tokens
         if isinstance(tune, bool) or not isinstance(tune, int) or tune < 0:
             raise ValueError(f"output_tune_tokens: expected an int >= 0, got {self.output_tune_tokens!r}")
@@ -209,6 +228,24 @@ class FaastConfig:
             raise ValueError(f"num_layers: {n} is more than the model's {num_blocks} blocks")
         return [int((i + 1) * num_blocks / (n + 1)) for i in range(n)]
 
+    def output_key_blocks(self, num_blocks: int) -> list[int]:
+        """The blocks whose input states widen the residual output layer's keys, for a model with `num_blocks`
+        blocks: [] for the 'embedding' target or without an output layer."""
+        keys = self.output_key_layers
+        if not self.output_layer or self.output_target != "residual":
+            if keys not in ("auto", []):
+                raise ValueError(
+                    f"output_key_layers: only the 'residual' output layer widens its keys, got {keys!r} with "
+                    f"output_target={self.output_target!r}, output_layer={self.output_layer!r}"
+                )
+            return []
+        if keys == "auto":
+            return [num_blocks // AUTO_KEY_BLOCK_DIVISOR]
+        bad = [i for i in keys if i >= num_blocks]
+        if bad:
+            raise ValueError(f"output_key_layers: indices {bad} are out of range for a model with {num_blocks} blocks")
+        return list(keys)
+
     # ------------------------------------------------------------------ serialisation
 
     def to_dict(self) -> dict:
@@ -230,6 +267,8 @@ class FaastConfig:
             data = {**data, "output_target": "embedding"}
         if "output_space" not in data:  # written before probability space existed: the residual layer read logits
             data = {**data, "output_space": "logit"}
+        if "output_key_layers" not in data:  # written before wider keys existed: keys were h̃ alone
+            data = {**data, "output_key_layers": []}
         if "learn_dtype" not in data:  # written before bfloat16 learning existed: learned in the model's dtype
             data = {**data, "learn_dtype": "model"}
         return cls(**data)

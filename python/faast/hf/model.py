@@ -33,7 +33,7 @@ from .config import FaastConfig
 from .layers import MemoryLayer, OutputMemoryLayer, memory_bank
 from .learn_datasets import LabelledIds, dataset_items, is_dataset
 from .modules import BaseModelDelegate, FaastModuleModel, ModuleMemories, wants_module_model
-from .output import ResidualOutputLayer, native_bf16
+from .output import ResidualOutputLayer, key_state, native_bf16
 from .targets import get_submodule, residual_head, target_for
 from .tokens import overlapping_windows, pad_rows
 
@@ -107,10 +107,12 @@ class FaastModel(BaseModelDelegate):
             )
         num_params = sum(p.numel() for p in base_model.parameters())
         indices = config.block_indices(len(blocks), num_params)
+        key_blocks = config.output_key_blocks(len(blocks))
         self.faast_config = FaastConfig.from_dict(
             {
                 **config.to_dict(),
                 "layers": indices,
+                "output_key_layers": key_blocks,
                 "model_type": base_model.config.model_type,
                 "hidden_size": hidden,
                 "num_hidden_layers": len(blocks),
@@ -137,7 +139,9 @@ class FaastModel(BaseModelDelegate):
                     f" size {hidden}; use FaastConfig(output_target='embedding') or output_layer=False"
                 )
             vocab = head.weight.shape[0]
-            self.output_memory_layer = ResidualOutputLayer(hidden, vocab, self.faast_config, device=device)
+            self.output_memory_layer = ResidualOutputLayer(
+                hidden, vocab, self.faast_config, device=device, extra_key_size=hidden * len(key_blocks)
+            )
             self.output_memory_layer.attach_head(head)
         elif config.output_layer:
             self.output_memory_layer = OutputMemoryLayer(hidden, hidden, self.faast_config, device=device)
@@ -145,7 +149,15 @@ class FaastModel(BaseModelDelegate):
         self._learn: _LearnContext | None = None
         # Capture buffers [L, B, T-1, d], reused by the next batch of the same shape; learn() drops them at its end.
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The residual output layer's extra keys: key_state of these blocks' inputs in the current forward pass,
+        # taken before a middle memory layer on the same block changes the input (hooks run in registration order).
+        self._key_blocks = key_blocks
+        self._key_states: list[torch.Tensor | None] = [None] * len(key_blocks)
         self._handles = [
+            blocks[i].register_forward_pre_hook(partial(self._key_hook, slot), with_kwargs=True)
+            for slot, i in enumerate(key_blocks)
+        ]
+        self._handles += [
             blocks[i].register_forward_pre_hook(self._block_hook(layer), with_kwargs=True)
             for i, layer in ((int(k), v) for k, v in self.memory_layers.items())
         ]
@@ -207,18 +219,45 @@ class FaastModel(BaseModelDelegate):
             return (out, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": out}
 
+    def _key_hook(self, slot: int, module: nn.Module, args: tuple, kwargs: dict) -> None:  # noqa: ARG002
+        if self._part_disabled("output"):
+            return
+        hidden = args[0] if args else kwargs["hidden_states"]
+        self._key_states[slot] = key_state(hidden)
+
+    def _extra_keys(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The extra keys [B, T', d·len(key blocks)] for hidden [B, T', d], the final norm's output as the head reads
+        it (the model may keep only its last T' positions, e.g. one while generating): the last T' positions of the
+        key states captured in this forward pass. They are used once: the next pass captures its own."""
+        if not self._key_blocks:
+            return None
+        states, self._key_states = self._key_states, [None] * len(self._key_blocks)
+        rows = hidden.shape[-2] if hidden.dim() >= 2 else 1
+        if any(s is None or s.shape[:-2] != hidden.shape[:-2] or s.shape[-2] < rows for s in states):
+            got = [None if s is None else list(s.shape) for s in states]
+            raise RuntimeError(
+                f"faast: the output layer reads the inputs of blocks {self._key_blocks} of the same forward pass "
+                f"(for hidden states of shape {list(hidden.shape)}), but captured {got}: call the model, not its "
+                f"head alone"
+            )
+        return torch.cat([s[..., s.shape[-2] - rows :, :] for s in states], -1)
+
     def _residual_hook(self, module: nn.Module, args: tuple, output: torch.Tensor):  # noqa: ANN202, ARG002
         if self._part_disabled("output"):
             return None
         if self._learn is not None:
             self._learn.output_rows = (output, None)  # the final norm's output h̃; targets come after the pass
             return None
-        return self.output_memory_layer(output)
+        if self.output_memory_layer.space == "probability":
+            return None  # read at the head (_head_hook)
+        return self.output_memory_layer(output, self._extra_keys(output))
 
     def _head_hook(self, module: nn.Module, args: tuple, output: torch.Tensor):  # noqa: ANN202, ARG002
         if self._part_disabled("output") or self._learn is not None or not args:
             return None
-        return self.output_memory_layer.read_logits(args[0], output)
+        if self.output_memory_layer.space != "probability":
+            return None  # read after the final norm (_residual_hook)
+        return self.output_memory_layer.read_logits(args[0], output, self._extra_keys(args[0]))
 
     @contextlib.contextmanager
     def disable_faast(self, which: str = "all") -> Iterator[None]:
@@ -294,7 +333,8 @@ class FaastModel(BaseModelDelegate):
                 for layer in self.memory_layers.values():
                     layer.add_step_cross(step[layer.slot])
         if context.output_rows is not None and isinstance(self.output_memory_layer, ResidualOutputLayer):
-            self.output_memory_layer.learn(context.output_rows[0], targets, pair_mask, documents)
+            extra = self._extra_keys(context.output_rows[0])
+            self.output_memory_layer.learn(context.output_rows[0], targets, pair_mask, documents, extra)
         elif context.output_rows is not None:
             self.output_memory_layer.memory.update(*context.output_rows, mask=pair_mask)
         # One host sync for both counts.
@@ -534,7 +574,7 @@ class FaastModel(BaseModelDelegate):
         `memory_layers.<block>.memory`, and `output_memory_layer.memory`), so files written before the middle layers
         shared one bank and files written now are interchangeable. With the residual output layer's step or weight
         'auto', the ones in use are written too (its tuning buffer is not), so the loaded model reads exactly like
-        this one.
+        this one (and the key width chosen with them: h̃ alone or the full keys).
         """
         extra = {}
         layer = self.output_memory_layer
@@ -544,6 +584,8 @@ class FaastModel(BaseModelDelegate):
             tuned_weight = layer.space == "probability" and layer.weight == "auto"
             if tuned_weight and (weight := layer.chosen_weight()) is not None:
                 extra["output_weight"] = weight
+            if layer.extra_key_size and (width := layer.chosen_key_width()) is not None:
+                extra["output_key_width"] = width
         return save_state(path, self._per_layer_memories(copy=True), extra)
 
     def load_fast_weights(self, path: str | Path) -> FaastModel:
@@ -571,7 +613,8 @@ class FaastModel(BaseModelDelegate):
         """Hand the residual output layer the step saved with its statistics (None in files without one)."""
         layer = self.output_memory_layer
         if isinstance(layer, ResidualOutputLayer):
-            layer.restore_step(position.get("output_step"), position.get("output_weight"))
+            layer.restore_step(position.get("output_step"), position.get("output_weight"),
+                               position.get("output_key_width"))  # fmt: skip
             layer._tail = []  # positions learned before the load are not in the loaded statistics
 
     def _bank_memories(self) -> list[tuple[str, FastWeights]]:
@@ -871,6 +914,9 @@ def _saved_output_step(path: str | Path, position: dict) -> None:
     weight = position.get("output_weight")
     if weight is not None and not (type(weight) in (int, float) and 0 <= weight <= 1):
         raise ValueError(f"{path}: output_weight: expected a number in [0, 1], got {weight!r}")
+    width = position.get("output_key_width")
+    if width is not None and not (type(width) is int and width > 0):
+        raise ValueError(f"{path}: output_key_width: expected an int > 0, got {width!r}")
 
 
 def from_pretrained(base_model: nn.Module, directory: str | Path, **overrides: object) -> FaastModel:

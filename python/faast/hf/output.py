@@ -78,6 +78,7 @@ MIN_GAIN_SE = 2.0
 # design.md §6.3). output_default_step / output_default_weight override them.
 DEFAULT_STEP = {"logit": 0.015, "probability": 0.03}
 DEFAULT_WEIGHT = 0.5
+KEY_STATE_EPS = 1e-6  # key_state's guard against an all-zero state
 _CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
 _MIX_ROWS = 32  # positions per block of the reading mixture's elementwise passes ([32, V] float32: 6 MB for V = 49K)
 
@@ -165,6 +166,14 @@ def _mixture_nll(log_base: torch.Tensor, log_memory: torch.Tensor, lam: float) -
     return float(-_log_mixture(log_base, log_memory, lam).mean())
 
 
+def key_state(hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [..., d] (a block's input) scaled to unit root-mean-square per position, in hidden's dtype: the part of
+    the residual output layer's keys FaastConfig.output_key_layers adds. Normalised like the final norm's output (no
+    learned scale), so that the Gram's blocks have comparable scales."""
+    x = hidden if hidden.dtype == torch.float64 else hidden.float()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + KEY_STATE_EPS)).to(hidden.dtype)
+
+
 def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
     """The dtype of the head products learning takes for keys [.., d] under output_head_dtype `setting`: 'auto' is
     bfloat16 on a CUDA device or CPU that multiplies it natively and float32 otherwise, and float32 for float64 keys
@@ -204,11 +213,24 @@ class ResidualOutputLayer(nn.Module):
             held out.
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, config: FaastConfig, device: torch.device | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        config: FaastConfig,
+        device: torch.device | None = None,
+        extra_key_size: int = 0,
+    ):
         super().__init__()
         d = hidden_size
+        if not isinstance(extra_key_size, int) or extra_key_size < 0:
+            raise ValueError(f"extra_key_size: expected an int >= 0, got {extra_key_size!r}")
+        self.hidden_size, self.extra_key_size = d, extra_key_size
         compute = torch.float32 if config.compute_dtype == "float32" else torch.float64
-        self.memory = FastWeights(d, d, alpha=config.output_alpha, compute_dtype=compute, device=device)
+        # Keys [h̃; x] of width d + extra_key_size (x: the states FaastModel adds, key_state of early blocks' inputs);
+        # values stay the d-wide gradients.
+        self.memory = FastWeights(d + extra_key_size, d, alpha=config.output_alpha, compute_dtype=compute,
+                                  device=device)  # fmt: skip
         # The Fisher Σ_t Cov_{p_t}(H) = Hᵀ diag(Σ_t p_t) H − Σ_t μ_t μ_tᵀ is kept as its two sums, each in a
         # FastWeights so that checkpoints and faast.distributed handle them like any memory: `curvature.gram` holds
         # Σ μ μᵀ [d, d] and `token_mass.cross[0]` holds Σ p [V]. The V×d×d product is formed once per solve.
@@ -230,13 +252,16 @@ class ResidualOutputLayer(nn.Module):
         # one.
         self._restored_step: float | None = None
         self._restored_weight: float | None = None
+        self._restored_width: int | None = None
         self._head: tuple[nn.Module, ...] = ()  # the model's LM head, held outside the module tree
-        self._folded: tuple[tuple, torch.Tensor | None, float] | None = None
+        self._folded: tuple[tuple, torch.Tensor | None, float, int] | None = None
         self.last_tuning: dict | None = None
 
     def extra_repr(self) -> str:
         weight = f", weight={self.weight}" if self.space == "probability" else ""
-        return f"space={self.space}, step={self.step}{weight}, damping={self.damping}, tune_tokens={self.tune_tokens}"
+        keys = f", extra_key_size={self.extra_key_size}" if self.extra_key_size else ""
+        return (f"space={self.space}, step={self.step}{weight}, damping={self.damping}, tune_tokens={self.tune_tokens}"
+                f"{keys}")  # fmt: skip
 
     def attach_head(self, head: nn.Module) -> None:
         """The model's output embedding (LM head) whose gradients the layer fits; not a submodule of this layer."""
@@ -262,18 +287,21 @@ class ResidualOutputLayer(nn.Module):
         targets: torch.Tensor,
         pair_mask: torch.Tensor,
         documents: torch.Tensor | None = None,
+        extra: torch.Tensor | None = None,
     ) -> None:
         """Add the positions of hidden [B, T, d] (the final norm's output) that predict targets [B, T-1] (the next
         token ids) where pair_mask [B, T-1] is True. documents [B] int64: which document each row belongs to,
         non-decreasing along the stream (-1 or None: unknown); the step tuning uses it to leave the text just before
-        the held-out tail out of its fit when both come from one document."""
-        keys = hidden[:, :-1]
+        the held-out tail out of its fit when both come from one document. extra [B, T, extra_key_size]: the rest of
+        each position's key (key_state of the configured blocks' inputs), required when extra_key_size > 0."""
+        states = hidden[:, :-1]
+        keys = self.keys(hidden, extra)[:, :-1]
         if targets.shape != keys.shape[:-1] or pair_mask.shape != targets.shape:
             raise ValueError(f"targets, pair_mask: expected shape {tuple(keys.shape[:-1])}, got "
                              f"{tuple(targets.shape)} and {tuple(pair_mask.shape)}")  # fmt: skip
         if documents is not None and documents.shape != keys.shape[:1]:
             raise ValueError(f"documents: expected shape {tuple(keys.shape[:1])}, got {tuple(documents.shape)}")
-        grads, mean_gram, prob_sum = self._gradients(keys, targets, pair_mask)
+        grads, mean_gram, prob_sum = self._gradients(states, targets, pair_mask)
         k = keys if keys.dtype == torch.float64 else keys.float()
         self.memory.update(k, grads.to(k.dtype), mask=pair_mask)
         positions = pair_mask.sum().to(torch.float64)
@@ -286,6 +314,19 @@ class ResidualOutputLayer(nn.Module):
             memory._changed()
         if self.tune_tokens:
             self._keep_tail(keys, targets, pair_mask, documents)
+
+    def keys(self, hidden: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        """The keys [..., d + extra_key_size] of hidden [..., d] (the final norm's output) and extra [...,
+        extra_key_size] (same leading shape; None when extra_key_size is 0), in hidden's dtype."""
+        if not self.extra_key_size:
+            if extra is not None:
+                raise ValueError("extra: this layer's keys are h̃ alone (extra_key_size=0), got extra states")
+            return hidden
+        if extra is None or extra.shape[:-1] != hidden.shape[:-1] or extra.shape[-1] != self.extra_key_size:
+            got = None if extra is None else list(extra.shape)
+            raise ValueError(f"extra: expected shape {[*hidden.shape[:-1], self.extra_key_size]} (the states that "
+                             f"widen the keys), got {got}")  # fmt: skip
+        return torch.cat([hidden, extra.to(hidden.dtype)], -1)
 
     def _keep_tail(self, keys, targets, pair_mask, documents) -> None:  # noqa: ANN001 - learn's tensors
         """Keep the last (1 + GAP_MULTIPLE)·tune_tokens learned positions (states, targets, documents): the held-out
@@ -337,10 +378,23 @@ class ResidualOutputLayer(nn.Module):
         shift = self.damping * curvature.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
         return curvature + shift * torch.eye(curvature.shape[-1], dtype=torch.float64, device=curvature.device)
 
-    def _newton(self, gram: torch.Tensor, cross: torch.Tensor, count: torch.Tensor, curvature: torch.Tensor):  # noqa: ANN202
-        """W = S⁺T·curvature⁻¹, float64 [d, d], for the given key statistics."""
-        w = ops.solve_fast_weights(gram, cross, count=count, alpha=self.memory.alpha)
-        return torch.linalg.solve(curvature, w.T).T  # curvature is symmetric
+    def _newton(  # noqa: ANN202
+        self,
+        gram: torch.Tensor,
+        cross: torch.Tensor,
+        count: torch.Tensor,
+        curvature: torch.Tensor,
+        width: int | None = None,
+    ):
+        """W = S⁺T·curvature⁻¹, float64 [d_key, d], for the given key statistics, fitted on the first `width` key
+        columns only (the rows of W beyond them are 0): S's leading block and T's leading rows are exactly the
+        statistics of the narrower keys. width None: all of them."""
+        width = gram.shape[-1] if width is None else width
+        w = ops.solve_fast_weights(gram[:width, :width], cross[:width], count=count, alpha=self.memory.alpha)
+        w = torch.linalg.solve(curvature, w.T).T  # curvature is symmetric
+        if width < gram.shape[-1]:
+            w = torch.cat([w, w.new_zeros((gram.shape[-1] - width, w.shape[-1]))])
+        return w
 
     def _head_second_moment(self) -> torch.Tensor:
         """Hᵀ diag(Σ p) H [d, d] float64, formed in float32 blocks of the vocabulary (summed in float64)."""
@@ -369,22 +423,22 @@ class ResidualOutputLayer(nn.Module):
                 gap = 0  # one document (nearly) all along: the tail alone is held out
         out_k, out_y = keys[-held - gap :], ys[-held - gap :]
         every = torch.ones_like(out_y, dtype=torch.bool)[None]
-        grads, _, _ = self._gradients(out_k[None], out_y[None], every)
+        grads, _, _ = self._gradients(out_k[None, :, : self.hidden_size], out_y[None], every)
         k64, g64 = out_k.double(), grads[0].double()
         count = torch.tensor(float(held + gap), dtype=torch.float64, device=keys.device)
         sample = torch.linspace(0, held - 1, min(held, TUNE_SAMPLE), device=keys.device).round().long()
         return keys[-held:][sample], ys[-held:][sample], k64.T @ k64, k64.T @ g64, count, gap
 
     def _tune(
-        self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, weight: float = 1.0
+        self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, weight: float = 1.0, logits: tuple | None = None
     ) -> tuple[float, list[tuple[float, float]]]:
         """The step η >= 0 minimising the mean NLL of targets ys [n] under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1)
         (λ = weight; at 1, the logits z0 + η·z1), z1 the logits' change for the correction keys·w. A safeguarded
         1-D Newton iteration from η = 0, each pass giving the NLL and its first two derivatives in η: at λ = 1 the NLL
         is convex in η; a mixture's need not be, and the bracket from the derivative's sign keeps the iteration on
         the minimum it starts towards. A mixture's η is 0 unless it helps (`_significant`). Returns (η, [(η_i, NLL_i)
-        per iteration])."""
-        z0, z1, target0, target1 = self._tail_logits(keys, ys, w)
+        per iteration]). logits: `_tail_logits(keys, ys, w)` when already computed."""
+        z0, z1, target0, target1 = self._tail_logits(keys, ys, w) if logits is None else logits
         log_base = (target0 - torch.logsumexp(z0, -1)).double() if weight < 1.0 else None
         eta, low, high, trace = 0.0, 0.0, MAX_STEP, []
         for _ in range(STEP_ITERATIONS):
@@ -421,24 +475,44 @@ class ResidualOutputLayer(nn.Module):
                 eta = 0.0
         return eta, trace
 
-    def _tail_logits(self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(z0, z1 [n, V] float32: the logits of keys and their change per unit step, keys·w through the head without
-        its bias; their entries at the targets ys [n])."""
+    @staticmethod
+    def _held_out_nll(logits: tuple[torch.Tensor, ...], eta: float, lam: float) -> float:
+        """Mean NLL of the targets under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1), logits = (z0, z1, their entries
+        at the targets) from `_tail_logits`."""
+        z0, z1, target0, target1 = logits
+        log_base = (target0 - torch.logsumexp(z0, -1)).double()
+        if eta <= 0.0 or lam <= 0.0:
+            return float(-log_base.mean())
+        log_memory = (target0 + eta * target1 - _moments(z0, z1, eta)[0]).double()
+        return _mixture_nll(log_base, log_memory, lam)
+
+    def _tail_logits(
+        self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, base: tuple | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """(z0, z1 [n, V] float32: the logits of the keys' h̃ and their change per unit step, keys·w through the head
+        without its bias; their entries at the targets ys [n]). base: (z0, its entries) of an earlier call on the
+        same keys, reused."""
         bias = getattr(self.head, "bias", None)
-        z0 = _head_logits(self.head, keys)
+        if base is not None:
+            z1 = _head_logits(self.head, keys @ w.float())
+            if bias is not None:
+                z1 -= bias.float()
+            return base[0], z1, base[1], z1.gather(-1, ys[:, None]).squeeze(-1)
+        z0 = _head_logits(self.head, keys[:, : self.hidden_size])
         z1 = _head_logits(self.head, keys @ w.float())
         if bias is not None:
             z1 -= bias.float()
         return z0, z1, z0.gather(-1, ys[:, None]).squeeze(-1), z1.gather(-1, ys[:, None]).squeeze(-1)
 
     def _tune_mixture(
-        self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, step: float | None
+        self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, step: float | None, logits: tuple | None = None
     ) -> tuple[float, float, list[tuple[float, float, float]]]:
         """(η, λ) minimising the mean NLL of targets ys [n] under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1), with
         η held at `step` when not None (output_weight='auto'). For each η the NLL is convex in λ (bisection of its
         derivative); η is searched on a geometric grid, then by golden section on log η around the best grid point.
-        Returns (η, λ, [(η_i, λ_i, NLL_i)] sorted by η); (0, 0) when no mixture helps (`_significant`)."""
-        z0, z1, target0, target1 = self._tail_logits(keys, ys, w)
+        Returns (η, λ, [(η_i, λ_i, NLL_i)] sorted by η); (0, 0) when no mixture helps (`_significant`). logits:
+        `_tail_logits(keys, ys, w)` when already computed."""
+        z0, z1, target0, target1 = self._tail_logits(keys, ys, w) if logits is None else logits
         log_base = (target0 - torch.logsumexp(z0, -1)).double()
         seen: dict[float, tuple[float, float]] = {}
 
@@ -481,7 +555,7 @@ class ResidualOutputLayer(nn.Module):
 
     def _min_fit(self) -> int:
         """Fewest positions the step's tuning fit may have: MIN_FIT_TOKENS, and FIT_PER_KEY_DIM per key dimension."""
-        return max(MIN_FIT_TOKENS, FIT_PER_KEY_DIM * self.memory.dim_key)
+        return max(MIN_FIT_TOKENS, FIT_PER_KEY_DIM * self.hidden_size)
 
     def held_out_positions(self) -> int:
         """Positions the step is tuned on: the last HELD_OUT_SHARE of what was learned, at most tune_tokens (0 when
@@ -499,60 +573,86 @@ class ResidualOutputLayer(nn.Module):
             return 1.0
         return None if self.weight == "auto" else float(self.weight)
 
-    def _choose_step(self, curvature: torch.Tensor) -> tuple[float, float]:
-        """(η, λ) for the current statistics: fixed ones, tuned ones, or the saved/default ones when too little text
-        was learned to tune them."""
+    def _widths(self, fitted: int) -> list[int]:
+        """Key widths a fit on `fitted` positions may use: h̃ alone (d), and the full keys when they are wider and
+        at least FIT_PER_KEY_DIM positions per key dimension are fitted."""
+        d, full = self.hidden_size, self.memory.dim_key
+        return [d, full] if full > d and fitted >= FIT_PER_KEY_DIM * full else [d]
+
+    def _choose_step(self, curvature: torch.Tensor) -> tuple[float, float, int]:
+        """(η, λ, key width) for the current statistics: fixed ones, tuned ones, or the saved/default ones when too
+        little text was learned to tune them. The width is the full keys' where enough text was fitted to tune them
+        and they give the lower held-out NLL; else h̃ alone (d)."""
         fixed_step = None if self.step == "auto" else float(self.step)
         fixed_weight = self._fixed_weight()
-        if fixed_step is not None and fixed_weight is not None:
-            return fixed_step, fixed_weight
         held = self.held_out_positions()
+        if fixed_step is not None and fixed_weight is not None:
+            fitted = int(self.memory.count) - held if held else int(self.memory.count)
+            return fixed_step, fixed_weight, self._widths(fitted)[-1]
         if not held:
             restored = self._restored_step is not None or self._restored_weight is not None
             step = fixed_step if fixed_step is not None else self._restored_step
             step = self.default_step if step is None else step
             weight = fixed_weight if fixed_weight is not None else self._restored_weight
             weight = self.default_weight if weight is None else weight
+            width = self.hidden_size if self._restored_width is None else self._restored_width
             _log.info("faast: output layer: too little text to tune the step; using the %s step %s and weight %s",
                       "saved" if restored else "default", step, weight)  # fmt: skip
-            self.last_tuning = {"step": step, "weight": weight, "tuned": False, "saved_step": restored}
-            return step, weight
+            self.last_tuning = {"step": step, "weight": weight, "tuned": False, "saved_step": restored,
+                                "key_width": width}  # fmt: skip
+            return step, weight, width
         keys, ys, s_tail, t_tail, n_tail, gap = self._tail_statistics(held)
         memory = self.memory
         dt = memory.gram.dtype
-        # Fitted without the held-out positions: their statistics subtract exactly. The curvature keeps them: it
-        # depends on the model's predictions only, not on the tokens that followed.
-        w = self._newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
-                         curvature)  # fmt: skip
-        if fixed_weight is None:  # 'auto': η and λ together
-            eta, lam, trace = self._tune_mixture(keys, ys, w, fixed_step)
-        else:
-            (eta, trace), lam = self._tune(keys, ys, w, fixed_weight), fixed_weight
+        fitted = int(memory.count) - held - gap
+        results, base, widths = {}, None, self._widths(fitted)
+        for width in widths:
+            # Fitted without the held-out positions: their statistics subtract exactly. The curvature keeps them: it
+            # depends on the model's predictions only, not on the tokens that followed.
+            w = self._newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
+                             curvature, width)  # fmt: skip
+            logits = self._tail_logits(keys, ys, w, base)
+            base = (logits[0], logits[2])  # the base logits are the same for every width
+            if fixed_weight is None:  # 'auto': η and λ together
+                eta, lam, trace = self._tune_mixture(keys, ys, w, fixed_step, logits)
+            else:
+                (eta, trace), lam = self._tune(keys, ys, w, fixed_weight, logits), fixed_weight
+            # Only a choice between widths needs the held-out NLL of what each would read.
+            best = self._held_out_nll(logits, eta, lam) if len(widths) > 1 else 0.0
+            results[width] = (best, eta, lam, trace)
+        # The narrower keys win ties: a wider W fitted on the same text is the noisier one.
+        width = min(results, key=lambda k: (results[k][0], k))
+        _, eta, lam, trace = results[width]
         self.last_tuning = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held,
-                            "document_gap_tokens": gap, "fitted_tokens": int(memory.count) - held - gap,
-                            "held_out_nll": trace}  # fmt: skip
-        return eta, lam
+                            "document_gap_tokens": gap, "fitted_tokens": fitted, "key_width": width,
+                            "held_out_nll": trace,
+                            "by_key_width": {k: {"held_out_nll": v[0], "step": v[1], "weight": v[2]}
+                                             for k, v in results.items() if len(results) > 1}}  # fmt: skip
+        return eta, lam, width
 
     def solution(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor | None, float]:
-        """(M = η·W [d, d] in the activation dtype for bf16/fp16, else float32 (float64 for float64), λ): M is None
-        while empty or when the chosen step or weight is 0. Cached until the statistics or the settings change."""
+        """(M = η·W [width, d] in the activation dtype for bf16/fp16, else float32 (float64 for float64), λ): M is
+        None while empty or when the chosen step or weight is 0. width: the key width chosen (`chosen_key_width`):
+        d when M reads h̃ alone, d + extra_key_size when it reads the full keys. Cached until the statistics or the
+        settings change."""
         compute = dtype if dtype in (torch.float64, torch.bfloat16, torch.float16) else torch.float32
         key = (self.memory.solution_key, self.curvature.solution_key, self.token_mass.solution_key, self.step,
                self.weight, self.space, self.damping, self.tune_tokens, self.default_step, self.default_weight,
                device, compute)  # fmt: skip
         if self._folded is None or self._folded[0] != key:
-            m, lam = None, 0.0
+            m, lam, width = None, 0.0, self.hidden_size
             if float(self.memory.count) > 0:
                 curvature = self._curvature()
-                eta, lam = self._choose_step(curvature)
+                eta, lam, width = self._choose_step(curvature)
                 if eta > 0 and lam > 0:
                     memory = self.memory
-                    m = (eta * self._newton(memory.gram, memory.cross, memory.count, curvature)).to(compute)
-            self._folded = (key, m, lam)
+                    w = self._newton(memory.gram, memory.cross, memory.count, curvature, width)
+                    m = (eta * w[:width]).to(compute)
+            self._folded = (key, m, lam, width)
         return self._folded[1], self._folded[2]
 
     def folded(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-        """M = η·W [d, d] of `solution` (None while empty or when η or λ is 0)."""
+        """M = η·W [width, d] of `solution` (None while empty or when η or λ is 0)."""
         return self.solution(device, dtype)[0]
 
     def chosen_step(self) -> float | None:
@@ -564,6 +664,13 @@ class ResidualOutputLayer(nn.Module):
         self.folded(self.memory.gram.device, torch.float32)
         return float(self.last_tuning["step"])
 
+    def chosen_key_width(self) -> int | None:
+        """How many key columns the correction reads now: d (h̃ alone) or d + extra_key_size; None while empty."""
+        if float(self.memory.count) <= 0:
+            return None
+        self.folded(self.memory.gram.device, torch.float32)
+        return self._folded[3]
+
     def chosen_weight(self) -> float | None:
         """The mixture weight λ the layer applies now (1.0 in logit space); None while empty."""
         if float(self.memory.count) <= 0:
@@ -571,36 +678,49 @@ class ResidualOutputLayer(nn.Module):
         fixed = self._fixed_weight()
         return fixed if fixed is not None else self.solution(self.memory.gram.device, torch.float32)[1]
 
-    def restore_step(self, step: float | None, weight: float | None = None) -> None:
-        """Use `step` and `weight` (saved with the statistics) where they cannot be tuned; None: the defaults."""
+    def restore_step(self, step: float | None, weight: float | None = None, key_width: int | None = None) -> None:
+        """Use `step`, `weight` and `key_width` (saved with the statistics) where they cannot be tuned; None: the
+        defaults (h̃ alone for the width)."""
         if step is not None and not (isinstance(step, (int, float)) and math.isfinite(step) and step >= 0):
             raise ValueError(f"step: expected a finite number >= 0 or None, got {step!r}")
         if weight is not None and not (isinstance(weight, (int, float)) and 0.0 <= weight <= 1.0):
             raise ValueError(f"weight: expected a number in [0, 1] or None, got {weight!r}")
+        widths = sorted({self.hidden_size, self.memory.dim_key})
+        if key_width is not None and (type(key_width) is not int or key_width not in widths):
+            raise ValueError(f"key_width: expected one of {widths} or None, got {key_width!r}")
         self._restored_step = None if step is None else float(step)
         self._restored_weight = None if weight is None else float(weight)
+        self._restored_width = key_width
         self._folded = None
 
     def forget(self) -> None:
         """Drop everything learned: the statistics, the held-out buffer and any saved step and weight."""
         for memory in (self.memory, self.curvature, self.token_mass):
             memory.reset()
-        self._tail, self._restored_step, self._restored_weight = [], None, None
+        self._tail, self._restored_step, self._restored_weight, self._restored_width = [], None, None, None
         self._folded, self.last_tuning = None, None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, T, d] (the final norm's output) -> hidden + hidden·M in logit space, same shape and dtype;
+    def forward(self, hidden: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [B, T, d] (the final norm's output) -> hidden + key·M in logit space (key = [hidden; extra] when M
+        reads the full keys, else hidden; extra [B, T, extra_key_size] as in `learn`), same shape and dtype;
         unchanged in probability space (read_logits mixes at the head)."""
         if self.space == "probability":
             return hidden
         m = self.folded(hidden.device, hidden.dtype)
-        return hidden if m is None else ops.residual_project(hidden, m)
+        if m is None:
+            return hidden
+        if m.shape[0] == self.hidden_size:
+            return ops.residual_project(hidden, m)
+        return hidden + (self.keys(hidden, extra).to(m.dtype) @ m).to(hidden.dtype)
 
-    def read_logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def read_logits(
+        self, hidden: torch.Tensor, logits: torch.Tensor, extra: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Probability space: the head's output logits [..., V] for its input hidden [..., d] (the final norm's
-        output) -> log((1 − λ)·softmax(z) + λ·softmax(z + (hidden·M)Hᵀ)) with z the logits the model reads (the
+        output) -> log((1 − λ)·softmax(z) + λ·softmax(z + (key·M)Hᵀ)) with z the logits the model reads (the
         head's output times the type's logit scale), divided by that scale again so the model's own scaling
-        restores it. Same shape and dtype; computed in float32 (float64 for float64 logits), differentiable in hidden
+        restores it; key = [hidden; extra] (extra [..., extra_key_size], as in `learn`) when M reads the full keys,
+        else hidden. Same shape and dtype; computed in float32 (float64 for float64 logits), differentiable in hidden
         and logits (a readout trained through the model sees it). Unchanged while the memory is empty or in logit
         space."""
         if self.space != "probability":
@@ -608,6 +728,8 @@ class ResidualOutputLayer(nn.Module):
         m, lam = self.solution(hidden.device, hidden.dtype)
         if m is None:
             return logits
+        if m.shape[0] != self.hidden_size:
+            hidden = self.keys(hidden, extra)
         scale = float(getattr(self.head, "scale", 1.0))
         compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
         weight = self.head.weight.to(compute)  # the scaled head for a type that scales its logits (ScaledHead)
