@@ -35,8 +35,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--curve", default=",".join(map(str, CURVE)))
     p.add_argument("--score-sample", type=int, default=0, help="score this many held-out positions (0: all)")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
-    p.add_argument("--head-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="output_head_dtype of the layer: the dtype of its head products while learning")
+    p.add_argument(
+        "--head-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="output_head_dtype of the layer: the dtype of its head products while learning",
+    )
     p.add_argument("--out", default="lm_output_variants_smollm2")
     return p.parse_args(argv)
 

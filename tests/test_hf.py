@@ -353,5 +353,5 @@ def test_a_bf16_model_reads_a_bf16_folded_matrix_within_one_rounding_of_float32(
     assert m32.dtype == torch.float32 and m16.dtype == torch.bfloat16
     torch.testing.assert_close(m16.float(), m32, rtol=2**-8, atol=1e-6 * float(m32.abs().max()))
     hidden = torch.randn(2, 5, 32).bfloat16()
-    expected = (hidden.double() + hidden.double() @ m32.double())
+    expected = hidden.double() + hidden.double() @ m32.double()
     torch.testing.assert_close(layer(hidden).double(), expected, rtol=0.02, atol=0.02 * float(expected.abs().max()))

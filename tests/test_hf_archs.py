@@ -174,7 +174,8 @@ def test_the_residual_output_layer_sees_the_models_own_logits(kind):
 def test_scaled_logits_give_the_gradient_and_fisher_of_the_scaled_softmax(kind):
     # granite divides its logits by logits_scaling (4 here), cohere multiplies them by logit_scale (1/16): the
     # statistics must be those of p = softmax(s·h̃Hᵀ), i.e. r = s(H[y] − pH) and Σμμᵀ with μ = s·pH.
-    model = apply_faast(arch_model(kind), FaastConfig(num_layers=0, output_head_dtype="float32", learn_dtype="model"))
+    config = FaastConfig(num_layers=0, output_head_dtype="float32", learn_dtype="model", output_key_layers=[])
+    model = apply_faast(arch_model(kind), config)
     scale = 1 / model.config.logits_scaling if kind == "granite" else model.config.logit_scale
     assert scale != 1.0
     x = ids(batch=3, seq=20)

@@ -645,6 +645,12 @@ def test_probability_space_mixes_the_rows_the_model_keeps_and_leaves_an_empty_me
         full = model(x).logits
         last = model(x, logits_to_keep=1).logits  # what generation asks for: the head sees the last position only
     assert rel(last[:, -1], full[:, -1]) < 1e-6
+    # Index tensors: the last positions read like the full pass; other positions would misalign the wider keys.
+    with torch.no_grad():
+        tail = model(x, logits_to_keep=torch.tensor([10, 11])).logits
+        assert rel(tail, full[:, 10:]) < 1e-6
+        with pytest.raises(ValueError, match="logits_to_keep: the output layer's wider keys"):
+            model(x, logits_to_keep=torch.tensor([0, 3]))
     assert rel(full.exp().sum(-1), torch.ones(full.shape[:-1])) < 1e-5  # log-probabilities of a distribution
     assert not torch.allclose(full.log_softmax(-1), base.log_softmax(-1), atol=1e-3)
 

@@ -153,6 +153,7 @@ class FaastModel(BaseModelDelegate):
         # taken before a middle memory layer on the same block changes the input (hooks run in registration order).
         self._key_blocks = key_blocks
         self._key_states: list[torch.Tensor | None] = [None] * len(key_blocks)
+        self._final_states: torch.Tensor | None = None
         self._handles = [
             blocks[i].register_forward_pre_hook(partial(self._key_hook, slot), with_kwargs=True)
             for slot, i in enumerate(key_blocks)
@@ -225,14 +226,23 @@ class FaastModel(BaseModelDelegate):
         hidden = args[0] if args else kwargs["hidden_states"]
         self._key_states[slot] = key_state(hidden)
 
-    def _extra_keys(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def _extra_keys(self, hidden: torch.Tensor, final: torch.Tensor | None = None) -> torch.Tensor | None:
         """The extra keys [B, T', d·len(key blocks)] for hidden [B, T', d], the final norm's output as the head reads
         it (the model may keep only its last T' positions, e.g. one while generating): the last T' positions of the
-        key states captured in this forward pass. They are used once: the next pass captures its own."""
+        key states captured in this forward pass. They are used once: the next pass captures its own. final: the
+        final norm's output of the pass [B, T, d], to check that the head reads its last T' positions (a model asked
+        for other positions, e.g. logits_to_keep as an index tensor, is refused rather than read misaligned)."""
         if not self._key_blocks:
             return None
         states, self._key_states = self._key_states, [None] * len(self._key_blocks)
         rows = hidden.shape[-2] if hidden.dim() >= 2 else 1
+        if final is not None and final.shape[-2] != rows and not torch.equal(final[..., final.shape[-2] - rows :, :],
+                                                                             hidden):  # fmt: skip
+            raise ValueError(
+                "logits_to_keep: the output layer's wider keys (FaastConfig.output_key_layers) align the head's rows "
+                "with the last positions of the pass; ask for the last k positions (an int), or use "
+                "output_key_layers=[]"
+            )
         if any(s is None or s.shape[:-2] != hidden.shape[:-2] or s.shape[-2] < rows for s in states):
             got = [None if s is None else list(s.shape) for s in states]
             raise RuntimeError(
@@ -249,6 +259,7 @@ class FaastModel(BaseModelDelegate):
             self._learn.output_rows = (output, None)  # the final norm's output h̃; targets come after the pass
             return None
         if self.output_memory_layer.space == "probability":
+            self._final_states = output if self._key_blocks else None  # _head_hook checks the rows it reads
             return None  # read at the head (_head_hook)
         return self.output_memory_layer(output, self._extra_keys(output))
 
@@ -257,7 +268,12 @@ class FaastModel(BaseModelDelegate):
             return None
         if self.output_memory_layer.space != "probability":
             return None  # read after the final norm (_residual_hook)
-        return self.output_memory_layer.read_logits(args[0], output, self._extra_keys(args[0]))
+        layer, hidden = self.output_memory_layer, args[0]
+        final, self._final_states = self._final_states, None
+        m, _ = layer.solution(hidden.device, hidden.dtype)
+        extra = self._extra_keys(hidden, final) if m is not None and m.shape[0] > layer.hidden_size else None
+        self._key_states = [None] * len(self._key_blocks)  # used by this pass or not at all
+        return layer.read_logits(hidden, output, extra)
 
     @contextlib.contextmanager
     def disable_faast(self, which: str = "all") -> Iterator[None]:

@@ -9,7 +9,12 @@ have raised the right token. The layer learns, in the same forward pass and with
 
 with W = S⁺ T (C/N + δ·mean(diag)·I)⁻¹. W is one Newton step on the log-likelihood of the learned tokens for a
 linear correction h̃W, with a Kronecker-factored curvature (keys' Gram ⊗ the head's Fisher): S⁺T alone is the
-gradient step, the Fisher whitens it so that directions where the logits are sensitive move less. The model reads
+gradient step, the Fisher whitens it so that directions where the logits are sensitive move less.
+
+The keys can be wider than h̃: with FaastConfig.output_key_layers, FaastModel appends the RMS-normalised inputs of
+early blocks (`key_state`), k = [h̃; x̂_ℓ], S = Σ k kᵀ and the correction is kW [2d → d]. The h̃ block of S and T is
+exactly the narrower statistics, so the solve uses the full keys only once enough text is fitted and they predict the
+held-out tail better (docs/design.md §6.3). The model reads
 
     'probability' (the default):  p = (1 − λ)·softmax(z) + λ·softmax(z + η·(h̃W)Hᵀ),   z = h̃Hᵀ the base logits
     'logit':                      p = softmax((h̃ + η·h̃W)Hᵀ)                          (λ = 1 of the above)
@@ -22,7 +27,8 @@ geometric grid refined by golden section. A mixture bounds what a wrong correcti
 −log(1 − λ)), which lets the tuned step be larger where the memory is right. When the
 learned stream is several documents, the fit also leaves out the held-out tail's document just before it (up to
 GAP_MULTIPLE times as many positions as the tail), so that η is tuned on text unlike what was fitted. All state has a
-fixed size: three d×d sums, a V-vector and a (1 + GAP_MULTIPLE)·`tune_tokens`-position buffer.
+fixed size: a d_key×d_key, a d_key×d and a d×d sum, a V-vector and a (1 + GAP_MULTIPLE)·`tune_tokens`-position
+buffer.
 
 Measured on five local domains (benchmarks and choices: experiments/lm_domains.py, docs/design.md §6.3).
 """
@@ -202,7 +208,8 @@ class ResidualOutputLayer(nn.Module):
     the LM head).
 
     Attributes:
-        memory: FastWeights(d, d) of keys h̃ and values r = H[y] − pH (float64 statistics).
+        memory: FastWeights(d + extra_key_size, d) of keys [h̃; extra] (h̃ alone when extra_key_size is 0) and
+            values r = H[y] − pH (float64 statistics).
         curvature: FastWeights(d, 1) whose `gram` accumulates the head's Fisher Σ_t Cov_{p_t}(H) and `count` the
             positions (so faast.distributed and checkpoints sum and store it like any memory).
         space: 'probability' or 'logit' (FaastConfig.output_space).
