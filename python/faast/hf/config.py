@@ -83,9 +83,10 @@ class FaastConfig:
             state (RMS-normalised, no learned scale) is concatenated to h̃, so the correction reads [h̃; x_ℓ]W with W of
             shape [d·(1 + len), d]. 'auto' (the default): one early block, ℓ = L // 7 (4 of SmolLM2's 30), chosen on
             three validation domains (docs/design.md §6.3), resolved by apply_faast into the saved list; [] keys h̃
-            alone. Used only once the step can be tuned on enough text (FIT_PER_KEY_DIM positions per key dimension
-            fitted), else the h̃ block of the statistics is solved alone. Configurations saved without this field
-            load as [] (h̃ alone), as they were measured.
+            alone. The full keys are used only once the step can be tuned on enough text (FIT_PER_KEY_DIM positions
+            per key dimension fitted) and their tuned correction predicts the held-out tail better than h̃ alone;
+            else the h̃ block of the statistics is solved alone (with a fixed step and weight: whenever enough text
+            is learned). Configurations saved without this field load as [] (h̃ alone), as they were measured.
         output_head_dtype: dtype of the 'residual' layer's LM-head products while learning (logits and p·H per
             position, float32 accumulation, statistics in float64): 'auto' is bfloat16 on CUDA and on CPUs with
             native bfloat16 (AVX512-BF16 or AMX), else float32; 'float32' or 'bfloat16' forces one.
