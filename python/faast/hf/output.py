@@ -121,6 +121,16 @@ def _moments(z0: torch.Tensor, z1: torch.Tensor, eta: float) -> tuple[torch.Tens
     return tuple(torch.cat(parts) for parts in zip(*out, strict=True))
 
 
+def _log_targets(
+    z0: torch.Tensor, z1: torch.Tensor, target0: torch.Tensor, target1: torch.Tensor, eta: float
+) -> torch.Tensor:
+    """log softmax(z0 + η·z1) at the targets [n] float64, for logits z0, z1 [n, V] and their entries at the targets
+    target0, target1 [n]; the logsumexp in blocks of rows that bound the [rows, V] temporaries."""
+    blocks = zip(z0.split(_CHUNK // 2), z1.split(_CHUNK // 2), strict=True)
+    lse = torch.cat([torch.logsumexp(torch.add(a, b, alpha=eta), -1) for a, b in blocks])
+    return (target0 + eta * target1 - lse).double()
+
+
 def _mixture_logits(z: torch.Tensor, dz: torch.Tensor, lam: float) -> torch.Tensor:
     """log((1 − λ)·softmax(z) + λ·softmax(z + dz)) [n, V] for logits z and their change dz [n, V] (left unchanged):
     log p0 + log(1 − λ) + softplus(dz − c + log(λ / (1 − λ))) with c = lse(z + dz) − lse(z),
@@ -477,7 +487,7 @@ class ResidualOutputLayer(nn.Module):
             if done:
                 break
         if log_base is not None and eta > 0.0:
-            log_memory = (target0 + eta * target1 - _moments(z0, z1, eta)[0]).double()
+            log_memory = _log_targets(z0, z1, target0, target1, eta)
             if not _significant(log_base, log_memory, weight):
                 eta = 0.0
         return eta, trace
@@ -490,8 +500,7 @@ class ResidualOutputLayer(nn.Module):
         log_base = (target0 - torch.logsumexp(z0, -1)).double()
         if eta <= 0.0 or lam <= 0.0:
             return float(-log_base.mean())
-        log_memory = (target0 + eta * target1 - _moments(z0, z1, eta)[0]).double()
-        return _mixture_nll(log_base, log_memory, lam)
+        return _mixture_nll(log_base, _log_targets(z0, z1, target0, target1, eta), lam)
 
     def _tail_logits(
         self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, base: tuple | None = None
@@ -499,17 +508,14 @@ class ResidualOutputLayer(nn.Module):
         """(z0, z1 [n, V] float32: the logits of the keys' h̃ and their change per unit step, keys·w through the head
         without its bias; their entries at the targets ys [n]). base: (z0, its entries) of an earlier call on the
         same keys, reused."""
-        bias = getattr(self.head, "bias", None)
-        if base is not None:
-            z1 = _head_logits(self.head, keys @ w.float())
-            if bias is not None:
-                z1 -= bias.float()
-            return base[0], z1, base[1], z1.gather(-1, ys[:, None]).squeeze(-1)
-        z0 = _head_logits(self.head, keys[:, : self.hidden_size])
+        if base is None:
+            z0 = _head_logits(self.head, keys[:, : self.hidden_size])
+            base = (z0, z0.gather(-1, ys[:, None]).squeeze(-1))
         z1 = _head_logits(self.head, keys @ w.float())
+        bias = getattr(self.head, "bias", None)
         if bias is not None:
             z1 -= bias.float()
-        return z0, z1, z0.gather(-1, ys[:, None]).squeeze(-1), z1.gather(-1, ys[:, None]).squeeze(-1)
+        return base[0], z1, base[1], z1.gather(-1, ys[:, None]).squeeze(-1)
 
     def _tune_mixture(
         self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, step: float | None, logits: tuple | None = None
@@ -523,10 +529,8 @@ class ResidualOutputLayer(nn.Module):
         log_base = (target0 - torch.logsumexp(z0, -1)).double()
         seen: dict[float, tuple[float, float]] = {}
 
-        def log_memory(eta: float) -> torch.Tensor:  # log-probabilities of the targets with the step η
-            blocks = zip(z0.split(_CHUNK // 2), z1.split(_CHUNK // 2), strict=True)  # bounds the temporaries
-            lse = torch.cat([torch.logsumexp(torch.add(a, b, alpha=eta), -1) for a, b in blocks])
-            return (target0 + eta * target1 - lse).double()
+        def log_memory(eta: float) -> torch.Tensor:
+            return _log_targets(z0, z1, target0, target1, eta)
 
         def nll(eta: float) -> float:
             if eta not in seen:
