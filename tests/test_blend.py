@@ -48,7 +48,7 @@ def test_matches_the_authors_algorithm(window, chunk, batch, gamma):
         theirs.update(keys[rows], values[rows], scores[rows])
         assert float(ours.count) == theirs.size
         assert rel(ours.weights, theirs.weights) < TRUTH_REL_W
-        folds_seen = max(folds_seen, int(float(ours.folded_count) > 25.0))
+        folds_seen = max(folds_seen, int(float(ours.blend.folded_count) > 25.0))
     assert folds_seen  # the comparison covered folded history, not only the joint window
 
 
@@ -57,7 +57,7 @@ def test_window_stays_bounded_for_large_calls():
     m = FastWeights(DK, DV, mode="blend", blend_window=64, blend_chunk=16, dtype=torch.float64)
     m.update(keys, values)  # one call far larger than the window
     assert float(m.count) < 64 + 16
-    assert float(m.count) + float(m.folded_count) == 1000
+    assert float(m.count) + float(m.blend.folded_count) == 1000
 
 
 def test_blend_differs_from_exact_least_squares():
@@ -98,14 +98,4 @@ def test_reset_restores_the_prior():
     m.update(keys, values)
     assert not torch.equal(m.weights, prior)
     m.reset()
-    assert torch.equal(m.weights, prior) and float(m.folded_count) == 5.0
-
-
-def test_the_old_module_name_still_imports_and_names_the_new_place():
-    import importlib
-    import sys
-
-    sys.modules.pop("faast.baselines", None)
-    with pytest.warns(DeprecationWarning, match="faast.baselines moved to faast.authors_reference"):
-        old = importlib.import_module("faast.baselines")
-    assert old.StoredKeyMemory is StoredKeyMemory
+    assert torch.equal(m.weights, prior) and float(m.blend.folded_count) == 5.0

@@ -306,22 +306,6 @@ def test_one_hot_and_accuracy_against_hand_computations():
         accuracy(scores, torch.tensor([0, 1]))
 
 
-def test_old_private_module_names_the_new_places():
-    with pytest.raises(ImportError, match=r"_textclf was removed.*faast\.classify\.debian_task.*sample_episode"):
-        import faast._textclf  # noqa: F401
-
-
-def test_old_clip_path_still_works_and_warns(monkeypatch):
-    import importlib
-    import sys
-
-    from faast.classify import ClipEncoder
-
-    monkeypatch.delitem(sys.modules, "faast.clip", raising=False)
-    with pytest.warns(DeprecationWarning, match="faast.classify.clip_encoder"):
-        assert importlib.import_module("faast.clip").ClipEncoder is ClipEncoder
-
-
 def test_interval_formulas():
     values = [0.5, 0.7, 0.9, 0.6]
     mean, half = mean_ci(values)

@@ -1,7 +1,6 @@
 """The packaged Debian-sections dataset: shape, labels, leakage between splits and the generating rules."""
 
 import dataclasses
-import importlib
 import os
 import re
 import runpy
@@ -154,11 +153,7 @@ def test_the_builder_uses_the_package_section_table():
     assert builder["SECTIONS"] is DEBIAN_SECTIONS
 
 
-def test_old_import_path_still_works_and_warns(monkeypatch):
-    monkeypatch.delitem(sys.modules, "faast.datasets", raising=False)
-    with pytest.warns(DeprecationWarning, match="faast.classify.data"):
-        old = importlib.import_module("faast.datasets")
-    assert old.load_debian_sections is load_debian_sections and old.DEBIAN_SECTIONS is DEBIAN_SECTIONS
+def test_the_loader_is_public_in_faast_classify():
     from faast import classify
 
     assert classify.load_debian_sections is load_debian_sections

