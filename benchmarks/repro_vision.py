@@ -16,7 +16,7 @@ from the data), FAAST paper (α=1, N0 = 400 / 800 / 0 as in their eval.py), zero
 attention (±centred), SGD linear probe. Embeddings are cached (--cache), so each image is encoded once.
 --features FILE runs the protocol on embeddings already computed (a safetensors file holding the float tensors
 support [N, d], query [M, d], label_keys [C, d] and the int64 tensors support_labels [N], query_labels [M]) instead
-of reading --data-dir and encoding it. The readers are faast.classify.load_cifar10 / load_mini_imagenet.
+of reading --data-dir and encoding it. The readers are benchmarks/vision_data.py (load_cifar10 / load_mini_imagenet).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import _harness as H  # noqa: E402
 H.add_source_path()
 
 import torch  # noqa: E402
+from vision_data import load_cifar10, load_mini_imagenet  # noqa: E402 - benchmarks/vision_data.py
 
 from faast.classify import (  # noqa: E402
     FAASTClassifier,
@@ -41,8 +42,6 @@ from faast.classify import (  # noqa: E402
     ZeroShotClassifier,
     evaluate_episodes,
     evaluate_full,
-    load_cifar10,
-    load_mini_imagenet,
 )
 
 PAPER_N0 = {"cifar10": 400.0, "mini-imagenet": 800.0, "mini-imagenet-id": 0.0}

@@ -13,7 +13,7 @@ For each domain of experiments/domains.py (learn files -> held-out files, no fil
 - FAAST (paper output layer): the middle layers plus the paper's interpolating output layer (the previous default);
 - kNN-LM (k = 1024, λ = 0.25, the paper's settings), also along the curve;
 - LoRA (peft, q/v of every block, 1 epoch) and a linear projection at FAAST's layers (backprop, 1 epoch): the methods
-  a user would otherwise pick, trained on the same tokens (faast.hf.baselines).
+  a user would otherwise pick, trained on the same tokens (experiments/lm_baselines).
 Each row records perplexity, learn time, scoring time and the memory the method adds. Results: one JSON (written
 after every domain, so a cut run keeps what it measured), a Markdown report with the per-domain tables, the averages
 and the issue's goals, and the curve plot.
@@ -263,7 +263,8 @@ def run_paper(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
 
 
 def run_knn(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa: ANN001
-    from faast.hf.knnlm import KNNLM, KNNConfig
+    from lm_baselines import KNNLM, KNNConfig
+
     from faast.hf.tokens import split_by_tokens
 
     knn = KNNLM(base, KNNConfig())
@@ -282,7 +283,8 @@ def run_knn(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa: AN
 
 
 def run_backprop(domain: Domain, base, layers: list[int], method: str, args: argparse.Namespace) -> None:  # noqa: ANN001
-    from faast.hf.baselines import LinearProjection, apply_lora, fit_causal_lm, lora_rank_for
+    from lm_baselines import LinearProjection, apply_lora, fit_causal_lm, lora_rank_for
+
     from faast.hf.evaluate import perplexity
 
     fit = {"window": args.train_window, "batch_size": args.train_batch_size, "epochs": 1}

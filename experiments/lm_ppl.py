@@ -9,7 +9,7 @@ never, and every method scores the same tokens. Methods:
 - zero-shot: the frozen model;
 - FAAST: learning = forward passes into the fast weights (statistics only, fixed size);
 - kNN-LM: a datastore of final hidden states -> next tokens, k nearest neighbours, p = λ p_kNN + (1 - λ) p_LM;
-- linear: h + h·A at FAAST's layers, A trained by backprop on the learn split (faast.hf.baselines);
+- linear: h + h·A at FAAST's layers, A trained by backprop on the learn split (experiments/lm_baselines);
 - LoRA (peft): q/v projections of every block, rank matched to the linear projection's parameter count;
 - ICL: the last learned tokens that fit in the context before each window (its cost: the prefix's KV cache).
 For each: learn time, inference time (the scoring pass) and the memory it adds, measured here. FAAST and the kNN-LM
@@ -168,7 +168,7 @@ def run_faast(model, parts: list, windows: list, args: argparse.Namespace, rows:
 
 def run_knn(model, parts: list, windows: list, args: argparse.Namespace, rows: list, curve: dict) -> None:  # noqa: ANN001
     """The kNN-LM's datastore grows by the same parts, scored after each; the last point is the row."""
-    from faast.hf.knnlm import KNNLM, KNNConfig
+    from lm_baselines import KNNLM, KNNConfig
 
     knn = KNNLM(model, KNNConfig(k=args.knn_k, lam=args.knn_lambda, temperature=args.knn_temperature))
     learn_s = 0.0
@@ -187,7 +187,8 @@ def run_knn(model, parts: list, windows: list, args: argparse.Namespace, rows: l
 
 def run_linear(model, learn: list, windows: list, layers: list[int], args: argparse.Namespace, rows: list) -> None:  # noqa: ANN001
     """h + h·A at `layers`, A trained by backprop on the learn split, then removed."""
-    from faast.hf.baselines import LinearProjection, fit_causal_lm
+    from lm_baselines import LinearProjection, fit_causal_lm
+
     from faast.hf.evaluate import perplexity
 
     base = model.base_model
@@ -203,7 +204,8 @@ def run_linear(model, learn: list, windows: list, layers: list[int], args: argpa
 
 def run_lora(model, learn: list, windows: list, layers: list[int], args: argparse.Namespace, rows: list) -> None:  # noqa: ANN001
     """LoRA on q/v of every block, its rank matched to the linear projection's parameter count, then unloaded."""
-    from faast.hf.baselines import apply_lora, fit_causal_lm, lora_rank_for
+    from lm_baselines import apply_lora, fit_causal_lm, lora_rank_for
+
     from faast.hf.evaluate import perplexity
 
     base = model.base_model
@@ -221,7 +223,8 @@ def run_lora(model, learn: list, windows: list, layers: list[int], args: argpars
 
 def run_icl(model, learn: list, windows: list, args: argparse.Namespace, rows: list, notes: list) -> None:  # noqa: ANN001
     """The last learned tokens that fit before each window, in the context; a note when none fit."""
-    from faast.hf.baselines import kv_cache_bytes
+    from lm_baselines import kv_cache_bytes
+
     from faast.hf.evaluate import perplexity
 
     base = model.base_model

@@ -4,14 +4,20 @@ matched parameter count and the KV-cache size."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from faast.hf.baselines import LinearProjection, apply_lora, fit_causal_lm, kv_cache_bytes, lora_rank_for
 from faast.hf.evaluate import continuation_log_probs, encode_prefix, perplexity, wilson_interval
 from faast.hf.tokens import split_by_tokens
 from hf_models import KINDS, VOCAB, tiny_model
 from tolerances import LM_LAYOUT_ABS
+
+# The backprop baselines are experiment code (experiments/lm_baselines), imported as the experiment scripts do.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+from lm_baselines import LinearProjection, apply_lora, fit_causal_lm, kv_cache_bytes, lora_rank_for  # noqa: E402
 
 
 def ids(n: int, seed: int) -> list[int]:

@@ -7,14 +7,18 @@ import importlib.util
 import json
 import math
 import random
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from faast.hf.evaluate import perplexity, wilson_interval
-from faast.hf.knnlm import KNNLM, KNNConfig
 from hf_models import PROSE, VOCAB, CharTokenizer, save_tiny_checkpoint, tiny_model, transformers
+
+# The kNN-LM is experiment code (experiments/lm_baselines), imported as the experiment scripts do.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+from lm_baselines import KNNLM, KNNConfig  # noqa: E402
 
 # A minimal ChatML-like template (the tiny tokenizers have no chat template of their own).
 CHAT_TEMPLATE = (

@@ -15,9 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from faast.classify import ClipEncoder, load_cifar10, load_mini_imagenet
+from faast.classify import ClipEncoder
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "repro_vision.py"
+# The dataset readers are benchmark code (benchmarks/vision_data.py), imported as repro_vision.py does.
+sys.path.insert(0, str(SCRIPT.parent))
+from vision_data import load_cifar10, load_mini_imagenet  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,9 @@
 FAASTClassifier learns closed-form fast weights from (embedding, label) pairs in one streaming pass; the baselines
 share its API and features so that comparisons are like for like; `episodes` implements the few-shot protocol (its
 `sample_episode` is the one few-shot sampler). The rest feeds them: `data` (the shipped Debian-sections text task),
-`vision_data` (CIFAR-10 and mini-ImageNet readers), `sentence_encoder` and `clip_encoder` (frozen encoders, cached),
-`debian_task` (the Debian task embedded once) and `readout` (one-hot values and accuracy for hand-driven FastWeights).
+`sentence_encoder` and `clip_encoder` (frozen encoders, cached), `debian_task` (the Debian task embedded once) and
+`readout` (one-hot values and accuracy for hand-driven FastWeights). The CIFAR-10 and mini-ImageNet readers belong to
+the vision benchmark (benchmarks/vision_data.py), not to the package.
 transformers is imported only when an encoder is built.
 """
 
@@ -23,7 +24,6 @@ from .episodes import Episode, EvalResult, evaluate_episodes, evaluate_full, mea
 from .faast_classifier import FAASTClassifier
 from .readout import accuracy, one_hot
 from .sentence_encoder import SentenceEncoder
-from .vision_data import load_cifar10, load_mini_imagenet
 
 __all__ = [
     "DEBIAN_SECTIONS",
@@ -45,9 +45,7 @@ __all__ = [
     "embed_debian_sections",
     "evaluate_episodes",
     "evaluate_full",
-    "load_cifar10",
     "load_debian_sections",
-    "load_mini_imagenet",
     "mean_ci",
     "one_hot",
     "sample_episode",

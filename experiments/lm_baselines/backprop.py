@@ -1,5 +1,8 @@
 """Backprop baselines of the LM experiments, trained on the same learn data FAAST reads in one forward pass.
 
+Experiment code, not part of the faast package: experiments/lm_ppl.py and experiments/lm_domains.py compare FAAST
+against these (import them as `lm_baselines` with experiments/ on sys.path, as those scripts do).
+
 - `LinearProjection`: at FAAST's own layers, each block input h becomes h + h·A_l (A_l: d x d, zero-initialised, so it
   starts as the base model), trained by gradient descent on the causal-LM loss. It is what the fast weights'
   W·P would be if it were learned by backprop instead of solved in closed form.
@@ -20,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .targets import get_submodule, target_for
-from .tokens import overlapping_windows, pad_rows
+from faast.hf.targets import get_submodule, target_for
+from faast.hf.tokens import overlapping_windows, pad_rows
 
 # Attention projections LoRA adapts per model type (the LoRA paper's W_q, W_v; GPT-2 fuses q, k, v in c_attn).
 LORA_MODULES: dict[str, tuple[str, ...]] = {

@@ -1,7 +1,9 @@
 """Readers for the paper's image-classification data in the official distribution formats (files you supply).
 
-Nothing is downloaded: pass the folder that holds the files. Both readers return the same dict, ready for a
-CLIP encoder and the few-shot protocol (faast.classify.episodes):
+Benchmark code, not part of the faast package: benchmarks/repro_vision.py reads its data through these (import this
+module as `vision_data` with benchmarks/ on sys.path, as that script does). Nothing is downloaded: pass the folder that
+holds the files. Both readers return the same dict, ready for a CLIP encoder and the few-shot protocol
+(faast.classify.episodes):
 
     support_images  uint8 [N, H, W, 3]     support_labels  int64 [N]
     query_images    uint8 [M, H, W, 3]     query_labels    int64 [M]

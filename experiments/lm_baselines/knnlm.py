@@ -3,19 +3,21 @@ h_t mapped to the next tokens x_{t+1}; at inference p = λ·p_kNN + (1 − λ)·
 p_kNN(y) ∝ Σ_{i ∈ kNN(h)} exp(−‖h − k_i‖² / T)·[v_i = y]. The authors' FAAST code has no such baseline.
 
 Unlike FAAST it stores every key: memory grows as N·d, and each predicted token searches the whole datastore.
+Experiment code, not part of the faast package (import it as `lm_baselines` with experiments/ on sys.path).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .evaluate import Perplexity
-from .tokens import overlapping_windows, pad_rows
+from faast.hf.evaluate import Perplexity
+from faast.hf.tokens import overlapping_windows, pad_rows
 
 
 @dataclass
@@ -90,9 +92,7 @@ class KNNLM:
 
     @torch.no_grad()
     def perplexity(self, windows: Sequence[Sequence[int]], *, batch_size: int = 4) -> Perplexity:
-        """Held-out perplexity of the interpolated model over the windows (scored like evaluate.perplexity)."""
-        import time
-
+        """Held-out perplexity of the interpolated model over the windows, scored as faast.hf.evaluate.perplexity."""
         if not self.values:
             raise ValueError("the datastore is empty: call add() first")
         lam = self.config.lam
