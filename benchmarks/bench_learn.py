@@ -5,7 +5,8 @@ For each (N, d) with dv = d, alpha = 1 and float32 random-normal keys/values (fi
 1. Full learn. Rows arrive as 4096-row batches; the time runs from the first batch to having W.
    authors: StoredKeyMemory(alpha=1, float32): update per batch (cat-append), then .weights (pinv of the N x d keys).
    faast:   FastWeights(d, d) (float64 statistics): update per batch, then .weights (float64 eigh of S).
-   Also the authors' best case: faast.ops.pinv_fast_weights(K, V, rtol=1/N) on keys already in one tensor.
+   Also the authors' best case: faast.authors_reference.pinv_fast_weights(K, V, rtol=1/N) on keys already in one
+   tensor.
 2. Incremental update: a memory already holding N rows learns one 512-row batch and re-solves.
 3. Peak memory of each full learn, in a fresh spawned process that generates its batches on the fly, measured above
    the RSS right before learning (after imports and a tiny warm-up). See benchmarks/_harness.py for the two peak
@@ -120,7 +121,7 @@ def time_full_learn(batches: list, keys: torch.Tensor, values: torch.Tensor, rep
 
     Returns (timings by name, each learner's (store/update, solve) seconds per call, each learner's last W).
     """
-    from faast import ops
+    from faast.authors_reference import pinv_fast_weights
 
     d, rtol = keys.shape[1], keys.shape[0] ** -1.0
     phases: dict[str, list[tuple[float, float]]] = {"authors": [], "faast": []}
@@ -140,7 +141,7 @@ def time_full_learn(batches: list, keys: torch.Tensor, values: torch.Tensor, rep
         return fn
 
     def bare_pinv(_):  # noqa: ANN001, ANN202
-        return ops.pinv_fast_weights(keys, values, rtol=rtol)
+        return pinv_fast_weights(keys, values, rtol=rtol)
 
     timings = H.time_cases(
         {
@@ -156,12 +157,12 @@ def time_full_learn(batches: list, keys: torch.Tensor, values: torch.Tensor, rep
 def fidelity(keys: torch.Tensor, values: torch.Tensor, last_w: dict, truth_estimate_s: float) -> tuple[float, ...]:
     """(truth seconds, relW authors, relW faast) against the float64 SVD truth of the same float32 keys; NaN when
     the truth's estimated time exceeds TRUTH_BUDGET_S."""
-    from faast import ops
+    from faast.authors_reference import pinv_fast_weights
 
     if truth_estimate_s > TRUTH_BUDGET_S:
         return math.nan, math.nan, math.nan
     t0 = time.perf_counter()
-    truth = ops.pinv_fast_weights(keys.double(), values.double(), rtol=keys.shape[0] ** -1.0)
+    truth = pinv_fast_weights(keys.double(), values.double(), rtol=keys.shape[0] ** -1.0)
     truth_s = time.perf_counter() - t0
     return truth_s, rel_err(last_w["authors"], truth), rel_err(last_w["faast"], truth)
 
@@ -382,8 +383,8 @@ def write_report(stem: Path, record: dict, payload: dict) -> None:
         f"arrive in {BATCH}-row batches; incremental = one {INCR_ROWS}-row batch added to a memory holding N rows, "
         "then W.",
         "- authors = `StoredKeyMemory(alpha=1.0, dtype=torch.float32)` (cat-append storage, float32 pinv of the N×d "
-        "keys); bare pinv = `faast.ops.pinv_fast_weights(K, V, rtol=1/N)` on keys already in one tensor (their best "
-        "case); faast = `FastWeights(d, d)` (float64 statistics, float64 eigh).",
+        "keys); bare pinv = `faast.authors_reference.pinv_fast_weights(K, V, rtol=1/N)` on keys already in one "
+        "tensor (their best case); faast = `FastWeights(d, d)` (float64 statistics, float64 eigh).",
         "- Times: median seconds of the repetitions after 1 warm-up, the competitors interleaved in each round "
         "(reps per row in the JSON). Speedups are ratios of medians. The machine may be shared: before each timed "
         "call the script waits (bounded) for other processes to go quiet, and a call >= 0.1 s during which they used "

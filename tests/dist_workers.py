@@ -17,7 +17,8 @@ NUM_BATCHES = 7
 
 
 class Layers(nn.Module):
-    """A stand-in for a faast model: several memories of different shapes, one layer-batched, one with a prior."""
+    """A stand-in for a faast model: several memories of different shapes, one layer-batched, one with a prior, and
+    an Accumulator of plain sums (as the residual output layer keeps its curvature and token mass)."""
 
     def __init__(self, dim_key: int = 12, alpha: float = 1.0) -> None:
         super().__init__()
@@ -25,6 +26,7 @@ class Layers(nn.Module):
             [faast.FastWeights(dim_key, 5, batch_shape=(3,)), faast.FastWeights(dim_key, 7, alpha=alpha)]
         )
         self.output = faast.FastWeights(dim_key, dim_key, prior="identity", prior_count=4.0, drop_nonfinite=True)
+        self.sums = faast.Accumulator({"gram": (dim_key, dim_key), "mass": (7,)})
         self.head = nn.Linear(2, 2)  # not a memory: must be left alone
 
 
@@ -51,6 +53,7 @@ def learn(model: Layers, indices) -> None:
         model.blocks[0].update(b["k3"], b["v3"])
         model.blocks[1].update(b["k"], b["v"], b["s"])
         model.output.update(b["k"], b["vo"])
+        model.sums.add(count=b["k"].shape[0], gram=b["k"].T @ b["k"], mass=b["v"].sum(0))
 
 
 def run(rank: int, world_size: int, init_file: str, out_dir: str, scenario: str, bucket_mb: float) -> None:
@@ -67,7 +70,7 @@ def run(rank: int, world_size: int, init_file: str, out_dir: str, scenario: str,
         learn(model, distributed.shard(range(2 if scenario == "empty" else NUM_BATCHES)))
         distributed.all_reduce(model, bucket_mb=bucket_mb)
         state = {k: v for k, v in model.state_dict().items() if not k.startswith("head.")}
-        weights = {f"{n}.W": m.weights for n, m in distributed.find_memories(model)}
+        weights = {f"{n}.W": m.weights for n, m in distributed.find_memories(model, faast.FastWeights)}
         torch.save({"state": state, "weights": weights}, out / f"rank{rank}.pt")
     except Exception as err:  # noqa: BLE001 - the parent test inspects the error
         (out / f"rank{rank}.err").write_text(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")

@@ -173,3 +173,25 @@ def test_gradient_through_given_accumulator():
     _, cross = ops.accumulate_gram(keys, values, cross=cross)
     (grad,) = torch.autograd.grad(cross.sum(), values)
     assert_close(grad, keys.sum(-1, keepdim=True).expand(20, 3), torch.float64)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all-rows", "masked"])
+def test_unchecked_entry_allocates_or_adds_in_place(masked):
+    keys, values, scores = torch.randn(2, 40, 9), torch.randn(2, 40, 4), torch.rand(2, 40)
+    mask = torch.rand(2, 40) > 0.3 if masked else None
+    if masked:
+        keys[~mask] = float("nan")  # rows the mask leaves out contribute nothing, whatever they hold
+    fresh = ops.accumulate_gram_unchecked(keys, values, scores, mask)
+    s_ref, t_ref, yy_ref = expected(torch.nan_to_num(keys), values, scores, mask)
+    for got, want in zip(fresh, (s_ref, t_ref, yy_ref), strict=True):
+        assert got.dtype == torch.float64
+        assert_close(got, want, torch.float64)
+    start = [torch.ones_like(t) for t in fresh]
+    held = [t.clone() for t in start]
+    returned = ops.accumulate_gram_unchecked(keys, values, scores, mask, gram=held[0], cross=held[1],
+                                             target_sqnorm=held[2])  # fmt: skip
+    for out, acc, first, part in zip(returned, held, start, fresh, strict=True):
+        assert out is acc
+        assert rel(acc, first + part) < REORDER_REL
+    with pytest.raises(ValueError, match="pass all three accumulators, or none"):
+        ops.accumulate_gram_unchecked(keys, values, scores, mask, gram=held[0])

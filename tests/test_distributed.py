@@ -58,7 +58,7 @@ def _check_against_single_process(results: dict, num_batches: int) -> None:
                 assert rel(got["state"][name], t) <= REORDER_REL, (r, name)
             else:
                 assert torch.equal(got["state"][name], t), (r, name)  # counters are exact
-        for name, m in distributed.find_memories(expected):
+        for name, m in distributed.find_memories(expected, faast.FastWeights):
             assert rel(got["weights"][f"{name}.W"], m.weights.to(torch.float64)) <= 1e-9, (r, name)
     # Every rank must hold bitwise the same result, or ranks would serve different weights.
     for r in results:
@@ -75,6 +75,8 @@ def test_ranks_equal_single_process(world_size, bucket_mb):
     results = _spawn(world_size, bucket_mb=bucket_mb)
     _check_against_single_process(results, NUM_BATCHES)
     assert int(results[0]["state"]["output.num_dropped"]) == 1  # the NaN row of batch 3, dropped on one rank
+    # The Accumulator was summed too: its count is every row of every rank's shard.
+    assert float(results[0]["state"]["sums.count"]) == sum(5 + 3 * i for i in range(NUM_BATCHES))
 
 
 def test_rank_with_empty_shard():
@@ -200,6 +202,30 @@ def test_bad_objects(world_of_one, obj, error, match):
 def test_bad_bucket_size(world_of_one):
     with pytest.raises(ValueError, match="bucket_mb: expected a positive number"):
         distributed.all_reduce(faast.FastWeights(4, 2), bucket_mb=0)
+
+
+def test_accumulators_are_reduced_with_the_memories(world_of_one, monkeypatch):
+    model = torch.nn.ModuleDict({"memory": faast.FastWeights(6, 3), "sums": faast.Accumulator({"mass": (5,)})})
+    model["memory"].update(torch.randn(10, 6), torch.randn(10, 3))
+    model["sums"].add(count=10, mass=torch.rand(5))
+    version = model["sums"].version
+    calls = _count_collectives(monkeypatch)
+    distributed.all_reduce(model)
+    # The probe, one float64 bucket (S, T, N, yy of the memory; the sum and count of the accumulator), one int64.
+    assert len(calls) == 3 and calls[1].numel() == 36 + 18 + 1 + 1 + 5 + 1
+    assert model["sums"].version > version
+
+
+def test_find_memories_finds_both_kinds_and_filters_by_kind():
+    model = torch.nn.ModuleDict({"memory": faast.FastWeights(4, 2), "sums": faast.Accumulator({"mass": (3,)})})
+    assert [n for n, _ in distributed.find_memories(model)] == ["memory", "sums"]
+    assert [n for n, _ in distributed.find_memories(model, faast.FastWeights)] == ["memory"]
+    assert [n for n, _ in distributed.find_memories(model, faast.Accumulator)] == ["sums"]
+    assert [n for n, _ in distributed.find_memories([model["sums"], model["memory"]], faast.FastWeights)] == ["1"]
+    with pytest.raises(ValueError, match="holds no faast.Accumulator"):
+        distributed.find_memories(faast.FastWeights(4, 2), faast.Accumulator)
+    with pytest.raises(TypeError, match="kind: expected faast.SummedStatistics"):
+        distributed.find_memories(model, torch.nn.Linear)
 
 
 def test_shared_memory_is_summed_once():

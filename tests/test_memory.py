@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from faast import FastWeights, ops
+from faast import FastWeights
+from faast.authors_reference import pinv_fast_weights
 from tolerances import REORDER_REL, TRUTH_REL_W, assert_close, rel
 
 DK, DV = 24, 5
@@ -167,6 +168,34 @@ def test_weights_are_cached_and_never_stale():
     assert rel(m.weights, before / 4.0) < 1e-9
 
 
+def test_mark_changed_bumps_the_version_and_drops_the_cached_solution():
+    keys, values, _ = data(100)
+    m = memory().update(keys, values)
+    first, version, key = m.weights, m.version, m.solution_key
+    m.mark_changed()
+    assert m.version == version + 1 and m.solution_key != key
+    second = m.weights
+    assert second is not first and torch.equal(second, first)  # solved again, from the same statistics
+
+
+def test_the_core_modules_do_not_import_the_memory():
+    # _persist is a codec over plain data and the blend window is handed what it needs: neither reaches back into
+    # memory.py (which imports them), not even for type checking.
+    import ast
+    from pathlib import Path
+
+    import faast
+
+    package = Path(faast.__file__).parent
+    for name in ("_persist.py", "_blend.py", "statistics.py", "accumulator.py"):
+        tree = ast.parse((package / name).read_text(encoding="utf-8"))
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):  # from .memory import X / from . import memory
+                imported |= {node.module or "", *(f"{node.module or ''}.{a.name}" for a in node.names)}
+        assert not {"memory", "faast.memory", ".memory"} & imported, name
+
+
 def test_solve_overrides_do_not_change_the_configuration():
     keys, values, scores = data(300)
     m = memory(alpha=1.0).update(keys, values, scores)
@@ -220,7 +249,7 @@ def test_forward_reads_the_memory():
     keys, values, _ = data(100)
     m = memory().update(keys, values)
     query = torch.randn(3, 4, DK, dtype=torch.float64)
-    assert_close(m(query), query @ ops.pinv_fast_weights(keys, values, 0.01), torch.float64)
+    assert_close(m(query), query @ pinv_fast_weights(keys, values, 0.01), torch.float64)
 
 
 def test_import_faast_loads_the_core_only_and_the_subpackages_on_first_use():

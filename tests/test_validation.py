@@ -1,6 +1,7 @@
 """Bad input gets a clear error (the right exception type, a message naming the argument) and leaves state untouched.
 
-Covers faast.ops.{accumulate_gram, solve_fast_weights, residual_project, fold_readout, pinv_fast_weights} and
+Covers faast.ops.{accumulate_gram, solve_fast_weights, residual_project, fold_readout},
+faast.authors_reference.pinv_fast_weights and
 faast.FastWeights (constructor, update, forget, merge, solve, forward, load_state), plus drop_nonfinite=True and the
 rows that a mask excludes (which may hold anything).
 """
@@ -12,6 +13,7 @@ import torch
 
 import faast
 from faast import ops
+from faast.authors_reference import pinv_fast_weights
 from oracles import statistics64
 from tolerances import REORDER_REL, TRUTH_REL_W, rel
 
@@ -504,39 +506,37 @@ def test_fold_readout_rejects(call, exc, match):
 
 
 PINV_CASES = [
-    _case("keys-1d", lambda: ops.pinv_fast_weights(K()[0], V(), 0.1), ValueError, "keys"),
-    _case("keys-int", lambda: ops.pinv_fast_weights(K().to(torch.int32), V(), 0.1), TypeError, "keys"),
-    _case("values-bool", lambda: ops.pinv_fast_weights(K(), V() > 0, 0.1), TypeError, "values"),
-    _case("values-rows-mismatch", lambda: ops.pinv_fast_weights(K(N), V(N + 1), 0.1), ValueError, "values"),
-    _case(
-        "values-batch-mismatch", lambda: ops.pinv_fast_weights(K(batch=(2,)), V(batch=(3,)), 0.1), ValueError, "values"
-    ),
-    _case("scores-wrong-shape", lambda: ops.pinv_fast_weights(K(), V(), 0.1, S(N - 1)), ValueError, "scores"),
+    _case("keys-1d", lambda: pinv_fast_weights(K()[0], V(), 0.1), ValueError, "keys"),
+    _case("keys-int", lambda: pinv_fast_weights(K().to(torch.int32), V(), 0.1), TypeError, "keys"),
+    _case("values-bool", lambda: pinv_fast_weights(K(), V() > 0, 0.1), TypeError, "values"),
+    _case("values-rows-mismatch", lambda: pinv_fast_weights(K(N), V(N + 1), 0.1), ValueError, "values"),
+    _case("values-batch-mismatch", lambda: pinv_fast_weights(K(batch=(2,)), V(batch=(3,)), 0.1), ValueError, "values"),
+    _case("scores-wrong-shape", lambda: pinv_fast_weights(K(), V(), 0.1, S(N - 1)), ValueError, "scores"),
     _case(
         "scores-negative",
-        lambda: ops.pinv_fast_weights(K(), V(), 0.1, put(S(), (1,), -2.0)),
+        lambda: pinv_fast_weights(K(), V(), 0.1, put(S(), (1,), -2.0)),
         ValueError,
         r"scores.*\[1\]",
     ),
-    _case("values-on-meta", lambda: ops.pinv_fast_weights(K(), V().to("meta"), 0.1), ValueError, "values"),
-    _case("rtol-negative", lambda: ops.pinv_fast_weights(K(), V(), -0.1), ValueError, "rtol"),
-    _case("rtol-nan", lambda: ops.pinv_fast_weights(K(), V(), NAN), ValueError, "rtol"),
-    _case("rtol-string", lambda: ops.pinv_fast_weights(K(), V(), "auto"), TypeError, "rtol"),
+    _case("values-on-meta", lambda: pinv_fast_weights(K(), V().to("meta"), 0.1), ValueError, "values"),
+    _case("rtol-negative", lambda: pinv_fast_weights(K(), V(), -0.1), ValueError, "rtol"),
+    _case("rtol-nan", lambda: pinv_fast_weights(K(), V(), NAN), ValueError, "rtol"),
+    _case("rtol-string", lambda: pinv_fast_weights(K(), V(), "auto"), TypeError, "rtol"),
     _case(
         "rtol-tensor-wrong-shape",
-        lambda: ops.pinv_fast_weights(K(batch=(2,)), V(batch=(2,)), torch.tensor([0.1, 0.2, 0.3])),
+        lambda: pinv_fast_weights(K(batch=(2,)), V(batch=(2,)), torch.tensor([0.1, 0.2, 0.3])),
         ValueError,
         "rtol",
     ),
     _case(
         "keys-nan",
-        lambda: ops.pinv_fast_weights(put(K(), (2, 1), NAN), V(), 0.1),
+        lambda: pinv_fast_weights(put(K(), (2, 1), NAN), V(), 0.1),
         ValueError,
         r"keys.*\[2, 1\]",
     ),
     _case(
         "values-inf",
-        lambda: ops.pinv_fast_weights(K(), put(V(), (3, 1), INF), 0.1),
+        lambda: pinv_fast_weights(K(), put(V(), (3, 1), INF), 0.1),
         ValueError,
         r"values.*\[3, 1\]",
     ),
@@ -552,7 +552,7 @@ def test_pinv_fast_weights_rejects(call, exc, match):
 def test_pinv_fast_weights_accepts_a_tensor_rtol_of_the_batch_shape():
     keys, values = K(8, batch=(2,), dtype=F64), V(8, batch=(2,), dtype=F64)
     rtol = torch.tensor([0.05, 0.3], dtype=F64)
-    weights = ops.pinv_fast_weights(keys, values, rtol)
+    weights = pinv_fast_weights(keys, values, rtol)
     for b in range(2):
         expected = torch.linalg.pinv(keys[b], atol=0.0, rtol=float(rtol[b])) @ values[b]
         assert rel(weights[b], expected) <= TRUTH_REL_W

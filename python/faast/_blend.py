@@ -15,20 +15,47 @@ LM batches hold 8·1023 ≤ 8192).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from . import ops
 from .ops import _validate
 from .ops.solve import SolveInfo
-
-if TYPE_CHECKING:  # type-only: memory.py imports this module at run time, never the reverse
-    from .memory import FastWeights
+from .statistics import Float64Module
 
 # Rows whose entries exceed this could overflow float64 when squared and summed over ~1e8 rows. One call may fold and
 # append several chunks and must not stop half-way, so FastWeights' door rejects such rows up front (max_abs).
 MAX_ABS = 1e145
+
+# state_dict names of files written before the window became the submodule `blend` (faast <= the flat layout).
+LEGACY_NAMES = {
+    "blend_gram": "blend.gram",
+    "blend_cross": "blend.cross",
+    "blend_sqnorm": "blend.sqnorm",
+    "blend_rows": "blend.rows",
+    "blend_cursor": "blend.cursor",
+    "folded_weights": "blend.folded_weights",
+    "folded_count": "blend.folded_count",
+}
+# Buffers of the window holding counts or sums of squares (a saved state with a negative entry is refused).
+NONNEGATIVE = ("sqnorm", "rows", "folded_count")
+
+# (gram, cross, count, target_sqnorm, options) -> (float64 W [*batch, dk, dv], SolveInfo): FastWeights' solver.
+SolveFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, SolveInfo]]
+# (keys, values, scores) -> float64 (dS, dT, dyy), raising if they overflow: FastWeights' statistics of rows.
+StatisticsFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]
+
+
+class WindowSums(NamedTuple):
+    """The statistics of the rows in the window (what FastWeights holds in gram, cross, count, target_sqnorm)."""
+
+    gram: torch.Tensor  # [*batch, dk, dk] float64
+    cross: torch.Tensor  # [*batch, dk, dv] float64
+    count: torch.Tensor  # [*batch] float64
+    target_sqnorm: torch.Tensor  # [*batch] float64
 
 
 def capacity(window: int, chunk: int) -> int:
@@ -36,29 +63,150 @@ def capacity(window: int, chunk: int) -> int:
     return math.ceil(window / chunk) + 2
 
 
-def register_state(fw: FastWeights, device: object) -> None:
-    slots = capacity(fw.blend_window, fw.blend_chunk)
-    dk, dv, batch = fw.dim_key, fw.dim_value, fw.batch_shape
-    f64 = {"dtype": torch.float64, "device": device}
-    fw.register_buffer("blend_gram", torch.zeros((slots, *batch, dk, dk), **f64))
-    fw.register_buffer("blend_cross", torch.zeros((slots, *batch, dk, dv), **f64))
-    fw.register_buffer("blend_sqnorm", torch.zeros((slots, *batch), **f64))
-    fw.register_buffer("blend_rows", torch.zeros((slots,), **f64))
-    # (index of the oldest slot, number of slots in use)
-    fw.register_buffer("blend_cursor", torch.zeros((2,), dtype=torch.int64, device=device))
-    fw.register_buffer("folded_weights", torch.zeros((*batch, dk, dv), **f64))
-    fw.register_buffer("folded_count", torch.zeros((), **f64))
-    reset(fw)
+class BlendWindow(Float64Module):
+    """The per-chunk statistics of the window and the folded W0 of FastWeights(mode='blend').
+
+    Buffers (float64 unless noted): `gram` [slots, *batch, dk, dk], `cross` [slots, *batch, dk, dv], `sqnorm`
+    [slots, *batch], `rows` [slots] (rows per chunk), `cursor` int64 [2] (oldest slot, slots in use),
+    `folded_weights` W0 [*batch, dk, dv] and `folded_count` N0 []. It never touches the memory: `update` is handed
+    the memory's window sums, its solver and its statistics function, and returns the new window sums.
+    """
+
+    def __init__(
+        self,
+        dim_key: int,
+        dim_value: int,
+        batch_shape: tuple[int, ...],
+        *,
+        window: int,
+        chunk: int,
+        discount: float,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.window, self.chunk, self.discount, self.batch_shape = window, chunk, discount, batch_shape
+        slots = capacity(window, chunk)
+        dk, dv, batch = dim_key, dim_value, batch_shape
+        f64 = {"dtype": torch.float64, "device": device}
+        self.register_buffer("gram", torch.zeros((slots, *batch, dk, dk), **f64))
+        self.register_buffer("cross", torch.zeros((slots, *batch, dk, dv), **f64))
+        self.register_buffer("sqnorm", torch.zeros((slots, *batch), **f64))
+        self.register_buffer("rows", torch.zeros((slots,), **f64))
+        self.register_buffer("cursor", torch.zeros((2,), dtype=torch.int64, device=device))
+        self.register_buffer("folded_weights", torch.zeros((*batch, dk, dv), **f64))
+        self.register_buffer("folded_count", torch.zeros((), **f64))
+
+    @property
+    def slots(self) -> int:
+        return self.rows.shape[0]
+
+    @torch.no_grad()
+    def reset(self, prior: torch.Tensor | None, prior_count: float) -> None:
+        """Empty the window; W0 = prior (zeros without one) with pseudo-count N0 = prior_count."""
+        for t in (self.gram, self.cross, self.sqnorm, self.rows, self.cursor):
+            t.zero_()
+        if prior is None:
+            self.folded_weights.zero_()
+        else:
+            self.folded_weights.copy_(prior)
+        self.folded_count.fill_(prior_count)
+
+    def _cursor(self) -> tuple[int, int]:
+        head, used = self.cursor.tolist()
+        return head, used
+
+    def _open_slot(self) -> int:
+        head, used = self._cursor()
+        if used:
+            last = (head + used - 1) % self.slots
+            if float(self.rows[last]) < self.chunk:
+                return last
+        if used == self.slots:
+            raise RuntimeError("faast internal error: the blend window outgrew its slots")
+        new = (head + used) % self.slots  # vacated slots are zeroed by _fold_oldest and reset
+        self.cursor[1] = used + 1
+        return new
+
+    def _window_from_slots(self, sums: WindowSums) -> None:
+        """Recompute the window sums as the sum of the slots in use (exact after a fold, no drift)."""
+        head, used = self._cursor()
+        occupied = torch.tensor([(head + i) % self.slots for i in range(used)], dtype=torch.long,
+                                device=self.rows.device)  # fmt: skip
+        sums.gram.copy_(self.gram.index_select(0, occupied).sum(0))
+        sums.cross.copy_(self.cross.index_select(0, occupied).sum(0))
+        sums.target_sqnorm.copy_(self.sqnorm.index_select(0, occupied).sum(0))
+        sums.count.fill_(float(self.rows.index_select(0, occupied).sum()))
+
+    def _fold_oldest(self, sums: WindowSums, solve: SolveFn, options: dict) -> None:
+        head, used = self._cursor()
+        rows = self.rows[head]
+        counts = rows.expand(self.batch_shape)
+        chunk_weights, _ = solve(self.gram[head], self.cross[head], counts, self.sqnorm[head], options)
+        previous = self.discount * self.folded_count
+        share = rows / (previous + rows)
+        self.folded_weights.lerp_(chunk_weights, share)
+        self.folded_count.copy_(previous + rows)
+        for t in (self.gram, self.cross, self.sqnorm, self.rows):
+            t[head].zero_()
+        self.cursor[0] = (head + 1) % self.slots
+        self.cursor[1] = used - 1
+        self._window_from_slots(sums)
+
+    @torch.no_grad()
+    def update(
+        self, rows: _validate.Rows, window: WindowSums, *, statistics: StatisticsFn, solve: SolveFn, options: dict
+    ) -> WindowSums:
+        """Learn rows checked by FastWeights' door (finite, below MAX_ABS, one mask for every memory).
+
+        window: the memory's current window sums (left untouched). statistics: the memory's float64 statistics of
+        rows; solve: its solver, with `options` (alpha, rtol, ridge) for the chunks folded on the way. Returns the
+        new window sums, for the memory to copy into its own buffers.
+        """
+        sums = WindowSums(*(t.clone() for t in window))
+        keys, values, scores = _compact(rows)
+        n, chunk = keys.shape[-2], self.chunk
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            while float(self.rows.sum()) >= self.window:
+                self._fold_oldest(sums, solve, options)
+            pos = start
+            while pos < end:
+                slot = self._open_slot()
+                stop = min(end, pos + chunk - int(self.rows[slot]))
+                part = (slice(None),) * len(self.batch_shape) + (slice(pos, stop),)
+                # Products of three entries below MAX_ABS can still overflow: statistics raises before this chunk
+                # is added.
+                d_gram, d_cross, d_sqnorm = statistics(
+                    keys[part], values[part], None if scores is None else scores[part]
+                )
+                for total, per_slot, delta in (
+                    (sums.gram, self.gram, d_gram),
+                    (sums.cross, self.cross, d_cross),
+                    (sums.target_sqnorm, self.sqnorm, d_sqnorm),
+                ):
+                    per_slot[slot] += delta
+                    total += delta
+                self.rows[slot] += stop - pos
+                sums.count.add_(stop - pos)
+                pos = stop
+        return sums
+
+    def blend(self, window_weights: torch.Tensor) -> torch.Tensor:
+        """The memory's W: the window's solution W1 [*batch, dk, dv] float64 blended with W0 by
+        r = N1 / (γ·N0 + N1); W0 alone when the window is empty."""
+        rows = self.rows.sum()
+        previous = self.discount * self.folded_count
+        if float(rows) == 0:  # nothing in the window: W0 alone (and no 0/0 when nothing was folded either)
+            return self.folded_weights.clone()
+        # lerp is exact at its ends: with no folded history (previous = 0) this is the window's solution bit for bit.
+        return torch.lerp(self.folded_weights, window_weights, rows / (previous + rows))
 
 
-def reset(fw: FastWeights) -> None:
-    for name in ("blend_gram", "blend_cross", "blend_sqnorm", "blend_rows", "blend_cursor"):
-        getattr(fw, name).zero_()
-    if fw.prior is None:
-        fw.folded_weights.zero_()
-    else:
-        fw.folded_weights.copy_(fw.prior)
-    fw.folded_count.fill_(fw.prior_count)
+def check_cursor(cursor: torch.Tensor, slots: int, source: object, name: str = "blend.cursor") -> None:
+    """Raise ValueError naming `source` unless a saved cursor (oldest slot, slots in use) fits `slots` slots."""
+    head, used = cursor.tolist()
+    if not (0 <= head < slots and 0 <= used <= slots):
+        raise ValueError(f"{source}: tensor {name} {[head, used]} is out of range; refusing to load it")
 
 
 def _compact(rows: _validate.Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -71,93 +219,3 @@ def _compact(rows: _validate.Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         rows.values.index_select(-2, keep),
         None if rows.scores is None else rows.scores.index_select(-1, keep),
     )
-
-
-def _cursor(fw: FastWeights) -> tuple[int, int]:
-    head, used = fw.blend_cursor.tolist()
-    return head, used
-
-
-def _open_slot(fw: FastWeights) -> int:
-    slots = fw.blend_rows.shape[0]
-    head, used = _cursor(fw)
-    if used:
-        last = (head + used - 1) % slots
-        if float(fw.blend_rows[last]) < fw.blend_chunk:
-            return last
-    if used == slots:
-        raise RuntimeError("faast internal error: the blend window outgrew its slots")
-    new = (head + used) % slots  # vacated slots are zeroed by _fold_oldest and reset
-    fw.blend_cursor[1] = used + 1
-    return new
-
-
-def _window_from_slots(fw: FastWeights) -> None:
-    """Recompute the window statistics as the sum of the slots in use (exact after a fold, no drift)."""
-    slots = fw.blend_rows.shape[0]
-    head, used = _cursor(fw)
-    occupied = torch.tensor([(head + i) % slots for i in range(used)], dtype=torch.long, device=fw.device)
-    fw.gram.copy_(fw.blend_gram.index_select(0, occupied).sum(0))
-    fw.cross.copy_(fw.blend_cross.index_select(0, occupied).sum(0))
-    fw.target_sqnorm.copy_(fw.blend_sqnorm.index_select(0, occupied).sum(0))
-    fw.count.fill_(float(fw.blend_rows.index_select(0, occupied).sum()))
-
-
-def _fold_oldest(fw: FastWeights) -> None:
-    head, used = _cursor(fw)
-    rows = fw.blend_rows[head]
-    counts = rows.expand(fw.batch_shape)
-    options = {"alpha": fw.alpha, "rtol": fw.rtol, "ridge": fw.ridge}
-    chunk_weights, _ = fw._solve_statistics(
-        fw.blend_gram[head], fw.blend_cross[head], counts, fw.blend_sqnorm[head], options
-    )
-    previous = fw.blend_discount * fw.folded_count
-    share = rows / (previous + rows)
-    fw.folded_weights.lerp_(chunk_weights, share)
-    fw.folded_count.copy_(previous + rows)
-    for name in ("blend_gram", "blend_cross", "blend_sqnorm", "blend_rows"):
-        getattr(fw, name)[head].zero_()
-    fw.blend_cursor[0] = (head + 1) % fw.blend_rows.shape[0]
-    fw.blend_cursor[1] = used - 1
-    _window_from_slots(fw)
-
-
-def update(fw: FastWeights, rows: _validate.Rows) -> None:
-    """Learn rows checked by FastWeights' door (finite, below MAX_ABS, one mask for every memory)."""
-    keys, values, scores = _compact(rows)
-    n, chunk = keys.shape[-2], fw.blend_chunk
-    for start in range(0, n, chunk):
-        end = min(n, start + chunk)
-        while float(fw.blend_rows.sum()) >= fw.blend_window:
-            _fold_oldest(fw)
-        pos = start
-        while pos < end:
-            slot = _open_slot(fw)
-            stop = min(end, pos + chunk - int(fw.blend_rows[slot]))
-            part = (slice(None),) * len(fw.batch_shape) + (slice(pos, stop),)
-            d_gram, d_cross, d_sqnorm = ops._statistics(
-                keys[part], values[part], None if scores is None else scores[part], None,
-                weighted_least_squares=fw.weighted_least_squares, compute_dtype=fw.compute_dtype,
-            )  # fmt: skip
-            # Products of three entries below MAX_ABS can still overflow: raise before this chunk is added.
-            _validate.require_finite_statistics(d_gram, d_cross, d_sqnorm)
-            for window, per_slot, delta in (
-                (fw.gram, fw.blend_gram, d_gram),
-                (fw.cross, fw.blend_cross, d_cross),
-                (fw.target_sqnorm, fw.blend_sqnorm, d_sqnorm),
-            ):
-                per_slot[slot] += delta
-                window += delta
-            fw.blend_rows[slot] += stop - pos
-            fw.count += stop - pos
-            pos = stop
-
-
-def weights(fw: FastWeights, options: dict) -> tuple[torch.Tensor, SolveInfo]:
-    window, info = fw._solve_statistics(fw.gram, fw.cross, fw.count, fw.target_sqnorm, options)
-    rows = fw.blend_rows.sum()
-    previous = fw.blend_discount * fw.folded_count
-    if float(rows) == 0:  # nothing in the window: W0 alone (and no 0/0 when nothing was folded either)
-        return fw.folded_weights.clone(), info
-    # lerp is exact at its ends, so with no folded history (previous = 0) this is the window's solution bit for bit.
-    return torch.lerp(fw.folded_weights, window, rows / (previous + rows)), info

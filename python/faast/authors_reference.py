@@ -1,17 +1,61 @@
-"""The authors' stored-key memory, as a baseline and test oracle (not for production use).
+"""The authors' stored-key estimator, as a baseline and test oracle (not for production use).
 
-It follows their algorithm (docs/authors.md §2.3–2.5): every key and value is kept; each learn call concatenates the
-new rows onto a copy of the buffer; a solve runs torch.linalg.pinv on all stored keys (an SVD of the N x dk matrix) and
-multiplies by the stored values. With `max_rows` it also reproduces their cap: at the start of a learn call, while the
-buffer holds at least max_rows rows, the oldest `fold_rows` are solved alone and blended into a running W0.
-Memory grows as N·(dk + dv); faast.FastWeights replaces all of this with O(d²) statistics.
+`pinv_fast_weights` is their solve on keys held in one tensor; `StoredKeyMemory` is their memory around it.
+
+StoredKeyMemory follows their algorithm (docs/authors.md §2.3–2.5): every key and value is kept; each learn call
+concatenates the new rows onto a copy of the buffer; a solve runs torch.linalg.pinv on all stored keys (an SVD of the
+N x dk matrix) and multiplies by the stored values. With `max_rows` it also reproduces their cap: at the start of a
+learn call, while the buffer holds at least max_rows rows, the oldest `fold_rows` are solved alone and blended into a
+running W0. Memory grows as N·(dk + dv); faast.FastWeights replaces all of this with O(d²) statistics.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import ops
+from .ops import _validate
+
+
+def pinv_fast_weights(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rtol: float | torch.Tensor,
+    scores: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The stored-key reference: W = torch.linalg.pinv(K, atol=0, rtol=rtol) @ diag(scores) V.
+
+    This is the authors' estimator (an SVD of the N x dk key matrix). It is the oracle of the streaming path and the
+    baseline of the benchmarks; it needs all keys in memory. Computed in float64 for float64 keys (the truth the
+    tests use) and in float32 otherwise, like the authors' keys.float().
+
+    Args:
+        keys: [*, N, dk]; values: [*, N, dv]; scores: [*, N] or None.
+        rtol: relative cut on singular values (σ > rtol·σmax kept), a number or a tensor of the batch shape.
+
+    Returns:
+        W [*, dk, dv] in the compute dtype. N = 0 gives zeros.
+    """
+    _validate.check_rows(keys, values, scores, None)
+    _validate.check_scores(scores, None)
+    for name, t in (("keys", keys), ("values", values), ("scores", scores)):
+        if t is not None:
+            _validate.require_finite(name, t)
+    compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    batch = tuple(keys.shape[:-2])
+    # A tensor rtol stays [*batch]: torch.linalg.pinv adds the singular-value dim itself.
+    rtol = (
+        _validate.per_batch("rtol", rtol, batch, device=keys.device, dtype=compute)
+        if isinstance(rtol, torch.Tensor)
+        else (_validate.require_nonnegative_number("rtol", rtol))
+    )
+    k = keys.to(compute)
+    v = values.to(compute)
+    if scores is not None:
+        v = v * scores.to(compute).unsqueeze(-1)
+    if keys.shape[-2] == 0:
+        return torch.zeros((*batch, keys.shape[-1], values.shape[-1]), dtype=compute, device=keys.device)
+    # atol left unset (= 0 once rtol is given): torch rejects a float atol next to a tensor rtol.
+    return torch.linalg.pinv(k, rtol=rtol) @ v
 
 
 class StoredKeyMemory:
@@ -71,7 +115,7 @@ class StoredKeyMemory:
             self.values = torch.cat([self.values.clone(), values])
 
     def _solve(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return ops.pinv_fast_weights(keys, values, rtol=keys.shape[0] ** -float(self.alpha))
+        return pinv_fast_weights(keys, values, rtol=keys.shape[0] ** -float(self.alpha))
 
     def _blend(self, weights: torch.Tensor, rows: int) -> torch.Tensor:
         previous = self.discount * self.folded_count

@@ -2,10 +2,10 @@
 
 A run that learns 10^8 rows takes hours; a crash must cost minutes, and resuming must give exactly the state an
 uninterrupted run would have. The state of a learning run is small and complete: the statistics of every memory
-(O(d²) each) plus the position in the data stream. `Checkpointer` writes both to one safetensors file per checkpoint
-(atomically: temporary file, fsync, rename, so a process killed while writing leaves the previous checkpoint as the
-newest intact one), verifies a checksum on read, and never executes code when loading. `learn_stream` drives a
-learning loop with periodic checkpoints and resumes from the newest one.
+(O(d²) each; a faast.Accumulator's sums alike) plus the position in the data stream. `Checkpointer` writes both to
+one safetensors file per checkpoint (atomically: temporary file, fsync, rename, so a process killed while writing
+leaves the previous checkpoint as the newest intact one), verifies a checksum on read, and never executes code when
+loading. `learn_stream` drives a learning loop with periodic checkpoints and resumes from the newest one.
 
 Resuming is bitwise exact: the restored statistics are the saved float64 bytes, and the remaining batches are
 applied by the same updates in the same order. Under torch.distributed each rank writes its own files (the rank is
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from . import _persist
 from ._version import __version__
 from .distributed import find_memories
 from .memory import FastWeights
 from .ops._validate import require_nonnegative_number, require_positive_int
 from .persist import CorruptFileError, read_verified, write_atomic
+from .statistics import SummedStatistics
 
 FORMAT = "faast.Checkpoint"
 FORMAT_VERSION = 1
@@ -124,10 +124,10 @@ class Checkpointer:
                 p.unlink(missing_ok=True)
 
     def _read(
-        self, path: Path, memories: list[tuple[str, FastWeights]], *, same_run: bool = True
+        self, path: Path, memories: list[tuple[str, SummedStatistics]], *, same_run: bool = True
     ) -> tuple[dict, list]:
-        """Validate a checkpoint against `memories` without touching them. Returns (position, [(memory, tensors)]).
-        same_run: also require this checkpointer's world size (needed to resume a sharded stream)."""
+        """Validate a checkpoint against `memories` without touching them. Returns (position, [(memory, tensors,
+        source)]). same_run: also require this checkpointer's world size (needed to resume a sharded stream)."""
         tensors, metadata = read_verified(path)
         if metadata.get("format") != FORMAT:
             raise ValueError(f"{path}: not a {FORMAT} file (format={metadata.get('format')!r})")
@@ -150,11 +150,15 @@ class Checkpointer:
             raise ValueError(f"{path}: holds memories {sorted(saved)}, the object being restored has {sorted(names)}")
         plan = []
         for name, m in memories:
-            prefix = f"{name}." if name else ""
-            own = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix) and (name or "." not in k)}
+            # A root module is the only one in its file: every tensor is its own (a blend window's are `blend.*`).
+            own = {k[len(name) + 1 :]: t for k, t in tensors.items() if k.startswith(f"{name}.")} if name else tensors
             source = f"{path} (memory {name or '<root>'})"
-            _persist.check_compatible(m, own, saved[name]["config"], source)
-            plan.append((m, own))
+            # Files written before Accumulators existed hold FastWeights only and name no format.
+            kind = saved[name].get("format", FastWeights.FORMAT)
+            if kind != m.FORMAT:
+                raise ValueError(f"{source}: holds a {kind}, the object being restored has a {m.FORMAT} there")
+            m.validate_state(own, saved[name]["config"], source)
+            plan.append((m, own, source))
         return position, plan
 
     def restore(self, obj: object) -> dict | None:
@@ -176,8 +180,8 @@ class Checkpointer:
                 _log.warning("faast: skipping unreadable checkpoint %s (%s)", path, err)
                 failures.append(str(err))
                 continue
-            for m, own in plan:
-                _persist.copy_tensors(m, own)
+            for m, own, source in plan:
+                m.load_statistics(own, source=source)
             return position
         if failures:
             raise ValueError(f"{self.directory}: no intact checkpoint for rank {self.rank}: " + "; ".join(failures))
@@ -187,7 +191,7 @@ class Checkpointer:
 def _write(path: Path, obj: object, position_json: str, rank: int, world_size: int) -> Path:
     tensors, configs = {}, {}
     for name, m in find_memories(obj):
-        configs[name] = {"config": m.config(), "has_prior": m.prior is not None}
+        configs[name] = {"format": m.FORMAT, "config": m.config(), "has_prior": "prior" in m.fixed_tensors()}
         for key, t in m.state_dict().items():
             tensors[f"{name}.{key}" if name else key] = t
     metadata = {
@@ -333,6 +337,6 @@ def load_checkpoint(path: str | Path, obj: object, check: Callable[[dict], None]
     position, plan = Checkpointer(path.parent, rank=0, world_size=1)._read(path, find_memories(obj), same_run=False)
     if check is not None:
         check(position)
-    for m, own in plan:
-        _persist.copy_tensors(m, own)
+    for m, own, source in plan:
+        m.load_statistics(own, source=source)
     return position

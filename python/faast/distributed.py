@@ -1,10 +1,10 @@
 """Data-parallel learning: sum the fast-weight statistics of every rank.
 
-The statistics S, T, N and the GCV statistic are sums over rows, so learning a sharded corpus on R ranks and adding
-the R partial sums gives the statistics of the whole corpus: the solved weights equal a single-process run up to
-float64 rounding of the different summation order. `all_reduce` does that addition with torch.distributed (NCCL on
-GPUs, gloo on CPU), packing the tensors of many memories into a few flat buckets so that a model with dozens of
-memory layers costs a handful of collectives, not one per layer and tensor.
+The statistics S, T, N and the GCV statistic are sums over rows, as are the sums of a faast.Accumulator, so learning
+a sharded corpus on R ranks and adding the R partial sums gives the statistics of the whole corpus: the solved weights
+equal a single-process run up to float64 rounding of the different summation order. `all_reduce` does that addition
+with torch.distributed (NCCL on GPUs, gloo on CPU), packing the tensors of many memories into a few flat buckets so
+that a model with dozens of memory layers costs a handful of collectives, not one per layer and tensor.
 
 Call it once, after every rank has learned its shard: afterwards each rank holds the total, so a second call would
 count every row R times. To continue learning afterwards, learn into memories reset on all ranks but one, or keep a
@@ -22,31 +22,36 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .memory import FastWeights
+from .statistics import SummedStatistics
 
 T = TypeVar("T")
+S = TypeVar("S", bound=SummedStatistics)
 
-# Tensors summed across ranks, per memory, in this order (the prior and the configuration are identical everywhere).
-_SUMMED = ("gram", "cross", "count", "target_sqnorm", "num_dropped")
 DEFAULT_BUCKET_MB = 256.0
 
 
-def find_memories(obj: object) -> list[tuple[str, FastWeights]]:
-    """The FastWeights held by `obj` with their names: a FastWeights, a module containing some, or a list of them.
+def find_memories(obj: object, kind: type[S] = SummedStatistics) -> list[tuple[str, S]]:
+    """The statistics modules held by `obj` with their names: a faast.FastWeights or faast.Accumulator, a module
+    containing some, or a list of them.
 
-    A memory shared by two parents appears once (nn.Module.named_modules deduplicates), so it is summed once.
+    Every faast.SummedStatistics is found (FastWeights and Accumulators alike: both are summed, checkpointed and
+    restored); kind=faast.FastWeights keeps only the memories, kind=faast.Accumulator only the accumulators. A
+    module shared by two parents appears once (nn.Module.named_modules deduplicates), so it is summed once.
     """
-    if isinstance(obj, FastWeights):
-        return [("", obj)]
-    if isinstance(obj, nn.Module):
-        found = [(name, m) for name, m in obj.named_modules() if isinstance(m, FastWeights)]
+    if not (isinstance(kind, type) and issubclass(kind, SummedStatistics)):
+        raise TypeError(f"kind: expected faast.SummedStatistics or a subclass, got {kind!r}")
+    if isinstance(obj, SummedStatistics):
+        found = [("", obj)] if isinstance(obj, kind) else []
+    elif isinstance(obj, nn.Module):
+        found = [(name, m) for name, m in obj.named_modules() if isinstance(m, kind)]
     elif isinstance(obj, list | tuple):
-        if not all(isinstance(m, FastWeights) for m in obj):
-            bad = next(type(m).__name__ for m in obj if not isinstance(m, FastWeights))
-            raise TypeError(f"obj: expected a list of faast.FastWeights, found a {bad}")
-        seen: dict[int, tuple[str, FastWeights]] = {}
+        if not all(isinstance(m, SummedStatistics) for m in obj):
+            bad = next(type(m).__name__ for m in obj if not isinstance(m, SummedStatistics))
+            raise TypeError(f"obj: expected a list of faast.FastWeights or faast.Accumulator, found a {bad}")
+        seen: dict[int, tuple[str, S]] = {}
         for i, m in enumerate(obj):
-            seen.setdefault(id(m), (str(i), m))
+            if isinstance(m, kind):
+                seen.setdefault(id(m), (str(i), m))
         found = list(seen.values())
     else:
         raise TypeError(
@@ -54,18 +59,20 @@ def find_memories(obj: object) -> list[tuple[str, FastWeights]]:
             f"got {type(obj).__name__}"
         )
     if not found:
-        raise ValueError(f"obj: the {type(obj).__name__} holds no faast.FastWeights to reduce")
+        what = "faast.FastWeights or faast.Accumulator" if kind is SummedStatistics else f"faast.{kind.__name__}"
+        raise ValueError(f"obj: the {type(obj).__name__} holds no {what} to reduce")
     return found
 
 
-def _fingerprint(memories: list[tuple[str, FastWeights]]) -> str:
+def _fingerprint(memories: list[tuple[str, SummedStatistics]]) -> str:
     """A description of what is summed; ranks whose descriptions differ would add unrelated numbers."""
     parts = []
     for name, m in memories:
-        prior = None
-        if m.prior is not None:
-            prior = hashlib.sha256(m.prior.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
-        parts.append({"name": name, "config": m.config(), "prior": prior})
+        fixed = {
+            key: hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+            for key, t in m.fixed_tensors().items()
+        }
+        parts.append({"name": name, "format": m.FORMAT, "config": m.config(), "fixed": fixed})
     return json.dumps(parts, sort_keys=True)
 
 
@@ -79,14 +86,15 @@ def _check_group(group: object) -> None:
         )
 
 
-def _local_problem(memories: list[tuple[str, FastWeights]], group: object) -> str | None:
+def _local_problem(memories: list[tuple[str, SummedStatistics]], group: object) -> str | None:
     """Why this rank's memories cannot be reduced, or None. Checked here, reported after the probe collective."""
     devices = {m.device for _, m in memories}
     if len(devices) != 1:
         return f"obj: all memories must be on one device to be reduced together, found {sorted(map(str, devices))}"
     for name, m in memories:
-        if m.mode != "exact":
-            return f"obj: memory {name or '<root>'} has mode={m.mode!r}; only mode='exact' statistics add across ranks"
+        reason = m.not_summable_reason()
+        if reason is not None:
+            return f"obj: memory {name or '<root>'} {reason}"
     if dist.get_backend(group) == "nccl" and next(iter(devices)).type != "cuda":
         return f"obj: the NCCL backend reduces CUDA tensors, but the memories are on {next(iter(devices))}; move them"
     return None
@@ -98,7 +106,7 @@ def _probe_device(group: object) -> torch.device:
     return torch.device("cpu")
 
 
-def _agree(memories: list[tuple[str, FastWeights]], group: object) -> None:
+def _agree(memories: list[tuple[str, SummedStatistics]], group: object) -> None:
     """One small collective before any data moves, so that a problem on one rank fails every rank instead of
     leaving the others blocked in a collective it never joins, or summing unrelated numbers."""
     problem = _local_problem(memories, group)
@@ -113,11 +121,11 @@ def _agree(memories: list[tuple[str, FastWeights]], group: object) -> None:
     if problem is not None:
         raise ValueError(problem + "; nothing was reduced")
     if int(probe[0]) != -int(probe[1]):
-        rank = dist.get_rank()
+        held = [(n or "<root>", [list(t.shape) for t in m.summed_tensors()]) for n, m in memories]
         raise ValueError(
             f"obj: ranks hold memories with different names, shapes or configuration, or another rank failed its "
-            f"checks (rank {rank} has: {[(n or '<root>', m.dim_key, m.dim_value, m.batch_shape) for n, m in memories]}"
-            "); every rank must build the same memories with the same arguments; nothing was reduced"
+            f"checks (rank {dist.get_rank()} has, per memory, the shapes of its sums: {held}); every rank must build "
+            "the same memories with the same arguments; nothing was reduced"
         )
 
 
@@ -142,12 +150,13 @@ def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch
 
 @torch.no_grad()
 def all_reduce(obj: T, group: dist.ProcessGroup | None = None, *, bucket_mb: float = DEFAULT_BUCKET_MB) -> T:
-    """Sum the statistics (S, T, N, the GCV statistic, dropped-row counts) of `obj` across the ranks of `group`.
+    """Sum the statistics (S, T, N, the GCV statistic, dropped-row counts; an Accumulator's sums and count) of `obj`
+    across the ranks of `group`.
 
     Args:
-        obj: a faast.FastWeights, an nn.Module containing FastWeights (e.g. a faast model), or a list of them. Every
-            rank must hold the same memories, identically configured; all in mode='exact' and on one device (CUDA
-            for NCCL).
+        obj: a faast.FastWeights or faast.Accumulator, an nn.Module containing some (e.g. a faast model), or a list
+            of them (see find_memories). Every rank must hold the same ones, identically configured; memories in
+            mode='exact'; all on one device (CUDA for NCCL).
         group: the process group (default: the world).
         bucket_mb: tensors are packed into flat buckets of at most this many MiB (one all_reduce per bucket); a
             tensor larger than that is reduced in place on its own, without a copy.
@@ -163,7 +172,7 @@ def all_reduce(obj: T, group: dist.ProcessGroup | None = None, *, bucket_mb: flo
         raise ValueError(f"bucket_mb: expected a positive number, got {bucket_mb!r}")
     memories = find_memories(obj)
     _agree(memories, group)
-    tensors = [getattr(m, name) for _, m in memories for name in _SUMMED]
+    tensors = [t for _, m in memories for t in m.summed_tensors()]
     for bucket in _buckets(tensors, int(bucket_mb * (1 << 20))):
         if len(bucket) == 1:
             dist.all_reduce(bucket[0], group=group)  # buffers are contiguous: reduce in place, no copy
@@ -175,7 +184,7 @@ def all_reduce(obj: T, group: dist.ProcessGroup | None = None, *, bucket_mb: flo
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
     for _, m in memories:
-        m._changed()
+        m.mark_changed()
     return obj
 
 

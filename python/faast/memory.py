@@ -10,24 +10,25 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Literal
 
 import torch
-from torch import nn
 
 from . import _blend, _persist, ops
 from .ops import _validate
 from .ops._validate import check_solve_options
 from .ops.solve import SolveInfo, solve_from_eigh
+from .statistics import SummedStatistics
 
 # docs/numerics.md §1: statistics summed from float32 GEMMs resolve eigenvalues only down to this fraction of λmax.
 FLOAT32_EPS2_FLOOR = 1e-7
 
 _STATISTICS = ("gram", "cross", "count", "target_sqnorm")
+# Configuration that fixes the shape or meaning of the statistics: a file must match it to be loaded into a memory.
+_STRUCTURE = ("dim_key", "dim_value", "batch_shape", "mode", "blend_window", "blend_chunk", "weighted_least_squares")
 
 
-class FastWeights(nn.Module):
+class FastWeights(SummedStatistics):
     """Streaming closed-form fast weights W = pinv_eps(K) diag(s) V, with eps = N^-alpha (docs/design.md §1–3).
 
     Args:
@@ -63,8 +64,13 @@ class FastWeights(nn.Module):
         device: device of the statistics.
 
     The memory is an nn.Module so that it moves with its model (`.to(device)`); dtype casts of the model leave the
-    float64 statistics alone. Its buffers form its state_dict; `save`/`load` write them with the configuration.
+    float64 statistics alone. Its buffers form its state_dict (in mode='blend' the window's are under `blend.`);
+    `save`/`load` write them with the configuration. It is a faast.SummedStatistics: faast.distributed and
+    faast.checkpoint find it inside a model, sum it across ranks and save it.
     """
+
+    FORMAT = "faast.FastWeights"
+    NONNEGATIVE = ("count", "target_sqnorm", "num_dropped", "blend.sqnorm", "blend.rows", "blend.folded_count")
 
     def __init__(
         self,
@@ -90,6 +96,7 @@ class FastWeights(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        self._cache: dict = {}
         self.dim_key = _validate.require_positive_int("dim_key", dim_key)
         self.dim_value = _validate.require_positive_int("dim_value", dim_value)
         self.batch_shape = tuple(_validate.require_positive_int("batch_shape", s) for s in batch_shape)
@@ -129,40 +136,26 @@ class FastWeights(nn.Module):
         self.register_buffer("count", torch.zeros(batch, **f64))
         self.register_buffer("target_sqnorm", torch.zeros(batch, **f64))
         self.register_buffer("num_dropped", torch.zeros(batch, dtype=torch.int64, device=device))
-        self.register_buffer("prior", self._make_prior(prior, device))
+        self.register_buffer(
+            "prior", _validate.memory_prior(prior, dim_key=dk, dim_value=dv, batch_shape=batch, device=device)
+        )
         if self.prior is None and self.prior_count > 0:
             raise ValueError("prior_count: a positive pseudo-count needs a prior (prior=tensor or 'identity')")
         # Deferred checks (see `check`): per memory, the first rejected update's error code and number, on the device.
         self.register_buffer("_rejected", torch.zeros((*batch, 2), dtype=torch.int64, device=device), persistent=False)
         self._updates = 0
+        self.blend: _blend.BlendWindow | None = None
         if mode == "blend":
-            _blend.register_state(self, device)
-        self._version = 0
-        self._cache: dict = {}
+            self.blend = _blend.BlendWindow(
+                dk, dv, batch, window=self.blend_window, chunk=self.blend_chunk, discount=self.blend_discount,
+                device=device,
+            )  # fmt: skip
+            self.blend.reset(self.prior, self.prior_count)
         self._last_info: SolveInfo | None = None
         self._warned_one_off = False
         self._warned_float32 = False
 
     # ------------------------------------------------------------------ configuration and bookkeeping
-
-    def _make_prior(self, prior: object, device: object) -> torch.Tensor | None:
-        dk, dv, batch = self.dim_key, self.dim_value, self.batch_shape
-        if prior is None:
-            return None
-        if isinstance(prior, str):
-            if prior != "identity":
-                raise ValueError(f"prior: expected a tensor [dim_key, dim_value], 'identity' or None, got {prior!r}")
-            if dk != dv:
-                raise ValueError(f"prior: 'identity' needs dim_key == dim_value, got {dk} and {dv}")
-            return torch.eye(dk, dtype=torch.float64, device=device).expand(*batch, dk, dk).clone()
-        _validate.require_tensor("prior", prior)
-        if tuple(prior.shape) not in ((dk, dv), (*batch, dk, dv)):
-            raise ValueError(
-                f"prior: expected shape [dim_key, dim_value] = {[dk, dv]} or {[*batch, dk, dv]}, "
-                f"got {list(prior.shape)}"
-            )
-        _validate.require_finite("prior", prior)
-        return prior.detach().to(device=device, dtype=torch.float64).expand(*batch, dk, dv).clone()
 
     def config(self) -> dict:
         """The constructor arguments (JSON-serialisable) that rebuild this memory, except the prior tensor."""
@@ -187,28 +180,30 @@ class FastWeights(nn.Module):
         }
 
     @property
-    def device(self) -> torch.device:
-        return self.gram.device
-
-    @property
-    def version(self) -> int:
-        """Monotonic counter, incremented by every change of the statistics."""
-        return self._version
-
-    @property
     def solution_key(self) -> tuple:
         """A value that changes whenever `weights` may change: any change of the statistics (in-place edits of the
         buffers included) or of the filter settings (alpha, rtol, ridge). Compare it for equality to cache what is
         derived from the solution."""
-        return (*self._state_key(), self.alpha, self.rtol, self.ridge)
+        return (*self.state_key, self.alpha, self.rtol, self.ridge)
 
-    def _changed(self) -> None:
-        self._version += 1
+    def mark_changed(self) -> None:
+        """Record a change of the statistics: call it after editing the buffers in place (it bumps `version` and
+        drops the cached eigendecomposition and weights)."""
+        super().mark_changed()
         self._cache.clear()
 
-    def _state_key(self) -> tuple:
-        # Tensor version counters catch in-place edits made behind our back (e.g. memory.gram.mul_(2)).
-        return (self._version, *(t._version for t in self.buffers()))
+    def summed_tensors(self) -> list[torch.Tensor]:
+        """S, T, N, the GCV statistic and the dropped-row counts: what faast.distributed sums across ranks."""
+        return [self.gram, self.cross, self.count, self.target_sqnorm, self.num_dropped]
+
+    def fixed_tensors(self) -> dict[str, torch.Tensor]:
+        """The prior, if any: configuration that every rank must hold identically."""
+        return {} if self.prior is None else {"prior": self.prior}
+
+    def not_summable_reason(self) -> str | None:
+        if self.mode != "exact":
+            return f"has mode={self.mode!r}; only mode='exact' statistics add across ranks"
+        return None
 
     def extra_repr(self) -> str:
         count = self.count.tolist()
@@ -217,22 +212,34 @@ class FastWeights(nn.Module):
             f"alpha={self.alpha}, rtol={self.rtol}, ridge={self.ridge}, count={count}"
         )
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
-        # Follow device moves of the parent model, but never a dtype cast: model.half() must not turn float64
-        # statistics into fp16. A cast result is discarded and the original moved to the result's device instead.
-        for name, buf in self._buffers.items():
-            if buf is None:
-                continue
-            moved = fn(buf)
-            if moved.dtype != buf.dtype:
-                moved = buf.to(device=moved.device)
-            self._buffers[name] = moved
-        self._changed()
-        return self
+    # ------------------------------------------------------------------ saved states (faast.statistics)
 
-    def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - nn.Module's signature
-        super()._load_from_state_dict(*args, **kwargs)
-        self._changed()
+    def _current_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # Files written before the blend window became the submodule `blend` hold its buffers under flat names.
+        return {_blend.LEGACY_NAMES.get(name, name): t for name, t in tensors.items()}
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args) -> None:  # noqa: ANN002 - nn.Module's
+        for old, new in _blend.LEGACY_NAMES.items():
+            if prefix + old in state_dict:  # renamed before the submodule `blend` reads its part of state_dict
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def _check_structure(self, config: dict, tensors: dict[str, torch.Tensor], source: object) -> None:
+        _persist.check_config(config, self.config(), _STRUCTURE, source, "this memory")
+        if ("prior" in tensors) != (self.prior is not None):
+            saved = "with" if "prior" in tensors else "without"
+            raise ValueError(f"{source}: saved {saved} a prior, this memory differs")
+
+    def _check_tensors(self, tensors: dict[str, torch.Tensor], source: object) -> None:
+        super()._check_tensors(tensors, source)
+        if self.blend is not None:
+            _blend.check_cursor(tensors["blend.cursor"], self.blend.slots, source)
+
+    @classmethod
+    def _from_config(cls, config: dict, tensors: dict[str, torch.Tensor], device: object) -> FastWeights:
+        config = {**config, "compute_dtype": getattr(torch, config["compute_dtype"]),
+                  "dtype": getattr(torch, config["dtype"])}  # fmt: skip
+        return cls(**config, prior=tensors.get("prior"), device=device)
 
     # ------------------------------------------------------------------ learning
 
@@ -258,10 +265,12 @@ class FastWeights(nn.Module):
             return torch.full(self.batch_shape, float(rows.keys.shape[-2]), dtype=torch.float64, device=self.device)
         return rows.mask.sum(-1).to(torch.float64)
 
-    def _statistics(self, rows: _validate.Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _statistics(
+        self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """float64 (dS, dT, dyy) of checked rows; raises, memory untouched, if finite rows overflow float64."""
-        statistics = ops._statistics(
-            rows.keys, rows.values, rows.scores, rows.mask,
+        statistics = ops.accumulate_gram_unchecked(
+            keys, values, scores, mask,
             weighted_least_squares=self.weighted_least_squares, compute_dtype=self.compute_dtype,
         )  # fmt: skip
         _validate.require_finite_statistics(*statistics)
@@ -288,10 +297,16 @@ class FastWeights(nn.Module):
         """
         rows = self._checked_rows(keys, values, scores, mask, eager=self._checks_eagerly())
         self._updates += 1
-        if self.mode == "blend":
-            _blend.update(self, rows)
+        if self.blend is not None:
+            window = _blend.WindowSums(self.gram, self.cross, self.count, self.target_sqnorm)
+            new = self.blend.update(
+                rows, window, statistics=self._statistics, solve=self._solve_statistics,
+                options={"alpha": self.alpha, "rtol": self.rtol, "ridge": self.ridge},
+            )  # fmt: skip
+            for mine, total in zip(window, new, strict=True):
+                mine.copy_(total)
         elif rows.rejected is None:
-            d_gram, d_cross, d_sqnorm = self._statistics(rows)
+            d_gram, d_cross, d_sqnorm = self._statistics(rows.keys, rows.values, rows.scores, rows.mask)
             if self.discount != 1.0:
                 for name in _STATISTICS:
                     getattr(self, name).mul_(self.discount)
@@ -302,7 +317,7 @@ class FastWeights(nn.Module):
         else:
             self._update_deferred(rows)
         self.num_dropped.add_(rows.dropped)
-        self._changed()
+        self.mark_changed()
         return self
 
     def _checks_eagerly(self) -> bool:
@@ -338,22 +353,11 @@ class FastWeights(nn.Module):
         batch holds NaN/Inf in a learned row, or a negative score, learns nothing from that batch, and the error is
         raised here, which every solve calls first. On CPU (eager_checks=None) update raises at once.
         """
-        rejected = self._rejected.reshape(-1, 2)
-        if rejected.numel() == 0 or not bool((rejected[:, 0] != 0).any()):
-            return self
-        flat = int((rejected[:, 0] != 0).nonzero()[0, 0])
-        code, number = (int(x) for x in rejected[flat])
-        self._rejected.zero_()
-        index = [int(i) for i in torch.unravel_index(torch.tensor(flat), self.batch_shape)]
-        where = f" (memory {index})" if self.batch_shape else ""
-        expected = "non-negative weights" if code == 4 else "finite values"
-        found = "a negative score" if code == 4 else "NaN/Inf"
-        name = _validate.REJECTED[code]
-        raise ValueError(
-            f"{name}: expected {expected}, found {found} in a learned row of update #{number}{where}; "
-            "that batch was not learned by this memory, every other batch was (checks are deferred to the next solve "
-            "on CUDA; FastWeights(eager_checks=True) raises in update, drop_nonfinite=True drops such rows)"
-        )
+        error = _validate.rejected_error(self._rejected, self.batch_shape)
+        if error is not None:
+            self._rejected.zero_()  # reported once
+            raise error
+        return self
 
     def _require_exact(self, what: str) -> None:
         if self.mode != "exact":
@@ -383,13 +387,13 @@ class FastWeights(nn.Module):
                 f"keys: forget would remove {removed.tolist()} rows but the memory holds {self.count.tolist()}; "
                 "nothing was forgotten"
             )
-        d_gram, d_cross, d_sqnorm = self._statistics(rows)
+        d_gram, d_cross, d_sqnorm = self._statistics(rows.keys, rows.values, rows.scores, rows.mask)
         self.gram.sub_(d_gram)
         self.cross.sub_(d_cross)
         self.target_sqnorm.sub_(d_sqnorm)
         self.count.copy_(remaining.clamp_min(0))
         self._zero_where_empty()
-        self._changed()
+        self.mark_changed()
         return self
 
     def _zero_where_empty(self) -> None:
@@ -415,7 +419,7 @@ class FastWeights(nn.Module):
                 raise ValueError(f"other: expected {field}={getattr(self, field)}, got {getattr(other, field)}")
         for name in (*_STATISTICS, "num_dropped"):
             getattr(self, name).add_(getattr(other, name).to(self.device))
-        self._changed()
+        self.mark_changed()
         return self
 
     @torch.no_grad()
@@ -426,7 +430,7 @@ class FastWeights(nn.Module):
         gamma = _validate.require_fraction("gamma", gamma)
         for name in _STATISTICS:
             getattr(self, name).mul_(gamma)
-        self._changed()
+        self.mark_changed()
         return self
 
     @torch.no_grad()
@@ -434,15 +438,15 @@ class FastWeights(nn.Module):
         """Forget everything: zero statistics and counters (the prior stays)."""
         for name in (*_STATISTICS, "num_dropped", "_rejected"):
             getattr(self, name).zero_()
-        if self.mode == "blend":
-            _blend.reset(self)
-        self._changed()
+        if self.blend is not None:
+            self.blend.reset(self.prior, self.prior_count)
+        self.mark_changed()
         return self
 
     # ------------------------------------------------------------------ solving
 
     def _eigh(self) -> tuple[torch.Tensor, torch.Tensor]:
-        key = ("eigh", self._state_key())
+        key = ("eigh", self.state_key)
         if key not in self._cache:
             lam, vecs = ops.eigh_gram(self.gram)
             self._cache[key] = (lam.reshape(-1, self.dim_key), vecs.reshape(-1, self.dim_key, self.dim_key))
@@ -518,14 +522,14 @@ class FastWeights(nn.Module):
                 UserWarning,
                 stacklevel=2,
             )
-        key = ("weights", self._state_key(), tuple(sorted(options.items())))
+        key = ("weights", self.state_key, tuple(sorted(options.items())))
         if key not in self._cache:
             self.check()
             self._warn_float32(options)
-            if self.mode == "blend":
-                weights, info = _blend.weights(self, options)
+            weights, info = self._solve_statistics(self.gram, self.cross, self.count, self.target_sqnorm, options)
+            if self.blend is not None:
+                weights = self.blend.blend(weights)
             else:
-                weights, info = self._solve_statistics(self.gram, self.cross, self.count, self.target_sqnorm, options)
                 weights = self._with_prior(weights, self.count)
             self._cache[key] = (weights.to(self.dtype), info)
         weights, info = self._cache[key]
@@ -585,19 +589,3 @@ class FastWeights(nn.Module):
             rows = query.reshape(*self.batch_shape, -1, self.dim_key)
             return (rows.to(dtype) @ weights.to(dtype)).reshape(*query.shape[:-1], self.dim_value)
         return query.to(dtype) @ weights.to(dtype)
-
-    # ------------------------------------------------------------------ persistence (faast._persist)
-
-    def save(self, path: str | Path) -> Path:
-        """Write the statistics and configuration to a safetensors file, atomically (missing parent folders are
-        created). Returns the path."""
-        return _persist.save(self, path)
-
-    @classmethod
-    def load(cls, path: str | Path, *, device: torch.device | str | None = None) -> FastWeights:
-        """Rebuild a memory saved with `save`, bit-exact, on `device` (default CPU)."""
-        return _persist.load(cls, path, device)
-
-    def load_state(self, path: str | Path) -> FastWeights:
-        """Load statistics saved with `save` into this memory; the file's structure must match this memory's."""
-        return _persist.load_state(self, path)

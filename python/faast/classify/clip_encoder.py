@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .. import _persist
+from .. import persist
 
 __all__ = ["ClipEncoder"]
 
@@ -115,13 +115,13 @@ class ClipEncoder:
         path = Path(cache_dir) / f"{key}.safetensors"
         if path.is_file():
             try:
-                stored = _persist.read_verified(path)[0]["embeddings"]
+                stored = persist.read_verified(path)[0]["embeddings"]
                 if stored.shape[0] == n:
                     return stored
             except (ValueError, KeyError):
                 pass  # a damaged entry is recomputed and overwritten
         out = compute()
-        _persist.write_atomic(path, {"embeddings": out}, {"model": self.identity, "kind": kind})
+        persist.write_atomic(path, {"embeddings": out}, {"model": self.identity, "kind": kind})
         return out
 
     def encode_images(

@@ -34,7 +34,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .. import _persist
+from .. import persist
 from .._version import __version__
 from ..memory import FastWeights
 from ..ops import solve_fast_weights_ex
@@ -262,12 +262,12 @@ class FAASTClassifier(EmbeddingClassifier):
             "classes": json.dumps(classes),
             "n_features_in": str(self.n_features_in_),
         }
-        return _persist.write_atomic(path, tensors, metadata)
+        return persist.write_atomic(path, tensors, metadata)
 
     @classmethod
     def load(cls, path: str | Path) -> FAASTClassifier:
         """Rebuild a classifier saved with `save`; predictions are bit-identical."""
-        tensors, metadata = _persist.read_verified(path)
+        tensors, metadata = persist.read_verified(path)
         if metadata.get("format") != FORMAT:
             raise ValueError(f"{path}: not a {FORMAT} file (format={metadata.get('format')!r})")
         try:
@@ -283,5 +283,5 @@ class FAASTClassifier(EmbeddingClassifier):
         if labels is not None:
             model._labels = labels
         memory_state = {k[len("memory.") :]: v for k, v in tensors.items() if k.startswith("memory.")}
-        _persist.load_tensors(model.memory_, memory_state, path)
+        model.memory_.load_statistics(memory_state, source=path)
         return model

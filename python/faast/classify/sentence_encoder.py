@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .. import _persist
+from .. import persist
 
 __all__ = ["INSTALL_HINT", "SentenceEncoder"]
 
@@ -170,14 +170,14 @@ class SentenceEncoder:
         target = cache / f"{key}.safetensors"
         if target.is_file():
             try:
-                stored = _persist.read_verified(target)[0]["embeddings"]
+                stored = persist.read_verified(target)[0]["embeddings"]
             except (ValueError, KeyError):
                 stored = None  # a damaged or foreign entry is recomputed and overwritten
             if stored is not None and stored.shape == (len(texts), self.dim) and stored.dtype == torch.float32:
                 return stored
         out = self._encode(texts, batch_size, normalize)
         # Atomic and checksummed: concurrent writers and crashes never leave a partial entry that later reads back.
-        _persist.write_atomic(target, {"embeddings": out}, {"model": self.identity, "n": str(len(texts))})
+        persist.write_atomic(target, {"embeddings": out}, {"model": self.identity, "n": str(len(texts))})
         return out
 
     def _encode(self, texts: list[str], batch_size: int, normalize: bool) -> torch.Tensor:

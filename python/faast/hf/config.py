@@ -279,7 +279,7 @@ class FaastConfig:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str | Path) -> Path:
-        from .._persist import write_text_atomic
+        from ..persist import write_text_atomic
 
         return write_text_atomic(path, self.to_json() + "\n")
 

@@ -20,7 +20,6 @@ from ._validate import (
     check_scores,
     check_solve_options,
     explain_nonfinite,
-    per_batch,
 )
 from .solve import SolveInfo, solve_from_eigh
 
@@ -32,7 +31,6 @@ __all__ = [
     "eigh_gram",
     "fold_readout",
     "native_extension_error",
-    "pinv_fast_weights",
     "residual_project",
     "solve_fast_weights",
     "solve_fast_weights_ex",
@@ -75,59 +73,6 @@ def _flat_rows(
     )
 
 
-def _statistics(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scores: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    *,
-    weighted_least_squares: bool,
-    compute_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The unchecked entry: float64 (dS [*, dk, dk], dT [*, dk, dv], dyy [*]) of rows the caller validated.
-
-    No argument checks and no value scans: the results may be non-finite if the rows were. faast.FastWeights calls it
-    after its own check (faast.ops._validate.memory_rows); gram_statistics is the checked form.
-    """
-    batch, dk, dv = tuple(keys.shape[:-2]), keys.shape[-1], values.shape[-1]
-    flat = _flat_rows(keys, values, scores, mask)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in flat[:3])
-    name, impl = _dispatch.resolve("accumulate_gram", keys.device)
-    # The torch backend's streaming kernel is not differentiable, and no kernel differentiates with respect to keys.
-    if needs_grad and (name == "torch" or keys.requires_grad):
-        impl = reference.accumulate_gram_differentiable
-    gram, cross, sqnorm = impl(*flat, weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype)
-    gram, cross, sqnorm = gram.to(torch.float64), cross.to(torch.float64), sqnorm.to(torch.float64)
-    return gram.reshape(*batch, dk, dk), cross.reshape(*batch, dk, dv), sqnorm.reshape(batch)
-
-
-def gram_statistics(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scores: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    *,
-    weighted_least_squares: bool = False,
-    compute_dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contribution of one batch of rows (validated by check_rows and check_scores): (dS [*, dk, dk],
-    dT [*, dk, dv], dyy [*]), finite-checked.
-
-    dyy is the squared norm of the regression targets (sum ||s_n v_n||^2, or sum s_n ||v_n||^2 for weighted least
-    squares), the extra statistic generalized cross-validation needs. Raises ValueError if any of them is not finite:
-    the rows are scanned only then, to name the first bad input.
-    """
-    if compute_dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"compute_dtype: expected torch.float32 or torch.float64, got {compute_dtype}")
-    gram, cross, sqnorm = _statistics(
-        keys, values, scores, mask, weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype
-    )
-    finite = torch.isfinite(gram).all() & torch.isfinite(cross).all() & torch.isfinite(sqnorm).all()
-    if not bool(finite):
-        raise explain_nonfinite(keys, values, scores, mask)
-    return gram, cross, sqnorm
-
-
 def accumulate_gram(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -142,6 +87,9 @@ def accumulate_gram(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add one batch of rows to the streamed statistics: S += K^T K and T += K^T diag(scores) V, in place.
 
+    The checked entry: every argument is validated and the accumulators are untouched when it raises. Differentiable
+    in values and scores when they require grad (e.g. scores from a trained scorer).
+
     Args:
         keys: [*, N, dk], any floating dtype (upcast per chunk: a Gram is never formed in fp16/bf16).
         values: [*, N, dv], same leading dims as keys.
@@ -149,8 +97,9 @@ def accumulate_gram(
             authors' vals * score; S stays unweighted and N counts rows, not the sum of scores.
         gram: [*, dk, dk] float32/float64 accumulator, updated in place; None creates float64 zeros.
         cross: [*, dk, dv] float32/float64 accumulator, updated in place; None creates float64 zeros.
-        target_sqnorm: optional [*] float32/float64 accumulator of the squared target norms (sum ||s_n v_n||^2),
-            which alpha='auto' and ridge='auto' need; updated in place when given.
+        target_sqnorm: optional [*] float32/float64 accumulator of the squared target norms (sum ||s_n v_n||^2,
+            or sum s_n ||v_n||^2 with weighted least squares), which alpha='auto' and ridge='auto' need; updated in
+            place when given.
         mask: [*, N] bool or None; rows where it is False are skipped entirely (padding).
         weighted_least_squares: use S = K^T diag(s) K instead (a different estimator, explicitly opt-in).
         compute_dtype: float64 (default, exact products and sums) or float32 (per-4096-row float32 GEMMs summed in
@@ -169,9 +118,16 @@ def accumulate_gram(
     check_accumulator("cross", cross, (*batch, dk, dv), "[*, dim_key, dim_value]", keys)
     check_accumulator("target_sqnorm", target_sqnorm, batch, "[*] (the batch dims of keys)", keys)
     check_scores(scores, mask)
-    d_gram, d_cross, d_sqnorm = gram_statistics(
+    if compute_dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"compute_dtype: expected torch.float32 or torch.float64, got {compute_dtype}")
+    # Computed apart and added only once known finite, so a bad batch leaves the accumulators untouched; the rows
+    # are scanned only then, to name the first bad input.
+    d_gram, d_cross, d_sqnorm = accumulate_gram_unchecked(
         keys, values, scores, mask, weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype
     )
+    finite = torch.isfinite(d_gram).all() & torch.isfinite(d_cross).all() & torch.isfinite(d_sqnorm).all()
+    if not bool(finite):
+        raise explain_nonfinite(keys, values, scores, mask)
     if gram is None:
         gram = d_gram
     else:
@@ -191,35 +147,51 @@ def accumulate_gram_unchecked(
     scores: torch.Tensor | None,
     mask: torch.Tensor | None,
     *,
-    gram: torch.Tensor,
-    cross: torch.Tensor,
-    target_sqnorm: torch.Tensor,
+    gram: torch.Tensor | None = None,
+    cross: torch.Tensor | None = None,
+    target_sqnorm: torch.Tensor | None = None,
     weighted_least_squares: bool = False,
     compute_dtype: torch.dtype = torch.float64,
-) -> None:
-    """accumulate_gram for callers that validated the arguments (faast.FastWeights): no value scans, no host sync.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """accumulate_gram for callers that validated the arguments (faast.FastWeights): no checks, no value scans, no
+    host synchronisation. The results may be non-finite if the rows were.
 
-    keys [*, N, dk], values [*, N, dv], scores / mask [*, N]; gram [*, dk, dk], cross [*, dk, dv], target_sqnorm [*]
-    updated in place. Rows with mask False contribute nothing even if they hold NaN/Inf. When the backend has an
-    in-place kernel and the accumulators are contiguous float64, it adds into them directly (one launch: the Triton
-    backend on CUDA); otherwise the batch's statistics are computed and added.
+    keys [*, N, dk], values [*, N, dv], scores / mask [*, N]. Rows with mask False contribute nothing even if they
+    hold NaN/Inf. With gram [*, dk, dk], cross [*, dk, dv] and target_sqnorm [*] all given, the batch is added to
+    them in place (one launch when the backend has an in-place kernel and they are contiguous float64: the Triton
+    backend on CUDA). With all three None, the batch's own float64 statistics are returned (dS, dT, dyy), e.g. for
+    FastWeights.forget; they are differentiable in values and scores when those require grad.
+
+    Returns (gram, cross, target_sqnorm): the given accumulators, or the new statistics.
     """
+    given = [t is not None for t in (gram, cross, target_sqnorm)]
+    if any(given) and not all(given):
+        raise ValueError("gram, cross, target_sqnorm: pass all three accumulators, or none for new statistics")
     batch, dk, dv = tuple(keys.shape[:-2]), keys.shape[-1], values.shape[-1]
     size = math.prod(batch)
     flat = _flat_rows(keys, values, scores, mask)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in flat[:3])
     name, impl = _dispatch.resolve("accumulate_gram", keys.device)
-    in_place = _dispatch.implementation(name, "accumulate_gram_")
+    options = {"weighted_least_squares": weighted_least_squares, "compute_dtype": compute_dtype}
     accumulators = (gram, cross, target_sqnorm)
+    in_place = _dispatch.implementation(name, "accumulate_gram_") if all(given) and not needs_grad else None
     if in_place is not None and all(t.dtype == torch.float64 and t.is_contiguous() for t in accumulators):
-        in_place(
-            *flat, gram.reshape(size, dk, dk), cross.reshape(size, dk, dv), target_sqnorm.reshape(size),
-            weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype,
-        )  # fmt: skip
-        return
-    d_gram, d_cross, d_sqnorm = impl(*flat, weighted_least_squares=weighted_least_squares, compute_dtype=compute_dtype)
-    gram.add_(d_gram.reshape(gram.shape))
-    cross.add_(d_cross.reshape(cross.shape))
-    target_sqnorm.add_(d_sqnorm.reshape(target_sqnorm.shape))
+        in_place(*flat, gram.reshape(size, dk, dk), cross.reshape(size, dk, dv), target_sqnorm.reshape(size),
+                 **options)  # fmt: skip
+        return gram, cross, target_sqnorm
+    # The torch backend's streaming kernel is not differentiable, and no kernel differentiates with respect to keys.
+    if needs_grad and (name == "torch" or keys.requires_grad):
+        impl = reference.accumulate_gram_differentiable
+    d_gram, d_cross, d_sqnorm = impl(*flat, **options)
+    d_gram = d_gram.to(torch.float64).reshape(*batch, dk, dk)
+    d_cross = d_cross.to(torch.float64).reshape(*batch, dk, dv)
+    d_sqnorm = d_sqnorm.to(torch.float64).reshape(batch)
+    if not all(given):
+        return d_gram, d_cross, d_sqnorm
+    gram.add_(d_gram)
+    cross.add_(d_cross)
+    target_sqnorm.add_(d_sqnorm)
+    return gram, cross, target_sqnorm
 
 
 def eigh_gram(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,45 +341,3 @@ def fold_readout(
     _validate.require_same_device("weights", weights, readout=readout)
     dtype = out_dtype or torch.promote_types(weights.dtype, readout.dtype)
     return (weights.to(torch.float64) @ readout.to(torch.float64)).to(dtype)
-
-
-def pinv_fast_weights(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    rtol: float | torch.Tensor,
-    scores: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The stored-key reference: W = torch.linalg.pinv(K, atol=0, rtol=rtol) @ diag(scores) V.
-
-    This is the authors' estimator (an SVD of the N x dk key matrix). It is the oracle of the streaming path and the
-    baseline of the benchmarks; it needs all keys in memory. Computed in float64 for float64 keys (the truth the
-    tests use) and in float32 otherwise, like the authors' keys.float().
-
-    Args:
-        keys: [*, N, dk]; values: [*, N, dv]; scores: [*, N] or None.
-        rtol: relative cut on singular values (σ > rtol·σmax kept), a number or a tensor of the batch shape.
-
-    Returns:
-        W [*, dk, dv] in the compute dtype. N = 0 gives zeros.
-    """
-    check_rows(keys, values, scores, None)
-    check_scores(scores, None)
-    for name, t in (("keys", keys), ("values", values), ("scores", scores)):
-        if t is not None:
-            _validate.require_finite(name, t)
-    compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
-    batch = tuple(keys.shape[:-2])
-    # A tensor rtol stays [*batch]: torch.linalg.pinv adds the singular-value dim itself.
-    rtol = (
-        per_batch("rtol", rtol, batch, device=keys.device, dtype=compute)
-        if isinstance(rtol, torch.Tensor)
-        else (_validate.require_nonnegative_number("rtol", rtol))
-    )
-    k = keys.to(compute)
-    v = values.to(compute)
-    if scores is not None:
-        v = v * scores.to(compute).unsqueeze(-1)
-    if keys.shape[-2] == 0:
-        return torch.zeros((*batch, keys.shape[-1], values.shape[-1]), dtype=compute, device=keys.device)
-    # atol left unset (= 0 once rtol is given): torch rejects a float atol next to a tensor rtol.
-    return torch.linalg.pinv(k, rtol=rtol) @ v

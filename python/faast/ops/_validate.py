@@ -315,6 +315,48 @@ def _deferred(
     return learned & (code == 0).unsqueeze(-1), code
 
 
+def rejected_error(rejected: torch.Tensor, batch_shape: tuple[int, ...]) -> ValueError | None:
+    """The error of the first update a memory's deferred checks rejected, or None. rejected: int64
+    [*batch_shape, 2], per memory the code of its first rejected input (REJECTED) and that update's number."""
+    flat_rejected = rejected.reshape(-1, 2)
+    if flat_rejected.numel() == 0 or not bool((flat_rejected[:, 0] != 0).any()):
+        return None
+    flat = int((flat_rejected[:, 0] != 0).nonzero()[0, 0])
+    code, number = (int(x) for x in flat_rejected[flat])
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), batch_shape)]
+    where = f" (memory {index})" if batch_shape else ""
+    expected = "non-negative weights" if code == _NEGATIVE_SCORE else "finite values"
+    found = "a negative score" if code == _NEGATIVE_SCORE else "NaN/Inf"
+    return ValueError(
+        f"{REJECTED[code]}: expected {expected}, found {found} in a learned row of update #{number}{where}; "
+        "that batch was not learned by this memory, every other batch was (checks are deferred to the next solve "
+        "on CUDA; FastWeights(eager_checks=True) raises in update, drop_nonfinite=True drops such rows)"
+    )
+
+
+def memory_prior(
+    prior: object, *, dim_key: int, dim_value: int, batch_shape: tuple[int, ...], device: object
+) -> torch.Tensor | None:
+    """FastWeights' prior argument as float64 [*batch_shape, dk, dv] on `device` (None stays None): a tensor
+    [dk, dv] or [*batch_shape, dk, dv] (finite), or 'identity' (dk == dv)."""
+    dk, dv, batch = dim_key, dim_value, batch_shape
+    if prior is None:
+        return None
+    if isinstance(prior, str):
+        if prior != "identity":
+            raise ValueError(f"prior: expected a tensor [dim_key, dim_value], 'identity' or None, got {prior!r}")
+        if dk != dv:
+            raise ValueError(f"prior: 'identity' needs dim_key == dim_value, got {dk} and {dv}")
+        return torch.eye(dk, dtype=torch.float64, device=device).expand(*batch, dk, dk).clone()
+    require_tensor("prior", prior)
+    if tuple(prior.shape) not in ((dk, dv), (*batch, dk, dv)):
+        raise ValueError(
+            f"prior: expected shape [dim_key, dim_value] = {[dk, dv]} or {[*batch, dk, dv]}, got {list(prior.shape)}"
+        )
+    require_finite("prior", prior)
+    return prior.detach().to(device=device, dtype=torch.float64).expand(*batch, dk, dv).clone()
+
+
 # ---------------------------------------------------------------------------------------------------- op arguments
 
 
