@@ -120,7 +120,7 @@ def timed_cases(model, batch: torch.Tensor, new_tokens: int) -> dict[str, H.Case
 
     def learn(_: object) -> None:
         with torch.no_grad():
-            model._learn_batch(batch, mask)
+            model.learn_batch(batch, mask)
 
     output = model.output_memory_layer
     shipped_space = getattr(output, "space", None)  # the residual output layer reads in 'probability' or 'logit' space

@@ -46,12 +46,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class Scorer:
-    """Held-out NLL of h + h·M through the head, from cached base logits (z0) so a step sweep costs no GEMM."""
+    """Held-out NLL of h + h·M through the head, from cached base logits (z0) so a step sweep costs no GEMM; it also
+    carries what the variants read of the learned stream: its keys [n, d], targets [n] and documents' first
+    positions (`learned`), and the tail fit of the current curve point (`variant_tail`)."""
 
-    def __init__(self, head, hidden, targets):  # noqa: ANN001
+    def __init__(self, head, hidden, targets, learned=None):  # noqa: ANN001
         import torch
 
         self.head, self.hidden, self.targets = head, hidden, targets
+        self.keys, self.learned_targets, self.doc_starts = learned if learned is not None else (None, None, [])
+        self.variant_tail = None
         self.weight = head.weight.float()
         self.z0 = hidden @ self.weight.T
         self.t0 = self.z0.gather(-1, targets[:, None]).squeeze(-1)
@@ -108,16 +112,16 @@ def feed(layer, keys, targets, starts: list[int], offset: int = 0, chunk: int = 
 
 
 def tail_statistics(layer, held: int):  # noqa: ANN001, ANN201
-    """layer._tail_statistics(held) for the tail alone: the variants leave out their own gaps (the shipped rule's
+    """layer.tail_statistics(held) for the tail alone: the variants leave out their own gaps (the shipped rule's
     gap before the tail is its own, from the document numbers the layer kept)."""
-    import torch
+    return layer.tail_statistics(held, leave_out_document=False)
 
-    keys, ys, docs = layer._tail[0]
-    layer._tail[0] = (keys, ys, torch.full_like(docs, -1))
-    try:
-        return layer._tail_statistics(held)
-    finally:
-        layer._tail[0] = (keys, ys, docs)
+
+def tune(layer, keys, ys, w):  # noqa: ANN001, ANN201
+    """(η, trace) of the logit-space step rule for W on the held-out keys [n, d] and targets ys [n]."""
+    from faast.hf.output_tuning import tune_step
+
+    return tune_step(layer.tail_logits(keys, ys, w))
 
 
 def shipped(layer, scorer):  # noqa: ANN001, ANN201
@@ -134,12 +138,13 @@ def space(name: str, weight: float | str = "auto"):  # noqa: ANN201
 
         shipped_as = layer.space, layer.weight, layer.default_step
         # The untuned step is per space (what output_default_step=None gives a layer configured in that space).
-        layer.space, layer.weight, layer.default_step, layer._folded = name, weight, DEFAULT_STEP[name], None
+        # The layer's solution is cached under its settings, so changing them re-solves.
+        layer.space, layer.weight, layer.default_step = name, weight, DEFAULT_STEP[name]
         try:
             m, lam = layer.solution(layer.memory.gram.device, torch_float32())
             return m, (layer.last_tuning or {}).get("step"), lam
         finally:
-            (layer.space, layer.weight, layer.default_step), layer._folded = shipped_as, None
+            layer.space, layer.weight, layer.default_step = shipped_as
 
     return variant
 
@@ -153,9 +158,9 @@ def torch_float32():  # noqa: ANN201
 def oracle(layer, scorer):  # noqa: ANN001, ANN201
     """The shipped W with η tuned on the held-out text itself: the best any step rule can do with this W."""
     mem = layer.memory
-    w = layer._newton(mem.gram, mem.cross, mem.count, layer._curvature())
-    eta, _ = layer._tune(scorer.hidden[:: max(1, len(scorer.targets) // 4096)],
-                         scorer.targets[:: max(1, len(scorer.targets) // 4096)], w)  # fmt: skip
+    w = layer.newton(mem.gram, mem.cross, mem.count, layer.damped_curvature())
+    every = max(1, len(scorer.targets) // 4096)
+    eta, _ = tune(layer, scorer.hidden[::every], scorer.targets[::every], w)
     return eta * w, eta
 
 
@@ -163,18 +168,18 @@ def shrunk(fraction: float):  # noqa: ANN201
     """The tuned step cut to the smallest η whose held-out-tail gain is `fraction` of the best gain."""
 
     def variant(layer, scorer):  # noqa: ANN001, ANN202
-        m, eta = shipped(layer, scorer)
+        m, eta, _ = shipped(layer, scorer)
         if not (layer.last_tuning or {}).get("tuned") or not eta:
             return m, eta
         trace = layer.last_tuning["held_out_nll"]
         base, best = trace[0][1], min(v for _, v in trace)
         # NLL(η) on the tail is convex; between 0 and η* bisect for NLL = base - fraction·(base - best).
-        keys, ys, w = layer._variant_tail
+        keys, ys, w = scorer.variant_tail
         goal = base - fraction * (base - best)
         low, high = 0.0, eta
         for _ in range(20):
             mid = 0.5 * (low + high)
-            if layer._tail_nll(keys, ys, w, mid) > goal:
+            if tail_nll(layer, keys, ys, w, mid) > goal:
                 low = mid
             else:
                 high = mid
@@ -189,7 +194,7 @@ def ridge_joint(grid: tuple[float, ...]):  # noqa: ANN201
     def variant(layer, scorer):  # noqa: ANN001, ANN202
         import torch
 
-        curvature = layer._curvature()
+        curvature = layer.damped_curvature()
         held = layer.held_out_positions()
         mem = layer.memory
         if not held:
@@ -199,7 +204,7 @@ def ridge_joint(grid: tuple[float, ...]):  # noqa: ANN201
         best = None
         for mu in grid:
             w = ridge_newton(fit[0], fit[1], curvature, mu)
-            eta, trace = layer._tune(keys, ys, w)
+            eta, trace = tune(layer, keys, ys, w)
             nll = min(v for _, v in trace)
             if best is None or nll < best[0]:
                 best = (nll, mu, eta)
@@ -217,7 +222,7 @@ def ridge_per_token(c: float):  # noqa: ANN201
     def variant(layer, scorer):  # noqa: ANN001, ANN202
         import torch
 
-        curvature = layer._curvature()
+        curvature = layer.damped_curvature()
         held = layer.held_out_positions()
         mem = layer.memory
         if not held:
@@ -226,7 +231,7 @@ def ridge_per_token(c: float):  # noqa: ANN201
         keys, ys, s_tail, t_tail, n_tail, _ = tail_statistics(layer, held)
         n_fit = float(mem.count - n_tail)
         w = ridge_newton(mem.gram - s_tail, mem.cross - t_tail, curvature, c * d / n_fit)
-        eta, _ = layer._tune(keys, ys, w)
+        eta, _ = tune(layer, keys, ys, w)
         w = ridge_newton(mem.gram, mem.cross, curvature, c * d / float(mem.count))
         return (eta * w).to(torch.float32), f"{eta:.3f}"
 
@@ -245,11 +250,11 @@ def ridge_newton(gram, cross, curvature, mu: float):  # noqa: ANN001, ANN201
 
 def damping(value: float):  # noqa: ANN201
     def variant(layer, scorer):  # noqa: ANN001, ANN202
-        layer.damping, layer._folded = value, None
+        layer.damping = value  # part of the layer's cache key: it re-solves
         try:
             return shipped(layer, scorer)
         finally:
-            layer.damping, layer._folded = 1.0, None
+            layer.damping = 1.0
 
     return variant
 
@@ -264,23 +269,23 @@ def doc_aware(layer, scorer, cap: float | None = None):  # noqa: ANN001, ANN201
         return shipped(layer, scorer)
     learned = int(layer.memory.count)
     tail_start = learned - held
-    starts = [s for s in layer._doc_starts if s <= tail_start]
+    starts = [s for s in scorer.doc_starts if s <= tail_start]
     doc_start = starts[-1] if starts else 0
     if cap is not None:
         doc_start = max(doc_start, tail_start - int(cap * held))
     if tail_start - doc_start >= learned - held - 256:  # within one document: nothing to leave out
-        m, eta = shipped(layer, scorer)
+        m, eta, _ = shipped(layer, scorer)
         return m, f"{eta:.3f} (1 doc)"
     keys, ys, s_tail, t_tail, n_tail, _ = tail_statistics(layer, held)
-    mem, curvature = layer.memory, layer._curvature()
+    mem, curvature = layer.memory, layer.damped_curvature()
     gram, cross, count = mem.gram - s_tail, mem.cross - t_tail, mem.count - n_tail
     if tail_start > doc_start:
-        gap_k, gap_y = layer._all_keys[doc_start:tail_start], layer._all_targets[doc_start:tail_start]
-        grads, _, _ = layer._gradients(gap_k[None], gap_y[None], torch.ones_like(gap_y, dtype=torch.bool)[None])
+        gap_k, gap_y = scorer.keys[doc_start:tail_start], scorer.learned_targets[doc_start:tail_start]
+        grads, _, _ = layer.gradients(gap_k[None], gap_y[None], torch.ones_like(gap_y, dtype=torch.bool)[None])
         k64, g64 = gap_k.double(), grads[0].double()
         gram, cross, count = gram - k64.T @ k64, cross - k64.T @ g64, count - len(gap_y)
-    eta, _ = layer._tune(keys, ys, layer._newton(gram, cross, count, curvature))
-    full = layer._newton(mem.gram, mem.cross, mem.count, curvature)
+    eta, _ = tune(layer, keys, ys, layer.newton(gram, cross, count, curvature))
+    full = layer.newton(mem.gram, mem.cross, mem.count, curvature)
     return (eta * full).float(), f"{eta:.3f} (gap {tail_start - doc_start})"
 
 
@@ -296,13 +301,13 @@ def prefix(share: float):  # noqa: ANN201
             return shipped(layer, scorer)
         keys, ys, *_ = tail_statistics(layer, held)
         n = int(int(layer.memory.count) * share)
-        k, y = layer._all_keys[:n], layer._all_targets[:n]
-        grads, _, _ = layer._gradients(k[None], y[None], torch.ones_like(y, dtype=torch.bool)[None])
+        k, y = scorer.keys[:n], scorer.learned_targets[:n]
+        grads, _, _ = layer.gradients(k[None], y[None], torch.ones_like(y, dtype=torch.bool)[None])
         k64, g64 = k.double(), grads[0].double()
-        mem, curvature = layer.memory, layer._curvature()
-        w = layer._newton(k64.T @ k64, k64.T @ g64, torch.tensor(float(n), dtype=torch.float64), curvature)
-        eta, _ = layer._tune(keys, ys, w)
-        return (eta * layer._newton(mem.gram, mem.cross, mem.count, curvature)).float(), eta
+        mem, curvature = layer.memory, layer.damped_curvature()
+        w = layer.newton(k64.T @ k64, k64.T @ g64, torch.tensor(float(n), dtype=torch.float64), curvature)
+        eta, _ = tune(layer, keys, ys, w)
+        return (eta * layer.newton(mem.gram, mem.cross, mem.count, curvature)).float(), eta
 
     return variant
 
@@ -313,7 +318,7 @@ def fixed(eta: float, weight: float = 1.0):  # noqa: ANN201
 
     def variant(layer, scorer):  # noqa: ANN001, ANN202
         mem = layer.memory
-        return (eta * layer._newton(mem.gram, mem.cross, mem.count, layer._curvature())).float(), eta, weight
+        return (eta * layer.newton(mem.gram, mem.cross, mem.count, layer.damped_curvature())).float(), eta, weight
 
     return variant
 
@@ -348,24 +353,23 @@ VARIANTS = {
 }
 
 
-def add_tail_helpers(layer) -> None:  # noqa: ANN001
-    """Give the layer what `shrunk` needs: the tail's keys, targets and the W fitted without them."""
+def variant_tail(layer):  # noqa: ANN001, ANN201
+    """What `shrunk` needs: the tail's keys, targets and the W fitted without them (None when nothing is held out)."""
     held = layer.held_out_positions()
     if not held:
-        layer._variant_tail = None
-        return
+        return None
     keys, ys, s_tail, t_tail, n_tail, _ = tail_statistics(layer, held)
     mem = layer.memory
-    w = layer._newton(mem.gram - s_tail, mem.cross - t_tail, mem.count - n_tail, layer._curvature())
-    layer._variant_tail = (keys, ys, w)
+    w = layer.newton(mem.gram - s_tail, mem.cross - t_tail, mem.count - n_tail, layer.damped_curvature())
+    return keys, ys, w
 
-    def tail_nll(keys, ys, w, eta):  # noqa: ANN001, ANN202
-        import torch
 
-        z = (keys + eta * (keys @ w.float())) @ layer.head.weight.float().T
-        return float((torch.logsumexp(z, -1) - z.gather(-1, ys[:, None]).squeeze(-1)).mean())
+def tail_nll(layer, keys, ys, w, eta: float) -> float:  # noqa: ANN001
+    """Mean NLL of the tail's targets ys under the logits of keys + η·keys·W (logit space)."""
+    import torch
 
-    layer._tail_nll = tail_nll
+    z = (keys + eta * (keys @ w.float())) @ layer.head.weight.float().T
+    return float((torch.logsumexp(z, -1) - z.gather(-1, ys[:, None]).squeeze(-1)).mean())
 
 
 def doc_starts(name: str, tokenizer, positions: int, budget: int) -> list[int]:  # noqa: ANN001
@@ -406,25 +410,23 @@ def main(argv: list[str] | None = None) -> dict:
         if args.score_sample and len(ys) > args.score_sample:
             pick = torch.linspace(0, len(ys) - 1, args.score_sample).round().long()
             hidden, ys = hidden[pick], ys[pick]
-        scorer = Scorer(head, hidden, ys)
-        layer = layer_for(head, keys.shape[1], head.weight.shape[0], output_head_dtype=args.head_dtype)
-        layer._all_keys, layer._all_targets = keys, targets
         budget = int(data["settings"].get("learn_tokens", 32768))
-        layer._doc_starts = doc_starts(name, tokenizer, len(targets), budget)
+        starts = doc_starts(name, tokenizer, len(targets), budget)
+        scorer = Scorer(head, hidden, ys, learned=(keys, targets, starts))
+        layer = layer_for(head, keys.shape[1], head.weight.shape[0], output_head_dtype=args.head_dtype)
         done = 0
         for point in curve:
             amount = min(point, len(targets))
             started = time.perf_counter()
-            feed(layer, keys[done:amount], targets[done:amount], layer._doc_starts, done)
+            feed(layer, keys[done:amount], targets[done:amount], starts, done)
             done = amount
             learn_s = time.perf_counter() - started
-            add_tail_helpers(layer)
+            scorer.variant_tail = variant_tail(layer)
             for variant in chosen:
                 started = time.perf_counter()
                 m, step, weight = (*VARIANTS[variant](copy.copy(layer) if variant == "shipped" else layer, scorer),
                                    1.0)[:3]  # fmt: skip
                 solve_s = time.perf_counter() - started
-                layer._folded = None
                 nll = scorer.nll(m, weight)
                 row = {"domain": name, "point": point, "tokens": amount, "variant": variant, "ppl": math.exp(nll),
                        "zero_shot": math.exp(scorer.base), "change": math.exp(nll - scorer.base) - 1,

@@ -76,14 +76,32 @@ def test_lm_demo_steps_on_a_tiny_model(monkeypatch, tmp_path, capsys):
     assert saved == result  # floats round-trip through JSON exactly
     assert result["package"] == "json" and result["learn_tokens"] == 600
     assert math.isclose(result["ppl_before"], base, rel_tol=1e-6)  # an empty memory is a no-op
-    assert result["ppl_after"] != result["ppl_before"]
+    assert result["ppl_after"] < result["ppl_before"]  # learning the domain lowers held-out perplexity
     assert result["relative_reduction"] == pytest.approx(1 - result["ppl_after"] / result["ppl_before"])
     assert result["state_bytes"] == model.fast_weight_bytes() > 0
-    shown = ("model ", "domain ", "held-out perplexity before", "held-out perplexity after", "learned ", "state ",
-             "prompt (held-out file):", "base model continues:", "after learning the domain:")  # fmt: skip
+    shown = ("model ", "domain ", "held-out perplexity before", "held-out perplexity after", "learned ", "machine ",
+             "state ", "prompt (held-out file):", "base model continues:", "after learning the domain:")  # fmt: skip
     for line in shown:
         assert line in text, line
     assert f"{result['ppl_before']:.3f}" in text and f"{result['ppl_after']:.3f}" in text
+    # The speed is printed with the processor that ran it and whether it multiplies bfloat16 natively.
+    from faast import provenance
+
+    machine = next(line for line in text.splitlines() if line.startswith("machine "))
+    assert machine.split(maxsplit=1)[1] == provenance.machine(next(model.parameters()).device)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_machine_line_names_the_processor_and_native_bfloat16(monkeypatch, native):
+    import torch
+
+    from faast import hardware, provenance
+
+    monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: native)
+    line = provenance.machine(torch.device("cpu"))
+    assert line.startswith(f"CPU {provenance.cpu_model()} ({provenance.physical_cores()} cores, ")
+    assert line.endswith("multiplies bfloat16 natively" if native else "no native bfloat16 (emulated)")
+    assert provenance.machine("cpu") == line  # a device name works too
 
 
 # ---------------------------------------------------------------------------------------------------- classification
@@ -109,6 +127,7 @@ def test_demo_learns_the_task(capsys, tmp_path, monkeypatch):
     assert float(re.search(r"relW ([\d.e+-]+)", find("merge")).group(1)) < 1e-10
     assert float(re.search(r"relW ([\d.e+-]+)", find("forget")).group(1)) < 1e-10
     assert find("save -> load").endswith("bit-exact = True")
+    assert "bfloat16" in find("(times on CPU ")  # the timings name the processor that ran them
     faast_rel, authors_rel = (
         float(x) for x in re.findall(r"relW(?: vs float64 truth)? ([\d.e+-]+)", "\n".join(lines[:20]))
     )

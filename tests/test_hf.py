@@ -12,7 +12,7 @@ import torch
 from faast.hf import FaastConfig, apply_faast, from_pretrained
 from faast.hf.targets import TARGETS
 from hf_models import KINDS, VOCAB, CharTokenizer, tiny_model
-from tolerances import HF_PADDING_REL, rel
+from tolerances import BF16_MODEL_REL, HF_PADDING_REL, rel
 
 
 def randomize_readouts(model, seed=1, std=0.2):
@@ -321,6 +321,17 @@ def test_readout_and_scorer_stay_float32_master_weights_in_a_bf16_model():
     model.learn(ids())
     out = model(ids(seed=5)).logits
     assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
+    # The same model in float32, learning the same tokens: the bf16 path's statistics and logits agree with it to
+    # bfloat16 rounding, while the memories move the logits far more than that (so a broken bf16 path shows).
+    reference = apply_faast(tiny_model("llama"), FaastConfig(num_layers=2))
+    randomize_readouts(reference)
+    reference.learn(ids())
+    expected = reference(ids(seed=5)).logits
+    for name, layer in model.memory_layers.items():
+        assert rel(layer.memory.gram, reference.memory_layers[name].memory.gram) <= BF16_MODEL_REL, name
+    assert rel(out, expected) <= BF16_MODEL_REL
+    with reference.disable_faast():
+        assert rel(reference(ids(seed=5)).logits, expected) > 10 * BF16_MODEL_REL
 
 
 def test_state_size_does_not_grow_with_tokens_learned():
@@ -334,13 +345,13 @@ def test_state_size_does_not_grow_with_tokens_learned():
 
 def test_batches_built_from_texts_or_ids_go_to_the_model_device_and_given_tensors_keep_theirs():
     # The first GPU run failed here: token-id lists became CPU tensors for a CUDA model (gpu_h100_run1.md).
-    from faast.hf.model import _batches
+    from faast.hf.inputs import batches
 
     meta = torch.device("meta")
-    built = list(_batches([[1, 2, 3, 4, 5], {"input_ids": [[1, 2, 3]]}], None, 4, 2, meta))
+    built = list(batches([[1, 2, 3, 4, 5], {"input_ids": [[1, 2, 3]]}], None, 4, 2, meta))
     assert built[0][0].device == meta and built[1][0].device == meta
     given = torch.tensor([[1, 2, 3]])
-    assert next(_batches([given], None, 4, 2, meta))[0] is given
+    assert next(batches([given], None, 4, 2, meta))[0] is given
 
 
 def test_a_bf16_model_reads_a_bf16_folded_matrix_within_one_rounding_of_float32():

@@ -194,7 +194,7 @@ def test_scaled_logits_give_the_gradient_and_fisher_of_the_scaled_softmax(kind):
     assert layer.memory.count.item() == k.shape[0]
     assert rel(layer.memory.cross, k.T @ (head[y] - mu)) < STAT_REL
     assert rel(layer.curvature.gram, mu.T @ mu) < STAT_REL
-    assert rel(layer.token_mass.cross[0], p.sum(0)) < STAT_REL
+    assert rel(layer.token_mass.probability, p.sum(0)) < STAT_REL
     assert rel(layer._head_second_moment(), (head.T * p.sum(0)) @ head) < STAT_REL
     # Read in probability space, the model's logits are the log of the mixture of its own scaled softmax and the
     # corrected one (the head hook divides by the scale the model multiplies by again).

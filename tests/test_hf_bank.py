@@ -261,7 +261,7 @@ def test_the_batched_training_solve_gives_the_per_layer_loss_and_gradients():
         learn = ids(batch=2, seq=14, seed=4)
         mask = torch.ones_like(learn)
         mask[0, :3] = 0
-        model._learn_batch(learn, mask, differentiable=True)
+        model.learn_batch(learn, mask, differentiable=True)
         if batched:
             model.begin_training_step()
         else:

@@ -54,7 +54,7 @@ def fresh(target="embedding"):
 
 def assert_same_statistics(actual, expected):
     """Every learned statistic of two models (middle bank, output layer) equal to float64 reordering tolerance."""
-    pairs = list(zip(actual.fast_weights(), expected.fast_weights(), strict=True))
+    pairs = list(zip((s for _, s in actual.learned_state()), (s for _, s in expected.learned_state()), strict=True))
     assert pairs
     for a, b in pairs:
         for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
@@ -121,13 +121,13 @@ def test_a_stream_is_read_as_it_is_learned_not_first_in_full(tokenizer):
     stream = datasets.IterableDataset.from_generator(rows)
     model = fresh()
     seen_at_first_batch = []
-    learn_batch = model._learn_batch
+    learn_batch = model.learner.learn_batch
 
     def spy(*args, **kwargs):
         seen_at_first_batch.append(len(produced))
         return learn_batch(*args, **kwargs)
 
-    model._learn_batch = spy
+    model.learner.learn_batch = spy
     model.learn(stream, tokenizer=tokenizer, max_length=16, batch_size=3, progress=False)
     assert len(produced) == len(texts)
     assert seen_at_first_batch[0] < len(texts)  # learning started before the stream was read to its end

@@ -302,8 +302,8 @@ def test_learn_is_unchanged_by_module_memories_and_save_load_is_exact(tmp_path):
 
     path = model.save_fast_weights(tmp_path / "fw.safetensors")
     fresh = apply_faast(tiny_model("gpt2"), config).load_fast_weights(path)
-    originals = dict(model._bank_memories())
-    for name, memory in fresh._bank_memories():
+    originals = dict(model.learned_state())
+    for name, memory in fresh.learned_state():
         for key, t in memory.state_dict().items():
             assert torch.equal(t, originals[name].state_dict()[key]), (name, key)
     with torch.no_grad():

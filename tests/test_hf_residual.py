@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from faast import Accumulator, FastWeights, hardware
 from faast.hf import FaastConfig, apply_faast
-from faast.hf import model as model_module
+from faast.hf import learning as learning_module
 from faast.hf import output as output_module
-from faast.hf.output import HELD_OUT_SHARE
+from faast.hf import output_tuning as tuning_module
+from faast.hf.output_tuning import HELD_OUT_SHARE
+from faast.hf.persistence import per_layer_holder
 from faast.hf.targets import TARGETS
 from hf_models import KINDS, VOCAB, tiny_model
 from tolerances import BF16_AUTOCAST_REL, BF16_HEAD_PRODUCTS_REL, REORDER_REL, rel
@@ -119,7 +122,7 @@ def test_statistics_equal_a_float64_hand_computation_under_padding(kind, head_dt
     assert rel(layer.memory.gram, s) < STAT_REL  # the keys are the model's states whatever the head products' dtype
     assert rel(layer.memory.cross, t) < tol
     assert rel(layer.curvature.gram, mu_gram) < tol
-    assert rel(layer.token_mass.cross[0], mass) < tol
+    assert rel(layer.token_mass.probability, mass) < tol
 
 
 @pytest.mark.parametrize(("key_layers", "batch", "width"), [([], 8, 32), ("auto", 8, 64), ("auto", 4, 32)])
@@ -161,7 +164,7 @@ def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force(sample,
     # sample: the NLL is evaluated on `sample` positions spread evenly over the held-out span (TUNE_SAMPLE), while the
     # fit still leaves out the whole span.
     if sample is not None:
-        monkeypatch.setattr(output_module, "TUNE_SAMPLE", sample)
+        monkeypatch.setattr(tuning_module, "TUNE_SAMPLE", sample)
     config = FaastConfig(num_layers=0, output_key_layers=[], output_tune_tokens=4096, output_space="logit")
     model = apply_faast(tiny_model("llama"), config)
     x = ids(batch=8, seq=100, period=23)
@@ -265,13 +268,13 @@ def test_the_best_weight_is_the_minimum_of_the_convex_mixture_loss():
     log_a = torch.rand(500, generator=g, dtype=torch.float64).mul(-6)
     log_b = torch.where(torch.rand(500, generator=g) < 0.4, log_a + 3, log_a - 4).clamp(max=0)
     lams = torch.linspace(0, 1, 100001, dtype=torch.float64)
-    losses = torch.stack([torch.tensor(output_module._mixture_nll(log_a, log_b, float(v))) for v in lams[::100]])
+    losses = torch.stack([torch.tensor(tuning_module.mixture_nll(log_a, log_b, float(v))) for v in lams[::100]])
     coarse = float(lams[::100][int(losses.argmin())])
-    lam = output_module._best_weight(log_a, log_b)
+    lam = tuning_module.best_weight(log_a, log_b)
     assert abs(lam - coarse) <= 1e-3 and 0.05 < lam < 0.95
-    assert output_module._mixture_nll(log_a, log_b, lam) <= float(losses.min()) + 1e-12
-    assert output_module._best_weight(log_a, log_a + 1.0) == 1.0  # the memory better everywhere
-    assert output_module._best_weight(log_a, log_a - 1.0) == 0.0  # worse everywhere
+    assert tuning_module.mixture_nll(log_a, log_b, lam) <= float(losses.min()) + 1e-12
+    assert tuning_module.best_weight(log_a, log_a + 1.0) == 1.0  # the memory better everywhere
+    assert tuning_module.best_weight(log_a, log_a - 1.0) == 0.0  # worse everywhere
 
 
 @pytest.mark.parametrize("multiple", [1, 2])
@@ -279,7 +282,7 @@ def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(multip
     # Five texts (a repeated phrase at different offsets, 700 pairs) learned two windows per batch; the held-out tail
     # is the last 140 positions, inside the fifth text, whose 34 earlier positions the fit must leave out too (the
     # buffer holds them for either gap multiple).
-    monkeypatch.setattr(output_module, "GAP_MULTIPLE", multiple)
+    monkeypatch.setattr(tuning_module, "GAP_MULTIPLE", multiple)
     lengths = (140, 120, 160, 110, 175)
     phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
     texts = [phrase.roll(5 * i).repeat(8)[:n].tolist() for i, n in enumerate(lengths)]
@@ -314,9 +317,9 @@ def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(multip
     assert abs(tuning["step"] - best) <= 0.01 + 0.02 * best
     # The same tokens as one text: GAP_MULTIPLE times as many positions as the tail holds are left out before it (704
     # learned: 140 held out); when that would leave fewer than MIN_FIT_TOKENS to fit on, only the tail is.
-    monkeypatch.setattr(output_module, "GAP_MULTIPLE", 1)
+    monkeypatch.setattr(tuning_module, "GAP_MULTIPLE", 1)
     for min_fit, gap in ((256, 140), (500, 0)):
-        monkeypatch.setattr(output_module, "MIN_FIT_TOKENS", min_fit)
+        monkeypatch.setattr(tuning_module, "MIN_FIT_TOKENS", min_fit)
         one = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=160))
         one.learn([sum(texts, [])], max_length=200, batch_size=2)
         one.output_memory_layer.folded(torch.device("cpu"), torch.float32)
@@ -335,7 +338,7 @@ def test_the_step_is_tuned_only_on_a_fit_of_at_least_fit_per_key_dim_positions_p
 ):
     # 704 learned positions of one text, 140 held out: 564 left to fit. With d = 32, 16 per dimension (512) allows
     # tuning, but no gap (the 140 positions before the tail would leave 424); 18 per dimension (576) does not.
-    monkeypatch.setattr(output_module, "FIT_PER_KEY_DIM", per_dim)
+    monkeypatch.setattr(tuning_module, "FIT_PER_KEY_DIM", per_dim)
     phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
     text = phrase.repeat(40)[:705].tolist()
     config = FaastConfig(num_layers=0, output_tune_tokens=160, output_default_step=0.03, output_key_layers=[])
@@ -358,7 +361,7 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
 ):
     from faast.checkpoint import save_state
 
-    monkeypatch.setattr(output_module, "FIT_PER_KEY_DIM", 16)  # lets the tiny model tune (see the test above)
+    monkeypatch.setattr(tuning_module, "FIT_PER_KEY_DIM", 16)  # lets the tiny model tune (see the test above)
     phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
     config = FaastConfig(num_layers=0, output_tune_tokens=160, output_default_step=0.03)
     model = apply_faast(tiny_model("llama"), config)
@@ -374,7 +377,7 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
     assert fresh.output_memory_layer.last_tuning == saved
     # A file whose step is not a finite number >= 0, or whose weight is not in [0, 1], is refused before anything is
     # copied.
-    holder = model._per_layer_memories(copy=True)
+    holder = per_layer_holder(model, copy=True)
     bad_values = [("output_step", bad, "a finite number >= 0") for bad in (-0.5, float("nan"), "0.1", True)]
     bad_values += [("output_weight", bad, r"a number in \[0, 1\]") for bad in (1.5, -0.1, float("nan"), "0.3")]
     for name, bad, expected in bad_values:
@@ -387,7 +390,7 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
     fresh.reset_fast_weights()
     assert fresh.output_memory_layer.chosen_step() is None and fresh.output_memory_layer.chosen_weight() is None
     fresh.learn(ids(batch=1, seq=30))
-    assert fresh.output_memory_layer.chosen_step() == 0.03
+    assert fresh.output_memory_layer.chosen_step() == config.output_default_step
     assert fresh.output_memory_layer.chosen_weight() == output_module.DEFAULT_WEIGHT
     assert not fresh.output_memory_layer.last_tuning["saved_step"]
     # A fixed step is the configuration's: nothing extra is saved.
@@ -414,7 +417,7 @@ def test_head_products_in_bfloat16_learn_what_float32_learns_within_the_declared
     # 'auto': bfloat16 where the device multiplies it natively, float32 otherwise and for float64 states.
     keys32, keys64 = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float64)
     for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(output_module, "_cpu_has_bf16", lambda native=native: native)
+        monkeypatch.setattr(hardware, "cpu_has_bf16", lambda native=native: native)
         assert output_module.products_dtype("auto", keys32) == expected
         assert output_module.products_dtype("auto", keys64) == torch.float32
         assert output_module.products_dtype("float32", keys32) == torch.float32
@@ -448,7 +451,7 @@ def test_learning_under_bfloat16_autocast_learns_the_autocast_states_and_auto_pi
     # 'auto': autocast only for float32 weights on a device that multiplies bfloat16 natively.
     for native, model_dtype, expected in ((True, torch.float32, s16), (False, torch.float32, s32),
                                           (True, torch.float64, None)):  # fmt: skip
-        monkeypatch.setattr(model_module, "native_bf16", lambda device, native=native: native)
+        monkeypatch.setattr(learning_module, "native_bf16", lambda device, native=native: native)
         auto_model, auto = learned_gram(model_dtype, "auto")
         if expected is None:  # float64 weights learn exactly what the float64 model computes
             _, expected = learned_gram(torch.float64, "model")
@@ -525,18 +528,58 @@ def test_state_size_is_fixed_and_save_load_round_trips_exactly(tmp_path):
     small = model.fast_weight_bytes()
     model.learn(ids(batch=8, seq=120, seed=1))
     assert model.fast_weight_bytes() == small
-    names = [n for n, _ in model._bank_memories()]
+    names = [n for n, _ in model.learned_state()]
     assert names == ["memory_bank", "output_memory_layer.memory", "output_memory_layer.curvature",
                      "output_memory_layer.token_mass"]  # fmt: skip
+    # fast_weights() lists the memories only: the curvature and token mass are sums, not fast weights.
+    states = dict(model.learned_state())
+    assert model.fast_weights() == [states["memory_bank"], states["output_memory_layer.memory"]]
+    assert all(isinstance(m, FastWeights) for m in model.fast_weights())
+    assert all(isinstance(states[n], Accumulator) for n in names[2:])
     path = model.save_fast_weights(tmp_path / "fw.safetensors")
     fresh = apply_faast(tiny_model("llama"), config)
     fresh.load_fast_weights(path)
     probe = ids(batch=2, seq=15, seed=9)
     with torch.no_grad():
         assert torch.equal(fresh(probe).logits, model(probe).logits)
-    for a, b in zip(fresh.fast_weights(), model.fast_weights(), strict=True):
+    for (_, a), (_, b) in zip(fresh.learned_state(), model.learned_state(), strict=True):
         for name, tensor in b.state_dict().items():
             assert torch.equal(a.state_dict()[name], tensor), name
+
+
+def test_a_file_saved_when_the_output_sums_were_fast_weights_loads_exactly(tmp_path):
+    # Before faast.Accumulator, the curvature Σμμᵀ lived in a FastWeights(d, 1)'s gram and the token mass Σp in a
+    # FastWeights(1, V)'s cross; such files must keep loading, to the same state and the same logits.
+    from torch import nn
+
+    from faast.checkpoint import save_state
+
+    config = FaastConfig(num_layers=1, output_step=0.3, output_key_layers=[])
+    model = apply_faast(tiny_model("llama"), config)
+    model.learn(ids(batch=2, seq=40, seed=3))
+    layer = model.output_memory_layer
+    d, vocab = layer.curvature.gram.shape[0], layer.token_mass.probability.shape[0]
+    curvature, token_mass = FastWeights(d, 1), FastWeights(1, vocab)
+    with torch.no_grad():  # what the old layer wrote: the sums in these tensors, the position count in both
+        curvature.gram.copy_(layer.curvature.gram)
+        token_mass.cross[0].copy_(layer.token_mass.probability)
+        token_mass.gram.fill_(float(layer.token_mass.count))
+        for old, new in ((curvature, layer.curvature), (token_mass, layer.token_mass)):
+            old.count.copy_(new.count)
+    old_layer = nn.Module()
+    old_layer.memory, old_layer.curvature, old_layer.token_mass = layer.memory, curvature, token_mass
+    holder = per_layer_holder(model, copy=True)
+    holder.output_memory_layer = old_layer
+    path = save_state(tmp_path / "old.safetensors", holder, {"output_step": 0.3})
+    fresh = apply_faast(tiny_model("llama"), config)
+    fresh.load_fast_weights(path)
+    for (name, a), (_, b) in zip(fresh.learned_state(), model.learned_state(), strict=True):
+        assert type(a) is type(b), name
+        for key, tensor in b.state_dict().items():
+            assert torch.equal(a.state_dict()[key], tensor), (name, key)
+    probe = ids(batch=2, seq=15, seed=9)
+    with torch.no_grad():
+        assert torch.equal(fresh(probe).logits, model(probe).logits)
 
 
 def test_merging_two_streams_equals_learning_both():
@@ -546,10 +589,12 @@ def test_merging_two_streams_equals_learning_both():
     a.learn(x1)
     b.learn(x2)
     both.learn(torch.cat([x1, x2]))
-    for mine, theirs, total in zip(a.fast_weights(), b.fast_weights(), both.fast_weights(), strict=True):
-        mine.merge(theirs)
-        assert rel(mine.gram, total.gram) <= 1e-6 and mine.count.item() == total.count.item()
-        assert rel(mine.cross, total.cross) <= 1e-6
+    states = (a.learned_state(), b.learned_state(), both.learned_state())
+    for (name, mine), (_, theirs), (_, total) in zip(*states, strict=True):
+        mine.merge(theirs)  # the memory and the curvature and token-mass accumulators alike
+        assert mine.count.item() == total.count.item() > 0, name
+        for x, y in zip(mine.summed_tensors(), total.summed_tensors(), strict=True):
+            assert rel(x, y) <= 1e-6, name
     ma = a.output_memory_layer.folded(torch.device("cpu"), torch.float64)
     mb = both.output_memory_layer.folded(torch.device("cpu"), torch.float64)
     assert rel(ma, mb) <= 1e-5
@@ -584,8 +629,9 @@ def test_learn_takes_a_tokenizer_batch_by_keyword_and_labels_select_the_pairs():
     by_position.learn(x, mask)
     by_keyword = apply_faast(tiny_model("llama"), FaastConfig(layers=[1]))
     by_keyword.learn(**{"input_ids": x, "attention_mask": mask})
-    for a, b in zip(by_position.fast_weights(), by_keyword.fast_weights(), strict=True):
-        assert torch.equal(a.gram, b.gram) and torch.equal(a.cross, b.cross)
+    for (name, a), (_, b) in zip(by_position.learned_state(), by_keyword.learned_state(), strict=True):
+        for mine, theirs in zip(a.summed_tensors(), b.summed_tensors(), strict=True):
+            assert torch.equal(mine, theirs), name
 
     # An instruction-style batch: only the answer (the last 12 positions) is learned.
     labels = x.clone()
@@ -696,7 +742,7 @@ def test_the_key_width_is_the_one_whose_tuned_correction_predicts_the_held_out_t
     assert (tuning["step"], tuning["weight"]) == (by_width[width]["step"], by_width[width]["weight"])
     assert m is not None and m.shape == (width, 32)
     # Too little fitted for the full keys (16 per dimension: 512 <= 634 < 1024): tuned for h̃ alone, no choice made.
-    monkeypatch.setattr(output_module, "FIT_PER_KEY_DIM", 16)
+    monkeypatch.setattr(tuning_module, "FIT_PER_KEY_DIM", 16)
     few = apply_faast(tiny_model("llama"), config)
     few.learn(x)
     few.output_memory_layer.folded(torch.device("cpu"), torch.float32)
@@ -725,7 +771,7 @@ def test_the_chosen_key_width_is_saved_with_the_step_and_a_loaded_model_reads_th
         fresh.output_memory_layer.restore_step(0.1, 0.5, 48)
     from faast.checkpoint import save_state
 
-    save_state(tmp_path / "bad.safetensors", model._per_layer_memories(copy=True), {"output_key_width": "64"})
+    save_state(tmp_path / "bad.safetensors", per_layer_holder(model, copy=True), {"output_key_width": "64"})
     with pytest.raises(ValueError, match="output_key_width: expected an int > 0"):
         apply_faast(tiny_model("llama"), config).load_fast_weights(tmp_path / "bad.safetensors")
 

@@ -78,7 +78,7 @@ def test_a_training_run_decreases_the_loss_on_a_fixed_batch():
         assert torch.count_nonzero(layer.readout.weight) > 0
         assert not torch.equal(layer.scorer.weight, before)  # the scorer learns through T
     assert all(not p.requires_grad for p in model.base_model.parameters())  # the base stayed frozen
-    assert all(layer._train_weights is None for layer in model.memory_layers.values())
+    assert all(layer.training_weights is None for layer in model.memory_layers.values())
 
 
 def test_training_in_bf16_keeps_fp32_master_weights():

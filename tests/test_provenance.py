@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import faast
-from faast import provenance
+from faast import hardware, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,6 +64,7 @@ def test_each_field_of_the_record(checkout, monkeypatch):
     assert isinstance(record["cpu_model"], str) and record["cpu_model"]
     assert 1 <= record["physical_cores"] <= record["logical_cores"] == os.cpu_count()
     assert record["torch_threads"] == torch.get_num_threads()
+    assert record["cpu_native_bf16"] is hardware.cpu_has_bf16()
     assert record["loadavg_at_start"] == 1.23 and record["loadavg_at_end"] is None
     assert provenance.finish(record)["loadavg_at_end"] == 0.5
     date = dt.datetime.fromisoformat(record["date"])
@@ -122,6 +123,10 @@ def test_write_puts_the_record_in_the_json_and_the_header_in_the_markdown(checko
     assert header[0].startswith("- run: ") and f"git {record['git_sha']}" in header[0] and "`python" in header[0]
     assert f"torch {record['torch']}" in header[1] and f"faast {faast.__version__}" in header[1]
     assert record["cpu_model"] in header[2] and "load average (1 min)" in header[3]
+    bf16 = "multiplies bfloat16 natively" if record["cpu_native_bf16"] else "no native bfloat16"
+    assert header[2].endswith(bf16) or ("; GPU " in header[2] and bf16 in header[2])
+    older = {k: v for k, v in data["provenance"].items() if k != "cpu_native_bf16"}  # written before the field
+    assert "bfloat16" not in provenance.markdown(older).splitlines()[2]
 
 
 def test_bad_arguments_are_named(tmp_path):

@@ -14,7 +14,8 @@
   ``<sha>`` or ``<sha>+dirty``. Both are None when neither is available;
 - ``faast``, ``torch``, ``triton``, ``transformers``, ``python``: versions, None where a package is not installed;
 - ``device``: the GPU's name when CUDA is available, else ``"cpu"``; ``cpu_model``, ``physical_cores``,
-  ``logical_cores``, ``memory_gb``, ``torch_threads``, ``blas``, ``mkl``, ``platform``; with CUDA also ``gpu``,
+  ``logical_cores``, ``memory_gb``, ``torch_threads``, ``blas``, ``mkl``, ``platform``, ``cpu_native_bf16`` (whether
+  the CPU multiplies bfloat16 natively, which the language-model speeds depend on); with CUDA also ``gpu``,
   ``gpu_capability``, ``gpu_sms``, ``gpu_memory_gb``, ``torch_cuda``, ``nvidia_smi``, ``nvcc``;
 - ``loadavg_at_start``, ``loadavg_at_end``: the 1-minute load average (None where the OS has none;
   ``loadavg_at_end`` stays None until `finish`);
@@ -40,7 +41,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["finish", "markdown", "physical_cores", "relative", "relative_command", "start", "to_json", "write"]
+from .hardware import cpu_has_bf16
+
+__all__ = [
+    "finish", "machine", "markdown", "physical_cores", "relative", "relative_command", "start", "to_json", "write",
+]  # fmt: skip
 
 VERSIONED = ("faast", "torch", "triton", "transformers")
 
@@ -73,6 +78,7 @@ def start(root: str | os.PathLike | None = None, argv: Sequence[str] | None = No
         "blas": _blas(),
         "mkl": bool(torch.backends.mkl.is_available()),
         "platform": platform.platform(),
+        "cpu_native_bf16": cpu_has_bf16(),
         "loadavg_at_start": load_average(),
         "loadavg_at_end": None,
         "command": relative_command(sys.argv if argv is None else argv, root),
@@ -95,6 +101,9 @@ def markdown(record: dict) -> str:
     cores = f"{record.get('physical_cores')} physical / {record.get('logical_cores')} logical cores"
     device = f"CPU {record.get('cpu_model')} ({cores}, {record.get('memory_gb')} GB), {record.get('torch_threads')} "
     device += f"torch threads, BLAS {record.get('blas')} (MKL {'on' if record.get('mkl') else 'off'})"
+    bf16 = record.get("cpu_native_bf16")
+    if bf16 is not None:  # records written before the field say nothing here
+        device += ", multiplies bfloat16 natively" if bf16 else ", no native bfloat16"
     if record.get("gpu"):
         device += (
             f"; GPU {record['gpu']} (sm {record.get('gpu_capability')}, {record.get('gpu_sms')} SMs, "
@@ -218,6 +227,23 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def machine(device: object = "cpu") -> str:
+    """The processor behind `device` (a torch.device or its name) in one line, to print beside a speed: its name,
+    for a CPU the cores and torch threads, and whether it multiplies bfloat16 natively (faast.hardware.native_bf16:
+    a CPU without AVX512-BF16 or AMX emulates it, slower than float32)."""
+    import torch
+
+    from .hardware import native_bf16
+
+    device = torch.device(device)
+    bf16 = "multiplies bfloat16 natively" if native_bf16(device) else "no native bfloat16 (emulated)"
+    if device.type == "cuda":
+        return f"GPU {torch.cuda.get_device_name(device)}, {bf16}"
+    if device.type == "cpu":
+        return f"CPU {cpu_model()} ({physical_cores()} cores, {torch.get_num_threads()} torch threads), {bf16}"
+    return f"{device.type} device, {bf16}"
 
 
 def _version(name: str) -> str | None:

@@ -2,9 +2,9 @@
 
 The middle layers all learn d×d statistics from hidden states of the same width, so they are held as one
 `FastWeights(d, d, batch_shape=(L,))`: a learning forward pass only captures every layer's keys, values and scores
-(`BankCapture`), and one `update` after the backbone pass adds all of them (one Gram accumulation for L layers); one
-solve eigendecomposes all L Gram matrices together (one batched eigh). The output memory layer keeps a FastWeights
-of its own: its values are token embeddings, not hidden states.
+(faast.hf.capture.BankCapture), and one `update` after the backbone pass adds all of them (one Gram accumulation
+for L layers); one solve eigendecomposes all L Gram matrices together (one batched eigh). The output memory layer
+keeps a FastWeights of its own: its keys and values are not the middle layers' hidden states.
 
 Each `MemoryLayer.memory` is a `LayerMemory`, a view of one slot of the bank with the per-layer surface the layers
 had when each owned a FastWeights (count, weights, solve_info, state_dict, update, reset, ...).
@@ -12,17 +12,14 @@ had when each owned a FastWeights (count, weights, solve_info, state_dict, updat
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 
 from ..memory import FastWeights
 from ..ops import SolveInfo
 from ..ops._validate import check_solve_options
-
-if TYPE_CHECKING:
-    from .layers import MemoryLayer
 
 # The statistics FastWeights keeps per memory (num_dropped is a counter, handled beside them).
 _STATISTICS = ("gram", "cross", "count", "target_sqnorm")
@@ -53,14 +50,15 @@ class MemoryBank(FastWeights):
 
     def nonempty(self) -> list[bool]:
         """Per slot, whether it has learned any rows (count > 0); one host sync per change of the statistics."""
-        key = self._state_key()
+        key = self.state_key
         if self._nonempty is None or self._nonempty[0] != key:
             self._nonempty = (key, self.count.gt(0).tolist())
         return self._nonempty[1]
 
     # ------------------------------------------------------------------ per-slot changes
 
-    def _check_slot(self, index: int) -> int:
+    def check_slot(self, index: int) -> int:
+        """`index` when it is a slot of this bank (an int in [0, num_slots)); else ValueError."""
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.num_slots:
             raise ValueError(f"slot: expected an int in [0, {self.num_slots}), got {index!r}")
         return index
@@ -82,7 +80,7 @@ class MemoryBank(FastWeights):
         discount. Learning all slots at once (update with keys [L, ..., dk]) is the fast path; this one serves
         a single layer's `memory.update` and a standalone MemoryLayer.
         """
-        index = self._check_slot(index)
+        index = self.check_slot(index)
         if self.mode != "exact":
             raise ValueError("update_slot: only defined for mode='exact'")
         part = FastWeights(
@@ -96,33 +94,33 @@ class MemoryBank(FastWeights):
                 mine.mul_(self.discount)
             mine.add_(getattr(part, name))
         self.num_dropped[index].add_(part.num_dropped)
-        self._changed()
+        self.mark_changed()
         return self
 
     @torch.no_grad()
     def discount_slot(self, index: int, gamma: float) -> MemoryBank:
         """Multiply slot `index`'s S, T, N and GCV statistic by gamma in (0, 1] (apply_discount for one slot)."""
-        index = self._check_slot(index)
+        index = self.check_slot(index)
         if isinstance(gamma, bool) or not isinstance(gamma, int | float) or not 0 < gamma <= 1:
             raise ValueError(f"gamma: expected a number in (0, 1], got {gamma!r}")
         for name in _STATISTICS:
             getattr(self, name)[index].mul_(gamma)
-        self._changed()
+        self.mark_changed()
         return self
 
     @torch.no_grad()
     def reset_slot(self, index: int) -> MemoryBank:
         """Zero slot `index`'s statistics and counters (the other slots keep theirs)."""
-        index = self._check_slot(index)
+        index = self.check_slot(index)
         for name in _STATE:
             getattr(self, name)[index].zero_()
-        self._changed()
+        self.mark_changed()
         return self
 
     @torch.no_grad()
     def load_slot(self, index: int, state: dict[str, torch.Tensor], *, source: object = "state") -> MemoryBank:
         """Copy one layer's statistics (LayerMemory.state_dict() names and shapes) into slot `index`."""
-        index = self._check_slot(index)
+        index = self.check_slot(index)
         expected = dict(self.slot(index).state_dict())
         if set(state) != set(expected):
             raise ValueError(f"{source}: expected tensors {sorted(expected)}, found {sorted(state)}")
@@ -134,7 +132,7 @@ class MemoryBank(FastWeights):
                 )
         for name, t in state.items():
             getattr(self, name)[index].copy_(t)
-        self._changed()
+        self.mark_changed()
         return self
 
 
@@ -157,7 +155,7 @@ class LayerMemory:
         if not isinstance(bank, MemoryBank):
             raise TypeError(f"bank: expected a faast.hf.bank.MemoryBank, got {type(bank).__name__}")
         self._bank = bank
-        self._index = bank._check_slot(index)
+        self._index = bank.check_slot(index)
 
     def __repr__(self) -> str:
         return (
@@ -373,106 +371,3 @@ class LayerMemory:
         """Forget everything this layer learned (the other layers keep theirs)."""
         self._bank.reset_slot(self._index)
         return self
-
-
-class BankCapture:
-    """The rows of every middle layer in one learning forward pass, gathered for one bank update.
-
-    The block hooks call `add` with each layer's block input; `keys`/`values` are written into buffers
-    [L, B, T-1, d] (the hidden states' dtype) with non-pairs zeroed, and the scores [B, T-1] float32 are kept per
-    slot. `update` then adds all layers with one `bank.update` (one Gram accumulation). A slot whose hook did not
-    run learns nothing.
-
-    Args:
-        layers: the middle layers in slot order.
-        pair_mask: [B, T-1] bool, True where tokens t and t+1 are both real.
-        differentiable: keep the scores' graph to the scorers (readout training).
-        workspace: buffers of a previous capture to reuse when their shape, dtype and device fit (a learning run
-            allocates them once instead of once per batch); never reused when differentiable.
-    """
-
-    def __init__(
-        self,
-        layers: Sequence[MemoryLayer],
-        pair_mask: torch.Tensor,
-        differentiable: bool,
-        workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
-        self.layers = list(layers)
-        self.pair_mask = pair_mask
-        self.differentiable = differentiable
-        self.workspace = None if differentiable else workspace
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.scores: list[torch.Tensor | None] = [None] * len(self.layers)
-        self.seen = [False] * len(self.layers)
-
-    def _buffers(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None:
-            shape = (len(self.layers), hidden.shape[0], hidden.shape[1] - 1, hidden.shape[2])
-            reuse = self.workspace
-            if (
-                reuse is not None
-                and reuse[0].shape == shape
-                and reuse[0].dtype == hidden.dtype
-                and (reuse[0].device == hidden.device)
-            ):
-                self.keys, self.values = reuse
-            else:
-                self.keys = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
-                self.values = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
-        return self.keys, self.values
-
-    def add(self, slot: int, hidden: torch.Tensor) -> None:
-        """Capture layer `slot`'s pairs from its block input hidden [B, T, d]."""
-        layer = self.layers[slot]
-        keys, values = self._buffers(hidden)
-        keep = self.pair_mask.unsqueeze(-1)
-        zero = hidden.new_zeros(())
-        # Non-pairs are zeroed (padding may hold anything, even NaN), so the scorer and the readout-training T see
-        # finite rows; the bank update still masks them out of S, T and N.
-        if hidden.dtype == keys.dtype:
-            torch.where(keep, hidden[:, :-1], zero, out=keys[slot])
-            torch.where(keep, hidden[:, 1:], zero, out=values[slot])
-        else:  # a model whose blocks change dtype: the buffers keep the first layer's
-            keys[slot].copy_(torch.where(keep, hidden[:, :-1], zero))
-            values[slot].copy_(torch.where(keep, hidden[:, 1:], zero))
-        if layer.scorer is not None:
-            with torch.set_grad_enabled(self.differentiable):
-                self.scores[slot] = layer.scores(keys[slot], values[slot])
-        self.seen[slot] = True
-
-    def update(self, bank: MemoryBank) -> torch.Tensor | None:
-        """Add every captured layer to `bank` in one update. Returns the step's T [L, dk, dv] float64 with the graph
-        to the scorers when differentiable (else None)."""
-        if self.keys is None:  # no block hook ran (e.g. FAAST disabled mid-pass): nothing to learn
-            return None
-        keys, values = self.keys, self.values
-        mask = self.pair_mask.unsqueeze(0).expand(len(self.layers), *self.pair_mask.shape)
-        if not all(self.seen):
-            missing = torch.tensor([not s for s in self.seen], device=mask.device)
-            mask = mask & ~missing.view(-1, 1, 1)
-            for slot, seen in enumerate(self.seen):
-                if not seen:
-                    keys[slot].zero_()
-                    values[slot].zero_()
-        scores = None
-        if any(s is not None for s in self.scores):
-            scores = torch.stack(
-                [s if s is not None else keys.new_zeros(keys.shape[1:3], dtype=torch.float32) for s in self.scores]
-            )
-        bank.update(keys, values, None if scores is None else scores.detach(), mask=mask)
-        if not (self.differentiable and scores is not None and scores.requires_grad):
-            return None
-        # T of this batch again, differentiable in the scores: K^T diag(s) V per layer over all rows (non-pairs are
-        # zero rows and add nothing), so no boolean indexing and no host sync.
-        flat = (len(self.layers), -1, keys.shape[-1])
-        k = keys.reshape(flat).to(torch.float64)
-        sv = scores.reshape(len(self.layers), -1, 1).to(torch.float64) * values.reshape(flat).to(torch.float64)
-        return k.mT @ sv
-
-    def release(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The buffers, for the next capture to reuse (None when they must not be reused)."""
-        if self.differentiable or self.keys is None:
-            return None
-        return self.keys, self.values

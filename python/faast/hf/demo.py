@@ -114,6 +114,7 @@ def _load_domain(args: argparse.Namespace, tokenizer: object) -> tuple[list[list
 def _learn_and_score(model: object, args: argparse.Namespace, learn_ids: list[list[int]],
                      eval_windows: list[list[int]]) -> dict:  # fmt: skip
     """Held-out perplexity before and after learning the domain, learning and solve times, state sizes."""
+    from .. import provenance
     from .evaluate import perplexity
 
     # Nothing learned yet: every memory layer passes h through exactly, so this is the base model's perplexity.
@@ -134,6 +135,9 @@ def _learn_and_score(model: object, args: argparse.Namespace, learn_ids: list[li
     keys_bf16 = stats.pairs * layers * cfg.hidden_size * 2 * 2  # keys + values, bf16, as the authors' bank holds them
     print(f"learned    {n_learn:,} tokens in {stats.seconds:.1f} s ({n_learn / stats.seconds:,.0f} tokens/s), "
           f"forward passes only, no gradient; solved in {solve_s:.1f} s")  # fmt: skip
+    # The speeds depend on the processor, above all on whether it multiplies bfloat16 natively: only there do the
+    # learning passes run under bfloat16 autocast (learn_dtype='auto').
+    print(f"machine    {provenance.machine(next(model.parameters()).device)}")
     print(f"state      {_mb(state)} learned (statistics and buffers, fixed whatever the token count); storing "
           f"the keys and values would take {_mb(keys_bf16)} in bf16 and grow with every token")  # fmt: skip
     return {

@@ -18,6 +18,7 @@ from torch import nn
 from .. import ops
 from ..memory import FastWeights
 from .bank import LayerMemory, MemoryBank
+from .capture import next_token_pairs, scored_cross
 from .config import FaastConfig
 
 
@@ -31,31 +32,25 @@ def _keep_dtype(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.T
     return apply
 
 
-def _memory_options(config: FaastConfig) -> dict:
+def memory_options(config: FaastConfig) -> dict:
+    """The FastWeights arguments a FaastConfig sets for every memory it builds: alpha, ridge and compute_dtype."""
     return {"alpha": config.alpha, "ridge": config.ridge, "compute_dtype": getattr(torch, config.compute_dtype)}
 
 
 def _memory(dim_key: int, dim_value: int, config: FaastConfig, device: torch.device | None) -> FastWeights:
-    return FastWeights(dim_key, dim_value, **_memory_options(config), device=device)
+    return FastWeights(dim_key, dim_value, **memory_options(config), device=device)
 
 
 def memory_bank(
     hidden_size: int, num_layers: int, config: FaastConfig, device: torch.device | None = None
 ) -> MemoryBank:
     """The shared statistics of `num_layers` middle memory layers: MemoryBank(d, d, batch_shape=(num_layers,))."""
-    return MemoryBank(hidden_size, hidden_size, batch_shape=(num_layers,), **_memory_options(config), device=device)
+    return MemoryBank(hidden_size, hidden_size, batch_shape=(num_layers,), **memory_options(config), device=device)
 
 
 def _solve_key(memory: FastWeights) -> tuple:
     # The statistics' versions and the filter settings: a user may retune memory.alpha after learning.
     return memory.solution_key
-
-
-def _pairs(hidden: torch.Tensor, pair_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys h[:, :-1] and values h[:, 1:] with non-pairs zeroed (padding may hold anything, even NaN)."""
-    keep = pair_mask.unsqueeze(-1)
-    zero = hidden.new_zeros(())
-    return torch.where(keep, hidden[:, :-1], zero), torch.where(keep, hidden[:, 1:], zero)
 
 
 class MemoryLayer(nn.Module):
@@ -101,7 +96,7 @@ class MemoryLayer(nn.Module):
         # A shared bank is registered once, by the model that owns it; a submodule here would repeat its statistics
         # in every layer's state_dict.
         self.__dict__["_bank"] = bank
-        self.slot = bank._check_slot(slot)
+        self.slot = bank.check_slot(slot)
         self.memory = LayerMemory(bank, self.slot)
         self.readout = nn.Linear(hidden_size, hidden_size, bias=False, device=device, dtype=torch.float32)
         nn.init.zeros_(self.readout.weight)
@@ -136,18 +131,14 @@ class MemoryLayer(nn.Module):
         differentiable: also keep this batch's T = K^T diag(s) V with the graph to the scorer (readout training).
         FaastModel.learn does not call this per layer: it captures every layer and updates the bank once.
         """
-        keys, values = _pairs(hidden, pair_mask)
+        keys, values = next_token_pairs(hidden, pair_mask)
         scores = None
         if self.scorer is not None:
             with torch.set_grad_enabled(differentiable):
                 scores = self.scores(keys, values)
         self.memory.update(keys, values, None if scores is None else scores.detach(), mask=pair_mask)
         if differentiable and scores is not None:
-            # Non-pairs are zero keys, so summing over every row adds nothing for them: no boolean indexing (and no
-            # host sync) needed.
-            k = keys.reshape(-1, keys.shape[-1]).to(torch.float64)
-            sv = scores.reshape(-1, 1).to(torch.float64) * values.reshape(-1, values.shape[-1]).to(torch.float64)
-            self.add_step_cross(k.mT @ sv)
+            self.add_step_cross(scored_cross(keys, values, scores))
 
     def add_step_cross(self, step: torch.Tensor) -> None:
         """Add a batch's differentiable T [d, d] float64 to this training step's (see begin_training_step)."""
@@ -168,9 +159,20 @@ class MemoryLayer(nn.Module):
         delta = self.step_cross_delta()
         if delta is not None:
             cross = cross + delta
-        self._train_weights = self.memory.solve_for(cross).to(torch.float32)
+        self.set_training_weights(self.memory.solve_for(cross).to(torch.float32))
+
+    @property
+    def training_weights(self) -> torch.Tensor | None:
+        """The differentiable W [d, d] float32 this layer reads during a training step, else None."""
+        return self._train_weights
+
+    def set_training_weights(self, weights: torch.Tensor) -> None:
+        """Read `weights` (W [d, d] float32, with the graph to the scorer) until end_training_step: the model's
+        begin_training_step solves every middle layer in one call and hands each its slice."""
+        self._train_weights = weights
 
     def end_training_step(self) -> None:
+        """Drop the training step's differentiable T and W: the layer reads the folded fast weights again."""
         self._step_cross = None
         self._train_weights = None
 
@@ -223,10 +225,7 @@ class OutputMemoryLayer(nn.Module):
 
     def learn(self, hidden: torch.Tensor, next_embeddings: torch.Tensor, pair_mask: torch.Tensor) -> None:
         """Add pairs (h_t, E[x_{t+1}]): hidden [B, T, d], next_embeddings [B, T-1, d_e], pair_mask [B, T-1]."""
-        keep = pair_mask.unsqueeze(-1)
-        zero = hidden.new_zeros(())
-        keys = torch.where(keep, hidden[:, :-1], zero)
-        values = torch.where(keep, next_embeddings, next_embeddings.new_zeros(()))
+        keys, values = next_token_pairs(hidden, pair_mask, next_embeddings)
         self.memory.update(keys, values, mask=pair_mask)
 
     def weights(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:

@@ -25,11 +25,12 @@ from torch import nn
 from .._version import __version__
 from ..checkpoint import load_checkpoint, save_state
 from ..memory import FastWeights
+from .base import CONFIG_NAME, BaseModelDelegate, eval_mode, freeze
 from .config import FaastConfig
-from .layers import _memory_options
+from .inputs import describe
+from .layers import memory_options
 from .targets import TARGETS
 
-CONFIG_NAME = "faast_config.json"  # as faast.hf.model: from_pretrained reads the same file for both model kinds
 IGNORE_INDEX = -100  # integer targets: rows labelled -100 are not learned (the transformers convention)
 PREFIX = "module_memories"  # their names in a fast-weights file: module_memories.<module path with '/'>.memory
 
@@ -90,7 +91,7 @@ class ModuleMemory(nn.Module):
         super().__init__()
         self.name = name
         self.fit = config.module_fit
-        self._options = _memory_options(config)
+        self._options = memory_options(config)
         self.memory: FastWeights | None = None
         if dims is not None:
             self.ensure(*dims, device=device)
@@ -178,7 +179,7 @@ class ModuleMemory(nn.Module):
             raise TypeError(f"targets[{self.name!r}]: expected a float or int64 tensor, got {targets.dtype}")
         if mask is not None:
             if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != tuple(rows):
-                raise ValueError(f"mask[{self.name!r}]: expected a bool tensor {list(rows)}, got {_describe(mask)}")
+                raise ValueError(f"mask[{self.name!r}]: expected a bool tensor {list(rows)}, got {describe(mask)}")
         keep = labelled if mask is None else (mask if labelled is None else mask & labelled)
         if self.fit == "residual":
             values = values - output.to(compute)
@@ -196,20 +197,14 @@ def _memory_device(entry: ModuleMemory, x: torch.Tensor) -> torch.device:
 
 def _check_pair(name: str, x: object, output: object, memory: FastWeights) -> None:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"target module {name!r}: expected a floating tensor input, got {_describe(x)}")
+        raise TypeError(f"target module {name!r}: expected a floating tensor input, got {describe(x)}")
     if not isinstance(output, torch.Tensor):
-        raise TypeError(f"target module {name!r}: expected its forward to return a tensor, got {_describe(output)}")
+        raise TypeError(f"target module {name!r}: expected its forward to return a tensor, got {describe(output)}")
     if x.shape[-1] != memory.dim_key or output.shape[-1] != memory.dim_value or x.shape[:-1] != output.shape[:-1]:
         raise ValueError(
             f"target module {name!r}: expected input [..., {memory.dim_key}] and output [..., {memory.dim_value}] "
             f"with the same rows, got {list(x.shape)} and {list(output.shape)}"
         )
-
-
-def _describe(x: object) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a {x.dtype} tensor of shape {list(x.shape)}"
-    return type(x).__name__
 
 
 def _first_input(args: tuple, kwargs: dict) -> object:
@@ -285,9 +280,9 @@ class ModuleMemories(nn.ModuleDict):
         (in eval mode, without its memory); targets and mask as ModuleMemory.learn. Returns the rows learned."""
         entry = self.entry(name)
         if not isinstance(inputs, torch.Tensor) or not inputs.is_floating_point():
-            raise TypeError(f"inputs: expected a floating tensor [..., d_in], got {_describe(inputs)}")
+            raise TypeError(f"inputs: expected a floating tensor [..., d_in], got {describe(inputs)}")
         module = self.__dict__["_model"].get_submodule(entry.name)
-        with torch.no_grad(), self.passthrough(), _eval_mode(module):
+        with torch.no_grad(), self.passthrough(), eval_mode(module):
             output = module(inputs)
             return int(entry.learn(inputs, output, targets, mask))
 
@@ -361,17 +356,6 @@ def _per_module(what: str, given: object, memories: ModuleMemories) -> dict[str,
     raise TypeError(f"{what}: expected a tensor or a mapping module name -> tensor, got {type(given).__name__}")
 
 
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    # Memories learn from the frozen model's deterministic activations: no dropout.
-    was = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was)
-
-
 def wants_module_model(model: nn.Module, config: FaastConfig) -> bool:
     """Whether apply_faast attaches module memories only (FaastModuleModel): target_modules are set, no middle
     layers are asked for and the model is not a language model (no entry in faast.hf.targets and no output
@@ -381,24 +365,6 @@ def wants_module_model(model: nn.Module, config: FaastConfig) -> bool:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     get_head = getattr(model, "get_output_embeddings", None)
     return model_type not in TARGETS and (get_head is None or get_head() is None)
-
-
-class BaseModelDelegate(nn.Module):
-    """An nn.Module wrapping `self.base_model`: unknown attributes, forward and generate go to the base model."""
-
-    def __getattr__(self, name: str):  # noqa: ANN204 - any attribute of the base model
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "base_model":
-                raise
-            return getattr(self._modules["base_model"], name)
-
-    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
-        return self.base_model(*args, **kwargs)
-
-    def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
-        return self.base_model.generate(*args, **kwargs)
 
 
 class FaastModuleModel(BaseModelDelegate):
@@ -425,8 +391,7 @@ class FaastModuleModel(BaseModelDelegate):
             }
         )
         self.base_model = base_model
-        for p in base_model.parameters():
-            p.requires_grad_(False)
+        freeze(base_model)
         self._disabled = 0
         self.module_memories = ModuleMemories(base_model, self.faast_config, enabled=lambda: self._disabled == 0)
 
@@ -460,7 +425,7 @@ class FaastModuleModel(BaseModelDelegate):
     ) -> int:
         """Run the base model on `model_inputs` and learn each target module from its captured inputs (see
         ModuleMemories.learn_forward). Returns the rows learned."""
-        with torch.no_grad(), _eval_mode(self.base_model):
+        with torch.no_grad(), eval_mode(self.base_model):
             return self.module_memories.learn_forward(lambda: self.base_model(*args, **model_inputs), targets, mask)
 
     def learn_module(

@@ -35,50 +35,22 @@ Measured on five local domains (benchmarks and choices: experiments/lm_domains.p
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from .. import ops
+from ..accumulator import Accumulator
+from ..hardware import native_bf16
 from ..memory import FastWeights
+from . import output_tuning as tuning
 from .config import FaastConfig
+from .output_tuning import HeldOutTail, Logits
 
 _log = logging.getLogger("faast.hf")
 
-# The step's Newton iteration on the held-out NLL: at most this many passes, stopping at a relative change of STEP_TOL;
-# η stays in [0, MAX_STEP] (0 keeps the base model when no step helps).
-STEP_ITERATIONS = 12
-STEP_TOL = 1e-3
-MAX_STEP = 4.0
-# The step is tuned on the last HELD_OUT_SHARE of the learned positions (at most tune_tokens of them), and only when
-# at least MIN_HELD_OUT are held out and MIN_FIT_TOKENS remain to fit on.
-HELD_OUT_SHARE = 0.2
-MIN_HELD_OUT = 128
-MIN_FIT_TOKENS = 256
-# ... and at least FIT_PER_KEY_DIM × d positions (d = the key width). A d×d map fitted on fewer is mostly noise, and a
-# tail cut from the same text cannot tell: SmolLM2 (d = 576) learning one 2K-token file chose a step 5× the one that
-# suits other files and doubled their perplexity, while three validation domains lost at most 2.4% by not stepping
-# (docs/design.md §6.3).
-FIT_PER_KEY_DIM = 4
-# With output_tune_tokens above TUNE_SAMPLE, the held-out NLL is evaluated on TUNE_SAMPLE positions spread evenly over
-# the held-out span (the fit still leaves out all of it): bounds the cost of the [n, V] logits. A longer span is not
-# better by default: 8192 chose a better step than 2048 on one domain and a worse one on another (docs/design.md §6.3).
-TUNE_SAMPLE = 2048
-# The fit that tunes the step also leaves out up to GAP_MULTIPLE × (held-out positions) of the tail's document just
-# before the tail: nearby text of the same document shares its names and phrasing (docs/design.md §6.3).
-GAP_MULTIPLE = 2
-# Probability space: η is searched on a geometric grid (factor 2, from MIN_GRID_STEP to MAX_STEP), then refined by
-# GOLDEN_ITERATIONS golden-section steps on log η between the best grid point's neighbours; for each η, λ in [0, 1] is
-# the exact minimiser of the held-out NLL (convex in λ), found by WEIGHT_ITERATIONS bisections of its derivative.
-MIN_GRID_STEP = 1 / 256
-GOLDEN_ITERATIONS = 8
-WEIGHT_ITERATIONS = 40
-# ... and a mixture is used only when its mean held-out gain per position exceeds MIN_GAIN_SE standard errors.
-MIN_GAIN_SE = 2.0
 # η when it cannot be tuned (too little text learned, nothing saved), per space, and λ when it is 'auto' and cannot be
 # tuned: chosen on the validation domains after 2K tokens, for probability space at the default weight 0.5 (docs/
 # design.md §6.3). output_default_step / output_default_weight override them.
@@ -98,39 +70,6 @@ def _head_logits(head: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | N
     return logits if bias is None else logits + bias.float()
 
 
-@functools.cache
-def _cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), read from /proc/cpuinfo (Linux)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def _moments(z0: torch.Tensor, z1: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row of logits z = z0 + η·z1 [n, V]: (logsumexp z, E_p[z1], E_p[z1²]) [n] with p = softmax(z), in blocks of
-    rows that bound the [rows, V] temporaries."""
-    out = []
-    for a, b in zip(z0.split(_CHUNK // 2), z1.split(_CHUNK // 2), strict=True):
-        z = torch.add(a, b, alpha=eta)
-        lse = torch.logsumexp(z, -1)
-        p = z.sub_(lse[:, None]).exp_()
-        m1 = (p * b).sum(-1)
-        out.append((lse, m1, p.mul_(b).mul_(b).sum(-1)))
-    return tuple(torch.cat(parts) for parts in zip(*out, strict=True))
-
-
-def _log_targets(
-    z0: torch.Tensor, z1: torch.Tensor, target0: torch.Tensor, target1: torch.Tensor, eta: float
-) -> torch.Tensor:
-    """log softmax(z0 + η·z1) at the targets [n] float64, for logits z0, z1 [n, V] and their entries at the targets
-    target0, target1 [n]; the logsumexp in blocks of rows that bound the [rows, V] temporaries."""
-    blocks = zip(z0.split(_CHUNK // 2), z1.split(_CHUNK // 2), strict=True)
-    lse = torch.cat([torch.logsumexp(torch.add(a, b, alpha=eta), -1) for a, b in blocks])
-    return (target0 + eta * target1 - lse).double()
-
-
 def _mixture_logits(z: torch.Tensor, dz: torch.Tensor, lam: float) -> torch.Tensor:
     """log((1 − λ)·softmax(z) + λ·softmax(z + dz)) [n, V] for logits z and their change dz [n, V] (left unchanged):
     log p0 + log(1 − λ) + softplus(dz − c + log(λ / (1 − λ))) with c = lse(z + dz) − lse(z),
@@ -140,46 +79,6 @@ def _mixture_logits(z: torch.Tensor, dz: torch.Tensor, lam: float) -> torch.Tens
     lse0 = torch.logsumexp(z, -1, keepdim=True)
     shift = torch.logsumexp(z + dz, -1, keepdim=True) - lse0 - math.log(lam / (1.0 - lam))
     return torch.nn.functional.softplus(dz - shift) + (z - lse0) + math.log1p(-lam)
-
-
-def _significant(log_base: torch.Tensor, log_memory: torch.Tensor, lam: float) -> bool:
-    """Whether mixing in log_memory with weight λ raises the mean log-likelihood of log_base [n] by more than
-    MIN_GAIN_SE standard errors of the gain per position: a sharp correction mixed in with a small weight raises the
-    held-out likelihood of random text a little, by chance."""
-    gain = _log_mixture(log_base, log_memory, lam) - log_base
-    return float(gain.mean()) > MIN_GAIN_SE * float(gain.std()) / math.sqrt(gain.numel())
-
-
-def _best_weight(log_base: torch.Tensor, log_memory: torch.Tensor) -> float:
-    """argmin over λ in [0, 1] of −mean log((1 − λ)·a + λ·b), a = exp(log_base), b = exp(log_memory) [n] float64:
-    convex in λ, so bisection of the derivative −mean((b − a) / mix)."""
-
-    def slope(lam: float) -> float:
-        log_mix = _log_mixture(log_base, log_memory, lam)
-        return float(((log_base - log_mix).exp() - (log_memory - log_mix).exp()).mean())
-
-    if slope(0.0) >= 0.0:
-        return 0.0
-    if slope(1.0) <= 0.0:
-        return 1.0
-    low, high = 0.0, 1.0
-    for _ in range(WEIGHT_ITERATIONS):
-        mid = 0.5 * (low + high)
-        low, high = (low, mid) if slope(mid) > 0.0 else (mid, high)
-    return 0.5 * (low + high)
-
-
-def _log_mixture(log_base: torch.Tensor, log_memory: torch.Tensor, lam: float) -> torch.Tensor:
-    """log((1 − λ)·exp(log_base) + λ·exp(log_memory)), elementwise."""
-    if lam <= 0.0:
-        return log_base
-    if lam >= 1.0:
-        return log_memory
-    return torch.logaddexp(log_base + math.log1p(-lam), log_memory + math.log(lam))
-
-
-def _mixture_nll(log_base: torch.Tensor, log_memory: torch.Tensor, lam: float) -> float:
-    return float(-_log_mixture(log_base, log_memory, lam).mean())
 
 
 def key_state(hidden: torch.Tensor) -> torch.Tensor:
@@ -201,14 +100,6 @@ def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if native_bf16(keys.device) else torch.float32
 
 
-def native_bf16(device: torch.device) -> bool:
-    """Whether `device` multiplies bfloat16 natively: a CUDA device that supports it, or a CPU with AVX512-BF16 or
-    AMX (on other CPUs bfloat16 products are emulated and slower than float32)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and _cpu_has_bf16()
-
-
 class ResidualOutputLayer(nn.Module):
     """A correction η·h̃·W of the final norm's output h̃, W a Newton step fitted to the head's log-likelihood
     gradients, read in probability space (a mixture with the base prediction, weight λ) or in logit space.
@@ -220,8 +111,10 @@ class ResidualOutputLayer(nn.Module):
     Attributes:
         memory: FastWeights(d + extra_key_size, d) of keys [h̃; extra] (h̃ alone when extra_key_size is 0) and
             values r = H[y] − pH (float64 statistics).
-        curvature: FastWeights(d, 1) whose `gram` accumulates the head's Fisher Σ_t Cov_{p_t}(H) and `count` the
-            positions (so faast.distributed and checkpoints sum and store it like any memory).
+        curvature: Accumulator whose `gram` [d, d] sums μ_t μ_tᵀ (μ_t = p_t H) and `count` the positions;
+        token_mass: Accumulator whose `probability` [V] sums p_t. Together they give the head's Fisher
+            Σ_t Cov_{p_t}(H) = Hᵀ diag(Σ p) H − Σ μ μᵀ; faast.distributed and checkpoints sum and store them like
+            the memory.
         space: 'probability' or 'logit' (FaastConfig.output_space).
         step: 'auto' (tuned on the held-out tail at each solve) or a fixed η.
         weight: the mixture weight λ in probability space: 'auto' (tuned with η) or a fixed number in [0, 1].
@@ -248,11 +141,10 @@ class ResidualOutputLayer(nn.Module):
         # values stay the d-wide gradients.
         self.memory = FastWeights(d + extra_key_size, d, alpha=config.output_alpha, compute_dtype=compute,
                                   device=device)  # fmt: skip
-        # The Fisher Σ_t Cov_{p_t}(H) = Hᵀ diag(Σ_t p_t) H − Σ_t μ_t μ_tᵀ is kept as its two sums, each in a
-        # FastWeights so that checkpoints and faast.distributed handle them like any memory: `curvature.gram` holds
-        # Σ μ μᵀ [d, d] and `token_mass.cross[0]` holds Σ p [V]. The V×d×d product is formed once per solve.
-        self.curvature = FastWeights(d, 1, compute_dtype=compute, device=device)
-        self.token_mass = FastWeights(1, vocab_size, compute_dtype=compute, device=device)
+        # The Fisher Σ_t Cov_{p_t}(H) = Hᵀ diag(Σ_t p_t) H − Σ_t μ_t μ_tᵀ is kept as its two sums; the V×d×d
+        # product is formed once per solve.
+        self.curvature = Accumulator({"gram": (d, d)}, device=device)
+        self.token_mass = Accumulator({"probability": (vocab_size,)}, device=device)
         self.step, self.damping = config.output_step, float(config.output_damping)
         self.space, self.weight = config.output_space, config.output_weight
         default_step = config.output_default_step
@@ -263,7 +155,7 @@ class ResidualOutputLayer(nn.Module):
         self.head_dtype = config.output_head_dtype
         # The held-out tail: the last tune_tokens learned positions (h̃ [n, d] float32, y [n], mask [n]). Learning
         # state of this process (not saved): after a load, step='auto' uses default_step until more text is learned.
-        self._tail: list[tuple[torch.Tensor, ...]] = []
+        self.held_out = HeldOutTail(self.tune_tokens)
         # The step and weight saved with the statistics (FaastModel.save_fast_weights writes the ones in use): after
         # a load they stand in for the defaults until they can be tuned again, so a loaded model reads like the saved
         # one.
@@ -292,7 +184,7 @@ class ResidualOutputLayer(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
         self._folded = None
-        self._tail = []
+        self.held_out.clear()
         return super()._apply(fn, recurse)
 
     # ------------------------------------------------------------------ learning
@@ -318,19 +210,14 @@ class ResidualOutputLayer(nn.Module):
                              f"{tuple(targets.shape)} and {tuple(pair_mask.shape)}")  # fmt: skip
         if documents is not None and documents.shape != keys.shape[:1]:
             raise ValueError(f"documents: expected shape {tuple(keys.shape[:1])}, got {tuple(documents.shape)}")
-        grads, mean_gram, prob_sum = self._gradients(states, targets, pair_mask)
+        grads, mean_gram, prob_sum = self.gradients(states, targets, pair_mask)
         k = keys if keys.dtype == torch.float64 else keys.float()
         self.memory.update(k, grads.to(k.dtype), mask=pair_mask)
         positions = pair_mask.sum().to(torch.float64)
-        # Sums of the head's outputs, not rows of keys and values: added to the buffers directly.
-        for memory, gram, cross in ((self.curvature, mean_gram, None), (self.token_mass, positions, prob_sum)):
-            memory.gram.add_(gram.to(memory.gram.dtype))
-            if cross is not None:
-                memory.cross[0].add_(cross.to(memory.cross.dtype))
-            memory.count.add_(positions.to(memory.count.dtype))
-            memory._changed()
+        self.curvature.add(count=positions, gram=mean_gram)
+        self.token_mass.add(count=positions, probability=prob_sum)
         if self.tune_tokens:
-            self._keep_tail(keys, targets, pair_mask, documents)
+            self.held_out.keep(keys, targets, pair_mask, documents)
 
     def keys(self, hidden: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
         """The keys [..., d + extra_key_size] of hidden [..., d] (the final norm's output) and extra [...,
@@ -345,25 +232,12 @@ class ResidualOutputLayer(nn.Module):
                              f"widen the keys), got {got}")  # fmt: skip
         return torch.cat([hidden, extra.to(hidden.dtype)], -1)
 
-    def _keep_tail(self, keys, targets, pair_mask, documents) -> None:  # noqa: ANN001 - learn's tensors
-        """Keep the last (1 + GAP_MULTIPLE)·tune_tokens learned positions (states, targets, documents): the held-out
-        tail and, before it, the positions of its first document the fit must leave out too. Only learned positions
-        are kept: with right-padded batches the last positions of a batch are often padding (selecting them costs a
-        host sync, as the learn step's own counts do)."""
-        d = keys.shape[-1]
-        docs = torch.full(keys.shape[:2], -1, dtype=torch.long, device=keys.device)
-        if documents is not None:
-            docs = docs.copy_(documents.to(torch.long)[:, None].expand_as(docs))
-        keep = pair_mask.reshape(-1)
-        new = (keys.reshape(-1, d)[keep].float(), targets.reshape(-1)[keep], docs.reshape(-1)[keep])
-        if self._tail:
-            new = tuple(torch.cat([old, part]) for old, part in zip(self._tail[0], new, strict=True))
-        self._tail = [tuple(t[-(1 + GAP_MULTIPLE) * self.tune_tokens :] for t in new)]
-
-    def _gradients(
+    def gradients(
         self, keys: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(r [B, T-1, d] float32, zero where masked; Σ μ μᵀ [d, d] and Σ p [V] float64 over unmasked positions)."""
+        """For the head's inputs keys [B, T-1, d] (h̃), the next tokens targets [B, T-1] and mask [B, T-1] (bool): (the
+        log-likelihood gradients r = H[y] − pH [B, T-1, d] float32, zero where masked; Σ μ μᵀ [d, d] and Σ p [V]
+        float64 over unmasked positions)."""
         weight = self.head.weight
         d = keys.shape[-1]
         flat, ys, keep = keys.reshape(-1, d), targets.reshape(-1), mask.reshape(-1)
@@ -388,21 +262,21 @@ class ResidualOutputLayer(nn.Module):
 
     # ------------------------------------------------------------------ solving
 
-    def _curvature(self) -> torch.Tensor:
+    def damped_curvature(self) -> torch.Tensor:
         """(C/N + δ·mean(diag(C/N))·I) [d, d] float64: the damped mean Fisher of the head."""
         n = self.curvature.count.clamp_min(1.0)
         curvature = (self._head_second_moment() - self.curvature.gram) / n
         shift = self.damping * curvature.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
         return curvature + shift * torch.eye(curvature.shape[-1], dtype=torch.float64, device=curvature.device)
 
-    def _newton(  # noqa: ANN202
+    def newton(
         self,
         gram: torch.Tensor,
         cross: torch.Tensor,
         count: torch.Tensor,
         curvature: torch.Tensor,
         width: int | None = None,
-    ):
+    ) -> torch.Tensor:
         """W = S⁺T·curvature⁻¹, float64 [d_key, d], for the given key statistics, fitted on the first `width` key
         columns only (the rows of W beyond them are 0): S's leading block and T's leading rows are exactly the
         statistics of the narrower keys. width None: all of them."""
@@ -415,96 +289,27 @@ class ResidualOutputLayer(nn.Module):
 
     def _head_second_moment(self) -> torch.Tensor:
         """Hᵀ diag(Σ p) H [d, d] float64, formed in float32 blocks of the vocabulary (summed in float64)."""
-        weight, mass = self.head.weight, self.token_mass.cross[0]
+        weight, mass = self.head.weight, self.token_mass.probability
         out = torch.zeros((weight.shape[1],) * 2, dtype=torch.float64, device=weight.device)
         for i in range(0, weight.shape[0], 8192):
             h = weight[i : i + 8192].float()
             out += ((h.T * mass[i : i + 8192].float()) @ h).double()
         return out
 
-    def _tail_statistics(self, held: int) -> tuple[torch.Tensor, ...]:
-        """(keys [n, d] and targets [n] of at most TUNE_SAMPLE positions spread over the last `held` learned positions;
-        the S, T and count of the positions the fit leaves out; how many of those precede the tail).
-
-        Left out: the `held` tail positions and, when the first of them belongs to a known document that started
-        earlier, up to GAP_MULTIPLE·`held` positions of that document just before the tail, as long as `_min_fit()`
-        positions remain to fit on. Text next to the tail in the same document shares its names and phrasing, so a fit
-        that saw it rewards a larger step than text of another document would (docs/design.md §6.3)."""
-        keys, ys, docs = self._tail[0]
-        first = int(docs[-held])
-        gap = 0
-        if first >= 0:
-            before = docs[max(0, docs.shape[0] - (1 + GAP_MULTIPLE) * held) : -held]
-            gap = int((before == first).sum())  # the document's positions are contiguous: the last `gap` of them
-            if int(self.memory.count) - held - gap < self._min_fit():
-                gap = 0  # one document (nearly) all along: the tail alone is held out
-        out_k, out_y = keys[-held - gap :], ys[-held - gap :]
+    def tail_statistics(self, held: int, *, leave_out_document: bool = True) -> tuple[torch.Tensor, ...]:
+        """(keys [n, d_key] and targets [n] of the held-out positions the step is tuned on; the S, T and count of the
+        positions the fit leaves out; how many of those precede the tail): see HeldOutTail.split. leave_out_document:
+        False holds out the tail alone (the text before it in its document stays in the fit)."""
+        keys, ys, out_k, out_y, gap = self.held_out.split(
+            held, int(self.memory.count), self._min_fit(), leave_out_document=leave_out_document
+        )
         every = torch.ones_like(out_y, dtype=torch.bool)[None]
-        grads, _, _ = self._gradients(out_k[None, :, : self.hidden_size], out_y[None], every)
+        grads, _, _ = self.gradients(out_k[None, :, : self.hidden_size], out_y[None], every)
         k64, g64 = out_k.double(), grads[0].double()
-        count = torch.tensor(float(held + gap), dtype=torch.float64, device=keys.device)
-        sample = torch.linspace(0, held - 1, min(held, TUNE_SAMPLE), device=keys.device).round().long()
-        return keys[-held:][sample], ys[-held:][sample], k64.T @ k64, k64.T @ g64, count, gap
+        count = torch.tensor(float(held + gap), dtype=torch.float64, device=out_k.device)
+        return keys, ys, k64.T @ k64, k64.T @ g64, count, gap
 
-    def _tune(
-        self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, weight: float = 1.0, logits: tuple | None = None
-    ) -> tuple[float, list[tuple[float, float]]]:
-        """The step η >= 0 minimising the mean NLL of targets ys [n] under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1)
-        (λ = weight; at 1, the logits z0 + η·z1), z1 the logits' change for the correction keys·w. A safeguarded
-        1-D Newton iteration from η = 0, each pass giving the NLL and its first two derivatives in η: at λ = 1 the NLL
-        is convex in η; a mixture's need not be, and the bracket from the derivative's sign keeps the iteration on
-        the minimum it starts towards. A mixture's η is 0 unless it helps (`_significant`). Returns (η, [(η_i, NLL_i)
-        per iteration]). logits: `_tail_logits(keys, ys, w)` when already computed."""
-        z0, z1, target0, target1 = self._tail_logits(keys, ys, w) if logits is None else logits
-        log_base = (target0 - torch.logsumexp(z0, -1)).double() if weight < 1.0 else None
-        eta, low, high, trace = 0.0, 0.0, MAX_STEP, []
-        for _ in range(STEP_ITERATIONS):
-            lse, m1, m2 = _moments(z0, z1, eta)
-            gap, spread = (target1 - m1).double(), (m2 - m1 * m1).double()  # d/dη log p_y; Var_p(z1)
-            log_memory = (target0 + eta * target1 - lse).double()
-            if log_base is None:
-                nll, grad, curv = float(-log_memory.mean()), float(-gap.mean()), float(spread.mean())
-            else:
-                log_mixture = _log_mixture(log_base, log_memory, weight)
-                share = (log_memory - log_mixture).exp() * weight  # λ·p_y / mixture, in [0, 1]
-                nll = float(-log_mixture.mean())
-                grad = float(-(share * gap).mean())
-                curv = float((share * spread + (share * share - share) * gap * gap).mean())
-            trace.append((eta, nll))
-            if eta == 0.0 and grad >= 0:  # convex and rising from 0: no step helps
-                break
-            # The derivative's sign brackets the minimum; a Newton step that leaves the bracket is replaced by
-            # bisection (far from the minimum the curvature in η can be tiny and the step wild).
-            if grad > 0:
-                high = eta
-            else:
-                low = eta
-            new = eta - grad / curv if curv > 0 else float("inf")
-            if not low < new < high:
-                new = 0.5 * (low + high)
-            done = abs(new - eta) <= STEP_TOL * max(eta, 1e-2) or high - low <= STEP_TOL * max(high, 1e-2)
-            eta = new
-            if done:
-                break
-        if log_base is not None and eta > 0.0:
-            log_memory = _log_targets(z0, z1, target0, target1, eta)
-            if not _significant(log_base, log_memory, weight):
-                eta = 0.0
-        return eta, trace
-
-    @staticmethod
-    def _held_out_nll(logits: tuple[torch.Tensor, ...], eta: float, lam: float) -> float:
-        """Mean NLL of the targets under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1), logits = (z0, z1, their entries
-        at the targets) from `_tail_logits`."""
-        z0, z1, target0, target1 = logits
-        log_base = (target0 - torch.logsumexp(z0, -1)).double()
-        if eta <= 0.0 or lam <= 0.0:
-            return float(-log_base.mean())
-        return _mixture_nll(log_base, _log_targets(z0, z1, target0, target1, eta), lam)
-
-    def _tail_logits(
-        self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, base: tuple | None = None
-    ) -> tuple[torch.Tensor, ...]:
+    def tail_logits(self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, base: tuple | None = None) -> Logits:
         """(z0, z1 [n, V] float32: the logits of the keys' h̃ and their change per unit step, keys·w through the head
         without its bias; their entries at the targets ys [n]). base: (z0, its entries) of an earlier call on the
         same keys, reused."""
@@ -517,65 +322,17 @@ class ResidualOutputLayer(nn.Module):
             z1 -= bias.float()
         return base[0], z1, base[1], z1.gather(-1, ys[:, None]).squeeze(-1)
 
-    def _tune_mixture(
-        self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, step: float | None, logits: tuple | None = None
-    ) -> tuple[float, float, list[tuple[float, float, float]]]:
-        """(η, λ) minimising the mean NLL of targets ys [n] under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1), with
-        η held at `step` when not None (output_weight='auto'). For each η the NLL is convex in λ (bisection of its
-        derivative); η is searched on a geometric grid, then by golden section on log η around the best grid point.
-        Returns (η, λ, [(η_i, λ_i, NLL_i)] sorted by η); (0, 0) when no mixture helps (`_significant`). logits:
-        `_tail_logits(keys, ys, w)` when already computed."""
-        z0, z1, target0, target1 = self._tail_logits(keys, ys, w) if logits is None else logits
-        log_base = (target0 - torch.logsumexp(z0, -1)).double()
-        seen: dict[float, tuple[float, float]] = {}
-
-        def log_memory(eta: float) -> torch.Tensor:
-            return _log_targets(z0, z1, target0, target1, eta)
-
-        def nll(eta: float) -> float:
-            if eta not in seen:
-                log_memory_eta = log_memory(eta)
-                lam = _best_weight(log_base, log_memory_eta)
-                seen[eta] = (_mixture_nll(log_base, log_memory_eta, lam), lam)
-            return seen[eta][0]
-
-        if step is not None:
-            nll(step)
-        else:
-            grid = [MIN_GRID_STEP * 2.0**i for i in range(int(math.log2(MAX_STEP / MIN_GRID_STEP)) + 1)]
-            best = min(range(len(grid)), key=lambda i: nll(grid[i]))
-            low, high = math.log(grid[max(best - 1, 0)]), math.log(grid[min(best + 1, len(grid) - 1)])
-            ratio = (math.sqrt(5.0) - 1.0) / 2.0
-            left, right = high - ratio * (high - low), low + ratio * (high - low)
-            f_left, f_right = nll(math.exp(left)), nll(math.exp(right))
-            for _ in range(GOLDEN_ITERATIONS):  # one new point per iteration
-                if f_left < f_right:
-                    high, right, f_right = right, left, f_left
-                    left = high - ratio * (high - low)
-                    f_left = nll(math.exp(left))
-                else:
-                    low, left, f_left = left, right, f_right
-                    right = low + ratio * (high - low)
-                    f_right = nll(math.exp(right))
-        eta = min(seen, key=lambda e: seen[e][0])
-        lam = seen[eta][1]
-        trace = [(e, seen[e][1], seen[e][0]) for e in sorted(seen)]
-        if lam <= 0.0 or not _significant(log_base, log_memory(eta), lam):
-            return 0.0, 0.0, trace
-        return eta, lam, trace
-
     def _min_fit(self) -> int:
         """Fewest positions the step's tuning fit may have: MIN_FIT_TOKENS, and FIT_PER_KEY_DIM per key dimension."""
-        return max(MIN_FIT_TOKENS, FIT_PER_KEY_DIM * self.hidden_size)
+        return max(tuning.MIN_FIT_TOKENS, tuning.FIT_PER_KEY_DIM * self.hidden_size)
 
     def held_out_positions(self) -> int:
         """Positions the step is tuned on: the last HELD_OUT_SHARE of what was learned, at most tune_tokens (0 when
         too little text was learned to fit on the rest, or after a load: the tail is learning state of this
         process)."""
         learned = int(self.memory.count)
-        kept = self._tail[0][0].shape[0] if self._tail else 0
-        held = min(kept, self.tune_tokens, int(learned * HELD_OUT_SHARE))
-        return held if held >= MIN_HELD_OUT and learned - held >= self._min_fit() else 0
+        held = min(len(self.held_out), self.tune_tokens, int(learned * tuning.HELD_OUT_SHARE))
+        return held if held >= tuning.MIN_HELD_OUT and learned - held >= self._min_fit() else 0
 
     def _fixed_weight(self) -> float | None:
         """λ when it is not tuned: 1 in logit space (the correction replaces the base logits), else the configured
@@ -588,7 +345,7 @@ class ResidualOutputLayer(nn.Module):
         """Key widths a fit on `fitted` positions may use: h̃ alone (d), and the full keys when they are wider and
         at least FIT_PER_KEY_DIM positions per key dimension are fitted."""
         d, full = self.hidden_size, self.memory.dim_key
-        return [d, full] if full > d and fitted >= FIT_PER_KEY_DIM * full else [d]
+        return [d, full] if full > d and fitted >= tuning.FIT_PER_KEY_DIM * full else [d]
 
     def _choose_step(self, curvature: torch.Tensor) -> tuple[float, float, int]:
         """(η, λ, key width) for the current statistics: fixed ones, tuned ones, or the saved/default ones when too
@@ -612,7 +369,7 @@ class ResidualOutputLayer(nn.Module):
             self.last_tuning = {"step": step, "weight": weight, "tuned": False, "saved_step": restored,
                                 "key_width": width}  # fmt: skip
             return step, weight, width
-        keys, ys, s_tail, t_tail, n_tail, gap = self._tail_statistics(held)
+        keys, ys, s_tail, t_tail, n_tail, gap = self.tail_statistics(held)
         memory = self.memory
         dt = memory.gram.dtype
         fitted = int(memory.count) - held - gap
@@ -620,16 +377,16 @@ class ResidualOutputLayer(nn.Module):
         for width in widths:
             # Fitted without the held-out positions: their statistics subtract exactly. The curvature keeps them: it
             # depends on the model's predictions only, not on the tokens that followed.
-            w = self._newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
+            w = self.newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
                              curvature, width)  # fmt: skip
-            logits = self._tail_logits(keys, ys, w, base)
+            logits = self.tail_logits(keys, ys, w, base)
             base = (logits[0], logits[2])  # the base logits are the same for every width
             if fixed_weight is None:  # 'auto': η and λ together
-                eta, lam, trace = self._tune_mixture(keys, ys, w, fixed_step, logits)
+                eta, lam, trace = tuning.tune_mixture(logits, fixed_step)
             else:
-                (eta, trace), lam = self._tune(keys, ys, w, fixed_weight, logits), fixed_weight
+                (eta, trace), lam = tuning.tune_step(logits, fixed_weight), fixed_weight
             # Only a choice between widths needs the held-out NLL of what each would read.
-            best = self._held_out_nll(logits, eta, lam) if len(widths) > 1 else 0.0
+            best = tuning.held_out_nll(logits, eta, lam) if len(widths) > 1 else 0.0
             results[width] = (best, eta, lam, trace)
         # The narrower keys win ties: a wider W fitted on the same text is the noisier one.
         width = min(results, key=lambda k: (results[k][0], k))
@@ -647,17 +404,17 @@ class ResidualOutputLayer(nn.Module):
         d when M reads h̃ alone, d + extra_key_size when it reads the full keys. Cached until the statistics or the
         settings change."""
         compute = dtype if dtype in (torch.float64, torch.bfloat16, torch.float16) else torch.float32
-        key = (self.memory.solution_key, self.curvature.solution_key, self.token_mass.solution_key, self.step,
+        key = (self.memory.solution_key, self.curvature.state_key, self.token_mass.state_key, self.step,
                self.weight, self.space, self.damping, self.tune_tokens, self.default_step, self.default_weight,
                device, compute)  # fmt: skip
         if self._folded is None or self._folded[0] != key:
             m, lam, width = None, 0.0, self.hidden_size
             if float(self.memory.count) > 0:
-                curvature = self._curvature()
+                curvature = self.damped_curvature()
                 eta, lam, width = self._choose_step(curvature)
                 if eta > 0 and lam > 0:
                     memory = self.memory
-                    w = self._newton(memory.gram, memory.cross, memory.count, curvature, width)
+                    w = self.newton(memory.gram, memory.cross, memory.count, curvature, width)
                     m = (eta * w[:width]).to(compute)
             self._folded = (key, m, lam, width)
         return self._folded[1], self._folded[2]
@@ -704,11 +461,18 @@ class ResidualOutputLayer(nn.Module):
         self._restored_width = key_width
         self._folded = None
 
+    def discard_held_out(self) -> None:
+        """Drop the held-out tail (learning state of this process): after a load, the positions learned before it
+        are not in the loaded statistics, so they must not tune the step."""
+        self.held_out.clear()
+        self._folded = None
+
     def forget(self) -> None:
         """Drop everything learned: the statistics, the held-out buffer and any saved step and weight."""
         for memory in (self.memory, self.curvature, self.token_mass):
             memory.reset()
-        self._tail, self._restored_step, self._restored_weight, self._restored_width = [], None, None, None
+        self.held_out.clear()
+        self._restored_step, self._restored_weight, self._restored_width = None, None, None
         self._folded, self.last_tuning = None, None
 
     def forward(self, hidden: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -758,4 +522,4 @@ class ResidualOutputLayer(nn.Module):
     def tail_capacity_bytes(self) -> int:
         """Bytes the held-out buffer takes when full: (1 + GAP_MULTIPLE)·tune_tokens positions (float32 states, int64
         ids and documents)."""
-        return (1 + GAP_MULTIPLE) * self.tune_tokens * (self.memory.dim_key * 4 + 8 + 8)
+        return self.held_out.capacity_bytes(self.memory.dim_key)

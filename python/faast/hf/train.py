@@ -114,9 +114,9 @@ def training_step(model: FaastModel, batch: dict[str, torch.Tensor], discount: f
     else:
         learn_ids = learn_ids.to(device)
         learn_mask = torch.ones_like(learn_ids) if learn_mask is None else learn_mask.to(device)
-    for memory in model.fast_weights():  # the middle layers' bank in one call, then the output layer
-        memory.apply_discount(discount)
-    model._learn_batch(learn_ids, learn_mask, differentiable=True)
+    for _, state in model.learned_state():  # the middle layers' bank in one call, then the output layer's state
+        state.apply_discount(discount)
+    model.learn_batch(learn_ids, learn_mask, differentiable=True)
     model.begin_training_step()  # one solve for every middle layer
     out = model(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask), use_cache=False)
     return out.loss

@@ -1,0 +1,48 @@
+"""What every faast model shares about the frozen model it wraps: the delegating wrapper, freezing, eval mode while
+learning, and the name of the configuration file both model kinds save."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+
+# FaastModel and FaastModuleModel save their FaastConfig under this name; faast.hf.from_pretrained reads it for both.
+CONFIG_NAME = "faast_config.json"
+
+
+class BaseModelDelegate(nn.Module):
+    """An nn.Module wrapping `self.base_model`: unknown attributes, forward and generate go to the base model."""
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - any attribute of the base model
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "base_model":
+                raise
+            return getattr(self._modules["base_model"], name)
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
+        return self.base_model(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
+        return self.base_model.generate(*args, **kwargs)
+
+
+def freeze(model: nn.Module) -> None:
+    """Turn off gradients of every parameter of `model`: faast never trains the base model."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Inside, `model` is in eval mode (restored after): memories learn from the frozen model's deterministic
+    activations, so no dropout, even while a readout is being trained."""
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)

@@ -1,0 +1,198 @@
+"""The learning loop of a FaastModel: one forward pass of the decoder per batch, statistics added after it.
+
+A batch's pass runs the backbone without the LM head (the residual output layer computes the head's logits for the
+learned positions itself), in eval mode, with the module memories passing through, so every layer learns from the base
+model's own activations. The hooks only capture during the pass (faast/hf/hooks.py); every statistic is added after
+it, so an error inside the pass learns nothing from that batch. Hidden states are left unchanged (docs/design.md §6.4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..hardware import native_bf16
+from .bank import MemoryBank
+from .base import eval_mode
+from .capture import BankCapture
+from .hooks import LearnPass, ModelHooks
+from .inputs import Batch, check_batch, check_labels
+from .layers import MemoryLayer, OutputMemoryLayer
+from .modules import ModuleMemories
+from .output import ResidualOutputLayer
+
+_log = logging.getLogger("faast.hf")
+
+
+@dataclass
+class LearnStats:
+    """What a learn call consumed: tokens fed (real, unpadded; a text cut into w overlapping windows counts its w - 1
+    shared tokens twice), pairs added per memory layer (each adjacent pair of the text once), wall time."""
+
+    tokens: int = 0
+    pairs: int = 0
+    batches: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def __iadd__(self, other: LearnStats) -> LearnStats:
+        self.tokens += other.tokens
+        self.pairs += other.pairs
+        self.batches += other.batches
+        self.seconds += other.seconds
+        return self
+
+
+class Learner:
+    """Runs a FaastModel's learning passes and owns the loop's state: the document numbering (the residual output
+    layer's step tuning keeps texts apart) and the capture buffers reused within one learn call.
+
+    Args:
+        base_model: the transformers model; backbone: its decoder without the LM head.
+        hooks: the model's ModelHooks; bank: the middle layers' MemoryBank (None without middle layers);
+        middle_layers: the MemoryLayers in slot order; output_layer: the output layer or None;
+        module_memories: the target_modules memories (they pass through while the LM layers learn);
+        learn_dtype: FaastConfig.learn_dtype ('auto', 'model' or 'bfloat16').
+    """
+
+    def __init__(
+        self,
+        base_model: nn.Module,
+        backbone: nn.Module,
+        hooks: ModelHooks,
+        bank: MemoryBank | None,
+        middle_layers: list[MemoryLayer],
+        output_layer: ResidualOutputLayer | OutputMemoryLayer | None,
+        module_memories: ModuleMemories,
+        learn_dtype: str,
+    ) -> None:
+        self.base_model, self.backbone, self.hooks = base_model, backbone, hooks
+        self.bank, self.middle_layers, self.output_layer = bank, list(middle_layers), output_layer
+        self.module_memories, self.learn_dtype = module_memories, learn_dtype
+        self._documents = 0  # texts learned so far: numbers each window's document
+        # Capture buffers [L, B, T-1, d], reused by the next batch of the same shape; dropped at the end of a call.
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def learn_batch(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        labels: torch.Tensor | None = None,
+        differentiable: bool = False,
+        documents: torch.Tensor | None = None,
+    ) -> LearnStats:
+        """Learn one batch: input_ids [B, T] int64, attention_mask [B, T] (None: all real), labels [B, T] (-100: the
+        pair predicting that position is not learned), documents [B] int64 (each row's text, for the step tuning).
+        differentiable: keep each middle layer's T with the graph to its scorer (readout training)."""
+        input_ids, mask = check_batch(input_ids, attention_mask, self.base_model)
+        started = time.perf_counter()
+        pair_mask = mask[:, :-1] & mask[:, 1:]
+        targets = input_ids[:, 1:]
+        if labels is not None:
+            labels = check_labels(labels, input_ids, self.base_model)
+            # The Hugging Face convention: labels[:, t+1] is the target after position t; -100 is not learned.
+            pair_mask = pair_mask & (labels[:, 1:] != -100)
+            targets = torch.where(pair_mask, labels[:, 1:], targets)
+        # Positions count real tokens only, so a left-padded row learns exactly what the unpadded text gives.
+        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        next_embeddings = None
+        if isinstance(self.output_layer, OutputMemoryLayer):
+            next_embeddings = self.base_model.get_input_embeddings()(input_ids[:, 1:])
+        capture = None
+        if self.bank is not None:
+            scorers = [None if layer.scorer is None else layer.scores for layer in self.middle_layers]
+            capture = BankCapture(scorers, pair_mask, differentiable, workspace=self._workspace)
+        with (
+            self.hooks.learning(LearnPass(pair_mask, next_embeddings, capture)) as learn_pass,
+            torch.set_grad_enabled(differentiable),
+            eval_mode(self.base_model),
+            self.module_memories.passthrough(),  # every layer learns from the base model's own activations
+            self._autocast(input_ids.device, differentiable),
+        ):
+            self.backbone(input_ids=input_ids, attention_mask=mask.long(), position_ids=positions, use_cache=False)
+        # Every statistic is added after the pass, so an error inside it (or in the bank's checks) learns nothing.
+        if capture is not None:
+            with torch.set_grad_enabled(differentiable):
+                step = capture.update(self.bank)
+            self._workspace = capture.release()
+            if step is not None:
+                for layer in self.middle_layers:
+                    layer.add_step_cross(step[layer.slot])
+        rows = learn_pass.output_rows
+        if rows is not None and isinstance(self.output_layer, ResidualOutputLayer):
+            self.output_layer.learn(rows[0], targets, pair_mask, documents, self.hooks.extra_keys(rows[0]))
+        elif rows is not None:
+            self.output_layer.memory.update(*rows, mask=pair_mask)
+        # One host sync for both counts.
+        tokens, pairs = torch.stack([mask.sum(), pair_mask.sum()]).tolist()
+        return LearnStats(tokens=tokens, pairs=pairs, batches=1, seconds=time.perf_counter() - started)
+
+    def _autocast(self, device: torch.device, differentiable: bool) -> contextlib.AbstractContextManager:
+        """bfloat16 autocast for the pass where learn_dtype asks for it (never while training the readout: its
+        gradients keep the model's precision). The captured states stay float32: the residual stream and the norms'
+        outputs are float32 under autocast, only the matrix products inside the blocks round."""
+        if differentiable or self.learn_dtype == "model":
+            return contextlib.nullcontext()
+        if self.learn_dtype == "auto":
+            weights = self.base_model.get_input_embeddings().weight
+            if weights.dtype != torch.float32 or not native_bf16(device):
+                return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def learn_tensor(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None
+    ) -> LearnStats:
+        """Learn one input_ids batch [B, T] (no gradient)."""
+        try:
+            with torch.no_grad():
+                return self.learn_batch(input_ids, attention_mask, labels=labels)
+        finally:
+            self._workspace = None  # the capture buffers live for one learn call
+
+    def learn_stream(self, batches: Iterable[Batch], progress: bool | None) -> LearnStats:
+        """Learn (input_ids, attention_mask, labels, documents) batches, consumed lazily, with an optional progress
+        bar (None: when stderr is a terminal)."""
+        stats = LearnStats()
+        bar = _progress_bar(progress)
+        # Document numbers continue across learn() calls, so a later call's texts never share one with earlier ones.
+        first = self._documents
+        try:
+            with torch.no_grad():
+                for ids, mask, batch_labels, documents in batches:
+                    if documents is not None:  # host ints: numbering them costs no device sync
+                        self._documents = first + documents[-1] + 1
+                        documents = torch.tensor(documents, dtype=torch.long, device=ids.device) + first
+                    learned = self.learn_batch(ids, mask, labels=batch_labels, documents=documents)
+                    stats += learned
+                    if bar is not None:
+                        bar.update(learned.tokens)
+                        bar.set_postfix_str(f"{stats.tokens_per_second:,.0f} tok/s", refresh=False)
+        finally:
+            self._workspace = None
+            if bar is not None:
+                bar.close()
+        return stats
+
+
+def _progress_bar(progress: bool | None):  # noqa: ANN202 - tqdm or None
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        _log.info("faast: install tqdm for a progress bar")
+        return None
+    return tqdm(unit="tok", unit_scale=True, desc="faast learn")

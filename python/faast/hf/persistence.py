@@ -1,0 +1,242 @@
+"""A FaastModel on disk: its configuration and trained parts (save_pretrained / load_adapter), and what it learned
+(save_fast_weights / load_fast_weights).
+
+Every file is written atomically and read back verified (faast.persist). Nothing of the base model is written.
+
+- The adapter folder: `faast_config.json` (the FaastConfig) and `faast_adapter.safetensors` (each middle layer's
+  readout and scorer, float32), whose metadata repeats the configuration so a folder is checked as a whole.
+- The fast-weights file: a faast.Checkpoint file (faast.checkpoint) of every piece of learned state, in the
+  per-layer layout (one d×d memory per middle layer, `memory_layers.<block>.memory`, then the output layer's and the
+  module memories'), so files written before the middle layers shared one bank and files written now are
+  interchangeable. The residual output layer's step, weight and key width in use are saved with it.
+
+The functions take the FaastModel and use its public surface only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .._version import __version__
+from ..accumulator import Accumulator
+from ..checkpoint import load_checkpoint, save_state
+from ..memory import FastWeights
+from ..persist import read_verified, write_atomic
+from .base import CONFIG_NAME
+from .config import FaastConfig
+from .output import ResidualOutputLayer
+
+WEIGHTS_NAME = "faast_adapter.safetensors"
+FORMAT = "faast.hf.adapter"
+FORMAT_VERSION = 1
+# What a saved adapter must share with the model it is loaded into (the rest may be overridden at load).
+_ADAPTER_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "layers", "scorer", "output_layer")
+
+
+def _adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trained parameters of `model`'s middle layers by file name (the live tensors)."""
+    tensors = {}
+    for key, layer in model.memory_layers.items():
+        tensors[f"layers.{key}.readout.weight"] = layer.readout.weight
+        if layer.scorer is not None:
+            tensors[f"layers.{key}.scorer.weight"] = layer.scorer.weight
+    return tensors
+
+
+def save_pretrained(model: nn.Module, directory: str | Path) -> Path:
+    """Write `model`'s FaastConfig (JSON) and its readout + scorer weights (safetensors, float32), atomically."""
+    directory = Path(directory)
+    metadata = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "faast_version": __version__,
+        "config": model.faast_config.to_json(),
+    }
+    write_atomic(directory / WEIGHTS_NAME, _adapter_tensors(model), metadata)
+    model.faast_config.save(directory / CONFIG_NAME)
+    return directory
+
+
+def load_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
+    """Load readout + scorer weights written by save_pretrained into `model` (all or nothing); returns it."""
+    path = Path(directory) / WEIGHTS_NAME
+    tensors, metadata = read_verified(path)
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} file (format={metadata.get('format')!r})")
+    if int(metadata.get("format_version", "0")) > FORMAT_VERSION:
+        raise ValueError(f"{path}: written by a newer faast; upgrade faast")
+    saved = FaastConfig.from_json(metadata["config"])
+    mine = model.faast_config
+    for name in _ADAPTER_FIELDS:
+        if getattr(saved, name) != getattr(mine, name):
+            raise ValueError(
+                f"{path}: saved for {name}={getattr(saved, name)!r}, this model has {getattr(mine, name)!r}"
+            )
+    expected = _adapter_tensors(model)
+    if set(tensors) != set(expected):
+        raise ValueError(f"{path}: expected tensors {sorted(expected)}, found {sorted(tensors)}")
+    for name, t in tensors.items():
+        if t.shape != expected[name].shape or not t.is_floating_point():
+            raise ValueError(
+                f"{path}: tensor {name} has shape {list(t.shape)} {t.dtype}, expected "
+                f"{list(expected[name].shape)} floating point"
+            )
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{path}: tensor {name} holds NaN/Inf; refusing to load it")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            expected[name].copy_(t)
+    return model
+
+
+def save_fast_weights(model: nn.Module, path: str | Path) -> Path:
+    """Write every piece of `model`'s learned state to one safetensors file, atomically (see the module docstring)."""
+    extra = {}
+    layer = model.output_memory_layer
+    if isinstance(layer, ResidualOutputLayer):
+        if layer.step == "auto" and (step := layer.chosen_step()) is not None:
+            extra["output_step"] = step
+        tuned_weight = layer.space == "probability" and layer.weight == "auto"
+        if tuned_weight and (weight := layer.chosen_weight()) is not None:
+            extra["output_weight"] = weight
+        if layer.extra_key_size and (width := layer.chosen_key_width()) is not None:
+            extra["output_key_width"] = width
+    return save_state(path, per_layer_holder(model, copy=True), extra)
+
+
+def load_fast_weights(model: nn.Module, path: str | Path) -> nn.Module:
+    """Load what save_fast_weights wrote into `model` (the layers must match; all or nothing); returns it.
+
+    Also reads a checkpoint of the model in the bank layout (faast.checkpoint on the FaastModel itself, memories
+    `memory_bank` and `output_memory_layer.memory`), ignoring its stream position.
+    """
+    model.module_memories.prepare_load(path)  # sizes the memories of modules of unknown width
+    check = partial(_check_output_settings, path)
+    saved = _saved_memories(path)
+    with tempfile.TemporaryDirectory() as scratch:
+        if saved is not None and _has_legacy_output_sums(saved):
+            path = _upgrade_output_sums(path, Path(scratch) / Path(path).name)
+        if saved is not None and sorted(saved) == sorted(name for name, _ in model.learned_state()):
+            _restore_output_settings(model, load_checkpoint(path, _bank_holder(model), check))
+            return model
+        holder = per_layer_holder(model, copy=False)
+        # validates every memory of the file (and the saved step) before copying any
+        _restore_output_settings(model, load_checkpoint(path, holder, check))
+    if model.memory_bank is not None:
+        slots = [holder.memory_layers[key].memory for key in model.memory_layers]
+        model.memory_bank.load_state_dict(
+            {name: torch.stack([getattr(m, name) for m in slots]) for name in model.memory_bank.state_dict()}
+        )
+    return model
+
+
+def per_layer_holder(model: nn.Module, *, copy: bool) -> nn.Module:
+    """A module holding `model`'s learned state in the per-layer file layout: one FastWeights(d, d) per middle layer
+    at `memory_layers.<block>.memory` (copies of the bank's slots when `copy`, else empty ones to load into), the
+    output layer and the module memories."""
+    holder = nn.Module()
+    layers = nn.ModuleDict()
+    bank = model.memory_bank
+    for key, layer in model.memory_layers.items():
+        memory = FastWeights(
+            bank.dim_key, bank.dim_value, alpha=bank.alpha, rtol=bank.rtol, ridge=bank.ridge,
+            compute_dtype=bank.compute_dtype, device=bank.device,
+        )  # fmt: skip
+        if copy:
+            memory.load_state_dict(layer.memory.state_dict())
+        slot = nn.Module()
+        slot.memory = memory
+        layers[key] = slot
+    holder.memory_layers = layers
+    if model.output_memory_layer is not None:
+        holder.output_memory_layer = model.output_memory_layer
+    holder.module_memories = model.module_memories
+    return holder
+
+
+def _bank_holder(model: nn.Module) -> nn.Module:
+    """A module holding `model`'s learned state under the names of the bank layout (FaastModel.learned_state)."""
+    holder = nn.Module()
+    if model.memory_bank is not None:
+        holder.memory_bank = model.memory_bank
+    if model.output_memory_layer is not None:
+        holder.output_memory_layer = model.output_memory_layer
+    holder.module_memories = model.module_memories
+    return holder
+
+
+def _saved_memories(path: str | Path) -> dict | None:
+    """The memories of a faast.Checkpoint file's header ({name: {format, config, ...}}), or None when the header
+    cannot say; the full read (load_checkpoint) then reports what is wrong with the file."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        memories = json.loads(metadata["memories"])
+        return memories if isinstance(memories, dict) else None
+    except Exception:  # noqa: BLE001 - any unreadable header: let the verified read explain it
+        return None
+
+
+# The residual output layer's sums were FastWeights before they were Accumulators: Σ μμᵀ in curvature's `gram`, Σ p
+# in token_mass's `cross` [1, V]. name -> (the FastWeights tensor that held the sum, the Accumulator's sum).
+_LEGACY_OUTPUT_SUMS = {
+    "output_memory_layer.curvature": ("gram", "gram"),
+    "output_memory_layer.token_mass": ("cross", "probability"),
+}
+
+
+def _has_legacy_output_sums(saved: dict) -> bool:
+    return any(saved.get(name, {}).get("format", FastWeights.FORMAT) == FastWeights.FORMAT
+               and name in saved for name in _LEGACY_OUTPUT_SUMS)  # fmt: skip
+
+
+def _upgrade_output_sums(path: str | Path, target: Path) -> Path:
+    """Write to `target` the file at `path` with the residual output layer's curvature and token mass in the
+    Accumulator layout (read verified; every other memory as it was); returns `target`."""
+    tensors, metadata = read_verified(path)
+    memories = json.loads(metadata["memories"])
+    for name, (old, new) in _LEGACY_OUTPUT_SUMS.items():
+        entry = memories.get(name)
+        if entry is None or entry.get("format", FastWeights.FORMAT) != FastWeights.FORMAT:
+            continue
+        saved = {k[len(name) + 1 :]: tensors.pop(k) for k in [k for k in tensors if k.startswith(f"{name}.")]}
+        if old not in saved or "count" not in saved:
+            raise ValueError(f"{path}: memory {name} lacks its {old!r} or 'count' tensor")
+        total = saved[old].reshape(-1) if new == "probability" else saved[old]
+        upgraded = Accumulator({new: tuple(total.shape)})
+        tensors[f"{name}.{new}"], tensors[f"{name}.count"] = total, saved["count"]
+        memories[name] = {"format": upgraded.FORMAT, "config": upgraded.config(), "has_prior": False}
+    write_atomic(target, tensors, {**metadata, "memories": json.dumps(memories, sort_keys=True)})
+    return target
+
+
+def _check_output_settings(path: str | Path, position: dict) -> None:
+    """Refuse a file whose saved output-layer step, weight or key width is out of range."""
+    step = position.get("output_step")
+    if step is not None and not (type(step) in (int, float) and math.isfinite(step) and step >= 0):
+        raise ValueError(f"{path}: output_step: expected a finite number >= 0, got {step!r}")
+    weight = position.get("output_weight")
+    if weight is not None and not (type(weight) in (int, float) and 0 <= weight <= 1):
+        raise ValueError(f"{path}: output_weight: expected a number in [0, 1], got {weight!r}")
+    width = position.get("output_key_width")
+    if width is not None and not (type(width) is int and width > 0):
+        raise ValueError(f"{path}: output_key_width: expected an int > 0, got {width!r}")
+
+
+def _restore_output_settings(model: nn.Module, position: dict) -> None:
+    """Hand the residual output layer the step, weight and key width saved with its statistics (None in files
+    without them); the positions it held out before the load are not in the loaded statistics."""
+    layer = model.output_memory_layer
+    if isinstance(layer, ResidualOutputLayer):
+        layer.restore_step(position.get("output_step"), position.get("output_weight"),
+                           position.get("output_key_width"))  # fmt: skip
+        layer.discard_held_out()
