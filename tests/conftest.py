@@ -1,9 +1,11 @@
-"""Shared fixtures: seeding, NaN-poisoned allocations inside faast, and the gpu marker."""
+"""Shared fixtures: seeding, NaN-poisoned allocations inside faast, the gpu marker, CI's Triton requirement, and
+faast's own warnings made errors."""
 
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -17,6 +19,51 @@ if not torch.cuda.is_available():
 os.environ.setdefault("FAAST_TRITON_AUTOTUNE", "0")
 
 _PACKAGES = ("faast", "faast_kernels")
+
+#: Set by CI (.ci/run): the kernel tests skip themselves where Triton is missing, which on CI would silently drop them,
+#: so there a missing Triton stops the run before any test.
+REQUIRE_TRITON = "FAAST_REQUIRE_TRITON"
+
+
+def _attributing_package_warnings(warn):
+    """warnings.warn, except that a warning raised by faast's own code carries faast's module name (shown at the
+    place its stacklevel points to, as usual). Warning filters match the module of that place, which is the caller's
+    for faast's warnings; with this, pyproject.toml's `error::Warning:faast` filter turns every faast warning that a
+    test does not expect (pytest.warns) into an error, while other packages' warnings keep their filters."""
+
+    def wrapper(message, category=None, stacklevel=1, source=None, **kwargs):
+        caller = sys._getframe(1)
+        module = caller.f_globals.get("__name__", "")
+        if module.split(".")[0] not in _PACKAGES:
+            return warn(message, category, stacklevel + 1, source, **kwargs)
+        frame = caller
+        for _ in range(stacklevel - 1):
+            frame = frame.f_back or frame
+        category = type(message) if isinstance(message, Warning) else category or UserWarning
+        registry = frame.f_globals.setdefault("__warningregistry__", {})
+        warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno, module=module,
+                               registry=registry, source=source)  # fmt: skip
+
+    wrapper.original = warn
+    return wrapper
+
+
+def pytest_configure(config):
+    warnings.warn = _attributing_package_warnings(warnings.warn)
+    if os.environ.get(REQUIRE_TRITON, "0") in ("", "0"):
+        return
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        raise pytest.UsageError(
+            f"{REQUIRE_TRITON} is set (CI), but triton cannot be imported ({err}), so the Triton kernel tests "
+            "(tests/test_triton_kernels.py, tests/test_triton_backend.py) would be skipped. Install the test extra "
+            "(pip install -e '.[test]', Linux), or unset the variable on a machine without Triton."
+        ) from err
+
+
+def pytest_unconfigure(config):
+    warnings.warn = getattr(warnings.warn, "original", warnings.warn)
 
 
 def _called_from_package() -> bool:

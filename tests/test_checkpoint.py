@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -123,9 +124,14 @@ def test_keep_prunes_old_checkpoints(tmp_path):
 
 def test_every_seconds_checkpoints_by_time(tmp_path, monkeypatch):
     clock = iter(range(0, 10_000, 7))  # each monotonic() call advances 7 s
-    monkeypatch.setattr("faast.checkpoint.time.monotonic", lambda: next(clock))
+    # faast.checkpoint's own clock only (its `time` name), so that nothing else's monotonic() calls move it.
+    monkeypatch.setattr("faast.checkpoint.time", types.SimpleNamespace(monotonic=lambda: next(clock)))
     learn_stream(faast.FastWeights(9, 4), stream(), checkpoint_dir=tmp_path, every=None, every_seconds=10, keep=100)
-    assert len(list(tmp_path.iterdir())) >= 4  # about every other batch, plus the final one
+    # Start at 0 s; each batch reads the clock once and each save once more: batch 1 at 7 s (7 since the last save),
+    # batch 2 at 14 s (14: save, clock 21), batch 3 at 28 s (7), batch 4 at 35 s (14: save), ... so every second
+    # batch is saved, the last (10) included, and no extra final save is needed.
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [f"checkpoint-rank00000-batch{b:015d}.safetensors" for b in (2, 4, 6, 8, 10)]
 
 
 def test_corrupt_newest_falls_back_to_the_previous(tmp_path, caplog):

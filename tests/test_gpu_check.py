@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,16 @@ def test_a_failing_step_is_recorded_and_the_next_one_still_runs(tmp_path):
     # A step whose command fails: recorded as failed with the tail of its output, not raised.
     failed = steps["tests"]
     assert failed["status"] == "failed" and failed["exit_codes"] == [4] and "boom" in failed["tail"]
+
+
+def test_the_tests_step_names_only_files_that_exist(tmp_path):
+    """The GPU run's test step passes its files to pytest by name: each must exist (a stale name fails the step)."""
+    check = runpy.run_path(str(ROOT / "benchmarks" / "gpu_check.py"), run_name="gpu_check")  # defines, no main()
+    for smoke in (False, True):
+        commands = check["commands"]("tests", tmp_path, smoke)
+        named = [arg for command in commands for arg in command if arg.startswith("tests/")]
+        assert named, commands
+        for name in named:
+            assert (ROOT / name).exists(), name
+        if not smoke:
+            assert "tests/test_triton_kernels.py" in named and "tests/test_native.py" in named

@@ -83,10 +83,11 @@ def test_demo_runs_end_to_end_and_reports_what_it_measured(smollm2, capsys, tmp_
     assert record["command"].startswith("python -m faast.demo --learn-tokens 2048") and "torch" in record
     assert saved == json.loads(json.dumps(result))
     assert result["learn_tokens"] == 2048 and result["ppl_before"] > 1
+    assert result["ppl_after"] < result["ppl_before"]  # what the demo shows: learning lowers held-out perplexity
     assert result["relative_reduction"] == pytest.approx(1 - result["ppl_after"] / result["ppl_before"])
     assert result["stored_keys_bytes_bf16"] > 0 and result["state_bytes"] > 0
     for phrase in ("held-out perplexity before learning", "held-out perplexity after learning", "tokens/s",
-                   "base model continues", "after learning the domain"):  # fmt: skip
+                   "machine    CPU ", "base model continues", "after learning the domain"):  # fmt: skip
         assert phrase in out
 
 

@@ -112,10 +112,18 @@ def test_a_crash_while_writing_keeps_the_previous_file(tmp_path, monkeypatch):
     assert FastWeights.load(path).config()["alpha"] == 1.0
 
 
-def test_loading_moves_to_the_requested_device_and_keeps_float64(tmp_path):
-    path = learned().save(tmp_path / "m.safetensors")
-    loaded = FastWeights.load(path, device="cpu")
-    assert loaded.gram.dtype == torch.float64 and loaded.gram.device.type == "cpu"
+@pytest.mark.parametrize("requested", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_loading_moves_to_the_requested_device_and_keeps_float64(tmp_path, requested):
+    saved = learned()
+    path = saved.save(tmp_path / "m.safetensors")
+    # The process's default device is another one (meta: no data), so only a load that honours `device` puts the
+    # statistics on the requested device, with the saved values.
+    with torch.device("meta"):
+        loaded = FastWeights.load(path, device=requested)
+    assert loaded.gram.dtype == torch.float64 and loaded.gram.device.type == requested
+    state = loaded.state_dict()
+    for name, tensor in saved.state_dict().items():
+        assert state[name].device.type == requested and torch.equal(state[name].cpu(), tensor), name
 
 
 @pytest.mark.parametrize(
@@ -156,3 +164,62 @@ def test_every_save_creates_missing_parent_folders_and_loads_back_exactly(tmp_pa
     model.save_pretrained(tmp_path / "e" / "adapter")
     fast = model.save_fast_weights(tmp_path / "f" / "g" / "fw.safetensors")
     assert (tmp_path / "e" / "adapter" / "faast_config.json").is_file() and fast.is_file()
+
+
+# The blend window's buffers before it became the submodule `blend` (files written then must keep loading).
+OLD_BLEND_NAMES = {
+    "blend.gram": "blend_gram",
+    "blend.cross": "blend_cross",
+    "blend.sqnorm": "blend_sqnorm",
+    "blend.rows": "blend_rows",
+    "blend.cursor": "blend_cursor",
+    "blend.folded_weights": "folded_weights",
+    "blend.folded_count": "folded_count",
+}
+BLEND = {"mode": "blend", "blend_window": 40, "blend_chunk": 16, "blend_discount": 0.9}
+
+
+def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) == set(sb)
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def test_blend_state_lives_in_its_submodule():
+    m = learned(**BLEND)
+    assert sorted(k for k in m.state_dict() if k.startswith("blend.")) == sorted(OLD_BLEND_NAMES)
+    assert not any(k in m.state_dict() for k in OLD_BLEND_NAMES.values())
+
+
+def test_blend_files_in_the_old_flat_layout_load_bit_exactly(tmp_path):
+    from faast.checkpoint import load_checkpoint
+
+    m = learned(**BLEND)
+    old = {OLD_BLEND_NAMES.get(k, k): v for k, v in m.state_dict().items()}
+    assert "blend_cursor" in old and "folded_count" in old and not any(k.startswith("blend.") for k in old)
+    path = tmp_path / "old.safetensors"
+    write_atomic(path, old, {"format": "faast.FastWeights", "format_version": "1",
+                             "config": json.dumps(m.config(), sort_keys=True)})  # fmt: skip
+    loaded = FastWeights.load(path)
+    assert_same_state(loaded, m)
+    assert torch.equal(loaded.weights, m.weights)
+    into = FastWeights(12, 3, **BLEND)
+    into.load_state(path)
+    assert_same_state(into, m)
+
+    # nn.Module.load_state_dict of a model holding the memory, old names under its prefix.
+    holder = torch.nn.ModuleDict({"m": FastWeights(12, 3, **BLEND)})
+    holder.load_state_dict({f"m.{k}": v for k, v in old.items()})
+    assert_same_state(holder["m"], m)
+
+    # A checkpoint of that time: flat names, and no format per memory (only FastWeights existed).
+    checkpoint = tmp_path / "checkpoint.safetensors"
+    metadata = {"format": "faast.Checkpoint", "format_version": "1", "rank": "0", "world_size": "1",
+                "position": json.dumps({"batches": 3}),
+                "memories": json.dumps({"m": {"config": m.config(), "has_prior": False}})}  # fmt: skip
+    write_atomic(checkpoint, {f"m.{k}": v for k, v in old.items()}, metadata)
+    restored = torch.nn.ModuleDict({"m": FastWeights(12, 3, **BLEND)})
+    assert load_checkpoint(checkpoint, restored)["batches"] == 3
+    assert_same_state(restored["m"], m)
+    assert torch.equal(restored["m"].weights, m.weights)

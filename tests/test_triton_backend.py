@@ -171,3 +171,26 @@ def test_auto_does_not_pick_the_unmeasured_kernels(monkeypatch, caplog):
     assert any("not measured faster than cuBLAS on a GPU" in r.getMessage() for r in caplog.records)
     monkeypatch.setenv("FAAST_BACKEND", "triton")
     assert _dispatch.resolve("accumulate_gram", torch.device("cpu"))[0] == "triton"
+
+
+def test_an_fp64_kernel_failure_on_a_gpu_names_the_fix():
+    # The previous kernel's float64 dot did not compile on an H100 (Triton 3.6: "PassManager::run failed",
+    # benchmarks/results/gpu_h100_run1.md); the rewritten one is unmeasured there. Such a failure names the way out.
+    from faast.ops._triton_backend import fp64_failure_explained
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    with pytest.raises(RuntimeError, match=r"FAAST_BACKEND=torch.*compute_dtype=torch\.float32") as caught:
+        with fp64_failure_explained("fp64", cuda):
+            raise RuntimeError("PassManager::run failed")
+    assert "'fp64'" in str(caught.value) and "PassManager::run failed" in str(caught.value)
+    assert str(caught.value.__cause__) == "PassManager::run failed"
+    # Other modes, the CPU interpreter and running out of memory are not compile failures: they pass unchanged.
+    cases = [("exact16", cuda, RuntimeError("x")), ("fp64", cpu, RuntimeError("x")),
+             ("fp64", cuda, torch.cuda.OutOfMemoryError("x"))]  # fmt: skip
+    for precision, device, error in cases:
+        with pytest.raises(type(error)) as caught:
+            with fp64_failure_explained(precision, device):
+                raise error
+        assert caught.value is error, (precision, device)
+    with fp64_failure_explained("fp64", cuda):
+        pass  # no failure, nothing raised

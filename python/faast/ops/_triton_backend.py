@@ -7,11 +7,17 @@ fidelity suite, so it is the default). float32 selects, for bf16/fp16 keys and v
 tensor-core products, exact in float32, summed in float32 over at most faast_kernels.gram.FLUSH_ROWS rows and then in
 float64), and for float32/float64 inputs "tf32x3" (tensor-core products at float32 accuracy); FastWeights already
 warns about float32 compute below its resolution floor.
+
+The fp64 mode on a GPU is unmeasured since the Gram kernel's rewrite: its predecessor's float64 dot did not compile
+on an H100 with Triton 3.6 (benchmarks/results/gpu_h100_run1.md). A failure of that mode on a GPU is raised naming
+the ways around it (`fp64_failure_explained`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -41,6 +47,28 @@ def _warn_opt_in_mode() -> None:
     )
 
 
+@contextlib.contextmanager
+def fp64_failure_explained(precision: str, device: torch.device) -> Iterator[None]:
+    """Re-raise a failure of the fp64 Gram mode on a CUDA device (where Triton's float64 dot may not compile) as a
+    RuntimeError that names the fix, chained to the original; other modes and devices, and out-of-memory errors,
+    pass through unchanged. Only an explicit FAAST_BACKEND=triton reaches this backend (`auto` declines it, see
+    _not_for_auto), so by the dispatch rule an unmet request raises instead of falling back."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as err:
+        if precision != "fp64" or device.type != "cuda":
+            raise
+        raise RuntimeError(
+            f"faast triton backend: the float64 Gram mode ('fp64', compute_dtype=torch.float64) failed on {device} "
+            f"({type(err).__name__}: {err}). Triton's float64 dot did not compile on sm_90 with Triton 3.6 "
+            "(benchmarks/results/gpu_h100_run1.md). Set FAAST_BACKEND=torch (cuBLAS float64 GEMMs, exact), or "
+            "pass compute_dtype=torch.float32 to keep the Triton kernels (16-bit inputs: the exact16 mode; float32 "
+            "inputs: the tf32x3 mode, which fails the float64 fidelity suite)"
+        ) from err
+
+
 def _kernels():  # noqa: ANN202 - the faast_kernels.ops module
     import faast_kernels.ops
 
@@ -63,7 +91,8 @@ def accumulate_gram(
     if precision == "tf32x3":
         _warn_opt_in_mode()
     # One launch gives S, T and the GCV statistic ‖Y‖².
-    return torch.ops.faast_kernels.gram_statistics(keys, values, scores, mask, weighted_least_squares, precision)
+    with fp64_failure_explained(precision, keys.device):
+        return torch.ops.faast_kernels.gram_statistics(keys, values, scores, mask, weighted_least_squares, precision)
 
 
 def accumulate_gram_(
@@ -84,9 +113,10 @@ def accumulate_gram_(
     precision = precision_for(compute_dtype, keys.dtype if same16 else torch.float32)
     if precision == "tf32x3":
         _warn_opt_in_mode()
-    torch.ops.faast_kernels.gram_accumulate_(
-        keys, values, scores, mask, gram, cross, sqnorm, weighted_least_squares, precision
-    )
+    with fp64_failure_explained(precision, keys.device):
+        torch.ops.faast_kernels.gram_accumulate_(
+            keys, values, scores, mask, gram, cross, sqnorm, weighted_least_squares, precision
+        )
 
 
 def residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
