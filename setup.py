@@ -59,6 +59,20 @@ EXTRAS = {
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 
 
+def toolkit_cuda_version(cuda_home: str) -> str | None:
+    """'13.0' from `nvcc --version` of the toolkit in cuda_home; None when it cannot be read."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            [str(Path(cuda_home) / "bin" / "nvcc"), "--version"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+\.\d+)", out)
+    return found.group(1) if found else None
+
+
 def native_extension() -> tuple[list, dict]:
     """faast._C (csrc/: cuSOLVER batched eigh) where a CUDA toolkit and a CUDA build of torch are present.
 
@@ -81,6 +95,14 @@ def native_extension() -> tuple[list, dict]:
                 reason = f"torch {torch.__version__} is a CPU build"
             elif CUDA_HOME is None:
                 reason = "no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)"
+            else:
+                toolkit = toolkit_cuda_version(CUDA_HOME)
+                if toolkit is not None and toolkit.split(".")[0] != torch.version.cuda.split(".")[0]:
+                    # torch.utils.cpp_extension refuses this pair with an error that would fail the whole install.
+                    reason = (
+                        f"the CUDA toolkit in {CUDA_HOME} is CUDA {toolkit}, but torch {torch.__version__} was built "
+                        f"with CUDA {torch.version.cuda} (point CUDA_HOME at a CUDA {torch.version.cuda} toolkit)"
+                    )
     if reason is not None:
         print(f"faast: building without the native extension faast._C: {reason}", file=sys.stderr)
         return [], {}

@@ -1,21 +1,28 @@
-"""GPU benchmark of the solve's eigendecomposition: faast._C's cuSOLVER routines against torch.linalg.eigh on the
-same batch of statistics, measured in the same run (issue 4).
+"""GPU benchmark of the solve's eigendecomposition and of the fixed-ridge solve that needs none, against
+torch.linalg.eigh on the same batch of statistics, measured in the same run (issues 4 and 37).
 
-    python benchmarks/bench_eigh.py [--quick] [--out DIR]   # needs a CUDA device and the built extension faast._C
-    python benchmarks/bench_eigh.py --smoke --out DIR       # CPU: torch.linalg.eigh only, tiny sizes (CI)
+    python benchmarks/bench_eigh.py [--quick] [--budget-s S] [--out DIR]   # CUDA device; uses what is installed
+    python benchmarks/bench_eigh.py --smoke --out DIR                      # CPU: tiny sizes (CI)
 
-For L in {1, 16, 48} memory layers and d in {64, 576, 768, 1600} plus 4 x 3584 (float64, power-law spectra): every
-applicable
-routine of torch.ops.faast.batched_eigh (syevj_batched for d <= 32, syev_batched, syevd_streams, and "auto"), cupy's
-eigh when cupy is installed (a no-compiler path to cuSOLVER), and torch.linalg.eigh. Reported: time (CUDA events,
-median of repeats), speedup over torch.linalg.eigh, and the eigen-equation residual ||S E - E Λ|| / ||S|| and
-orthonormality ||EᵀE - I|| of each result. Goal: >= 3x torch.linalg.eigh at 48 x 1600. The fastest routine per size
-is what `auto` inside csrc/cuda/batched_eigh.cu should pick; its order is unmeasured until this runs.
+Sizes: batch 48 at d = 1600 (the goal), 64, 256, 576 and 1152 first, then L in {1, 16} and 4 x 3584 as the budget
+allows (float64, power-law spectra λ = 10^[0, -10]). Cases, each where it can run:
+  torch.linalg.eigh                      the baseline: torch's per-matrix loop (syevd) above n = 32
+  faast._C <algorithm>                   torch.ops.faast.batched_eigh: auto, syev_batched, syevd_streams, and
+                                         syevj_batched for d <= 32 (needs the built extension)
+  cupy syevjBatched (faast backend)      faast.ops._cupy_backend.eigh: one batched Jacobi call plus its accuracy check
+                                         (matrices that miss it are recomputed by torch: column "recomputed")
+  torch eigh + filter: fixed-ridge solve W = (S + μI)^+ T the eigh way: torch.linalg.eigh + solve_from_eigh
+  cholesky fixed-ridge solve             faast.ops.solve.solve_fixed_ridge (batched Cholesky of S + μI, no spectrum)
+Reported: time (CUDA events; median of 3 after a warm-up below d = 1152, one timed run from there), speedup over
+torch.linalg.eigh (the solves: over the eigh-path solve), the eigen-equation residual ||S E - E Λ|| / ||S||, the
+orthonormality ||EᵀE - I|| and the eigenvalues' relative difference to torch's (the solves: W's relative difference
+to the eigh path's). Goal: >= 3x torch.linalg.eigh at 48 x 1600. On a CPU, without --smoke, it refuses to run.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -27,105 +34,201 @@ H.add_source_path()
 
 import torch  # noqa: E402
 
-GRID = [(L, d) for L in (1, 16, 48) for d in (64, 576, 768, 1600)] + [(4, 3584)]
-QUICK = [(48, 1600), (16, 768)]
+# Batch 48 first (the goal's size leading: the budget may end the run), then the older grid.
+GRID = [(48, d) for d in (1600, 64, 256, 576, 1152)] + [(L, d) for L in (1, 16) for d in (64, 576, 1600)] + [(4, 3584)]
+QUICK = [(48, 1600), (48, 256)]
 SMOKE = [(3, 20), (2, 40)]
+BIG = 1152  # from this width: no warm-up run and one timed run (torch's loop takes ~0.6 s at 48 x 1152 on an H100)
+RIDGE = 1e-3  # μ relative to λmax = 1 of the synthetic spectra
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _time(fn, reps: int = 5) -> float:  # noqa: ANN001
-    fn()
+def _time(fn, d: int):  # noqa: ANN001, ANN202
+    """(median seconds, the last result)."""
+    reps = 1 if d >= BIG else 3
+    if d < BIG:
+        fn()
     if not torch.cuda.is_available():
         start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
+        out = fn()
+        return time.perf_counter() - start, out
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        out = fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], out
 
 
-def _statistics(layers: int, d: int, device: str) -> torch.Tensor:
+def _statistics(layers: int, d: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """S [L, d, d] with eigenvalues 10^[0, -10] and T = S X [L, d, d] (targets in the keys' range)."""
     g = torch.Generator(device=device).manual_seed(d)
     q, _ = torch.linalg.qr(torch.randn(layers, d, d, device=device, dtype=torch.float64, generator=g))
     lam = torch.logspace(0, -10, d, device=device, dtype=torch.float64)
-    return (q * lam) @ q.mT
+    gram = (q * lam) @ q.mT
+    return gram, gram @ torch.randn(layers, d, d, device=device, dtype=torch.float64, generator=g)
 
 
-def _quality(gram: torch.Tensor, lam: torch.Tensor, vecs: torch.Tensor) -> tuple[float, float]:
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(torch.finfo(torch.float64).tiny))
+
+
+def _quality(gram: torch.Tensor, lam: torch.Tensor, vecs: torch.Tensor, reference: torch.Tensor | None) -> dict:
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
-    residual = float((gram @ vecs - vecs * lam.unsqueeze(-2)).norm() / gram.norm())
-    return residual, float((vecs.mT @ vecs - eye).norm())
+    return {
+        "residual": float((gram @ vecs - vecs * lam.unsqueeze(-2)).norm() / gram.norm()),
+        "orthonormality": float((vecs.mT @ vecs - eye).norm()),
+        "eigenvalues_rel": None if reference is None else _rel(lam, reference),
+    }
+
+
+def _eigh_cases(gram: torch.Tensor, d: int, native_error: str | None, cupy_error: str | None) -> dict:
+    from faast.ops import _cupy_backend
+
+    cases = {"torch.linalg.eigh": lambda: torch.linalg.eigh(gram)}
+    algorithms = ["auto", "syev_batched", "syevd_streams"] + (["syevj_batched"] if d <= 32 else [])
+    for algorithm in algorithms if native_error is None else []:
+        cases[f"faast._C {algorithm}"] = lambda a=algorithm: torch.ops.faast.batched_eigh(gram, a)
+    if cupy_error is None:
+        cases["cupy syevjBatched (faast backend)"] = lambda: _cupy_backend.eigh(gram)
+    return cases
+
+
+def _solve_cases(gram: torch.Tensor, cross: torch.Tensor, spectrum: tuple | None) -> dict:
+    """The fixed-ridge solves; the eigh path reuses torch's timed eigendecomposition and times only the filter."""
+    from faast.ops import solve
+
+    counts = torch.full((gram.shape[0],), 1e6, dtype=torch.float64, device=gram.device)
+
+    def filtered():  # noqa: ANN202
+        lam, vecs = spectrum
+        return solve.solve_from_eigh(lam, vecs, cross, counts, alpha=1.0, rtol=None, ridge=RIDGE, target_sqnorm=None)
+
+    cases = {"cholesky fixed-ridge solve": lambda: solve.solve_fixed_ridge(gram, cross, counts, RIDGE)}
+    if spectrum is not None:
+        cases = {"torch eigh + filter: fixed-ridge solve": filtered, **cases}
+    return cases
+
+
+def _run(name: str, fn, layers: int, d: int, deadline: float, records: list) -> tuple[dict, object] | None:  # noqa: ANN001
+    if time.monotonic() > deadline:
+        records.append({"L": layers, "d": d, "case": name, "skipped": "time budget spent"})
+        return None
+    try:
+        seconds, out = _time(fn, d)
+    except Exception as err:  # noqa: BLE001 - e.g. syev_batched beyond its size limit: recorded, not fatal
+        records.append({"L": layers, "d": d, "case": name, "error": f"{type(err).__name__}: {err}"[:300]})
+        return None
+    entry = {"L": layers, "d": d, "case": name, "seconds": seconds}
+    records.append(entry)
+    return entry, out
+
+
+def measure(layers: int, d: int, device: str, errors: tuple, deadline: float, records: list) -> None:
+    """Every case at one size, appended to records."""
+    from faast.ops import _cupy_backend
+
+    gram, cross = _statistics(layers, d, device)
+    base = spectrum = None
+    for name, fn in _eigh_cases(gram, d, *errors).items():
+        done = _run(name, fn, layers, d, deadline, records)
+        if done is None:
+            continue
+        entry, out = done
+        if name == "torch.linalg.eigh":
+            base, spectrum = entry["seconds"], out
+        entry.update(_quality(gram, *out, None if spectrum is None else spectrum[0]))
+        entry["speedup"] = base / entry["seconds"] if base else None
+        if name.startswith("cupy syevjBatched"):
+            entry["recomputed"] = _cupy_backend.recomputed_in_last_call()
+    path_seconds = path_weights = None
+    for name, fn in _solve_cases(gram, cross, spectrum).items():
+        done = _run(name, fn, layers, d, deadline, records)
+        if done is None:
+            continue
+        entry, out = done
+        if name.startswith("torch eigh"):  # the eigh-path solve: torch's timed eigendecomposition + the filter
+            entry["filter_seconds"] = entry["seconds"]
+            entry["seconds"] = path_seconds = entry["seconds"] + base
+            entry["speedup"], path_weights = 1.0, out[0]
+            continue
+        entry["fell_back"] = out is None  # S + μI did not factor: ops.solve_fast_weights_ex would take eigh
+        if out is not None and path_weights is not None:
+            entry["w_rel_vs_eigh_path"] = _rel(out[0], path_weights)
+        entry["speedup"] = path_seconds / entry["seconds"] if path_seconds else None
+
+
+def _row(entry: dict) -> list:
+    accuracy = entry.get("eigenvalues_rel", entry.get("w_rel_vs_eigh_path"))
+    return [
+        entry["L"], entry["d"], entry["case"], H.fmt_s(entry["seconds"]), H.fmt_ratio(entry.get("speedup")),
+        H.fmt_sci(entry.get("residual")), H.fmt_sci(entry.get("orthonormality")), H.fmt_sci(accuracy),
+        entry.get("recomputed", ""),
+    ]  # fmt: skip
+
+
+def _report(out: Path, record: dict, records: list[dict], errors: tuple, smoke: bool, final: bool) -> str:
+    """Write (or rewrite) the result files from the records so far; returns the markdown body."""
+    native_error, cupy_error = errors
+    rows = [_row(r) for r in sorted((r for r in records if "seconds" in r), key=lambda r: (r["L"], r["d"]))]
+    where = record.get("gpu", "cpu (smoke)")
+    headers = ["L", "d", "case", "time", "vs torch", "residual", "orthonormality", "λ / W rel", "recomputed"]
+    notes = [] if final else ["PARTIAL: the run stopped before its end (e.g. a crash in a case); these files hold it."]
+    notes += [f"faast._C not measured: {native_error}"] if native_error else []
+    notes += [f"cupy backend not measured: {cupy_error}"] if cupy_error else []
+    notes.append(
+        f"Fixed-ridge solves: μ = {RIDGE}·λmax, T = S X with X [d, d]; their 'vs torch' is against the eigh-path "
+        "solve (torch.linalg.eigh + solve_from_eigh), their 'λ / W rel' is W's relative difference to it."
+    )
+    body = "\n\n".join([*notes, H.markdown_table(headers, rows)])
+    left_out = [r for r in records if "seconds" not in r]
+    if left_out:
+        body += "\n\nNot measured: " + "; ".join(
+            f"L={r['L']} d={r['d']} {r.get('case', '')}: {r.get('error') or r.get('skipped')}" for r in left_out
+        )
+    payload = {"device": where, "complete": final, "extension": native_error, "cupy": cupy_error, "ridge": RIDGE,
+               "records": records}  # fmt: skip
+    stem = "eigh_" + ("smoke" if smoke else H.slug(where))
+    H.write(out / stem, record, payload, f"Batched eigh and fixed-ridge solves on {where}", body)
+    return body
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes; on a CPU only torch.linalg.eigh runs")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes; on a CPU the GPU-only cases are skipped")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new sizes after this")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
         print("bench_eigh: needs a CUDA device (there is nothing meaningful to time on a CPU)", file=sys.stderr)
         return 2
     from faast import ops
+    from faast.ops import _cupy_backend
 
-    error = ops.native_extension_error() if device == "cuda" else "no CUDA device"
-    if error is not None and not args.smoke:
-        print(f"bench_eigh: {error}", file=sys.stderr)
-        return 2
-    try:
-        import cupy
-    except ImportError:
-        cupy = None
-    if device == "cpu":
-        cupy = None
+    native_error = ops.native_extension_error() if device == "cuda" else "no CUDA device"
+    cupy_error = _cupy_backend.unavailable_reason() if device == "cuda" else "no CUDA device"
+    errors = (native_error, cupy_error)
     record = H.start()
+    # Every case once at a tiny size first: library loading and handle creation stay out of the first size's times.
+    measure(2, 16, device, errors, math.inf, [])
     deadline = time.monotonic() + args.budget_s
-    rows, records = [], []
+    records: list[dict] = []
     for layers, d in SMOKE if args.smoke else QUICK if args.quick else GRID:
         if time.monotonic() > deadline:
             records.append({"L": layers, "d": d, "skipped": "time budget spent"})
             continue
-        gram = _statistics(layers, d, device)
-        cases = {"torch.linalg.eigh": lambda g=gram: torch.linalg.eigh(g)}
-        algorithms = ["auto", "syev_batched", "syevd_streams"] + (["syevj_batched"] if d <= 32 else [])
-        for algorithm in algorithms if error is None else []:
-            cases[f"faast {algorithm}"] = lambda g=gram, a=algorithm: torch.ops.faast.batched_eigh(g, a)
-        if cupy is not None:
-            cases["cupy.linalg.eigh"] = lambda g=gram: tuple(
-                torch.as_tensor(x, device="cuda") for x in cupy.linalg.eigh(cupy.asarray(g))
-            )
-        base = None
-        for name, fn in cases.items():
-            try:
-                seconds = _time(fn)
-                residual, orth = _quality(gram, *fn())
-            except Exception as err:  # noqa: BLE001 - e.g. syev_batched beyond its size limit; recorded, not fatal
-                records.append({"L": layers, "d": d, "case": name, "error": str(err)})
-                continue
-            base = seconds if name == "torch.linalg.eigh" else base
-            speedup = base / seconds if base else float("nan")
-            records.append({"L": layers, "d": d, "case": name, "seconds": seconds, "speedup": speedup,
-                            "residual": residual, "orthonormality": orth})  # fmt: skip
-            rows.append(
-                [layers, d, name, H.fmt_s(seconds), H.fmt_ratio(speedup), H.fmt_sci(residual), H.fmt_sci(orth)]
-            )
-        print(rows[-1], flush=True)
-    where = record.get("gpu", "cpu (smoke)")
-    stem = "eigh_" + ("smoke" if args.smoke else H.slug(where))
-    table = H.markdown_table(["L", "d", "case", "time", "vs torch", "residual", "orthonormality"], rows)
-    note = "" if error is None else f"faast._C not measured: {error}\n\n"
-    payload = {"device": where, "extension": error, "records": records}
-    H.write(args.out / stem, record, payload, f"Batched eigh on {where}", note + table)
-    print(note + table)
+        done = len(records)
+        measure(layers, d, device, errors, deadline, records)
+        for entry in records[done:]:
+            print({k: v for k, v in entry.items() if v is not None}, flush=True)
+        _report(args.out, record, records, errors, args.smoke, final=False)  # survives a crash in a later size
+    print(_report(args.out, record, records, errors, args.smoke, final=True))
     return 0
 
 

@@ -3,13 +3,19 @@ layers (prefill and KV-cached generation), and the state size against the tokens
 
     python benchmarks/bench_hf_overhead.py                 # the embedded default model and configuration
     python benchmarks/bench_hf_overhead.py --model tiny    # a tiny Llama built in-process (a quick check)
-    python benchmarks/bench_hf_overhead.py --model smollm2-shape --device cuda --dtype bfloat16   # GPU, no download
+    python benchmarks/bench_hf_overhead.py --model smollm2-shape llama-1b-shape --device cuda   # GPU, no download
 
 The default is SmolLM2-135M-Instruct (GGUF Q4_1 dequantised) with faast's default configuration (the residual
 output layer). The "-shape" models are built from a config in-process with random weights: SmolLM2-135M's Llama shape
-(d = 576, 30 blocks) and GPT-2-XL's (d = 1600, 48 blocks). Their timings are those of the real models (the weights'
-values do not change the work), so the GPU needs neither network nor a model file; the learning overhead is measured
-on random token ids.
+(d = 576, 30 blocks), Llama-3.2-1B's (d = 2048, 16 blocks, a 128K vocabulary) and GPT-2-XL's (d = 1600, 48 blocks).
+Their timings are those of the real models (the weights' values do not change the work), so the GPU needs neither
+network nor a model file; the learning overhead is measured on random token ids. A model that does not fit in the
+GPU's free memory (4x its parameters) is recorded as skipped. Several --model values run one after the other in the
+same process and write one file; --budget-s skips the models not started by then.
+
+Reported per model (the goals of issue 37): learn tokens/s against the model's own forward pass
+(learn_vs_forward = forward time / learn time), the read overhead per forward pass (read_overhead) and per
+generated token (read_overhead_per_token_s, with KV cache), and the solve time (model.solve() after a learned batch).
 
 Every case runs in the same process on the same batch of real text (the stdlib package's Python source), interleaved
 (benchmarks/_harness.py), and the table reports ratios to the base model measured in the same run. Learning runs the
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,8 +44,32 @@ SHAPES = {
     "smollm2-shape": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                                     tie_word_embeddings=True)),
+    "llama-1b-shape": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                                     tie_word_embeddings=True)),
     "gpt2-xl-shape": ("gpt2", dict(vocab_size=50257, n_embd=1600, n_layer=48, n_head=25, n_positions=1024)),
 }  # fmt: skip
+
+
+def _classes(family: str):  # noqa: ANN202 - (config class, model class)
+    import transformers
+
+    if family == "llama":
+        return transformers.LlamaConfig, transformers.LlamaForCausalLM
+    return transformers.GPT2Config, transformers.GPT2LMHeadModel
+
+
+def too_big(kind: str, device: str, dtype: str) -> str | None:
+    """Why a -shape model does not fit in the device's free memory (4x its parameters), or None."""
+    if kind not in SHAPES or not device.startswith("cuda"):
+        return None
+    family, kwargs = SHAPES[kind]
+    config_cls, model_cls = _classes(family)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in model_cls(config_cls(**kwargs)).parameters())
+    need = 4 * params * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    free, _ = torch.cuda.mem_get_info()
+    return None if need <= free else f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
 
 
 def load(kind: str, device: str = "cpu", dtype: str = "float32"):  # noqa: ANN201 - (FaastModel, token ids)
@@ -46,13 +77,12 @@ def load(kind: str, device: str = "cpu", dtype: str = "float32"):  # noqa: ANN20
     from faast.hf.demo import domain_files, tokens_of
 
     if kind in SHAPES:
-        import transformers
-
         family, kwargs = SHAPES[kind]
-        config = (transformers.LlamaConfig if family == "llama" else transformers.GPT2Config)(**kwargs)
+        config_cls, model_cls = _classes(family)
+        config = config_cls(**kwargs)
         torch.manual_seed(0)
         with torch.device(device):
-            base = (transformers.LlamaForCausalLM if family == "llama" else transformers.GPT2LMHeadModel)(config)
+            base = model_cls(config)
         base = base.to(getattr(torch, dtype)).eval()
         model = apply_faast(base, FaastConfig())
         ids = torch.randint(0, config.vocab_size, (256 * 1024,)).tolist()
@@ -78,7 +108,7 @@ def load(kind: str, device: str = "cpu", dtype: str = "float32"):  # noqa: ANN20
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="default", choices=["default", "tiny", *SHAPES])
+    parser.add_argument("--model", nargs="+", default=["default"], choices=["default", "tiny", *SHAPES])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="model dtype (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--smoke", action="store_true", help="tiny batch and 1 repetition (with --model tiny)")
@@ -88,7 +118,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default=None, help="result file stem (default: results/hf_overhead_<model>_cpu)")
+    parser.add_argument("--out", default=None, help="result file stem (default: hf_overhead_<model>_<device>)")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no further model after this many seconds")
     args = parser.parse_args(argv)
     if args.smoke:
         args.batch, args.seq, args.reps, args.new_tokens = 2, 64, 1, 4
@@ -153,6 +184,15 @@ def timed_cases(model, batch: torch.Tensor, new_tokens: int) -> dict[str, H.Case
 
         return run
 
+    def relearn() -> None:
+        # One learned batch changes the statistics, so the solve that follows has its full work to do.
+        with_compute(torch.float64)()
+        with torch.no_grad():
+            model.learn_batch(batch[:1], mask[:1])
+
+    def solve(_: object) -> None:
+        model.solve()
+
     cases = {
         "decoder pass, base": (None, backbone_pass),
         "full forward, base": (None, full_pass),
@@ -162,6 +202,7 @@ def timed_cases(model, batch: torch.Tensor, new_tokens: int) -> dict[str, H.Case
         "forward with fast weights": (solved(), read_pass),
         "generate, base": (None, generate(True)),
         "generate with fast weights": (solved(), generate(False)),
+        "solve after a learned batch": (relearn, solve),
     }
     if shipped_space == "probability":
         # The same memory read in logit space (one head product per position instead of two), in the same rounds.
@@ -211,17 +252,20 @@ def state_rows(model) -> list[list[str]]:  # noqa: ANN001 - a FaastModel
     ]
 
 
-def write_report(args: argparse.Namespace, record: dict, payload: dict, layers: list[int], size_rows: list) -> None:
-    """results/<stem>.json and .md (with the provenance record); prints the Markdown."""
-    where = "cpu" if args.device == "cpu" else H.slug(record.get("gpu", args.device))
-    stem = args.out or f"hf_overhead_{args.model}_{'smoke' if args.smoke else where}"
+def model_report(args: argparse.Namespace, payload: dict, layers: list[int], size_rows: list) -> list[str]:
+    """The Markdown of one model's measurements."""
     b, t = payload["batch"]
-    md = [
-        f"Memory layers before blocks {layers} + the output layer; batch {b} x {t} tokens of "
-        f"Python source; {args.reps} interleaved repetitions, medians. Generation: {args.new_tokens} new tokens "
-        "after a 64-token prompt, greedy, KV cache.",
+    solve = payload["median_s"].get("solve after a learned batch")
+    return [
+        f"Memory layers before blocks {layers} + the output layer; batch {b} x {t} tokens; {args.reps} interleaved "
+        f"repetitions, medians. Generation: {args.new_tokens} new tokens after a 64-token prompt, greedy, KV cache.",
         "",
         H.markdown_table(["case", "against", "tokens/s", "reference tokens/s", "extra time"], payload["overheads"]),
+        "",
+        f"Learning runs at {payload['learn_vs_forward']:.2f}x the model's forward-pass throughput (float64 "
+        f"statistics, learn_dtype {payload['learn_dtype']!r}); reading costs {payload['read_overhead']:+.1%} per "
+        f"forward pass and {payload['read_overhead_per_token_s'] * 1e3:+.2f} ms per generated token; the solve "
+        f"(model.solve() after a learned batch) takes {H.fmt_s(solve)}.",
         "",
         "State after learning n tokens (float64 statistics of every memory layer) against storing keys and values "
         "(bf16, as the authors' memory bank holds them):",
@@ -229,18 +273,12 @@ def write_report(args: argparse.Namespace, record: dict, payload: dict, layers: 
         H.markdown_table(["tokens learned", "faast state", "stored keys + values"], size_rows),
         "",
     ]
-    title = f"FAAST overhead in a causal LM: {payload['model']}"
-    H.write(args.out_dir / stem, record, payload, title, md)
-    print("\n".join([f"# {title}", "", H.provenance.markdown(record), "", *md]))
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    H.set_threads(args.threads)
-    record = H.start()
-    model, ids, description = load(args.model, args.device, dtype)
-    if args.model == "tiny":
+def run_model(args: argparse.Namespace, kind: str, dtype: str) -> tuple[dict, list[str]]:
+    """Build, learn and time one model: (payload, its Markdown)."""
+    model, ids, description = load(kind, args.device, dtype)
+    if kind == "tiny":
         model = model.to(args.device)
     b, t = args.batch, args.seq
     batch = torch.tensor(ids[: b * t], device=args.device).reshape(b, t)
@@ -253,6 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
     timings = H.time_cases(timed_cases(model, batch, args.new_tokens), reps=args.reps)
     model.faast_config.learn_dtype = learn_dtype
     med = {k: v.median for k, v in timings.items()}
+    forward = med["full forward, base"]
     payload = {
         "model": description,
         "layers": model.faast_config.layers,
@@ -263,16 +302,64 @@ def main(argv: list[str] | None = None) -> dict:
         "overheads": overhead_rows(med, b * t, args.new_tokens),
         "state_bytes": model.fast_weight_bytes(),
         # The issue's goals: learning against the forward pass a user would run, reading against the base forward.
-        "learn_overhead": med["learn, float64 statistics"] / med["full forward, base"] - 1,
-        "learn_overhead_float32": med["learn, float32 compute"] / med["full forward, base"] - 1,
-        "learn_overhead_model_dtype": med["learn, the model's dtype (learn_dtype='model')"] / med["full forward, base"]
-        - 1,
+        "learn_vs_forward": forward / med["learn, float64 statistics"],
+        "learn_tokens_per_s": b * t / med["learn, float64 statistics"],
+        "forward_tokens_per_s": b * t / forward,
+        "learn_overhead": med["learn, float64 statistics"] / forward - 1,
+        "learn_overhead_float32": med["learn, float32 compute"] / forward - 1,
+        "learn_overhead_model_dtype": med["learn, the model's dtype (learn_dtype='model')"] / forward - 1,
         "learn_dtype": learn_dtype,
-        "inference_overhead": med["forward with fast weights"] / med["full forward, base"] - 1,
+        "read_overhead": med["forward with fast weights"] / forward - 1,
+        "inference_overhead": med["forward with fast weights"] / forward - 1,
         "generation_overhead": med["generate with fast weights"] / med["generate, base"] - 1,
+        "read_overhead_per_token_s": (med["generate with fast weights"] - med["generate, base"]) / args.new_tokens,
+        "solve_s": med["solve after a learned batch"],
     }
-    write_report(args, record, payload, model.faast_config.layers, state_rows(model))
-    return payload
+    md = model_report(args, payload, model.faast_config.layers, state_rows(model))
+    del model, batch
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return payload, md
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    started = time.monotonic()
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    H.set_threads(args.threads)
+    if args.smoke or args.device.startswith("cuda"):  # the CPU-quiet gate is for CPU timings
+        H.QUIET.update(timeout_s=1.0, budget_s=5.0)
+    record = H.start()
+    payloads, md, last = [], [], 0.0
+    for kind in args.model:
+        # The next model would take about as long as the last one: start it only if that fits in --budget-s.
+        late = payloads and args.budget_s is not None and time.monotonic() - started + last > args.budget_s
+        skip = "time budget spent" if late else too_big(kind, args.device, dtype)
+        if skip:
+            payloads.append({"model": kind, "skipped": skip})
+            md += [f"## {kind}", "", f"Skipped: {skip}.", ""]
+        else:
+            begun = time.monotonic()
+            payload, lines = run_model(args, kind, dtype)
+            last = time.monotonic() - begun
+            payloads.append(payload)
+            md += ([f"## {payload['model']}", ""] if len(args.model) > 1 else []) + lines
+        result = write_result(args, record, payloads, md)  # after every model: a cut run keeps the ones done
+    print("\n".join(["# FAAST overhead in causal LMs", "", H.provenance.markdown(record), "", *md]))
+    return result
+
+
+def write_result(args: argparse.Namespace, record: dict, payloads: list[dict], md: list[str]) -> dict:
+    """hf_overhead_<model>_<device>.{json,md} for one model; hf_overhead_shapes_<device> with a list for several."""
+    where = "cpu" if args.device == "cpu" else H.slug(record.get("gpu", args.device))
+    models = args.model[0] if len(args.model) == 1 else "shapes"
+    stem = args.out or f"hf_overhead_{models}_{'smoke' if args.smoke else where}"
+    if len(args.model) == 1:
+        result, title = payloads[0], f"FAAST overhead in a causal LM: {payloads[0]['model']}"
+    else:
+        result, title = {"models": payloads}, f"FAAST overhead in causal LMs on {where}"
+    H.write(args.out_dir / stem, record, result, title, md)
+    return result
 
 
 if __name__ == "__main__":

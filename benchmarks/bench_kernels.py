@@ -10,6 +10,10 @@ layer-batched shapes of a learned batch (GPT-2-XL: 48 x 1600; SmolLM2: 6 x 576).
   * the torch compositions: faast's own torch backend (what `auto` runs on CUDA today) in float64 and in float32
     compute, and the best 16-bit composition (scale V by s in fp32, round to bf16, two bf16 GEMMs with fp32 output
     added into float64),
+  * the torch candidates of faast.ops.gram_modes: torch.exact16 at several flush lengths R (one cuBLAS bmm per group
+    of R-row chunks with 16-bit inputs and a float32 output, flushed into float64; with and without scores), and a
+    float64 path over large chunks (the rows upcast once, one fused float64 GEMM Kᵀ[K | sV] per chunk: FP64 tensor
+    cores), each with its relative error on S against float64 (layer 0),
   * the bf16 matmul ceiling: torch.matmul [d, N] x [N, d] in bf16 at this N, TFLOP/s measured now,
   * the authors' learn at L = 1, N <= 8192: pinv of the stored N x d keys (float32) @ V.
 Floor: the upper triangle of S and all of T, N·dk·(dk + 1) + 2·N·dk·dv flops, at the measured bf16 ceiling.
@@ -50,6 +54,10 @@ GRID = [
 SMOKE = [(70, 40, 24, 2), (33, 20, 20, 1)]
 RESIDUAL = [(8192, 576), (8192, 1600), (8192, 3584)]
 SMOKE_RESIDUAL = [(37, 24)]
+EXACT16_FLUSHES = (1024, 4096, 16384)
+SMOKE_EXACT16_FLUSHES = (16, 64)
+# Rows per chunk of the fused float64 path: its float64 [L, rows, dk + dv] copy stays near this size.
+FLOAT64_CHUNK_BYTES = 1 << 30
 BROKEN: dict[str, str] = {}  # kernel cases that failed once in this run (e.g. no compiler support on this GPU)
 
 
@@ -82,10 +90,29 @@ def modes() -> tuple[str, ...]:
     return tuple(m for m in PRECISIONS if m != "fp32")  # plain IEEE float32: the slow opt-in, not timed
 
 
-def gram_case(n: int, dk: int, dv: int, L: int, *, device: str, bench, deadline: float) -> dict:  # noqa: ANN001
+def float64_fused(keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """S, T in float64 from one float64 GEMM Kᵀ [K | sV] per chunk of about FLOAT64_CHUNK_BYTES (full S, no
+    triangle blocks: one long DGEMM per chunk)."""
+    L, n, dk = keys.shape
+    width = dk + values.shape[-1]
+    rows = max(64, min(n, FLOAT64_CHUNK_BYTES // (L * width * 8)))
+    acc = torch.zeros(L, dk, width, dtype=torch.float64, device=keys.device)
+    buf = torch.empty(L, rows, width, dtype=torch.float64, device=keys.device)
+    for start in range(0, n, rows):
+        m = min(rows, n - start)
+        x = buf[:, :m]
+        x[..., :dk].copy_(keys[:, start : start + m])
+        torch.mul(values[:, start : start + m], scores[:, start : start + m, None], out=x[..., dk:])
+        acc.baddbmm_(x[..., :dk].mT, x)
+    return acc[..., :dk], acc[..., dk:]
+
+
+def gram_case(  # noqa: ANN001
+    n: int, dk: int, dv: int, L: int, *, device: str, bench, deadline: float, flushes: tuple[int, ...] = ()
+) -> dict:
     from faast_kernels.gram import gram_accumulate
 
-    from faast.ops import reference
+    from faast.ops import gram_modes, reference
 
     g = torch.Generator(device=device).manual_seed(n + dk + L)
     keys = torch.randn(L, n, dk, device=device, dtype=torch.bfloat16, generator=g)
@@ -123,6 +150,16 @@ def gram_case(n: int, dk: int, dv: int, L: int, *, device: str, bench, deadline:
                                                                  sqnorm=sqnorm, precision=p)  # fmt: skip
         cases[f"triton_{mode}_noscores"] = lambda p=mode: gram_accumulate(keys, values, gram=gram, cross=cross,
                                                                           sqnorm=sqnorm, precision=p)  # fmt: skip
+    # Their S is checked against float64 on layer 0 (relS); the kernels above write into shared accumulators.
+    checked = {"torch_float64_fused": lambda: float64_fused(keys, values, scores)}
+    # Scores split s·v into two 16-bit terms (a wider right operand); without them, only the longest R (time budget).
+    for r in flushes:
+        for scored in (True, False) if r == max(flushes) else (True,):
+            checked[f"torch_exact16_r{r}" + ("" if scored else "_noscores")] = (
+                lambda r=r, sc=scored: gram_modes.accumulate_gram_exact16(keys, values, scores if sc else None, None,
+                    weighted_least_squares=False, compute_dtype=torch.float32, flush_rows=r)[:2]
+            )  # fmt: skip
+    cases.update(checked)
     if L == 1 and n <= 8192:
         k32, v32 = keys[0].float(), values[0].float()
         cases["authors_pinv"] = lambda: torch.linalg.pinv(k32, rtol=1 / n) @ (v32 * scores[0, :, None])
@@ -147,6 +184,13 @@ def gram_case(n: int, dk: int, dv: int, L: int, *, device: str, bench, deadline:
         if s:
             row[f"{name}_tflops"] = flops / s / 1e12
             row[f"{name}_vs_floor"] = s / floor_s
+    k0 = keys[0].double()
+    s_ref = k0.mT @ k0
+    del k0
+    for name, fn in checked.items():
+        if row.get(f"{name}_s"):
+            s_got = fn()[0][0]
+            row[f"{name}_rel_s"] = float((s_got - s_ref).norm() / s_ref.norm())
     return row
 
 
@@ -180,12 +224,21 @@ def _cell(r: dict, key: str, fmt) -> str:  # noqa: ANN001
     return "n/a" if v is None else fmt(v)
 
 
+def ratio_of(r: dict, a: str, b: str) -> str:
+    """a's time over b's in row r, or n/a."""
+    sa, sb = r.get(f"{a}_s"), r.get(f"{b}_s")
+    return "n/a" if not sa or not sb else f"{sa / sb:.2f}"
+
+
 def tables(grams: list[dict], residuals: list[dict]) -> list[str]:
     ms = lambda s: f"{s * 1e3:.3f}"  # noqa: E731
     lines = ["Gram: time in ms (TFLOP/s on the triangle floor in parentheses); ratios are the competitor's time over "
              "the kernel's (> 1: the kernel is faster).", ""]  # fmt: skip
-    names = ["torch_bf16_composition", "torch_backend_float64", "torch_backend_float32"]
+    names = ["torch_bf16_composition", "torch_backend_float64", "torch_backend_float32", "torch_float64_fused"]
     names += [f"triton_{m}" for m in modes()] + [f"triton_{m}_noscores" for m in modes()] + ["authors_pinv"]
+    timed16 = {k[:-2] for r in grams for k in r if k.startswith("torch_exact16_r") and k.endswith("_s")}
+    torch16 = sorted((k for k in timed16 if not k.endswith("_rel")), key=lambda k: (int(k[15:].split("_")[0]), k))
+    names[4:4] = torch16
     head = ["N", "dk", "dv", "L", "bf16 ceiling TF/s", "floor ms"] + names
     rows = []
     for r in grams:
@@ -197,6 +250,7 @@ def tables(grams: list[dict], residuals: list[dict]) -> list[str]:
     lines.append(H.markdown_table(head, rows))
     ratio_rows = []
     for r in grams:
+
         def ratio(a: str, b: str, r: dict = r) -> str:
             sa, sb = r.get(f"{a}_s"), r.get(f"{b}_s")
             return "n/a" if not sa or not sb else f"{sa / sb:.2f}"
@@ -212,6 +266,14 @@ def tables(grams: list[dict], residuals: list[dict]) -> list[str]:
         ["N", "dk", "dv", "L"] + [f"{m} / floor" for m in modes()]
         + ["torch float64 / fp64", "torch float32 / tf32x3", "bf16 composition / 16-bit mode",
            "bf16 composition / 16-bit mode (no scores)"], ratio_rows)]  # fmt: skip
+    if torch16 or any("torch_float64_fused_s" in r for r in grams):
+        checked = ["torch_float64_fused", *torch16]
+        lines += ["", "torch candidates: the bf16 composition's time over theirs (> 1: faster than the composition) "
+                  "and their relative error on S against float64 (layer 0).", "", H.markdown_table(
+            ["N", "dk", "dv", "L"] + [f"{c} speed / relS" for c in checked],
+            [[r["n"], r["dk"], r["dv"], r["L"]] + [
+                f"{ratio_of(r, 'torch_bf16_composition', c)} / {_cell(r, c + '_rel_s', lambda v: f'{v:.1e}')}"
+                for c in checked] for r in grams])]  # fmt: skip
     lines += ["", "Residual h = x + x·M, x bf16 (ms):", "", H.markdown_table(
         ["rows", "d", "kernel, M bf16", "addmm bf16", "vs addmm", "unfolded x+(xW)P", "vs unfolded",
          "kernel, M fp32", "torch backend, M fp32", "vs torch backend"],
@@ -239,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget_s
     grams = []
     for case in SMOKE if args.smoke else GRID:
-        grams.append(gram_case(*case, device=device, bench=bench, deadline=deadline))
+        flushes = SMOKE_EXACT16_FLUSHES if args.smoke else EXACT16_FLUSHES
+        grams.append(gram_case(*case, device=device, bench=bench, deadline=deadline, flushes=flushes))
         print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in grams[-1].items()}, flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -4,7 +4,10 @@ For each (N, d) with dv = d, alpha = 1 and float32 random-normal keys/values (fi
 
 1. Full learn. Rows arrive as 4096-row batches; the time runs from the first batch to having W.
    authors: StoredKeyMemory(alpha=1, float32): update per batch (cat-append), then .weights (pinv of the N x d keys).
-   faast:   FastWeights(d, d) (float64 statistics): update per batch, then .weights (float64 eigh of S).
+   faast:   FastWeights(d, d) (float64 statistics): update per batch, then .weights (float64 eigh of S); `auto`
+            chooses the accumulate_gram candidate. Beside it the same learn with the candidate forced:
+            faast gemm = the torch path (triangle-block float64 GEMMs), faast syrk = torch.syrk (scipy's BLAS dsyrk
+            for S, dgemm for T; faast.ops.gram_modes), when scipy is importable.
    Also the authors' best case: faast.authors_reference.pinv_fast_weights(K, V, rtol=1/N) on keys already in one
    tensor.
 2. Incremental update: a memory already holding N rows learns one 512-row batch and re-solves.
@@ -14,19 +17,25 @@ For each (N, d) with dv = d, alpha = 1 and float32 random-normal keys/values (fi
 4. Fidelity: relW = ||W - W_truth|| / ||W_truth|| with W_truth the float64 SVD pseudo-inverse of the same float32
    keys (pinv_fast_weights(K.double(), V.double(), rtol=1/N)).
 
-Timing: 1 warm-up, then >= 3 interleaved repetitions (authors, faast, bare pinv in turn); median, p20, p80.
+Timing: 1 warm-up, then >= 3 interleaved repetitions (authors, faast, faast gemm, faast syrk, bare pinv in turn);
+median, p20, p80.
 
     python benchmarks/bench_learn.py [--quick] [--out benchmarks/results]
+    python benchmarks/bench_learn.py --config 65536 768 --skip-memory --stem learn_syrk_cpu   # one configuration
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
@@ -45,10 +54,14 @@ GOAL_CONFIG = (65536, 768)
 GOAL_FULL_SPEEDUP = 2.5
 GOAL_RELW = 1e-5
 GOAL_INCR_SPEEDUP = 20.0
+# Issue 36 item 5: the full learn against a bare float32 pinv(K) @ V over the same stored keys.
+GOAL_BARE_PINV_SPEEDUP = 2.5
 # "Independent of N": faast's peak at the largest N (16x the rows) may exceed the smallest N's by at most this factor,
 # measured with glibc's mmap threshold fixed (H.FIXED_MMAP_ENV); the authors' grows ~linearly with N.
 GOAL_PEAK_GROWTH = 1.25
 TIMED = ("full_authors", "full_faast", "bare_pinv", "incr_authors", "incr_faast")
+# The accumulate_gram candidate each faast learner forces (FAAST_BACKEND), None: auto's choice.
+FAAST_VARIANTS = {"faast": None, "faast_gemm": "torch", "faast_syrk": "torch.syrk"}
 TRUTH_BUDGET_S = 60.0
 
 
@@ -73,6 +86,35 @@ def learn_faast(batches, d: int):  # noqa: ANN001, ANN201
         mem.update(k, v)
         del k, v  # with generated batches, do not hold this batch while the next one is made
     return mem
+
+
+@contextlib.contextmanager
+def forced_gram(candidate: str | None):  # noqa: ANN201
+    """accumulate_gram runs `candidate` inside (FAAST_BACKEND=accumulate_gram=<candidate>; measuring off, so that a
+    bare backend name means its own implementation, not its variants); None leaves auto alone."""
+    env = {} if candidate is None else {"FAAST_BACKEND": f"accumulate_gram={candidate}", "FAAST_AUTOTUNE": "0"}
+    with mock.patch.dict(os.environ, env):
+        yield
+
+
+def syrk_candidate() -> str | None:
+    """Make torch.syrk a candidate of accumulate_gram in this process; why it cannot be (scipy missing), or None.
+
+    faast.ops registers it once the dispatch lists it; until then this benchmark registers faast.ops.gram_modes's
+    function itself (benchmark-only), so that the learn goes through FastWeights like the others."""
+    from faast.ops import _dispatch, gram_modes
+
+    cpu = torch.device("cpu")
+    reason = gram_modes.syrk_unavailable_reason(cpu)
+    if reason is not None:
+        return reason
+    call = _dispatch.Call(
+        "accumulate_gram", cpu, (torch.float32, torch.float32), options={"compute_dtype": torch.float64}
+    )
+    if "torch.syrk" not in [name for name, _ in _dispatch.explain("accumulate_gram", cpu, call)]:
+        _dispatch.register_variant("torch", "accumulate_gram", "syrk", gram_modes.accumulate_gram_syrk,
+                                   cannot_run=gram_modes.syrk_cannot_run, gate=gram_modes.syrk_gate)  # fmt: skip
+    return None
 
 
 def generated_batches(n: int, d: int, batch: int, seed: int):  # noqa: ANN201
@@ -124,15 +166,17 @@ def time_full_learn(batches: list, keys: torch.Tensor, values: torch.Tensor, rep
     from faast.authors_reference import pinv_fast_weights
 
     d, rtol = keys.shape[1], keys.shape[0] ** -1.0
-    phases: dict[str, list[tuple[float, float]]] = {"authors": [], "faast": []}
+    variants = {k: v for k, v in FAAST_VARIANTS.items() if k != "faast_syrk" or syrk_candidate() is None}
+    phases: dict[str, list[tuple[float, float]]] = {"authors": [], **{k: [] for k in variants}}
     last_w: dict[str, torch.Tensor] = {}
 
     def full(name: str, make):  # noqa: ANN001, ANN202
         def fn(_):  # noqa: ANN001, ANN202
             t0 = time.perf_counter()
-            mem = make()
-            t1 = time.perf_counter()
-            w = mem.weights
+            with forced_gram(variants.get(name)):
+                mem = make()
+                t1 = time.perf_counter()
+                w = mem.weights
             t2 = time.perf_counter()
             phases[name].append((t1 - t0, t2 - t1))
             last_w[name] = w
@@ -143,28 +187,24 @@ def time_full_learn(batches: list, keys: torch.Tensor, values: torch.Tensor, rep
     def bare_pinv(_):  # noqa: ANN001, ANN202
         return pinv_fast_weights(keys, values, rtol=rtol)
 
-    timings = H.time_cases(
-        {
-            "authors": (None, full("authors", lambda: learn_authors(batches))),
-            "faast": (None, full("faast", lambda: learn_faast(batches, d))),
-            "pinv": (None, bare_pinv),
-        },
-        reps=reps,
-    )
+    cases = {"authors": (None, full("authors", lambda: learn_authors(batches)))}
+    cases.update({name: (None, full(name, lambda: learn_faast(batches, d))) for name in variants})
+    cases["pinv"] = (None, bare_pinv)
+    timings = H.time_cases(cases, reps=reps)
     return timings, phases, last_w
 
 
-def fidelity(keys: torch.Tensor, values: torch.Tensor, last_w: dict, truth_estimate_s: float) -> tuple[float, ...]:
-    """(truth seconds, relW authors, relW faast) against the float64 SVD truth of the same float32 keys; NaN when
-    the truth's estimated time exceeds TRUTH_BUDGET_S."""
+def fidelity(keys: torch.Tensor, values: torch.Tensor, last_w: dict, truth_estimate_s: float) -> tuple[float, dict]:
+    """(truth seconds, {learner: relW}) against the float64 SVD truth of the same float32 keys; NaN when the truth's
+    estimated time exceeds TRUTH_BUDGET_S."""
     from faast.authors_reference import pinv_fast_weights
 
     if truth_estimate_s > TRUTH_BUDGET_S:
-        return math.nan, math.nan, math.nan
+        return math.nan, {name: math.nan for name in last_w}
     t0 = time.perf_counter()
     truth = pinv_fast_weights(keys.double(), values.double(), rtol=keys.shape[0] ** -1.0)
     truth_s = time.perf_counter() - t0
-    return truth_s, rel_err(last_w["authors"], truth), rel_err(last_w["faast"], truth)
+    return truth_s, {name: rel_err(w, truth) for name, w in last_w.items()}
 
 
 def time_incremental(batches: list, keys: torch.Tensor, values: torch.Tensor, extra: tuple, reps: int) -> dict:
@@ -203,7 +243,7 @@ def bench_config(n: int, d: int, reps: int, truth_estimate_s: float) -> dict:
     batches = list(zip(keys.split(BATCH), values.split(BATCH), strict=False))
 
     full_t, phases, last_w = time_full_learn(batches, keys, values, reps)
-    truth_s, rel_authors, rel_faast = fidelity(keys, values, last_w, truth_estimate_s)
+    truth_s, relw = fidelity(keys, values, last_w, truth_estimate_s)
     last_w.clear()
     gc.collect()
     incr_t = time_incremental(batches, keys, values, (extra_k, extra_v), reps)
@@ -211,7 +251,7 @@ def bench_config(n: int, d: int, reps: int, truth_estimate_s: float) -> dict:
     def med(pairs: list[tuple[float, float]], i: int) -> float:
         return H.Timing([p[i] for p in pairs[1:]]).median  # [0] is the warm-up
 
-    return {
+    row = {
         "N": n,
         "d": d,
         "dv": d,
@@ -232,10 +272,22 @@ def bench_config(n: int, d: int, reps: int, truth_estimate_s: float) -> dict:
         "speedup_incr": incr_t["authors"].median / incr_t["faast"].median,
         "state_mb_authors": n * (d + d) * 4 / H.MB,
         "state_mb_faast": 8 * (d * d + d * d) / H.MB,
-        "relw_authors": rel_authors,
-        "relw_faast": rel_faast,
+        "relw_authors": relw["authors"],
+        "relw_faast": relw["faast"],
         "truth_s": truth_s,
     }
+    # The forced candidates of the same learn (absent where the candidate cannot run here).
+    for name in FAAST_VARIANTS:
+        if name == "faast" or name not in full_t:
+            continue
+        row[f"full_{name}"] = full_t[name].summary()
+        row[f"full_{name}_update_s"] = med(phases[name], 0)
+        row[f"full_{name}_solve_s"] = med(phases[name], 1)
+        row[f"speedup_{name}_vs_bare_pinv"] = full_t["pinv"].median / full_t[name].median
+        row[f"relw_{name}"] = relw[name]
+    if "faast_syrk" in full_t:
+        row["syrk_vs_gemm"] = full_t["faast_gemm"].median / full_t["faast_syrk"].median
+    return row
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -275,6 +327,22 @@ def check_goals(rows: list[dict]) -> list[dict]:
                 f"{r['incr_faast']['median_s']:.3f} s)",
             }
         )
+    if r is not None:
+        best = min((k for k in FAAST_VARIANTS if f"full_{k}" in r), key=lambda k: r[f"full_{k}"]["median_s"])
+        ratio = r["bare_pinv"]["median_s"] / r[f"full_{best}"]["median_s"]
+        relw = r[f"relw_{best}"]
+        ok = ratio >= GOAL_BARE_PINV_SPEEDUP and not relw > GOAL_RELW
+        each = ", ".join(f"{k} {r['bare_pinv']['median_s'] / r[f'full_{k}']['median_s']:.2f}x"
+                         for k in FAAST_VARIANTS if f"full_{k}" in r)  # fmt: skip
+        goals.append(
+            {
+                "goal": f"full learn >= {GOAL_BARE_PINV_SPEEDUP}x faster than a bare float32 pinv(K) @ V at {where} "
+                f"(issue 36), relW <= {GOAL_RELW:g}",
+                "status": "PASS" if ok else "FAIL",
+                "detail": f"fastest faast learner {best}: {ratio:.2f}x, relW {relw:.1e} ({each})"
+                + (f"; syrk vs gemm {r['syrk_vs_gemm']:.3f}x" if "syrk_vs_gemm" in r else ""),
+            }
+        )
     details, ok_all, checked = [], True, False
 
     def series(d: int, method: str, fixed: bool) -> list[tuple[int, float]]:
@@ -306,6 +374,28 @@ def check_goals(rows: list[dict]) -> list[dict]:
         }
     )
     return goals
+
+
+def variants_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The faast learners side by side: full learn, its update / solve split, the ratio to the bare pinv, relW."""
+    headers = ["N", "d", "bare pinv s"]
+    for name in FAAST_VARIANTS:
+        headers += [f"{name} full s", f"{name} update / solve", f"{name} vs bare pinv", f"{name} relW"]
+    headers.append("syrk vs gemm")
+    out = []
+    for r in rows:
+        cells = [r["N"], r["d"], H.fmt_s(r["bare_pinv"]["median_s"])]
+        for name in FAAST_VARIANTS:
+            if f"full_{name}" not in r:
+                cells += ["n/a"] * 4
+                continue
+            speed = r["speedup_vs_bare_pinv"] if name == "faast" else r[f"speedup_{name}_vs_bare_pinv"]
+            cells += [H.fmt_s(r[f"full_{name}"]["median_s"]),
+                      f"{H.fmt_s(r[f'full_{name}_update_s'])} / {H.fmt_s(r[f'full_{name}_solve_s'])}",
+                      H.fmt_ratio(speed), H.fmt_sci(r[f"relw_{name}"])]  # fmt: skip
+        cells.append(f"{r['syrk_vs_gemm']:.3f}×" if "syrk_vs_gemm" in r else "n/a")
+        out.append(cells)
+    return headers, out
 
 
 def table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -363,7 +453,7 @@ def spread_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                 f"{ma.get('peak_ru_maxrss_mb', math.nan):.0f} / {mf.get('peak_ru_maxrss_mb', math.nan):.0f}",
                 f"{peak_of(ma.get('fixed_mmap')):.0f} / {peak_of(mf.get('fixed_mmap')):.0f}",
                 H.fmt_s(r["truth_s"]),
-                sum(len(r[k]["rejected"]) for k in TIMED),
+                sum(len(r[k]["rejected"]) for k in TIMED + tuple(f"full_{v}" for v in FAAST_VARIANTS) if k in r),
             ]
         )
     return headers, out
@@ -374,6 +464,7 @@ def write_report(stem: Path, record: dict, payload: dict) -> None:
     rows, goals, quick = payload["rows"], payload["goals"], payload["quick"]
     h, t = table(rows)
     h2, t2 = spread_table(rows)
+    h3, t3 = variants_table(rows)
     parent = payload.get("parent_peak_rss_before_memory_runs_mb")
     lines = [
         "Generated by `python benchmarks/bench_learn.py" + (" --quick" if quick else "") + "`; do not edit by hand.",
@@ -384,7 +475,9 @@ def write_report(stem: Path, record: dict, payload: dict) -> None:
         "then W.",
         "- authors = `StoredKeyMemory(alpha=1.0, dtype=torch.float32)` (cat-append storage, float32 pinv of the N×d "
         "keys); bare pinv = `faast.authors_reference.pinv_fast_weights(K, V, rtol=1/N)` on keys already in one "
-        "tensor (their best case); faast = `FastWeights(d, d)` (float64 statistics, float64 eigh).",
+        "tensor (their best case); faast = `FastWeights(d, d)` (float64 statistics, float64 eigh), with auto's "
+        "choice of the Gram candidate; faast gemm / faast syrk force the torch path (triangle-block float64 GEMMs, "
+        "MKL) / torch.syrk (scipy's OpenBLAS dsyrk for S and dgemm for T).",
         "- Times: median seconds of the repetitions after 1 warm-up, the competitors interleaved in each round "
         "(reps per row in the JSON). Speedups are ratios of medians. The machine may be shared: before each timed "
         "call the script waits (bounded) for other processes to go quiet, and a call >= 0.1 s during which they used "
@@ -407,6 +500,7 @@ def write_report(stem: Path, record: dict, payload: dict) -> None:
     ]
     lines += [f"- **{g['status']}** {g['goal']}: {g['detail']}" for g in goals]
     lines += ["", "## Results", "", H.markdown_table(h, t)]
+    lines += ["", "## faast's Gram candidates", "", H.markdown_table(h3, t3)]
     lines += ["", "## Spread and phase split", "", H.markdown_table(h2, t2)]
     title = "Learning cost on CPU: faast vs the authors' stored-key memory" + (" (quick)" if quick else "")
     H.write(stem, record, payload, title, lines)
@@ -422,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5; 3 at the largest)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: physical cores)")
     parser.add_argument("--skip-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--config", nargs=2, type=int, action="append", metavar=("N", "D"),
+                        help="run only these (N, d) (repeatable; default: the full grid)")  # fmt: skip
+    parser.add_argument("--stem", default=None, help="result file stem (default learn_cpu / learn_cpu_quick)")
     parser.add_argument(
         "--no-wait-quiet", action="store_true", help="do not wait for other processes to go quiet before timed calls"
     )
@@ -435,7 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     record = H.start()
     print(H.provenance.markdown(record))
     print(f"torch.set_num_threads({threads})", flush=True)
-    grid = QUICK_GRID if args.quick else FULL_GRID
+    grid = [tuple(c) for c in args.config] if args.config else QUICK_GRID if args.quick else FULL_GRID
+    # auto's measured choice goes to a cache of this run only: the user's cache neither decides nor learns it.
+    cache_dir = tempfile.TemporaryDirectory(prefix="faast_bench_learn_")
+    os.environ.setdefault("FAAST_AUTOTUNE_CACHE", str(Path(cache_dir.name) / "autotune.json"))
 
     # Memory first, while this process is small: a spawned child's ru_maxrss starts at the parent's peak RSS.
     parent_rss_mb = H.ru_maxrss_bytes() / H.MB
@@ -487,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwall time {wall_s:.1f} s")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "learn_cpu_quick" if args.quick else "learn_cpu"
+    stem = args.stem or ("learn_cpu_quick" if args.quick else "learn_cpu")
     payload = {"quick": args.quick, "wall_s": wall_s, "parent_peak_rss_before_memory_runs_mb": parent_rss_mb,
                "quiet_gate": dict(H.QUIET), "goals": goals, "rows": rows}  # fmt: skip
     write_report(args.out / stem, record, payload)

@@ -1,16 +1,24 @@
-"""Which Triton Gram precision mode passes the float64 fidelity suite? (the test that decides the GPU default)
+"""Which Gram precision mode passes the float64 fidelity suite? (the test that decides the defaults and the gates)
 
     TRITON_INTERPRET=1 python benchmarks/fidelity_triton_modes.py --jobs 2   # CPU: Triton's interpreter, 2 processes
     python benchmarks/fidelity_triton_modes.py [--out DIR]             # GPU: the compiled kernels
     python benchmarks/fidelity_triton_modes.py --smoke --out DIR       # two spectra, N = 1000 (the script runs)
+    python benchmarks/fidelity_triton_modes.py --modes torch torch.float32 torch.exact16 torch.syrk \
+        --name fidelity_torch_modes_cpu                                # only the torch modes (no Triton needed)
 
 For every spectrum of docs/numerics.md (tests/spectra.py: well-conditioned, power laws with outliers, duplicated rows,
 LayerNorm-like, N < d) at N = 1000 and 16384, d = 256, dv = 64, alpha = 0.8 and 1, keys are streamed in 4096-row
 batches through faast_kernels.gram in each precision mode, solved by faast.ops.solve_fast_weights_ex, and compared with
 the float64 SVD truth of the same keys: the kept rank must match and relW <= 1e-5, relP <= 1e-6 (tests/tolerances.py).
-The 32-bit modes (fp64, tf32x3, fp32) get the float32 keys; the 16-bit mode (bf16) gets the keys rounded to bf16,
-and its truth is that of the rounded keys. The 16-bit mode runs once per flush length R (rows summed in float32
-before each float64 add), which is how R is chosen. Writes triton_fidelity_<device>.{json,md} into --out.
+The 32-bit modes (fp64, tf32x3, fp32) get the float32 keys; the 16-bit mode (exact16) gets the keys rounded to
+bf16, and its truth is that of the rounded keys. The 16-bit modes run once per flush length R (rows summed in float32
+before each float64 add), which is how R is chosen. Writes triton_fidelity_<device>.{json,md} into --out (or
+<--name>.{json,md}).
+
+Beside the Triton kernel's modes, the torch candidates of faast.ops.accumulate_gram run the same suite: torch (the
+float64 reference path), torch.float32 (its float32 compute mode, 4096-row float32 chunks: the float32-grade
+baseline), torch.exact16 (faast.ops.gram_modes: 16-bit GEMMs with float32 output flushed into float64 every R rows;
+cuBLAS on a GPU, float32 copies on a CPU) and torch.syrk (scipy's dsyrk, CPU only).
 
 Under the interpreter, tl.dot is numpy's float32/float64 matmul per tile, so the float32 sums are IEEE sums; tensor
 cores may round their float32 accumulation differently, so a GPU run of this script is what decides the GPU default.
@@ -19,6 +27,7 @@ cores may round their float32 accumulation differently, so a GPU run of this scr
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -40,19 +49,47 @@ from faast import ops  # noqa: E402
 from tolerances import TRUTH_REL_P, TRUTH_REL_W, rel  # noqa: E402
 
 D, DV, N_TEST, BATCH = 256, 64, 2048, 4096
-INPUT_DTYPE = {"fp64": torch.float32, "tf32x3": torch.float32, "fp32": torch.float32, "exact16": torch.bfloat16}
+INPUT_DTYPE = {
+    "fp64": torch.float32, "tf32x3": torch.float32, "fp32": torch.float32, "exact16": torch.bfloat16,
+    "torch": torch.float32, "torch.float32": torch.float32, "torch.exact16": torch.bfloat16,
+    "torch.syrk": torch.float32,
+}  # fmt: skip
+TORCH_MODES = ("torch", "torch.float32", "torch.exact16", "torch.syrk")
 FLUSH_SWEEP = (64, 256, 1024, 4096)
 
 
 def variants() -> list[tuple[str, int | None]]:
-    """(mode, flush rows or None for the mode's default) for every precision mode the kernel offers."""
-    from faast_kernels import gram
-
+    """(mode, flush rows or None for the mode's default) for every precision mode of the Triton kernel (when Triton
+    imports) and every torch mode."""
     out = []
-    for mode in gram.PRECISIONS:
-        sweep = FLUSH_SWEEP if mode == "exact16" and "flush_rows" in gram.gram_accumulate.__code__.co_varnames else ()
-        out += [(mode, r) for r in sweep] or [(mode, None)]
+    try:
+        from faast_kernels import gram
+    except ImportError as err:
+        print(f"Triton modes skipped: {err}", flush=True)
+    else:
+        for mode in gram.PRECISIONS:
+            flushes = "flush_rows" in gram.gram_accumulate.__code__.co_varnames
+            sweep = FLUSH_SWEEP if mode == "exact16" and flushes else ()
+            out += [(mode, r) for r in sweep] or [(mode, None)]
+    for mode in TORCH_MODES:
+        out += [(mode, r) for r in FLUSH_SWEEP] if mode == "torch.exact16" else [(mode, None)]
     return out
+
+
+def _torch_mode(mode: str, flush: int | None):  # noqa: ANN202 - the accumulate_gram candidate, options bound
+    from faast.ops import gram_modes, reference
+
+    if mode == "torch.syrk":
+        reason = gram_modes.syrk_unavailable_reason(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        if reason:
+            raise RuntimeError(reason)
+        return functools.partial(gram_modes.accumulate_gram_syrk, weighted_least_squares=False,
+                                 compute_dtype=torch.float64)  # fmt: skip
+    if mode == "torch.exact16":
+        return functools.partial(gram_modes.accumulate_gram_exact16, weighted_least_squares=False,
+                                 compute_dtype=torch.float32, flush_rows=flush)  # fmt: skip
+    compute = torch.float32 if mode == "torch.float32" else torch.float64
+    return functools.partial(reference.accumulate_gram_streaming, weighted_least_squares=False, compute_dtype=compute)
 
 
 def _row(r: dict) -> list:
@@ -61,11 +98,19 @@ def _row(r: dict) -> list:
 
 
 def stream(keys: torch.Tensor, values: torch.Tensor, mode: str, flush: int | None, device: torch.device):
-    from faast_kernels import gram as kernel
-
     s = torch.zeros(1, D, D, dtype=torch.float64, device=device)
     t = torch.zeros(1, D, DV, dtype=torch.float64, device=device)
     yy = torch.zeros(1, dtype=torch.float64, device=device)
+    if mode in TORCH_MODES:
+        fn = _torch_mode(mode, flush)
+        for i in range(0, keys.shape[0], BATCH):
+            ds, dt, dyy = fn(keys[None, i : i + BATCH].to(device), values[None, i : i + BATCH].to(device), None, None)
+            s += ds
+            t += dt
+            yy += dyy
+        return s, t
+    from faast_kernels import gram as kernel
+
     extra = {} if flush is None else {"flush_rows": flush}
     for i in range(0, keys.shape[0], BATCH):
         k = keys[None, i : i + BATCH].to(device)
@@ -132,9 +177,7 @@ def _measure_case(kind: str, n: int, device: torch.device, only_modes: list[str]
                 "rel_w": rel(w, truth), "rel_p": rel(held_out.double() @ w, held_out.double() @ truth),
                 "learn_s": seconds,
             }  # fmt: skip
-            r["pass"] = (
-                r["rank"] == r["rank_truth"] and r["rel_w"] <= TRUTH_REL_W and r["rel_p"] <= TRUTH_REL_P
-            )
+            r["pass"] = r["rank"] == r["rank_truth"] and r["rel_w"] <= TRUTH_REL_W and r["rel_p"] <= TRUTH_REL_P
             results.append(r)
             print(*_row(r), flush=True)
     return results, errors
@@ -159,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--jobs", type=int, default=1, help="CPU interpreter: run the cases in this many processes")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--name", default=None, help="file stem of the results (default: triton_fidelity_<where>)")
     args = parser.parse_args(argv)
     global D, DV, FLUSH_SWEEP
     if args.smoke:  # a smaller problem: the interpreter runs every tile in Python
@@ -170,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     record = H.start()
     where = "interpreter" if device.type == "cpu" else H.slug(record["gpu"])
-    name = "triton_fidelity_" + ("smoke" if args.smoke else where) + ("_" + "_".join(args.modes) if args.modes else "")
+    name = args.name or (
+        "triton_fidelity_" + ("smoke" if args.smoke else where) + ("_" + "_".join(args.modes) if args.modes else "")
+    )
     results, errors = measure(kinds, sizes, device, args.modes, args.jobs)
     summary = summarise(results)
     table = H.markdown_table(
@@ -181,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         ["mode", "cases passed", "max relW"],
         [[k, f"{v['pass']} / {v['cases']}", H.fmt_sci(v["max_rel_w"])] for k, v in summary.items()],
     )
-    how = "Triton interpreter" if device.type == "cpu" else "compiled kernels"
+    how = "CPU: Triton interpreter, torch modes on the CPU" if device.type == "cpu" else "compiled kernels, CUDA"
     failed = "".join(f"- {m}: did not run: {e}\n" for m, e in errors.items())
     text = f"{verdicts}\n\n{failed}\n{table}\n"
     payload = {"results": results, "summary": summary, "errors": errors}

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU claim of faast in one command (benchmarks/gpu_check.py): build faast._C, the GPU tests, the Gram fidelity
-# per precision mode, the kernel / eigh / learn-stack / HF-overhead benchmarks. Written for the lent GPU machine: its
-# system python3 holds torch (CUDA), triton, cupy, ninja and nvcc; there is no network and no venv.
+# per precision mode, the kernel / eigh / learn-stack / HF-overhead benchmarks, then the goals table. Written for the
+# lent GPU machine: its system python3 holds torch (CUDA), triton, cupy, ninja and nvcc; there is no network, no venv
+# and faast is not installed (python/ and the repository root go on PYTHONPATH here).
 #
-#   bash scripts/gpu_check.sh OUTDIR [--steps build,tests,...]     # on the GPU machine, < 9 minutes on an H100
-#   bash scripts/gpu_check.sh OUTDIR --smoke                        # anywhere: tiny sizes, Triton interpreter on CPU
+#   bash scripts/gpu_check.sh OUTDIR [--steps build,tests,...] [--budget-s 320]   # the GPU machine, < 6 min on an H100
+#   bash scripts/gpu_check.sh OUTDIR --smoke                                      # anywhere: tiny sizes, CPU
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (bash scripts/gpu_wheels.sh prepares them here) and
 # are installed into a temporary folder first. PYTHON overrides the interpreter (default: python3).
@@ -17,4 +18,5 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
     || { echo "gpu_check: installing the wheels in .whl/ failed" >&2; exit 2; }
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
+export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT" && exec "$PY" benchmarks/gpu_check.py "$@"

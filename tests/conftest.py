@@ -17,6 +17,12 @@ if not torch.cuda.is_available():
 # On a GPU, one configuration per kernel: the tests check numbers, and every autotuned variant would compile for each
 # of their many shapes and options (test_gram_autotuned_configurations_agree_bitwise runs each configuration).
 os.environ.setdefault("FAAST_TRITON_AUTOTUNE", "0")
+# auto's measured choices (faast.ops._autotune) are remembered in a file: tests must neither read a developer's nor
+# leave one behind, so the session gets its own cache folder (tests of the cache itself use a fresh one each).
+if "FAAST_AUTOTUNE_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["FAAST_AUTOTUNE_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="faast-test-"), "autotune.json")
 
 _PACKAGES = ("faast", "faast_kernels")
 

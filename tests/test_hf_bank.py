@@ -35,8 +35,8 @@ def backend_calls(monkeypatch):
     calls = collections.defaultdict(list)
     resolve = dispatch.resolve
 
-    def counting_resolve(op, device):
-        name, impl = resolve(op, device)
+    def counting_resolve(op, device, *args, **kwargs):
+        name, impl = resolve(op, device, *args, **kwargs)
 
         def counted(*args, **kwargs):
             calls[op].append(tuple(args[0].shape))

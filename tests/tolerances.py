@@ -59,6 +59,11 @@ TRITON_FP32_MODE_REL = 1e-5
 # "exact16" with scores: s·v is split into two 16-bit terms, ~16 significant bits per factor (2^-16 ≈ 1.5e-5 per
 # element, more relative to a norm that cancels).
 TRITON_EXACT16_SCORED_REL = 1e-4
+# torch.exact16 (faast.ops.gram_modes): exact 16-bit products summed in float32 over R rows, then in float64, so it
+# is float32-grade like the float32 compute mode; scaled rows (scores, weighted least squares) are split into two
+# 16-bit terms as in the Triton kernel (measured 2.4e-6 for bf16 with scores).
+EXACT16_REL = FLOAT32_COMPUTE_REL
+EXACT16_SCORED_REL = TRITON_EXACT16_SCORED_REL
 
 # faast.hf: statistics of the same text learned with left vs right padding. The hidden states come from float32
 # attention over differently laid-out masks, so they agree to float32 rounding, not bit for bit.
@@ -67,3 +72,8 @@ HF_PADDING_REL = 1e-5
 # LM evaluation: float32 forward passes of the same tokens laid out differently (a cached prefix vs one sequence, a
 # context row vs a concatenation), compared in float64 log-probabilities.
 LM_LAYOUT_ABS = 1e-4
+
+# A fixed ridge μ solved by Cholesky against the eigh path when S has null directions (rank-deficient keys): the eigh
+# path drops them, Cholesky divides T's rounding there by μ; relative difference in units of 2^-52·λmax/μ (measured
+# at most 2.2 over 48 cases, tests/test_cholesky_solve.py).
+CHOLESKY_NULL_DIRECTIONS = 8.0

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from . import __version__
-from .ops import _dispatch
+from .ops import _autotune, _dispatch
 
 OPS = ("accumulate_gram", "eigh", "residual_project")
 
@@ -42,6 +42,7 @@ def report() -> dict:
         "triton_interpreter": faast_kernels.interpreting(),
         "FAAST_BACKEND": _dispatch.requested_backend(),
         "native_extension": _native_extension(),
+        "autotune_cache": str(_autotune.cache_path()),
     }
     if faast_kernels.HAS_TRITON:
         try:
@@ -67,7 +68,7 @@ def _format(info: dict) -> str:
         if key == "backends":
             continue
         lines.append(f"{key:20} {value}")
-    lines.append("backends (auto's preference order; the first without a reason runs):")
+    lines.append("candidates (auto's preference order; those without a reason compete, timed on first use):")
     for target, chain in info["backends"].items():
         parts = [
             f"{c['backend']}" + (f" (skipped: {c['skipped_because']})" if c["skipped_because"] else "") for c in chain

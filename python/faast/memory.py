@@ -17,7 +17,7 @@ import torch
 from . import _blend, _persist, ops
 from .ops import _validate
 from .ops._validate import check_solve_options
-from .ops.solve import SolveInfo, solve_from_eigh
+from .ops.solve import SolveInfo, solve_fixed_ridge, solve_from_eigh
 from .statistics import SummedStatistics
 
 # docs/numerics.md §1: statistics summed from float32 GEMMs resolve eigenvalues only down to this fraction of λmax.
@@ -455,7 +455,16 @@ class FastWeights(SummedStatistics):
     def _solve_statistics(
         self, gram: torch.Tensor, cross: torch.Tensor, count: torch.Tensor, sqnorm: torch.Tensor, options: dict
     ) -> tuple[torch.Tensor, SolveInfo]:
-        """float64 W* [*batch, dk, dv] of the given statistics; the memory's own are eigendecomposed once."""
+        """float64 W* [*batch, dk, dv] of the given statistics; the memory's own are eigendecomposed once. A fixed
+        ridge takes a batched Cholesky solve instead, unless the memory's spectrum is already at hand."""
+        ridge, dk, dv = options.get("ridge"), self.dim_key, self.dim_value
+        fixed = isinstance(ridge, (int, float)) and not isinstance(ridge, bool) and ridge > 0
+        if fixed and not (gram is self.gram and ("eigh", self.state_key) in self._cache):
+            f64 = count.reshape(-1).to(torch.float64)
+            solved = solve_fixed_ridge(gram.reshape(-1, dk, dk), cross.reshape(-1, dk, dv), f64, float(ridge))
+            if solved is not None:
+                return solved[0].reshape(*self.batch_shape, dk, dv), solved[1].map_tensors(
+                    lambda f: f.reshape(self.batch_shape))  # fmt: skip
         if gram is self.gram:
             lam, vecs = self._eigh()
         else:
@@ -466,7 +475,7 @@ class FastWeights(SummedStatistics):
             target_sqnorm=sqnorm.reshape(-1), **options,
         )  # fmt: skip
         batch = self.batch_shape
-        info = SolveInfo(*(None if f is None else f.reshape(batch) for f in info))
+        info = info.map_tensors(lambda f: f.reshape(batch))
         return weights.reshape(*batch, self.dim_key, self.dim_value), info
 
     def _warn_float32(self, options: dict) -> None:

@@ -315,7 +315,7 @@ class LayerMemory:
         info = self._bank.solve_info
         if info is None:
             return None
-        return SolveInfo(*(None if f is None else f[self._index] for f in info))
+        return info.map_tensors(lambda f: f[self._index])
 
     def solve_for(self, cross: torch.Tensor) -> torch.Tensor:
         """W = S_eps^+ T for this slot's S and another T [dk, dv], differentiable in `cross` (FastWeights.solve_for).

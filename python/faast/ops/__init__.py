@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import _cuda_backend, _dispatch, _triton_backend, _validate, reference
+from . import _autotune, _cuda_backend, _cupy_backend, _dispatch, _triton_backend, _validate, gram_modes, reference
 from ._validate import (
     as_count,
     check_accumulator,
@@ -21,7 +21,7 @@ from ._validate import (
     check_solve_options,
     explain_nonfinite,
 )
-from .solve import SolveInfo, solve_from_eigh
+from .solve import SolveInfo, solve_fixed_ridge, solve_from_eigh
 
 __all__ = [
     "BACKEND_ENV_VAR",
@@ -46,8 +46,18 @@ _dispatch.register_backend(
         },
     )
 )
+# Variants of the torch backend's Gram that compete with it under auto (docs/backends.md, "How auto chooses").
+_dispatch.register_variant(
+    "torch", "accumulate_gram", "syrk", gram_modes.accumulate_gram_syrk,
+    cannot_run=gram_modes.syrk_cannot_run, gate=gram_modes.syrk_gate,
+)  # fmt: skip
+_dispatch.register_variant(
+    "torch", "accumulate_gram", "exact16", gram_modes.accumulate_gram_exact16,
+    cannot_run=gram_modes.exact16_cannot_run, gate=gram_modes.exact16_gate,
+)  # fmt: skip
 _triton_backend.register()
 _cuda_backend.register()
+_cupy_backend.register()
 
 #: The environment variable that chooses backends: "torch", "triton", "cuda", or per op ("eigh=cuda,torch").
 BACKEND_ENV_VAR = _dispatch.ENV_VAR
@@ -56,6 +66,35 @@ BACKEND_ENV_VAR = _dispatch.ENV_VAR
 def native_extension_error() -> str | None:
     """Why the native extension faast._C (cuSOLVER's batched eigensolver) cannot be used here; None when it loads."""
     return _cuda_backend.load_error()
+
+
+# The measured choice (faast.ops._autotune) times candidates on this many rows / matrices of a call's inputs.
+_GRAM_SAMPLE = {"cuda": 8192}
+_GRAM_SAMPLE_DEFAULT = 2048
+_EIGH_SAMPLE = 8
+_RESIDUAL_SAMPLE = 8192
+
+
+def _gram_call(flat: tuple, options: dict) -> _dispatch.Call:
+    keys, values, scores, mask = flat
+    n = keys.shape[1]
+    rows = min(n, _GRAM_SAMPLE.get(keys.device.type, _GRAM_SAMPLE_DEFAULT))
+    opts = {**options, "masked": mask is not None, "scored": scores is not None}
+    shape_class = (
+        f"B{keys.shape[0]} N{_autotune.size_class(rows)} dk{keys.shape[2]} dv{values.shape[2]} "
+        f"{keys.dtype}/{values.dtype} compute {options['compute_dtype']} mask {int(mask is not None)} "
+        f"scores {int(scores is not None)} wls {int(options['weighted_least_squares'])}"
+    )
+    return _dispatch.Call(
+        "accumulate_gram", keys.device, (keys.dtype, values.dtype), (tuple(keys.shape), tuple(values.shape)), opts,
+        shape_class,
+    )  # fmt: skip
+
+
+def _gram_sample(flat: tuple, options: dict):  # noqa: ANN202 - a closure for faast.ops._dispatch
+    rows = _GRAM_SAMPLE.get(flat[0].device.type, _GRAM_SAMPLE_DEFAULT)
+    part = tuple(None if t is None else t[:, :rows] for t in flat)
+    return lambda fn: fn(*part, **options)
 
 
 def _flat_rows(
@@ -171,8 +210,10 @@ def accumulate_gram_unchecked(
     size = math.prod(batch)
     flat = _flat_rows(keys, values, scores, mask)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in flat[:3])
-    name, impl = _dispatch.resolve("accumulate_gram", keys.device)
     options = {"weighted_least_squares": weighted_least_squares, "compute_dtype": compute_dtype}
+    name, impl = _dispatch.resolve(
+        "accumulate_gram", keys.device, _gram_call(flat, options), None if needs_grad else _gram_sample(flat, options)
+    )
     accumulators = (gram, cross, target_sqnorm)
     in_place = _dispatch.implementation(name, "accumulate_gram_") if all(given) and not needs_grad else None
     if in_place is not None and all(t.dtype == torch.float64 and t.is_contiguous() for t in accumulators):
@@ -180,7 +221,7 @@ def accumulate_gram_unchecked(
                  **options)  # fmt: skip
         return gram, cross, target_sqnorm
     # The torch backend's streaming kernel is not differentiable, and no kernel differentiates with respect to keys.
-    if needs_grad and (name == "torch" or keys.requires_grad):
+    if needs_grad and (name.partition(".")[0] == "torch" or keys.requires_grad):
         impl = reference.accumulate_gram_differentiable
     d_gram, d_cross, d_sqnorm = impl(*flat, **options)
     d_gram = d_gram.to(torch.float64).reshape(*batch, dk, dk)
@@ -205,8 +246,14 @@ def eigh_gram(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = gram.shape[-1]
     if gram.shape[-2] != d:
         raise ValueError(f"gram: expected square matrices [*, d, d], got {list(gram.shape)}")
-    _, impl = _dispatch.resolve("eigh", gram.device)
-    lam, vecs = impl(gram.reshape(-1, d, d))
+    flat = gram.reshape(-1, d, d)
+    call = _dispatch.Call(
+        "eigh", gram.device, (gram.dtype,), (tuple(flat.shape),),
+        shape_class=f"B{_autotune.size_class(flat.shape[0])} d{d}",
+    )  # fmt: skip
+    sample = flat[:_EIGH_SAMPLE].to(torch.float64)
+    _, impl = _dispatch.resolve("eigh", gram.device, call, lambda fn: fn(sample))
+    lam, vecs = impl(flat)
     return lam.reshape(*gram.shape[:-1]), vecs.reshape(gram.shape)
 
 
@@ -221,7 +268,13 @@ def solve_fast_weights_ex(
     target_sqnorm: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, SolveInfo]:
-    """solve_fast_weights that also returns a SolveInfo (kept rank, cut, ridge, GCV score) per batch element."""
+    """solve_fast_weights that also returns a SolveInfo (kept rank, cut, ridge, GCV score, method) per batch element.
+
+    A fixed ridge μ > 0 is solved without a spectrum, by one batched float64 Cholesky solve of S + μI (SolveInfo.method
+    'cholesky'; solve.solve_fixed_ridge says how its rank and rtol read); when S + μI is not numerically positive
+    definite for some element, the whole call takes the eigendecomposition path instead, logged once. Every other
+    filter (alpha, rtol, ridge=0, ridge='auto') needs the spectrum: method 'eigh'.
+    """
     _validate.require_tensor("gram", gram, dtypes=_validate.ACCUMULATOR_DTYPES)
     _validate.require_ndim("gram", gram, 2, "[*, dim_key, dim_key]")
     dk = gram.shape[-1]
@@ -243,17 +296,19 @@ def solve_fast_weights_ex(
     _validate.require_finite("gram", gram)
     _validate.require_finite("cross", cross)
     counts = as_count(count, batch, gram.device)
-    lam, vecs = eigh_gram(gram.detach())
-    lam, vecs = lam.reshape(-1, dk), vecs.reshape(-1, dk, dk)
-    yy = None if target_sqnorm is None else target_sqnorm.detach().reshape(-1).to(torch.float64)
+    flat_cross = cross.reshape(-1, dk, cross.shape[-1])
     # The gradient flows through T only: S^+ is a constant, as in the authors' detached pinv (docs/design.md §6).
-    weights, info = solve_from_eigh(
-        lam, vecs, cross.reshape(-1, dk, cross.shape[-1]), counts,
-        alpha=alpha, rtol=rtol, ridge=ridge, target_sqnorm=yy,
-    )  # fmt: skip
+    solved = None
+    if ridge is not None and ridge != "auto" and ridge > 0:
+        solved = solve_fixed_ridge(gram.detach().reshape(-1, dk, dk), flat_cross, counts, float(ridge))
+    if solved is None:
+        lam, vecs = eigh_gram(gram.detach())
+        lam, vecs = lam.reshape(-1, dk), vecs.reshape(-1, dk, dk)
+        yy = None if target_sqnorm is None else target_sqnorm.detach().reshape(-1).to(torch.float64)
+        solved = solve_from_eigh(lam, vecs, flat_cross, counts, alpha=alpha, rtol=rtol, ridge=ridge, target_sqnorm=yy)
+    weights, info = solved
     weights = weights.reshape(*batch, dk, cross.shape[-1]).to(out_dtype or cross.dtype)
-    info = SolveInfo(*(None if f is None else f.reshape(batch) for f in info))
-    return weights, info
+    return weights, info.map_tensors(lambda f: f.reshape(batch))
 
 
 def solve_fast_weights(
@@ -310,7 +365,13 @@ def residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
     _validate.require_shape("m", m, (d, d), "[d, d] with d = x.shape[-1]")
     _validate.require_same_device("x", x, m=m)
-    _, impl = _dispatch.resolve("residual_project", x.device)
+    rows = x.numel() // max(d, 1)
+    call = _dispatch.Call(
+        "residual_project", x.device, (x.dtype, m.dtype), (tuple(x.shape), tuple(m.shape)),
+        shape_class=f"rows{_autotune.size_class(min(rows, _RESIDUAL_SAMPLE))} d{d} {x.dtype}/{m.dtype}",
+    )  # fmt: skip
+    sample = x.reshape(-1, d)[:_RESIDUAL_SAMPLE]
+    _, impl = _dispatch.resolve("residual_project", x.device, call, lambda fn: fn(sample, m))
     return impl(x, m)
 
 

@@ -1,35 +1,75 @@
-"""The one place that chooses which backend runs an op.
+"""The one place that chooses which implementation runs an op.
 
-Backends: ``torch`` (pure PyTorch, any device: the CPU path and the test oracle), ``triton`` (faast_kernels) and
-``cuda`` (the cuSOLVER extension). ``triton`` registers itself from faast.ops._triton_backend (accumulate_gram and
-residual_project; CUDA tensors, and CPU tensors under TRITON_INTERPRET=1), ``cuda`` from faast.ops._cuda_backend (eigh;
-CUDA tensors, when the optional extension faast._C is built).
+Backends: ``torch`` (pure PyTorch, any device: the CPU path and the test oracle), ``triton`` (faast_kernels),
+``cuda`` (the cuSOLVER extension faast._C) and ``cupy`` (cuSOLVER through cupy). Each registers itself; a backend may
+also register named variants of an op (``torch.syrk``, ``torch.exact16``): together they are the op's candidates.
 
-``FAAST_BACKEND`` (auto | torch | triton | cuda, default auto) overrides the choice for every op; a comma-separated
-list of ``op=backend`` entries overrides it per op, with an optional bare name for the others
-(``FAAST_BACKEND=accumulate_gram=triton,eigh=cuda`` or ``eigh=cuda,torch``):
+``FAAST_BACKEND`` (default auto) overrides the choice for every op; a comma-separated list of ``op=candidate``
+entries overrides it per op, with an optional bare name for the others (``FAAST_BACKEND=accumulate_gram=triton``,
+``eigh=cupy,torch``, ``accumulate_gram=torch.syrk``):
 
-* ``auto`` walks a per-device preference list and takes the first backend that is available, implements the op and
-  is eligible for automatic choice (a backend may decline it, e.g. kernels whose speed is not measured yet).
-  Skipping a preferred backend is logged once per (op, backend), so a silent slow path cannot go unnoticed.
-* an explicit name is a request: if that backend is missing, not installed, fails to load or does not run on the
-  tensors' device, the call raises with the reason. An op the backend does not provide by design (eigh has no
-  Triton kernel) takes the automatic choice, logged once.
+* ``auto`` walks the device's preference list. A backend that cannot run (missing, fails to load, wrong device) is
+  skipped; so is a candidate whose gate declines the call (it does not compile on this device class, or fails the
+  float64 fidelity suite for the requested compute dtype). Each skip is logged once. When several candidates remain,
+  the first call of a (device, op, shape class) times them on a small sample of its own inputs and keeps the fastest
+  (faast.ops._autotune, which remembers the choice on disk); a candidate that fails while being timed is dropped.
+* a backend name is a request: if that backend is missing, not installed, fails to load or does not run on the
+  tensors' device, the call raises with the reason; otherwise its own candidates are chosen among as above. An op
+  the backend does not provide by design (eigh has no Triton kernel) takes the automatic choice, logged once.
+* ``backend.variant`` asks for exactly that candidate, and raises if it cannot run the call.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
+from . import _autotune
+
 ENV_VAR = "FAAST_BACKEND"
-BACKEND_NAMES = ("torch", "triton", "cuda")
+BACKEND_NAMES = ("torch", "triton", "cuda", "cupy")
+VARIANT_SEPARATOR = "."
 
 logger = logging.getLogger("faast")
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a gate and the measured choice know of a call: the op, the device, the inputs' dtypes and shapes, the
+    options that change the arithmetic (e.g. compute_dtype, masked) and the shape class that shares a choice."""
+
+    op: str
+    device: torch.device
+    dtypes: tuple[torch.dtype, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+    options: Mapping[str, object] = field(default_factory=dict)
+    shape_class: str = ""
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        """The CUDA compute capability of the device, None elsewhere."""
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            return None
+        return torch.cuda.get_device_capability(self.device)
+
+
+def _never(*_args: object) -> str | None:
+    return None
+
+
+@dataclass
+class Variant:
+    """A named alternative implementation of an op within a backend. cannot_run(call) says why it cannot run the
+    call at all (explicit requests raise with it, auto passes over it silently); gate(call) why auto must not pick
+    it (explicit requests still get it)."""
+
+    fn: Callable
+    cannot_run: Callable[[Call], str | None] = _never
+    gate: Callable[[Call], str | None] = _never
 
 
 @dataclass
@@ -40,16 +80,17 @@ class Backend:
     ops: dict[str, Callable] = field(default_factory=dict)
     devices: tuple[str, ...] | None = None  # None: any device type
     unavailable_reason: Callable[[], str | None] = lambda: None
-    # Why `auto` should not pick it yet although it can run (e.g. its speed is unmeasured); explicit requests still
-    # get it. None: eligible for auto.
-    auto_reason: Callable[[], str | None] = lambda: None
+    # gate(op, call): why `auto` must not pick this backend's implementation of op for this call although it can
+    # run (it does not compile there, fails fidelity, or is not verified on this device); None: eligible.
+    gate: Callable[[str, Call], str | None] = _never
+    variants: dict[str, dict[str, Variant]] = field(default_factory=dict)  # op -> variant name -> Variant
 
 
 _REGISTRY: dict[str, Backend] = {}
-# Fastest first. torch is last everywhere because it runs on every device.
-_PREFERENCE = {"cuda": ("cuda", "triton", "torch")}
+# The order auto tries backends in, and the choice when nothing is measured. torch is last: it runs everywhere.
+_PREFERENCE = {"cuda": ("cuda", "cupy", "triton", "torch")}
 _DEFAULT_PREFERENCE = ("torch",)
-_logged: set[tuple[str, str]] = set()
+_logged: set[tuple[str, ...]] = set()
 
 
 def register_backend(backend: Backend) -> None:
@@ -58,22 +99,44 @@ def register_backend(backend: Backend) -> None:
     _REGISTRY[backend.name] = backend
 
 
+def register_variant(
+    backend: str,
+    op: str,
+    variant: str,
+    fn: Callable,
+    *,
+    cannot_run: Callable[[Call], str | None] | None = None,
+    gate: Callable[[Call], str | None] | None = None,
+) -> None:
+    """Add `backend.variant` as a candidate for op (the backend must be registered first)."""
+    if backend not in _REGISTRY:
+        raise ValueError(f"backend: expected a registered backend among {sorted(_REGISTRY)}, got {backend!r}")
+    if not variant or VARIANT_SEPARATOR in variant:
+        raise ValueError(f"variant: expected a non-empty name without {VARIANT_SEPARATOR!r}, got {variant!r}")
+    _REGISTRY[backend].variants.setdefault(op, {})[variant] = Variant(fn, cannot_run or _never, gate or _never)
+
+
 PER_OP_SEPARATOR = "="
 
 
+def _valid_name(name: str) -> bool:
+    return name == "auto" or name.partition(VARIANT_SEPARATOR)[0] in BACKEND_NAMES
+
+
 def requested_backend(op: str | None = None) -> str:
-    """What FAAST_BACKEND asks for `op` (or for every op, with op=None), validated: 'auto' or one of BACKEND_NAMES."""
+    """What FAAST_BACKEND asks for `op` (or for every op, with op=None), validated: 'auto', a backend of
+    BACKEND_NAMES, or 'backend.variant'."""
     value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    choices = f"auto, {', '.join(BACKEND_NAMES)}"
+    choices = f"auto, {', '.join(BACKEND_NAMES)} (or backend.variant)"
     if PER_OP_SEPARATOR not in value:
-        if value != "auto" and value not in BACKEND_NAMES:
+        if not _valid_name(value):
             raise ValueError(f"{ENV_VAR}: expected one of {choices}, or op=backend entries; got {value!r}")
         return value
     default, per_op = "auto", {}
     for entry in (e.strip() for e in value.split(",") if e.strip()):
         name, sep, backend = entry.partition(PER_OP_SEPARATOR)
         backend = backend.strip() if sep else name.strip()
-        if backend != "auto" and backend not in BACKEND_NAMES:
+        if not _valid_name(backend):
             raise ValueError(f"{ENV_VAR}: entry {entry!r}: expected a backend among {choices}; got {value!r}")
         if sep:
             per_op[name.strip()] = backend
@@ -86,7 +149,7 @@ def _why_not(name: str, op: str, device: torch.device) -> str | None:
     backend = _REGISTRY.get(name)
     if backend is None:
         return f"this version of faast has no {name} backend"
-    if op not in backend.ops:
+    if op not in backend.ops and op not in backend.variants:
         return f"the {name} backend does not implement {op}"
     if backend.devices is not None and device.type not in backend.devices:
         return f"the {name} backend does not run on {device.type} tensors"
@@ -99,40 +162,116 @@ def implementation(backend: str, op: str) -> Callable | None:
     return None if found is None else found.ops.get(op)
 
 
-def explain(op: str, device: torch.device) -> list[tuple[str, str | None]]:
-    """For reports (python -m faast.env): each backend of the device's preference list and why it would be skipped
-    by `auto` (None for the one chosen and those after it that could run). Logs nothing."""
+def _candidates(name: str, op: str, call: Call) -> list[tuple[str, Callable, str | None]]:
+    """The backend's candidates for the call that can run it: (name, implementation, why auto must not pick it)."""
+    backend = _REGISTRY[name]
+    found = []
+    if op in backend.ops:
+        found.append((name, backend.ops[op], backend.gate(op, call)))
+    for variant, v in backend.variants.get(op, {}).items():
+        if v.cannot_run(call) is None:
+            found.append((f"{name}{VARIANT_SEPARATOR}{variant}", v.fn, backend.gate(op, call) or v.gate(call)))
+    return found
+
+
+def explain(op: str, device: torch.device, call: Call | None = None) -> list[tuple[str, str | None]]:
+    """For reports (python -m faast.env): each candidate of the device's preference list and why auto would pass
+    over it (None for those it would choose among). Logs nothing, measures nothing."""
+    call = call or Call(op, device)
     out = []
     for name in _PREFERENCE.get(device.type, _DEFAULT_PREFERENCE):
         reason = _why_not(name, op, device)
-        if reason is None:
-            reason = _REGISTRY[name].auto_reason()
-        out.append((name, reason))
+        if reason is not None:
+            out.append((name, reason))
+            continue
+        out.extend((cand, why) for cand, _, why in _candidates(name, op, call))
     return out
 
 
-def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
-    """Return (backend name, implementation) for `op` on `device`, following FAAST_BACKEND."""
+def _log_once(key: tuple[str, ...], message: str, *args: object) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(message, *args)
+
+
+def _choose(
+    op: str, call: Call, eligible: list[tuple[str, Callable]], sample: Callable[[Callable], object] | None
+) -> tuple[str, Callable]:
+    """The fastest of the eligible candidates on a sample of the call (remembered), or the first when there is
+    one candidate, nothing to sample, or measuring is off."""
+    if len(eligible) == 1 or sample is None or not _autotune.enabled():
+        return eligible[0]
+    by_name = dict(eligible)
+    cached = _autotune.lookup(call.device, op, call.shape_class)
+    if cached in by_name:
+        return cached, by_name[cached]
+    timer = _autotune.timer_for(call.device)
+    times: dict[str, float | str] = {}
+    with torch.no_grad():
+        for name, fn in eligible:
+            try:
+                times[name] = float(timer(name, lambda fn=fn: sample(fn)))
+            except Exception as err:  # noqa: BLE001 - a candidate that fails here is dropped, with its reason
+                times[name] = f"failed: {type(err).__name__}: {err}"[:300]
+                _log_once((op, name, "failed"), "faast: %s: the %s candidate failed while being timed: %s", op,
+                          name, times[name])  # fmt: skip
+    timed = {n: t for n, t in times.items() if isinstance(t, float)}
+    if not timed:
+        return eligible[0]
+    choice = min(timed, key=timed.__getitem__)
+    _autotune.store(call.device, op, call.shape_class, choice, times)
+    logger.info("faast: %s on %s (%s): auto chose %s by measurement %s", op, call.device.type, call.shape_class,
+                choice, times)  # fmt: skip
+    return choice, by_name[choice]
+
+
+def resolve(
+    op: str,
+    device: torch.device,
+    call: Call | None = None,
+    sample: Callable[[Callable], object] | None = None,
+) -> tuple[str, Callable]:
+    """Return (candidate name, implementation) for `op` on `device`, following FAAST_BACKEND.
+
+    call describes the inputs for gates and the cache (default: the op and device alone); sample(fn) runs a
+    candidate on a small slice of the inputs, for the measured choice (None: no measuring)."""
+    call = call or Call(op, device)
     requested = requested_backend(op)
     if requested != "auto":
-        backend = _REGISTRY.get(requested)
-        if backend is None or op in backend.ops:
-            reason = _why_not(requested, op, device)
+        backend_name, _, variant = requested.partition(VARIANT_SEPARATOR)
+        backend = _REGISTRY.get(backend_name)
+        if variant:
+            reason = _why_not(backend_name, op, device)
+            found = None if backend is None else backend.variants.get(op, {}).get(variant)
+            if reason is None and found is None:
+                known = sorted(backend.variants.get(op, {})) if backend else []
+                reason = f"the {backend_name} backend has no variant {variant!r} of {op} (it has: {known})"
+            reason = reason or found.cannot_run(call)
             if reason is not None:
                 raise RuntimeError(f"{ENV_VAR}={requested} was requested for {op} on {device.type}, but {reason}")
-            return requested, backend.ops[op]
+            return requested, found.fn
+        if backend is None or op in backend.ops or op in backend.variants:
+            reason = _why_not(backend_name, op, device)
+            if reason is not None:
+                raise RuntimeError(f"{ENV_VAR}={requested} was requested for {op} on {device.type}, but {reason}")
+            own = _candidates(backend_name, op, call)
+            eligible = [(n, f) for n, f, why in own if why is None] or [(n, f) for n, f, _ in own[:1]]
+            return _choose(op, call, eligible, sample)
         # The requested backend has no version of this op by design (e.g. eigh is not a Triton kernel): the op
         # takes the automatic choice, said once, so that FAAST_BACKEND=triton still runs a whole FastWeights.
-        if (op, f"{requested}-lacks") not in _logged:
-            _logged.add((op, f"{requested}-lacks"))
-            logger.info("faast: %s=%s has no %s; %s takes the automatic choice", ENV_VAR, requested, op, op)
+        _log_once((op, f"{requested}-lacks"), "faast: %s=%s has no %s; %s takes the automatic choice", ENV_VAR,
+                  requested, op, op)  # fmt: skip
+    eligible = []
     for name in _PREFERENCE.get(device.type, _DEFAULT_PREFERENCE):
         reason = _why_not(name, op, device)
-        if reason is None:
-            reason = _REGISTRY[name].auto_reason()
-        if reason is None:
-            return name, _REGISTRY[name].ops[op]
-        if (op, name) not in _logged:
-            _logged.add((op, name))
-            logger.info("faast: %s on %s skips the %s backend: %s", op, device.type, name, reason)
-    raise RuntimeError(f"no faast backend can run {op} on {device.type}")
+        if reason is not None:
+            _log_once((op, name), "faast: %s on %s skips the %s backend: %s", op, device.type, name, reason)
+            continue
+        for cand, fn, why in _candidates(name, op, call):
+            if why is None:
+                eligible.append((cand, fn))
+            else:
+                _log_once((op, cand, why), "faast: %s on %s skips the %s backend: %s", op, device.type, cand, why)
+    if not eligible:
+        raise RuntimeError(f"no faast backend can run {op} on {device.type}")
+    return _choose(op, call, eligible, sample)

@@ -8,9 +8,10 @@ tensor-core products, exact in float32, summed in float32 over at most faast_ker
 float64), and for float32/float64 inputs "tf32x3" (tensor-core products at float32 accuracy); FastWeights already
 warns about float32 compute below its resolution floor.
 
-The fp64 mode on a GPU is unmeasured since the Gram kernel's rewrite: its predecessor's float64 dot did not compile
-on an H100 with Triton 3.6 (benchmarks/results/gpu_h100_run1.md). A failure of that mode on a GPU is raised naming
-the ways around it (`fp64_failure_explained`).
+On an H100 (benchmarks/results/gpu_h100_run2.md) the fp64 mode does not compile with 16-bit inputs or a mask, and
+no float32-accumulating mode passes the float64 fidelity suite (tensor cores truncate). `gate` keeps auto away from
+what is known not to work; elsewhere auto times the kernels against cuBLAS (faast.ops._dispatch). A failure of the
+fp64 mode on a GPU is raised naming the ways around it (`fp64_failure_explained`).
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ def _warn_opt_in_mode() -> None:
 def fp64_failure_explained(precision: str, device: torch.device) -> Iterator[None]:
     """Re-raise a failure of the fp64 Gram mode on a CUDA device (where Triton's float64 dot may not compile) as a
     RuntimeError that names the fix, chained to the original; other modes and devices, and out-of-memory errors,
-    pass through unchanged. Only an explicit FAAST_BACKEND=triton reaches this backend (`auto` declines it, see
-    _not_for_auto), so by the dispatch rule an unmet request raises instead of falling back."""
+    pass through unchanged. `auto` does not pick the fp64 mode where it is known not to compile (`gate`) and drops
+    a kernel that fails while being timed, so this is what an explicit FAAST_BACKEND=triton gets instead of a
+    fallback."""
     try:
         yield
     except torch.cuda.OutOfMemoryError:
@@ -149,15 +151,37 @@ def _devices() -> tuple[str, ...]:
     return ("cuda", "cpu") if faast_kernels.interpreting() else ("cuda",)
 
 
-def _not_for_auto() -> str | None:
-    # Measured on an H100 (benchmarks/results/gpu_h100_run1.md): the kernels before the current rewrite ran at
-    # 14-30x the bf16 FLOP floor, slower than cuBLAS, and float64 dots did not compile everywhere. The rewritten
-    # kernels pass the interpreter tests but have not run on a GPU: until benchmarks/gpu_check.py shows them faster
-    # and correct there, `auto` keeps the torch path.
-    return (
-        "not measured faster than cuBLAS on a GPU yet (benchmarks/results/gpu_h100_run1.md; rerun "
-        "scripts/gpu_check.sh); FAAST_BACKEND=triton selects it"
-    )
+def gate(op: str, call: _dispatch.Call) -> str | None:
+    """Why `auto` must not pick a kernel for this call (explicit requests still get it), None when it may compete.
+
+    Measured on an H100 (benchmarks/results/gpu_h100_run2.md): the float64 dot does not compile on sm_90 with 16-bit
+    inputs or a mask (Triton 3.6: MMAv2 "fp64 don't support largeK MMA"); the tf32x3 mode fails the float64 fidelity
+    suite on every device. Where no gate applies, auto times the kernels against cuBLAS and keeps the faster."""
+    if call.device.type != "cuda":
+        return "Triton's CPU interpreter is for tests: auto never picks it on the CPU"
+    if op != "accumulate_gram" or not call.dtypes:
+        return None
+    keys, values = call.dtypes[0], call.dtypes[-1]
+    same16 = keys == values and keys in (torch.float16, torch.bfloat16)
+    compute = call.options.get("compute_dtype", torch.float64)
+    precision = precision_for(compute, keys if same16 else torch.float32)
+    if precision == "tf32x3":
+        return "its tf32x3 mode (float32 compute on float32 inputs) fails the float64 fidelity suite (0/26 on an H100)"
+    capability = call.capability
+    masked = bool(call.options.get("masked", False))
+    sixteen = keys in (torch.float16, torch.bfloat16) or values in (torch.float16, torch.bfloat16)
+    if precision == "fp64" and capability is not None and capability >= (8, 0) and (masked or sixteen):
+        return (
+            f"Triton {_triton_version()}'s float64 dot does not compile on sm_{capability[0]}{capability[1]} with "
+            "16-bit inputs or a mask (measured on an H100: benchmarks/results/gpu_h100_run2.md)"
+        )
+    return None
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 def register() -> None:
@@ -171,6 +195,6 @@ def register() -> None:
             },  # fmt: skip
             devices=_devices(),
             unavailable_reason=_unavailable,
-            auto_reason=_not_for_auto,
+            gate=gate,
         )
     )

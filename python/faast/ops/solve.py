@@ -16,10 +16,15 @@ streamed statistics plus ||Y||^2 (`target_sqnorm`), and every candidate costs O(
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+
+logger = logging.getLogger("faast")
+_logged: set[str] = set()
 
 # Eigenvalues at or below d·2^-52·λmax are rounding noise of a float64 eigensolver: never invert them.
 MACHINE_FLOOR = 2.0**-52
@@ -30,19 +35,29 @@ _RIDGE_ZOOM_ROUNDS = 2
 
 
 class SolveInfo(NamedTuple):
-    """What a solve kept. Every field has the batch shape of the solve.
+    """What a solve kept. Every tensor field has the batch shape of the solve.
 
-    rank:  int64, eigen-directions used (for ridge: those above the float64 noise floor).
-    rtol:  float64, relative singular-value cut: directions with σ > rtol·σmax are kept. For alpha='auto' it is
-           σ_(k+1)/σmax of the first dropped direction; for ridge, the noise floor sqrt(d·2^-52).
-    ridge: float64 penalty μ in units of S (W = (S + μI)^+ T), or None for a truncated solve.
-    gcv:   float64 GCV score of the returned solution, or None when it was not computed.
+    rank:   int64, eigen-directions used (for ridge: those above the float64 noise floor). The Cholesky path
+            (method 'cholesky') inverts S + μI on every direction: d, and 0 for an empty memory (count 0 or S = 0).
+    rtol:   float64, relative singular-value cut: directions with σ > rtol·σmax are kept. For alpha='auto' it is
+            σ_(k+1)/σmax of the first dropped direction; for ridge, the noise floor sqrt(d·2^-52); 0 on the
+            Cholesky path, which cuts nothing.
+    ridge:  float64 penalty μ in units of S (W = (S + μI)^+ T), or None for a truncated solve.
+    gcv:    float64 GCV score of the returned solution, or None when it was not computed (it is computed only when
+            alpha='auto' or ridge='auto' chose by it; never for a fixed ridge, on either path).
+    method: 'eigh' (from an eigendecomposition of S) or 'cholesky' (fixed ridge μ > 0: a Cholesky solve of S + μI,
+            no spectrum; solve_fixed_ridge).
     """
 
     rank: torch.Tensor
     rtol: torch.Tensor
     ridge: torch.Tensor | None
     gcv: torch.Tensor | None
+    method: str = "eigh"
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SolveInfo:
+        """The same info with fn applied to every tensor field (e.g. a reshape to the batch shape, or one slot)."""
+        return SolveInfo(*(f if f is None or isinstance(f, str) else fn(f) for f in self))
 
 
 def _safe_inverse(lam: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -190,3 +205,48 @@ def solve_from_eigh(
     weights = vecs @ (inverse.unsqueeze(-1) * coef)
     info = SolveInfo(rank=keep.sum(-1), rtol=rtol_used, ridge=ridge_used, gcv=gcv_score)
     return weights, info
+
+
+def solve_fixed_ridge(
+    gram: torch.Tensor, cross: torch.Tensor, count: torch.Tensor, ridge: float
+) -> tuple[torch.Tensor, SolveInfo] | None:
+    """W = (S + μI)^-1 T [B, d, dv] float64 by a batched Cholesky solve, for a fixed ridge μ > 0: no eigensolver.
+
+    gram S [B, d, d] (lower triangle read), cross T [B, d, dv], count [B] float64; float32 statistics are upcast.
+    Differentiable in T (S is a constant, as on the eigh path). Returns None, after one log line per process, when
+    S + μI is not numerically positive definite for some batch element (μ below the rounding noise of an S with
+    null directions, or an S that is not positive semi-definite): the caller then takes the eigh path for the whole
+    call, whose noise floor handles such S.
+
+    It is solve_from_eigh's ridge branch without the spectrum: both give Σ_i E_i E_i^T T / (λ_i + μ), and W = 0 for
+    an empty memory (count 0, or S = 0). The eigh path also drops the directions with λ_i <= d·2^-52·λmax, which
+    this path keeps: for statistics of real rows, T's component along them is float64 rounding of T, so the two
+    differ by about 2^-52·λmax/μ relative, and by rounding alone (~1e-15) when S has no such directions.
+    """
+    dim = gram.shape[-1]
+    # Only the lower triangle is read, as on the eigh path; the solve itself never sees the caller's tensor.
+    system = gram.to(torch.float64).tril()
+    system += system.tril(-1).mT
+    system.diagonal(dim1=-2, dim2=-1).add_(ridge)
+    factor, info = torch.linalg.cholesky_ex(system)
+    # For a symmetric positive semi-definite S, a positive diagonal entry is equivalent to λmax > 0.
+    live = (count > 0) & (gram.diagonal(dim1=-2, dim2=-1).amax(-1) > 0)
+    if bool((info > 0).any()):
+        if "cholesky" not in _logged:
+            _logged.add("cholesky")
+            logger.info(
+                "faast: ridge=%g: S + μI is not positive definite to float64 precision for %d of %d memories "
+                "(d = %d); this and later such solves take the eigendecomposition path (said once)",
+                ridge, int((info > 0).sum()), info.numel(), dim,
+            )  # fmt: skip
+        return None
+    weights = torch.cholesky_solve(cross.to(torch.float64), factor)
+    weights = torch.where(live.view(-1, 1, 1), weights, torch.zeros_like(weights))
+    info_out = SolveInfo(
+        rank=torch.where(live, dim, 0).to(torch.int64),
+        rtol=torch.zeros_like(count),
+        ridge=torch.full_like(count, float(ridge)),
+        gcv=None,
+        method="cholesky",
+    )
+    return weights, info_out
