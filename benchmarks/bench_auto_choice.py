@@ -59,6 +59,15 @@ def _run(op: str, inputs: dict) -> object:
     return ops.residual_project(inputs["x"], inputs["m"])
 
 
+def _call(op: str, inputs: dict) -> _dispatch.Call:
+    """What the dispatch sees of the op's call (so that gates apply as in the real call)."""
+    if op == "accumulate_gram":
+        return ops.gram_call(inputs["keys"], inputs["values"], compute_dtype=inputs["compute_dtype"])
+    if op == "eigh":
+        return ops.eigh_call(inputs["gram"])
+    return ops.residual_call(inputs["x"], inputs["m"])
+
+
 def _choices(path: Path) -> dict[str, dict]:
     if not path.exists():
         return {}
@@ -90,17 +99,18 @@ def main() -> int:
             row["auto"], row["auto_sample_seconds"] = entry["choice"], entry["seconds"]
             considered = [n for n, t in entry["seconds"].items() if isinstance(t, float)]
         else:
-            eligible = [n for n, why in _dispatch.explain(op, torch.device(device)) if why is None]
+            eligible = [n for n, why in _dispatch.explain(op, torch.device(device), _call(op, inputs)) if why is None]
             row["auto"], considered = (eligible[0] if eligible else None), eligible[:1]
             row["note"] = "one eligible candidate: nothing to choose"
 
-        def force(name: str) -> None:
+        def force(name: str, op: str = op) -> None:
             os.environ[_dispatch.ENV_VAR] = f"{op}={name}"
 
         timings: dict[str, float | str] = {}
         try:
             measured = H.time_cases(
-                {n: (lambda n=n: force(n), lambda _a: _run(op, inputs)) for n in considered}, reps=3
+                {n: (lambda n=n: force(n), lambda _a, op=op, inputs=inputs: _run(op, inputs)) for n in considered},
+                reps=3,
             )  # interleaved: each round runs every candidate once
             timings = {n: t.median for n, t in measured.items()}
         except Exception as err:  # noqa: BLE001 - a candidate that fails at full size is a result

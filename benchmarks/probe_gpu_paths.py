@@ -117,8 +117,10 @@ def gram(dev: str, smoke: bool) -> list[dict]:
     bflops = 2 * layers * rows_per * d * d
     for name, fn in (
         ("batch bf16 bmm (bf16 out)", lambda: torch.bmm(kb.transpose(1, 2), kb)),
-        ("batch bmm out_dtype=float32 -> float64", lambda: torch.bmm(kb.transpose(1, 2), kb, out_dtype=torch.float32)
-         .double()),  # fmt: skip
+        (
+            "batch bmm out_dtype=float32 -> float64",
+            lambda: torch.bmm(kb.transpose(1, 2), kb, out_dtype=torch.float32).double(),
+        ),  # fmt: skip
     ):
         try:
             sec, s = timed(fn)

@@ -15,10 +15,10 @@ which keeps only a float32 accumulator in registers.
 
 Precision modes (docs/numerics.md §4):
   "fp64"    tiles are upcast to float64 and multiplied in float64: exact products and float64 sums. Passes the float64
-            fidelity suite. On a GPU it is unmeasured since this kernel was rewritten: the previous kernel's float64
-            dot did not compile for sm_90 with Triton 3.6 when a mask or 16-bit inputs were involved (measured on
-            an H100, benchmarks/results/gpu_h100_run1.md). faast's triton backend raises such a failure naming the
-            fix (FAAST_BACKEND=torch: cuBLAS DGEMM; or a float32 compute_dtype).
+            fidelity suite. Its float64 dot does not compile for sm_90 with Triton 3.6 when a mask or 16-bit inputs
+            are involved (measured on an H100 before and after this kernel's rewrite, benchmarks/results/
+            gpu_h100_run1.md and gpu_h100_run2.md). faast's triton backend keeps auto away from those calls and
+            raises such a failure naming the fix (FAAST_BACKEND=torch: cuBLAS DGEMM; or a float32 compute_dtype).
   "exact16" for bf16 / fp16 inputs: native 16-bit tensor-core dots, whose products are exact in float32, summed in
             float32 over FLUSH_ROWS rows and then in float64. Score-weighted factors s·v are not 16-bit numbers: they
             are split into a 16-bit head and a 16-bit tail and take two dots (~16 significant bits of s·v).

@@ -131,8 +131,9 @@ def test_unavailable_preferred_backend_falls_back_to_torch_and_logs_once(registr
     _dispatch.resolve("accumulate_gram", CPU)
     _dispatch.resolve("accumulate_gram", CPU)
     _dispatch.resolve("eigh", CPU)
-    assert len(_records(caplog)) == 2
-    assert "accumulate_gram" in _records(caplog)[1].getMessage()
+    # (Only the fake's records: torch's own variants may log a gate of theirs, e.g. torch.syrk's.)
+    about_fake = [r.getMessage() for r in _records(caplog) if "the triton backend" in r.getMessage()]
+    assert len(about_fake) == 2 and "accumulate_gram" in about_fake[1]
 
 
 def test_fallback_through_a_public_op_logs_once(registry, monkeypatch, caplog):

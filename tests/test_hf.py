@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from faast.hf import FaastConfig, apply_faast, from_pretrained
+from faast.hf import FaastConfig, FaastModel, apply_faast, from_pretrained
 from faast.hf.targets import TARGETS
 from hf_models import KINDS, VOCAB, CharTokenizer, tiny_model
 from tolerances import BF16_MODEL_REL, HF_PADDING_REL, rel
@@ -280,14 +280,35 @@ def test_save_and_load_give_identical_outputs_and_write_nothing_of_the_base(kind
         names = set(f.keys())
     assert names == {f"layers.{i}.{p}.weight" for i in model.memory_layers for p in ("readout", "scorer")}
 
+    # save_pretrained keeps what was learned: the reloaded model reads exactly like this one.
     fresh = from_pretrained(tiny_model(kind), tmp_path / "adapter")
     assert fresh.faast_config == model.faast_config
     with torch.no_grad():
-        assert torch.equal(fresh(x).logits, tiny_model(kind)(x).logits)  # readout loaded, nothing learned yet
-    fresh.load_fast_weights(tmp_path / "state.safetensors")
-    assert torch.equal(fresh(x).logits, expected)
+        assert torch.equal(fresh(x).logits, expected)
     for a, b in zip(model.faast_layers(), fresh.faast_layers(), strict=True):
         assert torch.equal(a.memory.gram, b.memory.gram) and torch.equal(a.memory.cross, b.memory.cross)
+    # memories=False: the configuration and trained weights only (and no stale memories file left behind).
+    model.save_pretrained(tmp_path / "adapter", memories=False)
+    assert not (tmp_path / "adapter" / "faast_memories.safetensors").exists()
+    bare = FaastModel.from_pretrained(tiny_model(kind), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(bare(x).logits, tiny_model(kind)(x).logits)  # readout loaded, nothing learned
+    bare.load_fast_weights(tmp_path / "state.safetensors")
+    assert torch.equal(bare(x).logits, expected)
+
+
+def test_inherited_saves_that_would_drop_the_learned_state_raise_naming_save_pretrained(tmp_path):
+    model = apply_faast(tiny_model("llama"), FaastConfig())
+    model.learn(ids(batch=2, seq=12, seed=3))
+    for name in ("push_to_hub", "save_model"):
+        with pytest.raises(NotImplementedError, match="save_pretrained"):
+            getattr(model, name)("somewhere")
+    # from_pretrained on the wrapper is faast's, not the base model's (which would load a bare base model).
+    model.save_pretrained(tmp_path / "a")
+    fresh = model.from_pretrained(tiny_model("llama"), tmp_path / "a")
+    x = ids(batch=1, seq=7, seed=4)
+    with torch.no_grad():
+        assert isinstance(fresh, FaastModel) and torch.equal(fresh(x).logits, model(x).logits)
 
 
 def test_loading_into_a_different_model_is_refused(tmp_path):

@@ -215,6 +215,14 @@ def test_module_model_save_and_load_round_trip(tmp_path):
         assert json.loads(f.metadata()["memories"]).keys() == {"module_memories.classifier.memory"}
     loaded = from_pretrained(tiny_classifier(), tmp_path / "adapter")
     assert isinstance(loaded, FaastModuleModel) and loaded.faast_config == model.faast_config
+    # save_pretrained wrote what the memories learned: from_pretrained alone restores it.
+    for name, t in model.module_memories.entry().memory.state_dict().items():
+        assert torch.equal(loaded.module_memories.entry().memory.state_dict()[name], t), name
+    model.save_pretrained(tmp_path / "adapter", memories=False)
+    with pytest.raises(NotImplementedError, match="faast.hf.from_pretrained"):
+        loaded.from_pretrained(tiny_classifier(), tmp_path / "adapter")
+    loaded = from_pretrained(tiny_classifier(), tmp_path / "adapter")
+    assert int(loaded.module_memories.entry().memory.count.sum()) == 0
     loaded.load_fast_weights(path)
     for name, t in model.module_memories.entry().memory.state_dict().items():
         assert torch.equal(loaded.module_memories.entry().memory.state_dict()[name], t), name

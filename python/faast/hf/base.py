@@ -26,6 +26,27 @@ class BaseModelDelegate(nn.Module):
     def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
         return self.base_model(*args, **kwargs)
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):  # noqa: ANN002, ANN003, ANN206 - transformers' signature
+        """Refused here (FaastModel overrides it): the delegation would reach the base model's from_pretrained, which
+        loads a bare base model. faast.hf.from_pretrained(base_model, directory) loads a saved faast model."""
+        raise NotImplementedError(
+            f"{cls.__name__}.from_pretrained would load the base model alone: use "
+            "faast.hf.from_pretrained(base_model, directory)"
+        )
+
+    def push_to_hub(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - transformers' signature
+        """Refused: the base model's push_to_hub (reached through the delegation) would upload it without what faast
+        learned. Save with save_pretrained(folder) and upload that folder."""
+        raise NotImplementedError(
+            "push_to_hub would upload the base model without faast's state: write it with "
+            "save_pretrained(folder) and upload that folder"
+        )
+
+    def save_model(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - transformers' Trainer-style name
+        """Refused for the same reason as push_to_hub: use save_pretrained."""
+        raise NotImplementedError("save_model would save the base model without faast's state: use save_pretrained")
+
     def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
         return self.base_model.generate(*args, **kwargs)
 

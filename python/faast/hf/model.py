@@ -290,13 +290,20 @@ class FaastModel(BaseModelDelegate):
 
     # ------------------------------------------------------------------ persistence (faast/hf/persistence.py)
 
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write the FaastConfig (JSON) and the readout + scorer weights (safetensors, fp32), atomically.
+    def save_pretrained(self, directory: str | Path, *, memories: bool = True) -> Path:
+        """Write the FaastConfig (JSON), the readout + scorer weights (safetensors, fp32) and everything learned
+        (the statistics and the output layer's chosen settings, as save_fast_weights writes them), each file
+        atomically. memories=False writes the configuration and trained weights only.
 
-        Nothing of the base model is written; load with faast.hf.from_pretrained(base_model, directory). The
-        learned fast weights are state of their own: save_fast_weights.
+        Nothing of the base model is written; FaastModel.from_pretrained(base_model, directory) (or
+        faast.hf.from_pretrained) gives back the same logits.
         """
-        return persistence.save_pretrained(self, directory)
+        return persistence.save_pretrained(self, directory, memories=memories)
+
+    @classmethod
+    def from_pretrained(cls, base_model: nn.Module, directory: str | Path, **overrides: object) -> FaastModel:
+        """faast.hf.from_pretrained: apply the saved FaastConfig to base_model and load what was saved with it."""
+        return from_pretrained(base_model, directory, **overrides)
 
     def load_adapter(self, directory: str | Path) -> FaastModel:
         """Load readout + scorer weights written by save_pretrained into this model (all or nothing)."""
@@ -352,7 +359,8 @@ def apply_faast(model: nn.Module, config: FaastConfig | None = None) -> FaastMod
 
 
 def from_pretrained(base_model: nn.Module, directory: str | Path, **overrides: object) -> FaastModel:
-    """Apply the FaastConfig saved in `directory` to `base_model` and load its readout and scorer weights.
+    """Apply the FaastConfig saved in `directory` to `base_model` and load its readout and scorer weights, and what
+    it had learned when save_pretrained wrote its memories (all or nothing: on any error the base model is restored).
 
     `overrides` replace fields of the saved configuration (e.g. output_target='embedding', alpha=0.8); fields that
     fix the readout's shape (layers, scorer, output_layer) must match what was saved.
@@ -374,6 +382,8 @@ def from_pretrained(base_model: nn.Module, directory: str | Path, **overrides: o
             )
     try:
         model.load_adapter(directory)
+        if (directory / persistence.MEMORIES_NAME).is_file():
+            model.load_fast_weights(directory / persistence.MEMORIES_NAME)
     except BaseException:
         model.remove_faast()
         raise

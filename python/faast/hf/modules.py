@@ -29,6 +29,7 @@ from .base import CONFIG_NAME, BaseModelDelegate, eval_mode, freeze
 from .config import FaastConfig
 from .inputs import describe
 from .layers import memory_options
+from .persistence import MEMORIES_NAME
 from .targets import TARGETS
 
 IGNORE_INDEX = -100  # integer targets: rows labelled -100 are not learned (the transformers convention)
@@ -484,10 +485,15 @@ class FaastModuleModel(BaseModelDelegate):
         load_checkpoint(path, self._holder())
         return self
 
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write the FaastConfig (JSON), atomically: module memories have no trained weights; what they learned is
-        written by save_fast_weights. faast.hf.from_pretrained(base_model, directory) rebuilds the model."""
+    def save_pretrained(self, directory: str | Path, *, memories: bool = True) -> Path:
+        """Write the FaastConfig (JSON) and, with memories=True, what the module memories learned (save_fast_weights'
+        file), each atomically; memories=False removes such a file left by an earlier save. Module memories have no
+        trained weights. faast.hf.from_pretrained(base_model, directory) rebuilds the model."""
         directory = Path(directory)
+        if memories:
+            self.save_fast_weights(directory / MEMORIES_NAME)
+        elif (directory / MEMORIES_NAME).exists():
+            (directory / MEMORIES_NAME).unlink()
         self.faast_config.save(directory / CONFIG_NAME)
         return directory
 

@@ -507,14 +507,18 @@ class ResidualOutputLayer(nn.Module):
             hidden = self.keys(hidden, extra)
         scale = float(getattr(self.head, "scale", 1.0))
         compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        weight = self.head.weight.to(compute)  # the scaled head for a type that scales its logits (ScaledHead)
+        # The logit change goes through the head in the model's own 16-bit dtype, as the head itself does (a float32
+        # copy of a 49K-row head per forward, and float32 products, cost more than the model's own head on a GPU).
+        head_dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16) else compute
+        weight = self.head.weight.to(head_dtype)  # the scaled head for a type that scales its logits (ScaledHead)
         rows_h, rows_z = hidden.reshape(-1, hidden.shape[-1]), logits.reshape(-1, logits.shape[-1])
+        # On a CPU the mixture's [rows, V] temporaries should stay in cache; on a GPU small blocks only add launches.
+        mix_rows = _CHUNK if hidden.device.type == "cuda" else _MIX_ROWS
         parts = []
         for i in range(0, rows_z.shape[0], _CHUNK):
-            # One GEMM per _CHUNK rows (as much work as the head itself), then the elementwise mixture in blocks of
-            # _MIX_ROWS rows, whose [rows, V] temporaries stay in cache through its passes.
-            dz = (rows_h[i : i + _CHUNK].to(m.dtype) @ m).to(compute) @ weight.T
-            for j, dz_rows in zip(range(i, i + dz.shape[0], _MIX_ROWS), dz.split(_MIX_ROWS), strict=True):
+            # One GEMM per _CHUNK rows (as much work as the head itself), then the elementwise mixture in blocks.
+            dz = ((rows_h[i : i + _CHUNK].to(m.dtype) @ m).to(head_dtype) @ weight.T).to(compute)
+            for j, dz_rows in zip(range(i, i + dz.shape[0], mix_rows), dz.split(mix_rows), strict=True):
                 parts.append((_mixture_logits(rows_z[j : j + _MIX_ROWS].to(compute) * scale, dz_rows, lam) / scale)
                              .to(logits.dtype))  # fmt: skip
         return torch.cat(parts).reshape(logits.shape)

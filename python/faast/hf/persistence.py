@@ -34,6 +34,8 @@ from .config import FaastConfig
 from .output import ResidualOutputLayer
 
 WEIGHTS_NAME = "faast_adapter.safetensors"
+# What the model learned (save_fast_weights' file) inside a save_pretrained folder.
+MEMORIES_NAME = "faast_memories.safetensors"
 FORMAT = "faast.hf.adapter"
 FORMAT_VERSION = 1
 # What a saved adapter must share with the model it is loaded into (the rest may be overridden at load).
@@ -50,9 +52,16 @@ def _adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def save_pretrained(model: nn.Module, directory: str | Path) -> Path:
-    """Write `model`'s FaastConfig (JSON) and its readout + scorer weights (safetensors, float32), atomically."""
+def save_pretrained(model: nn.Module, directory: str | Path, *, memories: bool = True) -> Path:
+    """Write `model`'s FaastConfig (JSON), its readout + scorer weights (safetensors, float32) and, with memories=True,
+    everything it learned (save_fast_weights' file, MEMORIES_NAME), each file atomically. memories=False removes a
+    memories file an earlier save left in the folder, so the folder never pairs this config with stale state."""
     directory = Path(directory)
+    memories_path = directory / MEMORIES_NAME
+    if memories:
+        save_fast_weights(model, memories_path)
+    elif memories_path.exists():
+        memories_path.unlink()
     metadata = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),

@@ -71,8 +71,36 @@ def native_extension_error() -> str | None:
 # The measured choice (faast.ops._autotune) times candidates on this many rows / matrices of a call's inputs.
 _GRAM_SAMPLE = {"cuda": 8192}
 _GRAM_SAMPLE_DEFAULT = 2048
-_EIGH_SAMPLE = 8
+# Batched eigensolvers gain with the batch, so eigh is timed on the whole batch (up to this many matrices).
+_EIGH_SAMPLE = 64
 _RESIDUAL_SAMPLE = 8192
+
+
+def eigh_call(flat: torch.Tensor) -> _dispatch.Call:
+    """The dispatch's description of eigh_gram on flat [B, d, d] (benchmarks pass it to _dispatch.explain)."""
+    b, d = flat.shape[0], flat.shape[-1]
+    return _dispatch.Call(
+        "eigh", flat.device, (flat.dtype,), (tuple(flat.shape),), shape_class=f"B{_autotune.size_class(b)} d{d}"
+    )
+
+
+def residual_call(x: torch.Tensor, m: torch.Tensor) -> _dispatch.Call:
+    """The dispatch's description of residual_project(x [..., d], m [d, d])."""
+    d = x.shape[-1]
+    rows = x.numel() // max(d, 1)
+    return _dispatch.Call(
+        "residual_project", x.device, (x.dtype, m.dtype), (tuple(x.shape), tuple(m.shape)),
+        shape_class=f"rows{_autotune.size_class(min(rows, _RESIDUAL_SAMPLE))} d{d} {x.dtype}/{m.dtype}",
+    )  # fmt: skip
+
+
+def gram_call(
+    keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+    *, weighted_least_squares: bool = False, compute_dtype: torch.dtype = torch.float64,
+) -> _dispatch.Call:  # fmt: skip
+    """The dispatch's description of accumulate_gram on these rows (keys [*, N, dk], values [*, N, dv])."""
+    options = {"weighted_least_squares": weighted_least_squares, "compute_dtype": compute_dtype}
+    return _gram_call(_flat_rows(keys, values, scores, mask), options)
 
 
 def _gram_call(flat: tuple, options: dict) -> _dispatch.Call:
@@ -247,12 +275,8 @@ def eigh_gram(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if gram.shape[-2] != d:
         raise ValueError(f"gram: expected square matrices [*, d, d], got {list(gram.shape)}")
     flat = gram.reshape(-1, d, d)
-    call = _dispatch.Call(
-        "eigh", gram.device, (gram.dtype,), (tuple(flat.shape),),
-        shape_class=f"B{_autotune.size_class(flat.shape[0])} d{d}",
-    )  # fmt: skip
     sample = flat[:_EIGH_SAMPLE].to(torch.float64)
-    _, impl = _dispatch.resolve("eigh", gram.device, call, lambda fn: fn(sample))
+    _, impl = _dispatch.resolve("eigh", gram.device, eigh_call(flat), lambda fn: fn(sample))
     lam, vecs = impl(flat)
     return lam.reshape(*gram.shape[:-1]), vecs.reshape(gram.shape)
 
@@ -365,13 +389,8 @@ def residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
     _validate.require_shape("m", m, (d, d), "[d, d] with d = x.shape[-1]")
     _validate.require_same_device("x", x, m=m)
-    rows = x.numel() // max(d, 1)
-    call = _dispatch.Call(
-        "residual_project", x.device, (x.dtype, m.dtype), (tuple(x.shape), tuple(m.shape)),
-        shape_class=f"rows{_autotune.size_class(min(rows, _RESIDUAL_SAMPLE))} d{d} {x.dtype}/{m.dtype}",
-    )  # fmt: skip
     sample = x.reshape(-1, d)[:_RESIDUAL_SAMPLE]
-    _, impl = _dispatch.resolve("residual_project", x.device, call, lambda fn: fn(sample, m))
+    _, impl = _dispatch.resolve("residual_project", x.device, residual_call(x, m), lambda fn: fn(sample, m))
     return impl(x, m)
 
 

@@ -185,7 +185,20 @@ def batched_eigh(gram: torch.Tensor, algorithm: str = "auto") -> tuple[torch.Ten
         raise ValueError(problem)
     lam, vecs, info = torch.ops.faast.batched_eigh_info(gram.to(torch.float64), algorithm)
     _raise_for_info(info, algorithm)
+    _raise_for_nonfinite(lam, algorithm)
     return lam, vecs
+
+
+def _raise_for_nonfinite(lam: torch.Tensor, algorithm: str) -> None:
+    """torch.linalg.LinAlgError naming the first layer of λ [L, d] with a NaN/Inf eigenvalue. Jacobi (syevjBatched,
+    d <= 32) may report success on NaN input; info was read on the host already, so this adds no wait for the
+    decomposition, only for its own reduction."""
+    bad = ~torch.isfinite(lam).all(-1)
+    if bool(bad.any()):
+        layer = int(torch.nonzero(bad).flatten()[0])
+        raise torch.linalg.LinAlgError(
+            f"faast cuda eigh ({algorithm}): layer {layer} of gram has non-finite eigenvalues (NaN/Inf statistics)"
+        )
 
 
 def _raise_for_info(info: torch.Tensor, algorithm: str) -> None:
@@ -213,14 +226,13 @@ def eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return batched_eigh(gram, "auto")
 
 
-def _not_for_auto() -> str | None:
-    # Compile-checked in CI. GPU runs: run 1 (benchmarks/results/gpu_h100_run1.md) built but did not load; run 2
-    # (gpu_h100_run2.md) loaded and crashed a test process inside the op (fixes in csrc/README.md, unverified on a
-    # GPU). A crash cannot be caught by auto's timing, so auto does not time it until a GPU run shows it sound.
-    return (
-        "not yet verified on a GPU (run 2 crashed inside the op; fixes unverified: csrc/README.md); "
-        "FAAST_BACKEND=eigh=cuda selects it"
-    )
+def gate(op: str, call: _dispatch.Call) -> str | None:
+    """Nothing keeps `auto` from timing the extension: on an H100 (benchmarks/results/gpu_h100_run3.md) faast's path
+    through it (arguments checked here, failures reported through info, never a throw across the extension) passed
+    the eigen-equation tests from d = 20 to 3584 and ran 2.4x (d = 1600) to 73x (d = 64) faster than
+    torch.linalg.eigh on 48 layers. Two raw-op error-path cases of the child-process harness failed there, with
+    details the run did not keep (csrc/README.md); faast does not call the op that way."""
+    return None
 
 
 def register() -> None:
@@ -230,6 +242,6 @@ def register() -> None:
             ops={"eigh": eigh},
             devices=("cuda",),
             unavailable_reason=load_error,
-            gate=lambda op, call: _not_for_auto(),
+            gate=gate,
         )
     )

@@ -106,7 +106,8 @@ def accumulate_gram_exact16(
     15 of 26, the float32 compute mode 13; benchmarks/results/fidelity_torch_modes_cpu.md). On an H100 the tensor
     cores truncate the float32 accumulation and no R passes either (the Triton exact16 kernel, the same arithmetic:
     20/26 at R = 64, 3/26 at R = 4096; benchmarks/results/gpu_h100_run2_triton_fidelity.json). So the mode serves
-    compute_dtype=float32 only (exact16_gate). The torch mode itself is unmeasured on a GPU.
+    compute_dtype=float32 only (exact16_gate). On an H100 (benchmarks/results/gpu_h100_run3.md) it learned a
+    48 x 1600 stack's 64K bf16 tokens in 0.508 s against 0.856 s for float64 GEMMs, relative error of S 4.8e-6.
 
     Raises ValueError naming keys/values when they are not the same 16-bit dtype, or flush_rows when it is not a
     positive int.
