@@ -19,10 +19,12 @@ if not torch.cuda.is_available():
 os.environ.setdefault("FAAST_TRITON_AUTOTUNE", "0")
 # auto's measured choices (faast.ops._autotune) are remembered in a file: tests must neither read a developer's nor
 # leave one behind, so the session gets its own cache folder (tests of the cache itself use a fresh one each).
+_OWN_CACHE_DIR = None
 if "FAAST_AUTOTUNE_CACHE" not in os.environ:
     import tempfile
 
-    os.environ["FAAST_AUTOTUNE_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="faast-test-"), "autotune.json")
+    _OWN_CACHE_DIR = tempfile.mkdtemp(prefix="faast-test-")
+    os.environ["FAAST_AUTOTUNE_CACHE"] = os.path.join(_OWN_CACHE_DIR, "autotune.json")
 
 _PACKAGES = ("faast", "faast_kernels")
 
@@ -70,6 +72,10 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     warnings.warn = getattr(warnings.warn, "original", warnings.warn)
+    if _OWN_CACHE_DIR is not None:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
 def _called_from_package() -> bool:

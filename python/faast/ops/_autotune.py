@@ -20,7 +20,6 @@ import functools
 import json
 import math
 import os
-import platform
 import statistics
 import time
 import warnings
@@ -31,6 +30,7 @@ import torch
 
 from .. import _version
 from ..persist import write_text_atomic
+from ..provenance import cpu_model
 
 CACHE_ENV = "FAAST_AUTOTUNE_CACHE"
 ENABLE_ENV = "FAAST_AUTOTUNE"
@@ -96,22 +96,14 @@ def cache_path() -> Path:
     return Path(base) / "faast" / FILE_NAME
 
 
-@functools.cache
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+_cpu_model = functools.cache(cpu_model)
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        return f"cpu: {_cpu_name()} x{os.cpu_count()}"
+        return f"cpu: {_cpu_model()} x{os.cpu_count()}"
     return device.type
 
 

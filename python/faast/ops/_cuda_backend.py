@@ -229,7 +229,7 @@ def eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def gate(op: str, call: _dispatch.Call) -> str | None:
     """Nothing keeps `auto` from timing the extension: on an H100 (benchmarks/results/gpu_h100_run3.md) faast's path
     through it (arguments checked here, failures reported through info, never a throw across the extension) passed
-    the eigen-equation tests from d = 20 to 3584 and ran 2.4x (d = 1600) to 73x (d = 64) faster than
+    the eigen-equation tests from d = 20 to 1600 and ran 2.4x (d = 1600) to 73x (d = 64) faster than
     torch.linalg.eigh on 48 layers. Two raw-op error-path cases of the child-process harness failed there, with
     details the run did not keep (csrc/README.md); faast does not call the op that way."""
     return None
