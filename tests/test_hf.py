@@ -387,3 +387,39 @@ def test_a_bf16_model_reads_a_bf16_folded_matrix_within_one_rounding_of_float32(
     hidden = torch.randn(2, 5, 32).bfloat16()
     expected = hidden.double() + hidden.double() @ m32.double()
     torch.testing.assert_close(layer(hidden).double(), expected, rtol=0.02, atol=0.02 * float(expected.abs().max()))
+
+
+def test_applying_faast_to_an_already_wrapped_base_model_is_refused_until_removed():
+    base = tiny_model("llama")
+    model = apply_faast(base, FaastConfig())
+    with pytest.raises(ValueError, match="already applied to this base model.*remove_faast"):
+        apply_faast(model.base_model, FaastConfig())
+    again = apply_faast(model.remove_faast(), FaastConfig())  # hooks gone: it may be wrapped anew
+    x = ids(batch=1, seq=6, seed=2)
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, tiny_model("llama")(x).logits)
+
+
+def test_learning_nothing_is_an_error(tmp_path):
+    model = apply_faast(tiny_model("llama"), FaastConfig())
+    for empty in ([], iter(())):
+        with pytest.raises(ValueError, match="inputs: nothing to learn"):
+            model.learn(empty)
+    assert all(int(m.count.sum()) == 0 for m in model.fast_weights())
+
+
+def test_a_learn_that_fails_part_way_leaves_every_memory_as_it_was():
+    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=2))
+    model.learn(ids(batch=2, seq=10, seed=1))
+    before = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in model.learned_state()}
+    x = ids(batch=1, seq=8, seed=5)
+    with torch.no_grad():
+        expected = model(x).logits
+    good = [list(range(3, 15))] * 10  # two batches of 8 and 2 windows, the bad item in the second
+    with pytest.raises((TypeError, ValueError)):
+        model.learn(good + [["not", "token", "ids"]], batch_size=8)
+    for name, m in model.learned_state():
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, before[name][k]), (name, k)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, expected)  # no stale solution either

@@ -160,8 +160,8 @@ def test_the_text_column_is_chosen_or_the_choice_refused_with_the_columns_named(
     with pytest.raises(ValueError, match="text_column: only valid with a datasets.Dataset"):
         fresh().learn(["ab"], tokenizer=tokenizer, text_column="text")
     empty = datasets.Dataset.from_dict({"text": ["a text"]}).filter(lambda row: False)  # keeps its features
-    _, stats = learn_dataset(empty, tokenizer)
-    assert stats.pairs == 0
+    with pytest.raises(ValueError, match="inputs: nothing to learn: the Dataset held no tokens"):
+        learn_dataset(empty, tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------------- token ids

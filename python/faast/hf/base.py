@@ -4,12 +4,16 @@ learning, and the name of the configuration file both model kinds save."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 from torch import nn
 
 # FaastModel and FaastModuleModel save their FaastConfig under this name; faast.hf.from_pretrained reads it for both.
 CONFIG_NAME = "faast_config.json"
+# Base models FAAST is applied to, until remove_faast: apply_faast refuses them, since a second set of hooks would
+# stack on the first.
+WRAPPED_BASE_MODELS: weakref.WeakSet = weakref.WeakSet()
 
 
 class BaseModelDelegate(nn.Module):

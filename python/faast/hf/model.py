@@ -25,10 +25,10 @@ from torch import nn
 from .._version import __version__
 from ..memory import FastWeights
 from . import persistence
-from .base import CONFIG_NAME, BaseModelDelegate, eval_mode, freeze
+from .base import CONFIG_NAME, WRAPPED_BASE_MODELS, BaseModelDelegate, eval_mode, freeze
 from .config import FaastConfig
 from .hooks import ModelHooks
-from .inputs import batches, learn_items, learn_source
+from .inputs import batches, describe, learn_items, learn_source
 from .layers import MemoryLayer, OutputMemoryLayer, memory_bank
 from .learning import Learner, LearnStats
 from .modules import FaastModuleModel, ModuleMemories, wants_module_model
@@ -154,6 +154,7 @@ class FaastModel(BaseModelDelegate):
         """Detach the hooks for good and return the base model (its parameters stay frozen)."""
         self.faast_hooks.remove()
         self.module_memories.remove_hooks()
+        WRAPPED_BASE_MODELS.discard(self.base_model)
         return self.base_model
 
     # ------------------------------------------------------------------ learning
@@ -196,11 +197,33 @@ class FaastModel(BaseModelDelegate):
         Returns LearnStats (tokens, pairs per layer, batches, seconds, tokens_per_second).
         """
         inputs = learn_source(inputs, input_ids)
-        if isinstance(inputs, torch.Tensor):
-            return self.learner.learn_tensor(inputs, attention_mask, labels)
-        inputs = learn_items(inputs, attention_mask, labels, tokenizer, text_column)
-        device = self.base_model.get_input_embeddings().weight.device
-        return self.learner.learn_stream(batches(inputs, tokenizer, max_length, batch_size, device), progress)
+        source = describe(inputs)
+        with self._all_or_nothing():
+            if isinstance(inputs, torch.Tensor):
+                return self.learner.learn_tensor(inputs, attention_mask, labels)
+            inputs = learn_items(inputs, attention_mask, labels, tokenizer, text_column)
+            device = self.base_model.get_input_embeddings().weight.device
+            stats = self.learner.learn_stream(batches(inputs, tokenizer, max_length, batch_size, device), progress)
+        if stats.tokens == 0:
+            raise ValueError(f"inputs: nothing to learn: the {source} held no tokens")
+        return stats
+
+    @contextlib.contextmanager
+    def _all_or_nothing(self) -> Iterator[None]:
+        """A learn call that raises part way (a bad item after good batches) leaves every memory as it was."""
+        saved = [(m, {k: v.clone() for k, v in m.state_dict().items()}) for _, m in self.learned_state()]
+        output = self.output_memory_layer
+        tail = output.held_out.snapshot() if isinstance(output, ResidualOutputLayer) else None
+        try:
+            yield
+        except BaseException:
+            with torch.no_grad():
+                for memory, state in saved:
+                    memory.load_state_dict(state)
+                    memory.mark_changed()
+            if tail is not None:
+                output.held_out.restore(tail)
+            raise
 
     def learn_modules(
         self,
@@ -347,6 +370,11 @@ def apply_faast(model: nn.Module, config: FaastConfig | None = None) -> FaastMod
     """
     if isinstance(model, FaastModel | FaastModuleModel):
         raise ValueError("model: FAAST is already applied to this model")
+    if model in WRAPPED_BASE_MODELS:
+        raise ValueError(
+            "model: FAAST is already applied to this base model (it is the base_model of a faast model); call "
+            "remove_faast() on that model first"
+        )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a transformers causal LM (nn.Module), got {type(model).__name__}")
     if config is None:
@@ -354,8 +382,11 @@ def apply_faast(model: nn.Module, config: FaastConfig | None = None) -> FaastMod
     if not isinstance(config, FaastConfig):
         raise TypeError(f"config: expected a faast.hf.FaastConfig, got {type(config).__name__}")
     if wants_module_model(model, config):
-        return FaastModuleModel(model, config)  # e.g. an encoder classifier: only its target_modules get memories
-    return FaastModel(model, config)
+        wrapped = FaastModuleModel(model, config)  # e.g. an encoder classifier: only its target_modules get memories
+    else:
+        wrapped = FaastModel(model, config)
+    WRAPPED_BASE_MODELS.add(model)
+    return wrapped
 
 
 def from_pretrained(base_model: nn.Module, directory: str | Path, **overrides: object) -> FaastModel:

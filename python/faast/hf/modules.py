@@ -25,7 +25,7 @@ from torch import nn
 from .._version import __version__
 from ..checkpoint import load_checkpoint, save_state
 from ..memory import FastWeights
-from .base import CONFIG_NAME, BaseModelDelegate, eval_mode, freeze
+from .base import CONFIG_NAME, WRAPPED_BASE_MODELS, BaseModelDelegate, eval_mode, freeze
 from .config import FaastConfig
 from .inputs import describe
 from .layers import memory_options
@@ -467,6 +467,7 @@ class FaastModuleModel(BaseModelDelegate):
     def remove_faast(self) -> nn.Module:
         """Detach the hooks for good and return the base model (its parameters stay frozen)."""
         self.module_memories.remove_hooks()
+        WRAPPED_BASE_MODELS.discard(self.base_model)
         return self.base_model
 
     def _holder(self) -> nn.Module:

@@ -226,6 +226,14 @@ class HeldOutTail:
     def __len__(self) -> int:
         return 0 if self._kept is None else int(self._kept[0].shape[0])
 
+    def snapshot(self) -> object:
+        """What the buffer holds now, for restore (the kept tensors are replaced, never written in place)."""
+        return self._kept
+
+    def restore(self, snapshot: object) -> None:
+        """Put back what snapshot() returned (a learn that failed part way leaves the buffer as it was)."""
+        self._kept = snapshot
+
     def clear(self) -> None:
         """Forget every kept position."""
         self._kept = None
