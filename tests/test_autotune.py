@@ -215,3 +215,11 @@ def test_bench_auto_choice_smoke_reports_a_choice_for_every_op(tmp_path):
     for row in rows:
         assert row["auto"] in row["full_seconds"] and isinstance(row["full_seconds"][row["auto"]], float)
         assert row["auto_is_fastest"] is (row["fastest"] == row["auto"])
+
+
+def test_a_backend_whose_only_variants_cannot_run_the_call_raises_when_requested(world, monkeypatch):
+    _dispatch.register_backend(_dispatch.Backend("cupy"))
+    _dispatch.register_variant("cupy", "eigh", "gpu_only", lambda g: torch.linalg.eigh(g), cannot_run=lambda c: "no")
+    monkeypatch.setenv(_dispatch.ENV_VAR, "eigh=cupy")
+    with pytest.raises(RuntimeError, match="none of the cupy backend's variants of eigh can run this call"):
+        _dispatch.resolve("eigh", CPU)

@@ -255,6 +255,9 @@ def resolve(
             if reason is not None:
                 raise RuntimeError(f"{ENV_VAR}={requested} was requested for {op} on {device.type}, but {reason}")
             own = _candidates(backend_name, op, call)
+            if not own:
+                raise RuntimeError(f"{ENV_VAR}={requested} was requested for {op} on {device.type}, but none of "
+                                   f"the {backend_name} backend's variants of {op} can run this call")  # fmt: skip
             eligible = [(n, f) for n, f, why in own if why is None] or [(n, f) for n, f, _ in own[:1]]
             return _choose(op, call, eligible, sample)
         # The requested backend has no version of this op by design (e.g. eigh is not a Triton kernel): the op
