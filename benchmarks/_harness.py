@@ -19,6 +19,7 @@ right before the measured work and reports two peaks above it:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import multiprocessing as mp
@@ -28,7 +29,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -298,6 +299,21 @@ def _isolated_entry(conn, fn, args, kwargs) -> None:  # noqa: ANN001
 FIXED_MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ updated with `values` for the block, each variable restored (or removed) afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_isolated(fn: Callable, *args: object, env: dict[str, str] | None = None, **kwargs: object) -> object:
     """fn(*args, **kwargs) in a fresh spawned interpreter (fn must be importable); returns its picklable result.
 
@@ -306,16 +322,8 @@ def run_isolated(fn: Callable, *args: object, env: dict[str, str] | None = None,
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_isolated_entry, args=(child, fn, args, kwargs))
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
+    with environ(env or {}):
         proc.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     child.close()
     try:
         status, payload = parent.recv()

@@ -27,7 +27,6 @@ every case and names the case in flight. Cases are skipped once --budget-s is sp
 from __future__ import annotations
 
 import argparse
-import contextlib
 import faulthandler
 import json
 import os
@@ -68,20 +67,9 @@ def _error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"[:400]
 
 
-@contextlib.contextmanager
-def backend(setting: str, autotune: bool):
+def backend(setting: str, autotune: bool):  # noqa: ANN201 - a context manager
     """FAAST_BACKEND=setting (and FAAST_AUTOTUNE) for the block, restored afterwards."""
-    saved = {k: os.environ.get(k) for k in ("FAAST_BACKEND", "FAAST_AUTOTUNE")}
-    os.environ["FAAST_BACKEND"] = setting
-    os.environ["FAAST_AUTOTUNE"] = "1" if autotune else "0"
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return H.environ({"FAAST_BACKEND": setting, "FAAST_AUTOTUNE": "1" if autotune else "0"})
 
 
 def make_batches(cfg: dict, device: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
