@@ -102,6 +102,41 @@ class SummedStatistics(Float64Module):
         invalidates what is cached from them)."""
         self._version += 1
 
+    def empty_like(self: Self) -> Self:
+        """A new module of this one's configuration (and configuration tensors, e.g. a prior) holding no statistics,
+        on this module's device: a second memory of the same shape."""
+        device = next(iter(self.buffers())).device
+        return type(self)._from_config(self.config(), dict(self.fixed_tensors()), device)
+
+    @torch.no_grad()
+    def subtract(self: Self, other: SummedStatistics) -> Self:
+        """Remove statistics that were added before (`other`: a module of the same configuration holding exactly
+        what learning some rows added): every summed tensor minus other's. The inverse of `merge`.
+
+        Raises ValueError, with this module untouched, when the configurations differ or when a count would fall
+        below zero (beyond float64 rounding: what was never added cannot be removed). Where a count reaches zero
+        every sum of that memory is reset to exact zeros, so rounding residue cannot read as data. Returns self.
+        """
+        if type(other) is not type(self) or other.config() != self.config():
+            raise ValueError(f"other: expected a {type(self).__name__} of configuration {self.config()}")
+        if (reason := self.not_summable_reason()) is not None:
+            raise ValueError(f"subtract: this {type(self).__name__} {reason}")
+        mine, theirs = self.summed_tensors(), [t.to(self.count.device) for t in other.summed_tensors()]
+        remaining = self.count - other.count.to(self.count.device)
+        if bool((remaining < -1e-9 * self.count.abs().clamp_min(1)).any()):
+            raise ValueError(
+                f"other: holds {other.count.tolist()} rows, this module {self.count.tolist()}; removing them would "
+                "leave a negative count, so they were never all added here; nothing was removed"
+            )
+        for t, d in zip(mine, theirs, strict=True):
+            t.sub_(d)
+        empty = self.count <= 1e-9 * other.count.abs().to(self.count.device).clamp_min(1)
+        if bool(empty.any()):
+            for t in mine:
+                t.masked_fill_(empty.reshape(empty.shape + (1,) * (t.dim() - empty.dim())), 0)
+        self.mark_changed()
+        return self
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> SummedStatistics:
         super()._apply(fn, recurse)
         self.mark_changed()

@@ -23,6 +23,7 @@ from torch import nn
 from .capture import BankCapture, next_token_pairs
 from .layers import MemoryLayer, OutputMemoryLayer
 from .output import ResidualOutputLayer, key_state
+from .rows import RowMemories
 
 PARTS = ("all", "middle", "output", "modules")
 
@@ -79,6 +80,7 @@ class ModelHooks:
         self._pass: LearnPass | None = None
         self._key_states: list[torch.Tensor | None] = [None] * len(self.key_blocks)
         self._final_states: torch.Tensor | None = None
+        self._rows: RowMemories | None = None  # a call with memory_names: each row reads its own memory
         self._handles = [
             blocks[i].register_forward_pre_hook(partial(self._key_hook, slot), with_kwargs=True)
             for slot, i in enumerate(self.key_blocks)
@@ -120,6 +122,17 @@ class ModelHooks:
             yield learn_pass
         finally:
             self._pass = None
+
+    @contextlib.contextmanager
+    def routing(self, rows: RowMemories) -> Iterator[None]:
+        """Inside, each row of a forward pass reads the memory `rows` gives it (FaastModel's memory_names)."""
+        if self._rows is not None:
+            raise RuntimeError("memory_names: a call with memory_names is already running on this model")
+        self._rows = rows
+        try:
+            yield
+        finally:
+            self._rows = None
 
     def remove(self) -> None:
         """Detach every hook for good."""
@@ -163,6 +176,8 @@ class ModelHooks:
             # Capture only: the bank learns every layer at once after the pass.
             self._pass.capture.add(layer.slot, hidden)
             return None
+        if self._rows is not None:
+            return _with_hidden(args, kwargs, self._rows.middle(layer, hidden))
         return _with_hidden(args, kwargs, layer(hidden))
 
     def _output_hook(self, module: nn.Module, args: tuple, kwargs: dict):  # noqa: ANN202, ARG002
@@ -172,6 +187,8 @@ class ModelHooks:
         if self._pass is not None:
             self._pass.output_rows = next_token_pairs(hidden, self._pass.pair_mask, self._pass.next_embeddings)
             return None
+        if self._rows is not None:
+            return _with_hidden(args, kwargs, self._rows.embedding_output(self.output_layer, hidden))
         return _with_hidden(args, kwargs, self.output_layer(hidden))
 
     def _key_hook(self, slot: int, module: nn.Module, args: tuple, kwargs: dict) -> None:  # noqa: ARG002
@@ -188,6 +205,8 @@ class ModelHooks:
         if self.output_layer.space == "probability":
             self._final_states = output if self.key_blocks else None  # _head_hook checks the rows it reads
             return None  # read at the head (_head_hook)
+        if self._rows is not None:
+            return self._rows.logit_output(self.output_layer, output, self.extra_keys(output))
         return self.output_layer(output, self.extra_keys(output))
 
     def _head_hook(self, module: nn.Module, args: tuple, output: torch.Tensor):  # noqa: ANN202, ARG002
@@ -197,7 +216,13 @@ class ModelHooks:
             return None  # read after the final norm (_residual_hook)
         layer, hidden = self.output_layer, args[0]
         final, self._final_states = self._final_states, None
-        m, _ = layer.solution(hidden.device, hidden.dtype)
-        extra = self.extra_keys(hidden, final) if m is not None and m.shape[0] > layer.hidden_size else None
+        if self._rows is not None:
+            wide = self._rows.needs_extra_keys(hidden.device, hidden.dtype)
+        else:
+            m, _ = layer.solution(hidden.device, hidden.dtype)
+            wide = m is not None and m.shape[0] > layer.hidden_size
+        extra = self.extra_keys(hidden, final) if wide else None
         self._key_states = [None] * len(self.key_blocks)  # used by this pass or not at all
+        if self._rows is not None:
+            return self._rows.read_logits(layer, hidden, output, extra)
         return layer.read_logits(hidden, output, extra)

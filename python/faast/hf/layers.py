@@ -10,6 +10,7 @@ in one forward pass.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -104,7 +105,8 @@ class MemoryLayer(nn.Module):
             nn.Linear(2 * hidden_size, 1, bias=False, device=device, dtype=torch.float32) if config.scorer else None
         )
         self.dropout = nn.Dropout(config.dropout)
-        self._folded: tuple[tuple, torch.Tensor | None] | None = None
+        # M = W·P per bank (a model's named memories each have their own bank; a mixed batch reads several).
+        self._folded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._step_cross: torch.Tensor | None = None  # this step's differentiable T (readout training)
         self._train_weights: torch.Tensor | None = None  # differentiable W of the current training step
 
@@ -113,11 +115,19 @@ class MemoryLayer(nn.Module):
         """The MemoryBank holding this layer's statistics (shared with the model's other middle layers)."""
         return self.__dict__["_bank"]
 
+    def use_bank(self, bank: MemoryBank) -> None:
+        """Read and learn `bank` from now on (FaastModel switching named memories; its slot stays this layer's)."""
+        if not isinstance(bank, MemoryBank) or (bank.dim_key, bank.num_slots) != (self.bank.dim_key,
+                                                                                 self.bank.num_slots):  # fmt: skip
+            raise ValueError(f"bank: expected a MemoryBank like {self.bank!r}, got {bank!r}")
+        self.__dict__["_bank"] = bank
+        self.memory = LayerMemory(bank, self.slot)
+
     def extra_repr(self) -> str:
         return f"index={self.index}, slot={self.slot}"
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
-        self._folded = None
+        self._folded.clear()
         return super()._apply(_keep_dtype(fn), recurse)
 
     def scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -176,7 +186,7 @@ class MemoryLayer(nn.Module):
         self._step_cross = None
         self._train_weights = None
 
-    def folded(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    def folded(self, device: torch.device, dtype: torch.dtype, bank: MemoryBank | None = None) -> torch.Tensor | None:
         """M = W·P [d, d] in the activations' dtype for bf16/fp16 (one 16-bit GEMM: tensor cores on a GPU, where the
         float32 path measured 11x slower, benchmarks/results/gpu_h100_run1.md), float64 for float64 inputs and float32
         otherwise; None while this layer's memory is empty.
@@ -184,16 +194,18 @@ class MemoryLayer(nn.Module):
         Cached until the statistics or the readout change; recomputing it takes this layer's slice of the bank's
         solve (one solve for all layers) and one d×d GEMM. Whether the slot is empty is asked of the device once per
         change of the statistics for all layers together (MemoryBank.nonempty), not per layer and forward.
+        bank: another named memory's bank of the same shape (default: the one this layer reads), cached per bank.
         """
         compute = dtype if dtype in (torch.float64, torch.bfloat16, torch.float16) else torch.float32
-        bank = self.bank
+        bank = self.bank if bank is None else bank
         key = (*_solve_key(bank), self.readout.weight._version, id(self.readout.weight), device, compute)
-        if self._folded is None or self._folded[0] != key:
+        cached = self._folded.get(bank)
+        if cached is None or cached[0] != key:
             m = None
             if bank.nonempty()[self.slot]:
                 m = ops.fold_readout(bank.weights[self.slot], self.readout.weight.detach().mT, out_dtype=compute)
-            self._folded = (key, m)
-        return self._folded[1]
+            cached = self._folded[bank] = (key, m)
+        return cached[1]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, d] -> hidden + (hidden W) P, same shape and dtype."""
@@ -223,13 +235,30 @@ class OutputMemoryLayer(nn.Module):
         self._weights = None
         return super()._apply(_keep_dtype(fn), recurse)
 
+    def new_state(self) -> FastWeights:
+        """An empty memory of this layer's shape: another named memory's state (FaastModel.learn(memory=...))."""
+        return self.memory.empty_like()
+
+    def swap_state(self, state: FastWeights) -> FastWeights:
+        """Read and learn `state` (a memory from new_state) from now on; returns the one read before (no copy)."""
+        if not isinstance(state, FastWeights) or state.config() != self.memory.config():
+            raise ValueError(f"state: expected a FastWeights of configuration {self.memory.config()}")
+        previous, self.memory, self._weights = self.memory, state, None
+        return previous
+
     def learn(self, hidden: torch.Tensor, next_embeddings: torch.Tensor, pair_mask: torch.Tensor) -> None:
         """Add pairs (h_t, E[x_{t+1}]): hidden [B, T, d], next_embeddings [B, T-1, d_e], pair_mask [B, T-1]."""
         keys, values = next_token_pairs(hidden, pair_mask, next_embeddings)
         self.memory.update(keys, values, mask=pair_mask)
 
-    def weights(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    def weights(
+        self, device: torch.device, dtype: torch.dtype, memory: FastWeights | None = None
+    ) -> torch.Tensor | None:
+        """W [d, d_e] in float64 for float64 activations, else float32; None while empty. memory: another named
+        memory of this layer's shape (default: the one it reads; that one's cast is cached here)."""
         compute = torch.float64 if dtype == torch.float64 else torch.float32
+        if memory is not None and memory is not self.memory:
+            return memory.weights.to(device=device, dtype=compute) if bool(memory.count.gt(0).any()) else None
         key = (*_solve_key(self.memory), device, compute)
         if self._weights is None or self._weights[0] != key:
             w = self.memory.weights.to(compute) if bool(self.memory.count.gt(0).any()) else None

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -80,8 +80,32 @@ class Learner:
         self.bank, self.middle_layers, self.output_layer = bank, list(middle_layers), output_layer
         self.module_memories, self.learn_dtype = module_memories, learn_dtype
         self._documents = 0  # texts learned so far: numbers each window's document
+        self._unknown_rows = 0  # rows of unknown documents learned so far (a tensor's rows)
+        # Told about every batch learned (validated ids, real tokens, learned pairs, documents): the ledger.
+        self._sink: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None = None
         # Capture buffers [L, B, T-1, d], reused by the next batch of the same shape; dropped at the end of a call.
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @contextlib.contextmanager
+    def recording(
+        self, sink: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None]
+    ) -> Iterator[None]:
+        """Inside, sink(input_ids [B, T], mask [B, T] bool, pair_mask [B, T-1] bool, documents [B] int64 or None) is
+        called after each batch is learned (FaastModel keeps a ledger of what each memory learned)."""
+        self._sink = sink
+        try:
+            yield
+        finally:
+            self._sink = None
+
+    def use_bank(self, bank: MemoryBank | None) -> None:
+        """Learn the middle layers into `bank` from now on (FaastModel switching named memories)."""
+        self.bank = bank
+
+    @property
+    def documents_numbered(self) -> int:
+        """Texts numbered so far: the next learn_stream call numbers its texts from here."""
+        return self._documents
 
     def learn_batch(
         self,
@@ -97,6 +121,11 @@ class Learner:
         differentiable: keep each middle layer's T with the graph to its scorer (readout training)."""
         input_ids, mask = check_batch(input_ids, attention_mask, self.base_model)
         started = time.perf_counter()
+        if documents is None:
+            # Rows of unknown texts: numbered -2, -3, ... (negative: the step tuning treats them as unknown, as it
+            # does -1), so that the positions of each can still be told apart (forget drops them from the tail).
+            documents = -2 - self._unknown_rows - torch.arange(input_ids.shape[0], device=input_ids.device)
+            self._unknown_rows += input_ids.shape[0]
         pair_mask = mask[:, :-1] & mask[:, 1:]
         targets = input_ids[:, 1:]
         if labels is not None:
@@ -134,6 +163,8 @@ class Learner:
             self.output_layer.learn(rows[0], targets, pair_mask, documents, self.hooks.extra_keys(rows[0]))
         elif rows is not None:
             self.output_layer.memory.update(*rows, mask=pair_mask)
+        if self._sink is not None:
+            self._sink(input_ids, mask, pair_mask, documents)
         # One host sync for both counts.
         tokens, pairs = torch.stack([mask.sum(), pair_mask.sum()]).tolist()
         return LearnStats(tokens=tokens, pairs=pairs, batches=1, seconds=time.perf_counter() - started)

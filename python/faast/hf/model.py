@@ -31,14 +31,17 @@ from .hooks import ModelHooks
 from .inputs import batches, describe, learn_items, learn_source
 from .layers import MemoryLayer, OutputMemoryLayer, memory_bank
 from .learning import Learner, LearnStats
+from .memory_store import BASE, DEFAULT, Ledger, MemoryStore, check_name, fingerprints
 from .modules import FaastModuleModel, ModuleMemories, wants_module_model
+from .named_memories import NamedMemories
 from .output import ResidualOutputLayer
+from .rows import RowMemories
 from .targets import get_submodule, residual_head, target_for
 
 __all__ = ["FaastModel", "LearnStats", "apply_faast", "from_pretrained"]
 
 
-class FaastModel(BaseModelDelegate):
+class FaastModel(NamedMemories, BaseModelDelegate):
     """A causal LM with FAAST memory layers. Build it with `apply_faast(model, config)`.
 
     Attributes:
@@ -118,6 +121,8 @@ class FaastModel(BaseModelDelegate):
             base_model, backbone, self.faast_hooks, self.memory_bank, list(self.memory_layers.values()),
             self.output_memory_layer, self.module_memories, self.faast_config.learn_dtype,
         )  # fmt: skip
+        # The named memories (named_memories.py): 'default' is bound to the layers, the others wait in the store.
+        self.memory_store = MemoryStore()
 
     def faast_layers(self) -> Iterator[MemoryLayer | OutputMemoryLayer | ResidualOutputLayer]:
         """Every memory layer: the middle ones in block order, then the output layer."""
@@ -171,6 +176,7 @@ class FaastModel(BaseModelDelegate):
         max_length: int = 1024,
         batch_size: int = 8,
         progress: bool | None = None,
+        memory: str = DEFAULT,
     ) -> LearnStats:
         """Stream statistics from text into every memory layer; no keys are kept and hidden states are unchanged.
 
@@ -193,17 +199,60 @@ class FaastModel(BaseModelDelegate):
                 -100 marking pairs not learned, and its `attention_mask` column if present, left or right padding),
                 else its only string column. Learning a dataset learns what the same texts (or rows) as a list do.
             progress: show a tqdm bar with tokens/s (default: when learning from an iterable and stderr is a tty).
+            memory: the named memory to learn into, created on first use (docs/serving.md); the selected memory
+                (set_memory) does not change.
 
+        All or nothing: a call that raises (a bad item after good batches) leaves every memory as it was, and a
+        memory it created is removed. Inputs that hold no tokens raise ValueError.
         Returns LearnStats (tokens, pairs per layer, batches, seconds, tokens_per_second).
         """
+        name = check_name(memory)
+        created = self._creating(name)
+        try:
+            with self._bound(name):
+                return self._learn_core(inputs, attention_mask, input_ids=input_ids, labels=labels,
+                                        tokenizer=tokenizer, text_column=text_column, max_length=max_length,
+                                        batch_size=batch_size, progress=progress)  # fmt: skip
+        except BaseException:
+            if created:
+                self.memory_store.delete(name)
+            raise
+
+    def _learn_core(
+        self,
+        inputs: torch.Tensor | str | Iterable | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        tokenizer: object | None = None,
+        text_column: str | None = None,
+        max_length: int = 1024,
+        batch_size: int = 8,
+        progress: bool | None = None,
+    ) -> LearnStats:
+        """learn() into the bound memory, recording each learned window in its ledger (all or nothing)."""
         inputs = learn_source(inputs, input_ids)
         source = describe(inputs)
-        with self._all_or_nothing():
-            if isinstance(inputs, torch.Tensor):
-                return self.learner.learn_tensor(inputs, attention_mask, labels)
-            inputs = learn_items(inputs, attention_mask, labels, tokenizer, text_column)
-            device = self.base_model.get_input_embeddings().weight.device
-            stats = self.learner.learn_stream(batches(inputs, tokenizer, max_length, batch_size, device), progress)
+        ledger: Ledger = self.memory_store.ledgers[self.memory_store.bound]
+        before = ledger.copy()
+
+        def record(ids: torch.Tensor, mask: torch.Tensor, pairs: torch.Tensor, documents: torch.Tensor | None) -> None:
+            docs = [-1] * ids.shape[0] if documents is None else documents.tolist()
+            ledger.add(fingerprints(ids, mask, pairs), docs)
+
+        try:
+            with self._all_or_nothing(), self.learner.recording(record):
+                if isinstance(inputs, torch.Tensor):
+                    stats = self.learner.learn_tensor(inputs, attention_mask, labels)
+                else:
+                    items = learn_items(inputs, attention_mask, labels, tokenizer, text_column)
+                    device = self.base_model.get_input_embeddings().weight.device
+                    stream = batches(items, tokenizer, max_length, batch_size, device)
+                    stats = self.learner.learn_stream(stream, progress)
+        except BaseException:
+            self.memory_store.ledgers[self.memory_store.bound] = before
+            raise
         if stats.tokens == 0:
             raise ValueError(f"inputs: nothing to learn: the {source} held no tokens")
         return stats
@@ -252,24 +301,64 @@ class FaastModel(BaseModelDelegate):
     def solve(self) -> FaastModel:
         """Solve every memory layer now, for the model's device and dtype; otherwise the first forward pass after
         learning does it. Middle layers: one batched eigendecomposition and the folded W·P; the residual output
-        layer: its Newton step and the step tuned on the held-out tail. Cached until the statistics change."""
+        layer: its Newton step and the step tuned on the held-out tail. Every named memory is solved, and each keeps
+        its solution until its statistics change, so switching memories solves nothing."""
         weight = self.base_model.get_input_embeddings().weight
         device, dtype = weight.device, weight.dtype
-        for layer in self.faast_layers():
-            if isinstance(layer, OutputMemoryLayer):
-                layer.weights(device, dtype)
-            else:
-                layer.folded(device, dtype)
-        self.module_memories.solve()
+        for name in self.memories:
+            with self._bound(name):
+                for layer in self.faast_layers():
+                    if isinstance(layer, OutputMemoryLayer):
+                        layer.weights(device, dtype)
+                    else:
+                        layer.folded(device, dtype)
+                self.module_memories.solve()
         return self
 
     def reset_fast_weights(self) -> FaastModel:
-        """Forget everything learned (the readout and scorer stay)."""
+        """Forget everything the selected memory learned (the readout, the scorer and the other memories stay)."""
         for _, state in self.learned_state():
             state.reset()
         if isinstance(self.output_memory_layer, ResidualOutputLayer):
             self.output_memory_layer.forget()  # also its held-out buffer and saved step
+        self.memory_store.ledgers[self.memory_store.bound] = Ledger()
         return self
+
+    # ------------------------------------------------------------------ reading: one memory per row
+
+    def forward(self, *args: object, memory_names: list[str] | None = None, **kwargs: object) -> object:
+        """The base model's forward with the memories active. memory_names: one memory name per row of the batch
+        (row i reads memory_names[i]; "__base__": the base model alone), read with one batched product per layer;
+        None: every row reads the selected memory (set_memory)."""
+        if memory_names is None:
+            return self.base_model(*args, **kwargs)
+        with self.faast_hooks.routing(self._row_memories(memory_names, args, kwargs)):
+            return self.base_model(*args, **kwargs)
+
+    def generate(self, *args: object, memory_names: list[str] | None = None, **kwargs: object) -> object:
+        """The base model's generate with the memories active; memory_names as in forward (rows expanded by beams
+        or num_return_sequences keep their row's memory)."""
+        if memory_names is None:
+            return self.base_model.generate(*args, **kwargs)
+        with self.faast_hooks.routing(self._row_memories(memory_names, args, kwargs)):
+            return self.base_model.generate(*args, **kwargs)
+
+    def _row_memories(self, names: object, args: tuple, kwargs: dict) -> RowMemories:
+        if isinstance(names, str) or not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"memory_names: expected a list of memory names, one per row, got {names!r}")
+        unknown = sorted({n for n in names if n != BASE and n not in self.memory_store})
+        if unknown:
+            raise ValueError(f"memory_names: no memories named {unknown}; the memories are {self.memories} (and "
+                             f"{BASE!r}, the base model)")  # fmt: skip
+        first = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        rows = getattr(first, "shape", (None,))[0]
+        if rows is not None and rows != len(names):
+            raise ValueError(f"memory_names: expected one name per row of the batch ({rows} rows), got {len(names)}")
+        if len(self.module_memories):
+            raise ValueError("memory_names: not supported with target_modules memories; use set_memory")
+        if any(layer.training_weights is not None for layer in self.memory_layers.values()):
+            raise ValueError("memory_names: not supported inside a readout training step")
+        return RowMemories(list(names), self.memory_state, self.output_memory_layer)
 
     def fast_weight_bytes(self) -> int:
         """Bytes of learned state: the float64 statistics of every memory layer and the residual output layer's
@@ -314,14 +403,29 @@ class FaastModel(BaseModelDelegate):
     # ------------------------------------------------------------------ persistence (faast/hf/persistence.py)
 
     def save_pretrained(self, directory: str | Path, *, memories: bool = True) -> Path:
-        """Write the FaastConfig (JSON), the readout + scorer weights (safetensors, fp32) and everything learned
-        (the statistics and the output layer's chosen settings, as save_fast_weights writes them), each file
-        atomically. memories=False writes the configuration and trained weights only.
+        """Write everything this model is beyond its base model, each file atomically (docs/serving.md):
 
+        - faast_config.json: the FaastConfig; faast_adapter.safetensors: the readout + scorer weights (fp32);
+        - memories/<name>.safetensors: every named memory's statistics with the settings chosen when it was solved
+          (the output layer's step, mixture weight and key width) and its ledger;
+        - faast_manifest.json, written last: the format version, the base model's shape, the selected memory and
+          each memory file's size and sha256.
+
+        memories=False writes the configuration and trained weights only (the manifest then names no memories).
         Nothing of the base model is written; FaastModel.from_pretrained(base_model, directory) (or
-        faast.hf.from_pretrained) gives back the same logits.
+        faast.hf.from_pretrained) gives back the same logits, bit for bit.
         """
-        return persistence.save_pretrained(self, directory, memories=memories)
+        directory = Path(directory)
+        written = {}
+        if memories:
+            for name in self.memories:
+                with self._bound(name):
+                    path = persistence.memory_file(directory, name)
+                    ledger = self.memory_store.ledgers[name].to_json()
+                    written[name] = persistence.save_fast_weights(self, path, ledger=ledger)
+        persistence.save_pretrained(self, directory)
+        persistence.write_manifest(self, directory, written, self.active_memory if memories else None)
+        return directory
 
     @classmethod
     def from_pretrained(cls, base_model: nn.Module, directory: str | Path, **overrides: object) -> FaastModel:
@@ -332,9 +436,44 @@ class FaastModel(BaseModelDelegate):
         """Load readout + scorer weights written by save_pretrained into this model (all or nothing)."""
         return persistence.load_adapter(self, directory)
 
+    def load_memories(self, directory: str | Path) -> FaastModel:
+        """Load the memories a save_pretrained folder holds (all or nothing: on an error the memories are as they
+        were): each file is checked against the manifest first; memories of the same name are replaced, and the
+        saved selection is restored. A folder written before manifests loads its one memories file as 'default'."""
+        directory = Path(directory)
+        manifest = persistence.read_manifest(directory)
+        if manifest is None:
+            legacy = directory / persistence.MEMORIES_NAME
+            if legacy.is_file():
+                with self._bound(DEFAULT) if DEFAULT in self.memory_store else contextlib.nullcontext():
+                    self.load_fast_weights(legacy)
+            return self
+        persistence.check_base(manifest, self, directory)
+        files = {e["name"]: persistence.verified_memory_file(directory, e) for e in manifest["memories"]}
+        ledgers = {name: Ledger.from_json(persistence.saved_ledger(path), path) for name, path in files.items()}
+        for name in files:
+            check_name(name, f"{directory}: memories")
+        selected, created = self.active_memory, []
+        try:
+            for name, path in files.items():
+                if self._creating(name):
+                    created.append(name)
+                with self._bound(name):
+                    self.load_fast_weights(path)
+                self.memory_store.ledgers[name] = ledgers[name]
+        except BaseException:
+            self.set_memory(selected)
+            for name in created:
+                self.memory_store.delete(name)
+            raise
+        if manifest["selected"] is not None:
+            self.set_memory(manifest["selected"])
+        return self
+
     def save_fast_weights(self, path: str | Path) -> Path:
-        """Write every memory layer's statistics to one safetensors file, atomically (loads back bit-exact; missing
-        parent folders are created).
+        """Write the selected memory's statistics to one safetensors file, atomically (loads back bit-exact; missing
+        parent folders are created). save_pretrained writes every memory this way, with a manifest: it is the way
+        to save a model.
 
         The file keeps the per-layer layout (a faast.Checkpoint file with one d×d memory per middle layer, named
         `memory_layers.<block>.memory`, and `output_memory_layer.memory`), so files written before the middle layers
@@ -413,8 +552,15 @@ def from_pretrained(base_model: nn.Module, directory: str | Path, **overrides: o
             )
     try:
         model.load_adapter(directory)
-        if (directory / persistence.MEMORIES_NAME).is_file():
-            model.load_fast_weights(directory / persistence.MEMORIES_NAME)
+        if isinstance(model, FaastModuleModel):  # one set of module memories, in one file
+            if (directory / persistence.MEMORIES_NAME).is_file():
+                model.load_fast_weights(directory / persistence.MEMORIES_NAME)
+            return model
+        model.load_memories(directory)
+        manifest = persistence.read_manifest(directory)
+        saved = [] if manifest is None else [entry["name"] for entry in manifest["memories"]]
+        if saved and DEFAULT not in saved:
+            model.delete_memory(DEFAULT)  # the saved model had deleted it: give back the same memories
     except BaseException:
         model.remove_faast()
         raise

@@ -112,6 +112,14 @@ class ModuleMemory(nn.Module):
             )
         return self.memory
 
+    def swap_memory(self, memory: FastWeights | None) -> FastWeights | None:
+        """Read and learn `memory` (another named memory's, same width; None: not sized yet) from now on; returns
+        the memory read before (no copy)."""
+        if memory is not None and self.memory is not None and memory.config() != self.memory.config():
+            raise ValueError(f"target module {self.name!r}: memory: expected configuration {self.memory.config()}")
+        previous, self.memory, self._weights = self.memory, memory, None
+        return previous
+
     def weights(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
         """W [d_in, d_out] in float64 for float64 outputs and float32 otherwise; None while the memory is empty.
         Cached until the statistics or the solve settings change (one emptiness check per change)."""
@@ -318,6 +326,20 @@ class ModuleMemories(nn.ModuleDict):
                 )
             plan.append((self[_key(name)], *calls[0], wanted[name], masks.get(name)))
         return int(sum(entry.learn(x, out, y, m) for entry, x, out, y, m in plan))
+
+    def current_states(self) -> dict[str, FastWeights | None]:
+        """The memories read now, per target module key (None: not sized yet)."""
+        return {key: e.memory for key, e in self.items()}
+
+    def new_states(self) -> dict[str, FastWeights | None]:
+        """Empty memories of every target module's shape (None where the width is not known yet): a named memory."""
+        return {key: None if e.memory is None else e.memory.empty_like() for key, e in self.items()}
+
+    def swap_states(self, states: dict[str, FastWeights | None]) -> dict[str, FastWeights | None]:
+        """Read and learn `states` (from new_states) from now on; returns the memories read before (no copies)."""
+        if set(states) != set(self.keys()):
+            raise ValueError(f"states: expected the target modules {sorted(self.keys())}, got {sorted(states)}")
+        return {key: self[key].swap_memory(states[key]) for key in self.keys()}
 
     def named_memories(self, prefix: str = PREFIX) -> list[tuple[str, FastWeights]]:
         """(name in a fast-weights file, memory) for every memory created so far."""

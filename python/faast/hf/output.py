@@ -57,8 +57,8 @@ _log = logging.getLogger("faast.hf")
 DEFAULT_STEP = {"logit": 0.015, "probability": 0.03}
 DEFAULT_WEIGHT = 0.5
 KEY_STATE_EPS = 1e-6  # key_state's guard against an all-zero state
-_CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
-_MIX_ROWS = 32  # positions per block of the reading mixture's elementwise passes ([32, V] float32: 6 MB for V = 49K)
+READ_CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
+MIX_ROWS = 32  # positions per block of the reading mixture's elementwise passes ([32, V] float32: 6 MB for V = 49K)
 
 
 def _head_logits(head: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,6 +98,43 @@ def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
     if keys.dtype == torch.float64:
         return torch.float32
     return torch.bfloat16 if native_bf16(keys.device) else torch.float32
+
+
+class OutputState(nn.Module):
+    """Everything one named memory holds for the residual output layer: its statistics (memory, curvature,
+    token_mass), its held-out tail, the step, weight and key width restored from a file, and what was derived from
+    them (the folded correction and the last tuning), so that switching memories solves nothing again.
+
+    Built by ResidualOutputLayer.new_state / swap_state; the layer reads the state bound to it.
+    """
+
+    def __init__(
+        self,
+        memory: FastWeights,
+        curvature: Accumulator,
+        token_mass: Accumulator,
+        held_out: HeldOutTail,
+        restored: tuple[float | None, float | None, int | None] = (None, None, None),
+        folded: tuple | None = None,
+        last_tuning: dict | None = None,
+    ) -> None:
+        super().__init__()
+        self.memory, self.curvature, self.token_mass = memory, curvature, token_mass
+        self.held_out, self.restored, self.folded, self.last_tuning = held_out, restored, folded, last_tuning
+
+    def take_derived(self, other: OutputState) -> None:
+        """Keep what `other` (the same statistics, read while bound) derived and restored: tail, settings, caches."""
+        self.held_out, self.restored, self.folded, self.last_tuning = (
+            other.held_out,
+            other.restored,
+            other.folded,
+            other.last_tuning,
+        )
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        self.folded = None  # as the layer does on a device move: the tail and caches stay where they were made
+        self.held_out.clear()
+        return super()._apply(fn, recurse)
 
 
 class ResidualOutputLayer(nn.Module):
@@ -187,6 +224,33 @@ class ResidualOutputLayer(nn.Module):
         self.held_out.clear()
         return super()._apply(fn, recurse)
 
+    # ------------------------------------------------------------------ named memories (FaastModel)
+
+    def new_state(self) -> OutputState:
+        """An empty OutputState of this layer's shapes: another named memory."""
+        return OutputState(self.memory.empty_like(), self.curvature.empty_like(), self.token_mass.empty_like(),
+                           HeldOutTail(self.tune_tokens))  # fmt: skip
+
+    def current_state(self) -> OutputState:
+        """The state read now (its objects, not copies), e.g. to merge it into another memory."""
+        return OutputState(self.memory, self.curvature, self.token_mass, self.held_out,
+                           (self._restored_step, self._restored_weight, self._restored_width), self._folded,
+                           self.last_tuning)  # fmt: skip
+
+    def swap_state(self, state: OutputState) -> OutputState:
+        """Read and learn `state` from now on; returns the state read before (its objects, not copies: O(1))."""
+        if (
+            not isinstance(state, OutputState)
+            or state.memory.config() != self.memory.config()
+            or (state.token_mass.config() != self.token_mass.config())
+        ):
+            raise ValueError("state: expected an OutputState of this layer's shapes (from new_state)")
+        previous = self.current_state()
+        self.memory, self.curvature, self.token_mass = state.memory, state.curvature, state.token_mass
+        self.held_out, self._folded, self.last_tuning = state.held_out, state.folded, state.last_tuning
+        self._restored_step, self._restored_weight, self._restored_width = state.restored
+        return previous
+
     # ------------------------------------------------------------------ learning
 
     @torch.no_grad()
@@ -249,13 +313,13 @@ class ResidualOutputLayer(nn.Module):
         # accumulation) they took 0.65× the time, and held-out perplexity moved by at most 0.04 points on three
         # validation domains (docs/design.md §6.3).
         wp = weight.to(products_dtype(self.head_dtype, keys))
-        for i in range(0, flat.shape[0], _CHUNK):
-            rows = slice(i, i + _CHUNK)
+        for i in range(0, flat.shape[0], READ_CHUNK):
+            rows = slice(i, i + READ_CHUNK)
             kept = keep[rows, None].to(torch.float32)
             p = torch.softmax(_head_logits(self.head, flat[rows], wp), -1).mul_(kept)  # masked positions: p = 0
             mu = (p.to(wp.dtype) @ wp).float()
             grads[rows] = (w32[ys[rows]] - mu).mul_(kept)
-            # float32 sums of at most _CHUNK probabilities: ample for a curvature, then summed in float64.
+            # float32 sums of at most READ_CHUNK probabilities: ample for a curvature, then summed in float64.
             prob_sum += p.sum(0).double()
             mean_gram += mu.double().T @ mu.double()
         return grads.reshape(keys.shape), mean_gram, prob_sum
@@ -513,13 +577,13 @@ class ResidualOutputLayer(nn.Module):
         weight = self.head.weight.to(head_dtype)  # the scaled head for a type that scales its logits (ScaledHead)
         rows_h, rows_z = hidden.reshape(-1, hidden.shape[-1]), logits.reshape(-1, logits.shape[-1])
         # On a CPU the mixture's [rows, V] temporaries should stay in cache; on a GPU small blocks only add launches.
-        mix_rows = _CHUNK if hidden.device.type == "cuda" else _MIX_ROWS
+        mix_rows = READ_CHUNK if hidden.device.type == "cuda" else MIX_ROWS
         parts = []
-        for i in range(0, rows_z.shape[0], _CHUNK):
-            # One GEMM per _CHUNK rows (as much work as the head itself), then the elementwise mixture in blocks.
-            dz = ((rows_h[i : i + _CHUNK].to(m.dtype) @ m).to(head_dtype) @ weight.T).to(compute)
+        for i in range(0, rows_z.shape[0], READ_CHUNK):
+            # One GEMM per READ_CHUNK rows (as much work as the head itself), then the elementwise mixture in blocks.
+            dz = ((rows_h[i : i + READ_CHUNK].to(m.dtype) @ m).to(head_dtype) @ weight.T).to(compute)
             for j, dz_rows in zip(range(i, i + dz.shape[0], mix_rows), dz.split(mix_rows), strict=True):
-                parts.append((_mixture_logits(rows_z[j : j + _MIX_ROWS].to(compute) * scale, dz_rows, lam) / scale)
+                parts.append((_mixture_logits(rows_z[j : j + MIX_ROWS].to(compute) * scale, dz_rows, lam) / scale)
                              .to(logits.dtype))  # fmt: skip
         return torch.cat(parts).reshape(logits.shape)
 

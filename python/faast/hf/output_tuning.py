@@ -216,12 +216,12 @@ def tune_mixture(logits: Logits, step: float | None = None) -> tuple[float, floa
 
 class HeldOutTail:
     """The last learned positions of a stream, kept to tune the step: keys [n, d_key] float32, targets [n] int64 and
-    documents [n] int64 (-1: unknown) of at most (1 + GAP_MULTIPLE)·`tune_tokens` positions. Learning state of this
-    process, not saved."""
+    documents [n] int64 (negative: unknown) of at most (1 + GAP_MULTIPLE)·`tune_tokens` positions. Learning state of
+    this process, not saved."""
 
-    def __init__(self, tune_tokens: int) -> None:
+    def __init__(self, tune_tokens: int, kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         self.tune_tokens = tune_tokens
-        self._kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._kept = kept
 
     def __len__(self) -> int:
         return 0 if self._kept is None else int(self._kept[0].shape[0])
@@ -237,6 +237,26 @@ class HeldOutTail:
     def clear(self) -> None:
         """Forget every kept position."""
         self._kept = None
+
+    def drop_documents(self, documents: set[int]) -> int:
+        """Forget the kept positions of `documents` (document numbers; negative: rows of unknown documents, each its
+        own), e.g. of texts a memory forgot: they must not tune its step. Returns how many positions were dropped."""
+        if self._kept is None or not documents:
+            return 0
+        ids = torch.tensor(sorted(documents), dtype=torch.long, device=self._kept[2].device)
+        keep = ~torch.isin(self._kept[2], ids)
+        dropped = int((~keep).sum())
+        self._kept = tuple(t[keep] for t in self._kept) if bool(keep.any()) else None
+        return dropped
+
+    def extended(self, later: HeldOutTail) -> HeldOutTail:
+        """A new buffer holding this one's positions followed by `later`'s, cut to the capacity: what one buffer
+        would hold after learning this buffer's stream and then `later`'s (merging two memories)."""
+        parts = [kept for kept in (self._kept, later.snapshot()) if kept is not None]
+        if not parts or not self.tune_tokens:
+            return HeldOutTail(self.tune_tokens)
+        joined = tuple(torch.cat([p[i].to(parts[-1][i].device) for p in parts]) for i in range(3))
+        return HeldOutTail(self.tune_tokens, tuple(t[-(1 + GAP_MULTIPLE) * self.tune_tokens :] for t in joined))
 
     def keep(
         self, keys: torch.Tensor, targets: torch.Tensor, pair_mask: torch.Tensor, documents: torch.Tensor | None

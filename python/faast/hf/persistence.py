@@ -15,6 +15,7 @@ The functions take the FaastModel and use its public surface only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import tempfile
@@ -28,14 +29,20 @@ from .._version import __version__
 from ..accumulator import Accumulator
 from ..checkpoint import load_checkpoint, save_state
 from ..memory import FastWeights
-from ..persist import read_verified, write_atomic
+from ..persist import read_verified, write_atomic, write_text_atomic
 from .base import CONFIG_NAME
 from .config import FaastConfig
 from .output import ResidualOutputLayer
 
 WEIGHTS_NAME = "faast_adapter.safetensors"
-# What the model learned (save_fast_weights' file) inside a save_pretrained folder.
+# What a model learned, in folders written before named memories (format 1): one file, the 'default' memory.
 MEMORIES_NAME = "faast_memories.safetensors"
+# Since format 2: a manifest naming every memory, each in its own file under MEMORY_DIR.
+MANIFEST_NAME = "faast_manifest.json"
+MEMORY_DIR = "memories"
+MANIFEST_FORMAT = "faast.hf.saved"
+MANIFEST_VERSION = 2
+_BASE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
 FORMAT = "faast.hf.adapter"
 FORMAT_VERSION = 1
 # What a saved adapter must share with the model it is loaded into (the rest may be overridden at load).
@@ -52,16 +59,121 @@ def _adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def save_pretrained(model: nn.Module, directory: str | Path, *, memories: bool = True) -> Path:
-    """Write `model`'s FaastConfig (JSON), its readout + scorer weights (safetensors, float32) and, with memories=True,
-    everything it learned (save_fast_weights' file, MEMORIES_NAME), each file atomically. memories=False removes a
-    memories file an earlier save left in the folder, so the folder never pairs this config with stale state."""
+def memory_file(directory: str | Path, name: str) -> Path:
+    """Where save_pretrained writes memory `name` (a name checked by faast.hf.memory_store.check_name)."""
+    return Path(directory) / MEMORY_DIR / f"{name}.safetensors"
+
+
+def base_shape(model: nn.Module) -> dict:
+    """What a saved model's memories need of the base model: type, hidden size, layer count, vocabulary."""
+    config = model.faast_config
+    vocab = model.base_model.get_input_embeddings().weight.shape[0]
+    return {"model_type": config.model_type, "hidden_size": config.hidden_size,
+            "num_hidden_layers": config.num_hidden_layers, "vocab_size": int(vocab)}  # fmt: skip
+
+
+def write_manifest(model: nn.Module, directory: str | Path, written: dict[str, Path], selected: str | None) -> Path:
+    """Write MANIFEST_NAME: the format version, the base model's shape, the selected memory and each memory's file
+    (name, path, bytes, sha256 of the file), atomically, after the memory files; then remove memory files the
+    manifest does not name (an earlier save's) and a format-1 memories file."""
     directory = Path(directory)
-    memories_path = directory / MEMORIES_NAME
-    if memories:
-        save_fast_weights(model, memories_path)
-    elif memories_path.exists():
-        memories_path.unlink()
+    entries = []
+    for name, path in written.items():
+        blob = path.read_bytes()
+        entries.append({"name": name, "file": path.relative_to(directory).as_posix(), "bytes": len(blob),
+                        "sha256": hashlib.sha256(blob).hexdigest()})  # fmt: skip
+    manifest = {"format": MANIFEST_FORMAT, "format_version": MANIFEST_VERSION, "faast_version": __version__,
+                "base": base_shape(model), "selected": selected, "memories": entries}  # fmt: skip
+    path = write_text_atomic(directory / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    keep = set(written.values())
+    for stale in (directory / MEMORY_DIR).glob("*.safetensors") if (directory / MEMORY_DIR).is_dir() else ():
+        if stale not in keep:
+            stale.unlink()
+    (directory / MEMORIES_NAME).unlink(missing_ok=True)
+    return path
+
+
+def read_manifest(directory: str | Path) -> dict | None:
+    """The manifest of a save_pretrained folder, checked field by field (ValueError naming the file and field); None
+    for a folder written before manifests (format 1)."""
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a readable faast manifest ({err}); the folder is damaged") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"{path}: not a {MANIFEST_FORMAT} manifest")
+    version = manifest.get("format_version")
+    if type(version) is not int or version < 2:
+        raise ValueError(f"{path}: format_version: expected an int >= 2, got {version!r}")
+    if version > MANIFEST_VERSION:
+        raise ValueError(f"{path}: format_version {version} was written by a newer faast; upgrade faast")
+    base = manifest.get("base")
+    if not isinstance(base, dict) or set(base) != set(_BASE_FIELDS):
+        raise ValueError(f"{path}: base: expected the fields {list(_BASE_FIELDS)}, got {base!r}")
+    entries = manifest.get("memories")
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: memories: expected a list, got {entries!r}")
+    names = []
+    for entry in entries:
+        ok = isinstance(entry, dict) and set(entry) == {"name", "file", "bytes", "sha256"}
+        if (
+            not ok
+            or not isinstance(entry["name"], str)
+            or entry["file"] != f"{MEMORY_DIR}/{entry['name']}.safetensors"
+        ):
+            raise ValueError(f"{path}: memories: expected {{name, file: {MEMORY_DIR}/<name>.safetensors, bytes, "
+                             f"sha256}} entries, got {entry!r}")  # fmt: skip
+        if type(entry["bytes"]) is not int or not isinstance(entry["sha256"], str):
+            raise ValueError(f"{path}: memories: {entry['name']!r}: bytes must be an int and sha256 a string")
+        names.append(entry["name"])
+    if len(set(names)) != len(names):
+        raise ValueError(f"{path}: memories: names repeat: {names}")
+    if manifest.get("selected") not in (*names, None) or (names and manifest.get("selected") is None):
+        raise ValueError(f"{path}: selected: expected one of {names}, got {manifest.get('selected')!r}")
+    return manifest
+
+
+def check_base(manifest: dict, model: nn.Module, directory: str | Path) -> None:
+    """Refuse a base model whose type, hidden size, layer count or vocabulary differ from the saved one."""
+    mine = base_shape(model)
+    for name in _BASE_FIELDS:
+        if manifest["base"][name] != mine[name]:
+            raise ValueError(
+                f"{directory}: saved for a base model with {name}={manifest['base'][name]!r}, this one has "
+                f"{mine[name]!r}"
+            )
+
+
+def verified_memory_file(directory: str | Path, entry: dict) -> Path:
+    """The file of a manifest entry, when its size and sha256 are the manifest's (else ValueError naming it)."""
+    path = Path(directory) / entry["file"]
+    if not path.is_file():
+        raise ValueError(f"{directory}: memory {entry['name']!r}: {entry['file']} is missing")
+    blob = path.read_bytes()
+    if len(blob) != entry["bytes"] or hashlib.sha256(blob).hexdigest() != entry["sha256"]:
+        raise ValueError(
+            f"{directory}: memory {entry['name']!r}: {entry['file']} is not the file the manifest names "
+            f"({len(blob)} bytes, expected {entry['bytes']}, or another sha256); the folder is damaged"
+        )
+    return path
+
+
+def saved_ledger(path: str | Path) -> list:
+    """The ledger saved with a memory file ([] for files written without one)."""
+    _, metadata = read_verified(path)
+    try:
+        return json.loads(metadata.get("position", "{}")).get("ledger", [])
+    except (ValueError, AttributeError):
+        raise ValueError(f"{path}: the saved position is not a JSON object") from None
+
+
+def save_pretrained(model: nn.Module, directory: str | Path) -> Path:
+    """Write `model`'s FaastConfig (JSON) and its readout + scorer weights (safetensors, float32), each atomically
+    (the memories and the manifest: FaastModel.save_pretrained)."""
+    directory = Path(directory)
     metadata = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
@@ -105,9 +217,10 @@ def load_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
     return model
 
 
-def save_fast_weights(model: nn.Module, path: str | Path) -> Path:
-    """Write every piece of `model`'s learned state to one safetensors file, atomically (see the module docstring)."""
-    extra = {}
+def save_fast_weights(model: nn.Module, path: str | Path, *, ledger: list | None = None) -> Path:
+    """Write every piece of `model`'s learned state (its selected memory) to one safetensors file, atomically (see
+    the module docstring); `ledger`: what the memory learned (faast.hf.memory_store.Ledger.to_json), kept with it."""
+    extra = {} if ledger is None else {"ledger": ledger}
     layer = model.output_memory_layer
     if isinstance(layer, ResidualOutputLayer):
         if layer.step == "auto" and (step := layer.chosen_step()) is not None:

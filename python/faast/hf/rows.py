@@ -1,0 +1,198 @@
+"""Many named memories in one batch: row i of a forward pass reads memory memory_names[i] (docs/serving.md).
+
+For each memory layer, the memories the batch names are solved (or taken from their caches) once per call, stacked
+into one tensor [U + 1, d_key, d] (the last entry zeros: the base model's rows, "__base__") and gathered per row, so
+every layer does one batched product (`bmm`) whatever the number of memories. Rows whose memory reads nothing (empty,
+or "__base__") get the base model's output back exactly. A `generate` call that expands each row k times (beams,
+num_return_sequences: transformers repeats rows with repeat_interleave) is followed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from .layers import MemoryLayer, OutputMemoryLayer
+from .memory_store import BASE, StoredMemory
+from .output import MIX_ROWS, READ_CHUNK, ResidualOutputLayer
+
+
+def mixture_rows(z: torch.Tensor, dz: torch.Tensor, log_odds: torch.Tensor, log_rest: torch.Tensor,
+                 full: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """log((1 − λ)·softmax(z) + λ·softmax(z + dz)) [n, V] with a λ per row, given as log(λ / (1 − λ)) and
+    log(1 − λ) [n, 1] (the formula of faast.hf.output's single-memory read); full [n] bool: rows with λ = 1 (the
+    corrected prediction alone), or None when there are none."""
+    lse0 = torch.logsumexp(z, -1, keepdim=True)
+    shift = torch.logsumexp(z + dz, -1, keepdim=True) - lse0 - log_odds
+    out = torch.nn.functional.softplus(dz - shift) + (z - lse0) + log_rest
+    if full is not None:
+        out = torch.where(full[:, None], torch.log_softmax(z + dz, -1), out)
+    return out
+
+
+class RowMemories:
+    """The memories of one call's rows.
+
+    Args:
+        names: one memory name per row ("__base__": the base model), already checked against the model's memories.
+        state_of: name -> StoredMemory (the model's memory_state).
+        output_layer: the model's output layer (it is swapped to unbound memories' states to solve them).
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        state_of: Callable[[str], StoredMemory],
+        output_layer: ResidualOutputLayer | OutputMemoryLayer | None,
+    ) -> None:
+        self.names = list(names)
+        self.unique = [n for n in dict.fromkeys(self.names) if n != BASE]
+        base = len(self.unique)
+        self._index = torch.tensor([base if n == BASE else self.unique.index(n) for n in self.names])
+        self._state_of = state_of
+        self._output_layer = output_layer
+        self._cache: dict[tuple, object] = {}  # per layer, device and dtype: what every row reads
+
+    def rows(self, batch: int, device: torch.device) -> torch.Tensor:
+        """Per row of a batch of `batch` rows, the index of its memory [batch] int64 (U: the base model)."""
+        n = len(self.names)
+        if batch % n:
+            raise ValueError(f"memory_names: {n} names for a batch of {batch} rows; give one name per row")
+        index = self._index.to(device)
+        return index if batch == n else index.repeat_interleave(batch // n)
+
+    # ------------------------------------------------------------------ what each memory reads
+
+    def _output_solution(self, name: str, device: torch.device, dtype: torch.dtype) -> tuple:
+        """(M [width, d] or None, λ) of memory `name`'s residual output layer; an unbound memory's state is bound to
+        the layer for the solve and keeps what it derived."""
+        layer, state = self._output_layer, self._state_of(name)
+        if state.output is layer.memory or state.output.memory is layer.memory:
+            return layer.solution(device, dtype)
+        previous = layer.swap_state(state.output)
+        try:
+            return layer.solution(device, dtype)
+        finally:
+            state.output.take_derived(layer.swap_state(previous))
+
+    def _middle(self, layer: MemoryLayer, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        key = ("middle", layer.slot, device, dtype)
+        if key not in self._cache:
+            ms = [layer.folded(device, dtype, bank=self._state_of(n).bank) for n in self.unique]
+            self._cache[key] = _stack(ms, (layer.bank.dim_key, layer.bank.dim_key), device)
+        return self._cache[key]
+
+    def _residual(self, device: torch.device, dtype: torch.dtype) -> tuple | None:
+        """(M [U + 1, width, d] zero-padded to the widest, log-odds [U + 1], log(1 − λ) [U + 1], λ = 1 [U + 1],
+        reads nothing [U + 1]) or None when no row reads anything."""
+        key = ("residual", device, dtype)
+        if key not in self._cache:
+            layer = self._output_layer
+            solutions = [self._output_solution(n, device, dtype) for n in self.unique]
+            ms = [m for m, _ in solutions]
+            width = max([layer.hidden_size, *(m.shape[0] for m in ms if m is not None)])
+            stacked = _stack(ms, (width, layer.hidden_size), device)
+            lams = [lam if m is not None else 0.0 for m, lam in solutions] + [0.0]
+            odds = [math.log(lam / (1.0 - lam)) if 0.0 < lam < 1.0 else 0.0 for lam in lams]
+            rest = [math.log1p(-lam) if lam < 1.0 else 0.0 for lam in lams]
+            flags = {"full": [lam >= 1.0 for lam in lams], "none": [m is None for m in ms] + [True]}
+            self._cache[key] = None if stacked is None else (
+                stacked, torch.tensor(odds, device=device), torch.tensor(rest, device=device),
+                torch.tensor(flags["full"], device=device), torch.tensor(flags["none"], device=device),
+            )  # fmt: skip
+        return self._cache[key]
+
+    def needs_extra_keys(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether some row's output correction reads keys wider than h̃."""
+        solved = self._residual(device, dtype)
+        return solved is not None and solved[0].shape[1] > self._output_layer.hidden_size
+
+    # ------------------------------------------------------------------ reading
+
+    def middle(self, layer: MemoryLayer, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, d] -> hidden + hidden·M_row: each row through its memory's folded M (bmm)."""
+        stacked = self._middle(layer, hidden.device, hidden.dtype)
+        if stacked is None:
+            return hidden
+        m = stacked[self.rows(hidden.shape[0], hidden.device)]
+        return hidden + torch.bmm(hidden.to(m.dtype), m).to(hidden.dtype)
+
+    def embedding_output(self, layer: OutputMemoryLayer, hidden: torch.Tensor) -> torch.Tensor:
+        """The paper's output layer per row: lerp(h, h·W_row, mix); rows reading nothing keep h exactly."""
+        compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        key = ("embedding", hidden.device, compute)
+        if key not in self._cache:
+            ws = [layer.weights(hidden.device, hidden.dtype, memory=self._state_of(n).output) for n in self.unique]
+            stacked = _stack(ws, (layer.memory.dim_key, layer.memory.dim_value), hidden.device)
+            reads = torch.tensor([w is not None for w in ws] + [False], device=hidden.device)
+            self._cache[key] = None if stacked is None else (stacked, reads)
+        if self._cache[key] is None:
+            return hidden
+        stacked, reads = self._cache[key]
+        index = self.rows(hidden.shape[0], hidden.device)
+        h = hidden.to(stacked.dtype)
+        out = torch.lerp(h, torch.bmm(h, stacked[index]), layer.mix).to(hidden.dtype)
+        return torch.where(reads[index][:, None, None], out, hidden)
+
+    def logit_output(
+        self, layer: ResidualOutputLayer, hidden: torch.Tensor, extra: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Logit space: hidden [B, T, d] -> hidden + key·M_row (rows reading nothing: hidden exactly)."""
+        solved = self._residual(hidden.device, hidden.dtype)
+        if solved is None:
+            return hidden
+        stacked = solved[0]
+        keys = hidden if stacked.shape[1] == layer.hidden_size else layer.keys(hidden, extra)
+        m = stacked[self.rows(hidden.shape[0], hidden.device)]
+        return hidden + torch.bmm(keys.to(m.dtype), m).to(hidden.dtype)
+
+    def read_logits(
+        self, layer: ResidualOutputLayer, hidden: torch.Tensor, logits: torch.Tensor, extra: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Probability space, as ResidualOutputLayer.read_logits with each row's M and λ: hidden [B, T, d] and the
+        head's logits [B, T, V] -> the log of each row's mixture; rows reading nothing keep their logits exactly."""
+        solved = self._residual(hidden.device, hidden.dtype)
+        if solved is None:
+            return logits
+        stacked, odds, rest, full, none = solved
+        index = self.rows(hidden.shape[0], hidden.device)
+        keys = hidden if stacked.shape[1] == layer.hidden_size else layer.keys(hidden, extra)
+        # One batched product for every row's memory, then the head GEMM and the mixture in blocks, as the
+        # single-memory read does.
+        projected = torch.bmm(keys.to(stacked.dtype), stacked[index])  # [B, T, d]
+        positions = logits.shape[1] if logits.dim() == 3 else 1
+        per_row = lambda t: t[index].repeat_interleave(positions)  # noqa: E731 - a per-position gather
+        scale = float(getattr(layer.head, "scale", 1.0))
+        compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        head_dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16) else compute
+        weight = layer.head.weight.to(head_dtype)
+        rows_p = projected.reshape(-1, projected.shape[-1])
+        rows_z = logits.reshape(-1, logits.shape[-1])
+        odds_p, rest_p = per_row(odds).to(compute)[:, None], per_row(rest).to(compute)[:, None]
+        full_p, none_p = per_row(full), per_row(none)
+        any_full = bool(full_p.any())
+        mix_rows = READ_CHUNK if hidden.device.type == "cuda" else MIX_ROWS
+        parts = []
+        for i in range(0, rows_z.shape[0], READ_CHUNK):
+            dz = (rows_p[i : i + READ_CHUNK].to(head_dtype) @ weight.T).to(compute)
+            for j, dz_rows in zip(range(i, i + dz.shape[0], mix_rows), dz.split(mix_rows), strict=True):
+                rows = slice(j, j + dz_rows.shape[0])
+                mixed = mixture_rows(rows_z[rows].to(compute) * scale, dz_rows, odds_p[rows], rest_p[rows],
+                                     full_p[rows] if any_full else None) / scale  # fmt: skip
+                parts.append(torch.where(none_p[rows][:, None], rows_z[rows], mixed.to(logits.dtype)))
+        return torch.cat(parts).reshape(logits.shape)
+
+
+def _stack(ms: list[torch.Tensor | None], shape: tuple[int, int], device: torch.device) -> torch.Tensor | None:
+    """[len(ms) + 1, *shape]: each M zero-padded to `shape` (None: zeros), then the base model's zeros; None when
+    every M is None."""
+    present = [m for m in ms if m is not None]
+    if not present:
+        return None
+    out = torch.zeros((len(ms) + 1, *shape), dtype=present[0].dtype, device=device)
+    for i, m in enumerate(ms):
+        if m is not None:
+            out[i, : m.shape[0], : m.shape[1]] = m
+    return out
