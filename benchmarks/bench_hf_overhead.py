@@ -73,7 +73,7 @@ def too_big(kind: str, device: str, dtype: str) -> str | None:
 
 
 def load(kind: str, device: str = "cpu", dtype: str = "float32"):  # noqa: ANN201 - (FaastModel, token ids)
-    from faast.hf import FaastConfig, apply_faast
+    from faast.hf import FaastConfig, MiddleLayers, apply_faast
     from faast.hf.demo import domain_files, tokens_of
 
     if kind in SHAPES:
@@ -95,7 +95,9 @@ def load(kind: str, device: str = "cpu", dtype: str = "float32"):  # noqa: ANN20
             vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024,
         )  # fmt: skip
-        model = apply_faast(transformers.LlamaForCausalLM(config).eval(), FaastConfig(num_layers=3))
+        model = apply_faast(
+            transformers.LlamaForCausalLM(config).eval(), FaastConfig(middle=MiddleLayers(num_layers=3))
+        )
         ids = torch.randint(0, 512, (64 * 1024,)).tolist()
         return model, ids, "tiny Llama (d=128, 8 blocks)"
     from faast.hf.default import SMOLLM2_NAME, load_default_model
@@ -294,7 +296,7 @@ def run_model(args: argparse.Namespace, kind: str, dtype: str) -> tuple[dict, li
     forward = med["full forward, base"]
     payload = {
         "model": description,
-        "layers": model.faast_config.layers,
+        "layers": [int(k) for k in model.memory_layers],
         "batch": [b, t],
         "new_tokens": args.new_tokens,
         "timings_s": {k: v.samples for k, v in timings.items()},
@@ -315,7 +317,7 @@ def run_model(args: argparse.Namespace, kind: str, dtype: str) -> tuple[dict, li
         "read_overhead_per_token_s": (med["generate with fast weights"] - med["generate, base"]) / args.new_tokens,
         "solve_s": med["solve after a learned batch"],
     }
-    md = model_report(args, payload, model.faast_config.layers, state_rows(model))
+    md = model_report(args, payload, [int(k) for k in model.memory_layers], state_rows(model))
     del model, batch
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()

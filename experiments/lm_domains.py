@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -99,8 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def output_overrides(args: argparse.Namespace) -> dict:
-    """FaastConfig fields of the output layer set on the command line."""
-    return {} if args.output_tune_tokens is None else {"output_tune_tokens": args.output_tune_tokens}
+    """ResidualOutput fields set on the command line."""
+    return {} if args.output_tune_tokens is None else {"tune_tokens": args.output_tune_tokens}
 
 
 def points(limit: int, grid: tuple[int, ...]) -> list[int]:
@@ -148,11 +149,16 @@ VARIANTS = {"full": "FAAST: middle layers + residual output", "output": "FAAST: 
 def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> None:  # noqa: ANN001
     """One learning pass of the shipped middle layers + the residual output layer, scored along the curve as it is
     and with the middle layers disabled (the residual output layer alone: its statistics do not depend on them)."""
-    from faast.hf import from_pretrained
+    from faast.hf import FaastConfig, ResidualOutput, from_pretrained
     from faast.hf.evaluate import perplexity
     from faast.hf.tokens import split_by_tokens
 
-    model = from_pretrained(base, readout, output_target="residual", **output_overrides(args))
+    # The residual output layer as the readout's configuration sets it (its own if it has one), overrides applied.
+    saved = FaastConfig.load(readout / "faast_config.json").output
+    output = dataclasses.replace(
+        saved if isinstance(saved, ResidualOutput) else ResidualOutput(), **output_overrides(args)
+    )
+    model = from_pretrained(base, readout, output=output)
     try:
         amounts = points(domain.learned, CURVE)
         # With the "default" method in the run, the residual output layer alone is its row and curve.
@@ -187,17 +193,20 @@ def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
         model.remove_faast()
 
 
-def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "output", **config: object) -> None:  # noqa: ANN001
-    """FAAST's default configuration (FaastConfig(**config): the residual output layer, no readout) learned in
+def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "output", residual: dict | None = None,  # noqa: ANN001
+                **config: object) -> None:  # fmt: skip
+    """FAAST's default configuration (FaastConfig(output=ResidualOutput(**residual), **config): the residual output
+    layer, no readout) learned in
     growing parts and scored after each (the PPL-vs-tokens curve), recorded as VARIANTS[key]. Learn time is what
     learning all the text costs: every part's learning pass and the last solve (with its step tuning). The solves at
     the earlier curve points exist only to score them (LoRA is trained once, on all the text): their time is reported
     apart, as curve_solve_s."""
-    from faast.hf import FaastConfig, apply_faast
+    from faast.hf import FaastConfig, ResidualOutput, apply_faast
     from faast.hf.evaluate import perplexity
     from faast.hf.tokens import split_by_tokens
 
-    model = apply_faast(base, FaastConfig(**config, **output_overrides(args)))
+    output = ResidualOutput(**(residual or {}), **output_overrides(args))
+    model = apply_faast(base, FaastConfig(output=output, **config))
     try:
         amounts = points(domain.learned, CURVE)
         curve = domain.curve[key] = {"tokens": amounts, "ppl": [], "bytes": [], "step": [], "weight": []}
@@ -225,11 +234,11 @@ def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "outp
 
 
 def run_output(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa: ANN001
-    """The residual output layer alone, as FaastConfig(num_layers=0) builds it: its own learn time."""
-    from faast.hf import FaastConfig, apply_faast
+    """The residual output layer alone, as FaastConfig() builds it (no middle layers): its own learn time."""
+    from faast.hf import FaastConfig, ResidualOutput, apply_faast
     from faast.hf.evaluate import perplexity
 
-    model = apply_faast(base, FaastConfig(num_layers=0, **output_overrides(args)))
+    model = apply_faast(base, FaastConfig(output=ResidualOutput(**output_overrides(args))))
     try:
         started = time.perf_counter()
         model.learn(domain.learn, max_length=args.learn_window, batch_size=args.learn_batch_size)
@@ -244,10 +253,10 @@ def run_output(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa:
 
 
 def run_paper(domain: Domain, base, readout: Path, args: argparse.Namespace) -> None:  # noqa: ANN001
-    from faast.hf import from_pretrained
+    from faast.hf import EmbeddingOutput, from_pretrained
     from faast.hf.evaluate import perplexity
 
-    model = from_pretrained(base, readout, output_target="embedding")
+    model = from_pretrained(base, readout, output=EmbeddingOutput())
     try:
         started = time.perf_counter()
         model.learn(domain.learn, max_length=args.learn_window, batch_size=args.learn_batch_size)
@@ -326,11 +335,11 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
     if "default" in args.methods:
         run_default(domain, base, args)
     if "narrow" in args.methods:
-        run_default(domain, base, args, "narrow", output_key_layers=[])
+        run_default(domain, base, args, "narrow", residual={"key_layers": []})
     if "fp32learn" in args.methods:
         run_default(domain, base, args, "fp32learn", learn_dtype="model")
     if "logit" in args.methods:
-        run_default(domain, base, args, "logit", output_space="logit")
+        run_default(domain, base, args, "logit", residual={"space": "logit"})
     if "faast" in args.methods:
         run_faast(domain, base, readout, args)
     if "output" in args.methods:
@@ -389,9 +398,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     record = provenance.start(ROOT)
     base, tokenizer, description = load_base_model("smollm2")
-    layers = FaastConfig.load(DEFAULT_READOUT / "faast_config.json").layers
-    # The default variant is what FaastConfig() builds: the residual output layer alone (num_layers=0).
-    default = "full" if FaastConfig().num_layers != 0 else "output"
+    layers = FaastConfig.load(DEFAULT_READOUT / "faast_config.json").middle.layers
+    # The default variant is what FaastConfig() builds: the residual output layer alone (no middle layers).
+    default = "full" if FaastConfig().middle is not None else "output"
     settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
     payload = {"model": description, "provenance": record, "settings": settings,
                "variants": VARIANTS, "default_variant": default, "domains": []}  # fmt: skip

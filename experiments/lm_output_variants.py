@@ -81,11 +81,12 @@ class Scorer:
         return total / len(self.targets)
 
 
-def layer_for(head, dim: int, vocab: int, **config):  # noqa: ANN001, ANN201
-    from faast.hf.config import FaastConfig
+def layer_for(head, dim: int, vocab: int, **residual):  # noqa: ANN001, ANN201
+    """A ResidualOutputLayer of FaastConfig(output=ResidualOutput(**residual)) reading `head`."""
+    from faast.hf.config import FaastConfig, ResidualOutput
     from faast.hf.output import ResidualOutputLayer
 
-    layer = ResidualOutputLayer(dim, vocab, FaastConfig(num_layers=0, **config))
+    layer = ResidualOutputLayer(dim, vocab, FaastConfig(output=ResidualOutput(**residual)))
     layer.attach_head(head)
     return layer
 
@@ -413,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
         budget = int(data["settings"].get("learn_tokens", 32768))
         starts = doc_starts(name, tokenizer, len(targets), budget)
         scorer = Scorer(head, hidden, ys, learned=(keys, targets, starts))
-        layer = layer_for(head, keys.shape[1], head.weight.shape[0], output_head_dtype=args.head_dtype)
+        layer = layer_for(head, keys.shape[1], head.weight.shape[0], head_dtype=args.head_dtype)
         done = 0
         for point in curve:
             amount = min(point, len(targets))

@@ -93,12 +93,12 @@ def curve_points(total: int, count: int) -> list[int]:
 def baseline_layers(model) -> list[int]:  # noqa: ANN001 - a FaastModel
     """Blocks of the linear projection (and LoRA's parameter budget): FAAST's middle layers, or, for the default
     configuration without any, the placement of the shipped readout's rule with 6 layers (fewer on small models)."""
-    from faast.hf import FaastConfig
+    from faast.hf import FaastConfig, MiddleLayers
 
-    if model.faast_config.layers:
-        return list(model.faast_config.layers)
+    if model.memory_layers:
+        return [int(k) for k in model.memory_layers]
     blocks = model.faast_config.num_hidden_layers
-    return FaastConfig(num_layers=min(6, blocks)).block_indices(blocks, 0)
+    return FaastConfig(middle=MiddleLayers(num_layers=min(6, blocks))).block_indices(blocks, 0)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -340,8 +340,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         r["relative_reduction"] = 1 - r["ppl"] / zero.ppl
     payload = {"model": description, "data": data, "learn_tokens": n_learn, "scored_tokens": zero.tokens,
-               "window": args.window, "layers": model.faast_config.layers, "baseline_layers": layers, "rows": rows,
-               "curve": curve,
+               "window": args.window, "layers": [int(k) for k in model.memory_layers], "baseline_layers": layers,
+               "rows": rows, "curve": curve,
                "zero_shot_ppl": zero.ppl, "notes": notes, "training": training(args),
                "torch_threads": torch.get_num_threads()}  # fmt: skip
     title = f"Perplexity after learning: {description}"

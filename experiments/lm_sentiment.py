@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
     model.reset_fast_weights()
 
     payload = {"model": description, "data": data, "support": len(support), "queries": len(queries),
-               "max_words": args.max_words, "layers": model.faast_config.layers, "rows": scoring.rows,
+               "max_words": args.max_words, "layers": [int(k) for k in model.memory_layers], "rows": scoring.rows,
                "notes": scoring.notes, "seed": args.seed, "torch_threads": torch.get_num_threads()}  # fmt: skip
     title = f"Few-shot sentiment classification: {description}"
     write_results(args, "lm_sentiment", record, payload, title, report_lines(payload))

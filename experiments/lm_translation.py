@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict:
         examples[f"{src}-{tgt}"] = run_direction(model, tokenizer, args, src, tgt, shots, methods, rows)
 
     payload = {"model": description, "data": args.dataset or Path(args.data_file or DEFAULT_DATA).name,
-               "num_beams": args.num_beams, "layers": model.faast_config.layers, "rows": rows, "examples": examples,
+               "num_beams": args.num_beams, "layers": [int(k) for k in model.memory_layers], "rows": rows,
+               "examples": examples,
                "seed": args.seed, "torch_threads": torch.get_num_threads()}  # fmt: skip
     lines = [
         f"{payload['data']}; {'greedy' if args.num_beams == 1 else f'beam {args.num_beams}'} decoding with the KV "

@@ -137,7 +137,7 @@ def within_budget(stream: Iterator[dict], start: int, args: argparse.Namespace, 
 
 
 def build_model(args: argparse.Namespace, device: torch.device):  # noqa: ANN201 - (FaastModel, tokenizer, name)
-    from faast.hf import FaastConfig, apply_faast
+    from faast.hf import EmbeddingOutput, FaastConfig, MiddleLayers, Regulariser, apply_faast
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.model in ("tiny", "smollm2-shape"):
@@ -160,7 +160,10 @@ def build_model(args: argparse.Namespace, device: torch.device):  # noqa: ANN201
 
         base, tokenizer, name = load_base_model(args.model, gguf_file=args.gguf_file, dtype=dtype)
     layers = None if args.num_layers in ("0", "paper") else int(args.num_layers)
-    config = FaastConfig(num_layers=layers, alpha=args.alpha, output_target="embedding", base_model=name)
+    config = FaastConfig(
+        output=EmbeddingOutput(), middle=MiddleLayers(num_layers=layers), regulariser=Regulariser(alpha=args.alpha),
+        base_model=name,
+    )  # fmt: skip
     model = apply_faast(base.to(device), config)
     return model, tokenizer, name
 
@@ -305,7 +308,7 @@ def run(argv: list[str] | None = None) -> dict:
         "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else None,
         "step_s": sum(h["seconds"] for h in done) / len(done) if done else None,
         "mean_loss_last_50": sum(h["loss"] for h in done[-50:]) / len(done[-50:]) if done else None,
-        "export": export, "layers": model.faast_config.layers, "history": done,
+        "export": export, "layers": [int(k) for k in model.memory_layers], "history": done,
     }  # fmt: skip
     text = [
         f"Steps {start} -> {payload['end_step']} of {args.steps} ({len(done)} this call, {seconds:.0f} s, "

@@ -57,7 +57,7 @@ def test_lm_demo_steps_on_a_tiny_model(monkeypatch, tmp_path, capsys):
 
     folder = save_tiny_checkpoint("gpt2", tmp_path / "tiny")
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    model = apply_faast(tiny_model("gpt2"), FaastConfig(num_layers=0))
+    model = apply_faast(tiny_model("gpt2"), FaastConfig())
     monkeypatch.setattr(default, "load_default_model", lambda readout=None: (model, tokenizer))
 
     # The base model's held-out perplexity, computed here from the same windows before the demo learns anything.

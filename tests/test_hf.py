@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from faast.hf import FaastConfig, FaastModel, apply_faast, from_pretrained
+from faast.hf import EmbeddingOutput, FaastConfig, FaastModel, MiddleLayers, Regulariser, apply_faast, from_pretrained
 from faast.hf.targets import TARGETS
 from hf_models import KINDS, VOCAB, CharTokenizer, tiny_model
 from tolerances import BF16_MODEL_REL, HF_PADDING_REL, rel
@@ -32,23 +32,23 @@ def ids(batch=3, seq=17, seed=0):
 
 
 def test_placement_follows_the_authors_rule_and_the_papers_default():
-    config = FaastConfig(num_layers=15)
+    config = FaastConfig(middle=MiddleLayers(num_layers=15))
     # int((i+1)·L/(n+1)) exactly as docs/authors.md §1.2 (gpt2-xl, 15 layers -> 3, 6, ..., 45).
     assert config.block_indices(48, 1_500_000_000) == [int((i + 1) * 48 / 16) for i in range(15)]
     assert config.block_indices(48, 1_500_000_000)[:3] == [3, 6, 9]
     # Default: every block below 1B parameters, every other block above (the paper's appendix).
-    assert FaastConfig(num_layers=None).block_indices(12, 124_000_000) == list(range(12))
-    assert len(FaastConfig(num_layers=None).block_indices(28, 7_000_000_000)) == 14
+    assert FaastConfig(middle=MiddleLayers(num_layers=None)).block_indices(12, 124_000_000) == list(range(12))
+    assert len(FaastConfig(middle=MiddleLayers(num_layers=None)).block_indices(28, 7_000_000_000)) == 14
     assert FaastConfig().block_indices(12, 124_000_000) == []  # the default: the output layer only
-    assert FaastConfig(layers=[5, 1]).block_indices(12, 1) == [1, 5]
+    assert FaastConfig(middle=MiddleLayers(layers=[5, 1])).block_indices(12, 1) == [1, 5]
     with pytest.raises(ValueError, match="layers: indices \\[12\\] are out of range"):
-        FaastConfig(layers=[12]).block_indices(12, 1)
+        FaastConfig(middle=MiddleLayers(layers=[12])).block_indices(12, 1)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_layers_attach_where_configured(kind):
-    model = apply_faast(tiny_model(kind), FaastConfig(layers=[0, 2]))
-    assert model.faast_config.layers == [0, 2]
+    model = apply_faast(tiny_model(kind), FaastConfig(middle=MiddleLayers(layers=[0, 2])))
+    assert model.faast_config.middle.layers == [0, 2]
     assert list(model.memory_layers) == ["0", "2"]
     assert model.faast_config.model_type == kind and model.faast_config.hidden_size == 32
     layer = model.memory_layers["2"]
@@ -70,19 +70,21 @@ def test_unknown_model_type_names_the_supported_ones():
 
 
 def test_config_round_trip_and_errors(tmp_path):
-    config = FaastConfig(num_layers=3, alpha="auto", dropout=0.2, base_model="x")
+    config = FaastConfig(
+        middle=MiddleLayers(num_layers=3, dropout=0.2), regulariser=Regulariser(alpha="auto"), base_model="x"
+    )
     assert FaastConfig.from_json(config.to_json()) == config
     config.save(tmp_path / "c.json")
     assert FaastConfig.load(tmp_path / "c.json") == config
     assert json.loads((tmp_path / "c.json").read_text())["faast_version"]
     with pytest.raises(ValueError, match="unknown fields \\['num_layer'\\]"):
         FaastConfig.from_dict({"num_layer": 3})
-    with pytest.raises(ValueError, match="output_mix"):
-        FaastConfig(output_mix=1.5)
+    with pytest.raises(ValueError, match="EmbeddingOutput.mix"):
+        EmbeddingOutput(mix=1.5)
     with pytest.raises(ValueError, match="alpha"):
-        FaastConfig(alpha=-1)
+        FaastConfig(regulariser=Regulariser(alpha=-1))
     with pytest.raises(ValueError, match="layers: block indices must be distinct"):
-        FaastConfig(layers=[1, 1])
+        FaastConfig(middle=MiddleLayers(layers=[1, 1]))
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -93,7 +95,7 @@ def test_empty_and_disabled_memories_give_the_base_logits_exactly(kind):
     base = tiny_model(kind)
     x = ids()
     expected = base(x).logits
-    model = apply_faast(base, FaastConfig(num_layers=2))
+    model = apply_faast(base, FaastConfig(middle=MiddleLayers(num_layers=2)))
     randomize_readouts(model)
     assert torch.equal(model(x).logits, expected)  # nothing learned yet: every layer passes h through
     model.learn(x)
@@ -111,7 +113,7 @@ def test_empty_and_disabled_memories_give_the_base_logits_exactly(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_inference_is_h_plus_h_w_p_through_the_folded_matrix(kind):
-    model = apply_faast(tiny_model(kind), FaastConfig(layers=[1], output_layer=False))
+    model = apply_faast(tiny_model(kind), FaastConfig(output=None, middle=MiddleLayers(layers=[1])))
     randomize_readouts(model)
     model.learn(ids(seq=30))
     layer = model.memory_layers["1"]
@@ -124,7 +126,7 @@ def test_inference_is_h_plus_h_w_p_through_the_folded_matrix(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_generate_with_kv_cache_equals_without(kind):
-    model = apply_faast(tiny_model(kind), FaastConfig(num_layers=2))
+    model = apply_faast(tiny_model(kind), FaastConfig(middle=MiddleLayers(num_layers=2)))
     randomize_readouts(model, std=0.5)
     model.learn(ids(batch=4, seq=40, seed=3))
     prompt = ids(batch=1, seq=6, seed=4)
@@ -145,7 +147,7 @@ def captured_states(model, x, mask):
     target = TARGETS[model.faast_config.model_type]
     blocks = base.get_submodule(target.blocks)
     seen, handles = {}, []
-    for i in model.faast_config.layers:
+    for i in model.faast_config.middle.layers:
         handles.append(
             blocks[i].register_forward_pre_hook(
                 lambda m, a, k, i=i: seen.__setitem__(i, (a[0] if a else k["hidden_states"]).detach()),
@@ -164,7 +166,10 @@ def captured_states(model, x, mask):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_statistics_equal_a_hand_computation_from_hooked_hidden_states(kind):
-    model = apply_faast(tiny_model(kind), FaastConfig(layers=[0, 2], output_target="embedding", learn_dtype="model"))
+    model = apply_faast(
+        tiny_model(kind),
+        FaastConfig(output=EmbeddingOutput(), middle=MiddleLayers(layers=[0, 2]), learn_dtype="model"),
+    )
     randomize_readouts(model)  # non-trivial scorer weights
     x = ids(batch=3, seq=12)
     mask = torch.ones_like(x, dtype=torch.bool)
@@ -202,9 +207,9 @@ def test_left_and_right_padding_learn_the_same_pairs(kind):
     for r, t in enumerate(texts):
         right[r, : len(t)], right_mask[r, : len(t)] = t, 1
         left[r, width - len(t) :], left_mask[r, width - len(t) :] = t, 1
-    a = apply_faast(tiny_model(kind), FaastConfig(num_layers=2))
-    b = apply_faast(tiny_model(kind), FaastConfig(num_layers=2))
-    one = apply_faast(tiny_model(kind), FaastConfig(num_layers=2))
+    a = apply_faast(tiny_model(kind), FaastConfig(middle=MiddleLayers(num_layers=2)))
+    b = apply_faast(tiny_model(kind), FaastConfig(middle=MiddleLayers(num_layers=2)))
+    one = apply_faast(tiny_model(kind), FaastConfig(middle=MiddleLayers(num_layers=2)))
     randomize_readouts(a), randomize_readouts(b), randomize_readouts(one)
     sa = a.learn(right, right_mask)
     sb = b.learn(left, left_mask)
@@ -220,7 +225,7 @@ def test_left_and_right_padding_learn_the_same_pairs(kind):
 
 
 def test_learning_texts_streams_every_pair_once():
-    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=1))
+    model = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(num_layers=1)))
     texts = ["def f(x):\n    return x + 1\n" * 3, "short", "y", "class A:\n    pass\n" * 5]
     stats = model.learn(iter(texts), tokenizer=CharTokenizer(), max_length=16, batch_size=2, progress=False)
     # Windows overlap by one token, so a text of n tokens gives n - 1 pairs however it is cut; "y" gives none.
@@ -230,8 +235,8 @@ def test_learning_texts_streams_every_pair_once():
 
 
 def test_learning_batches_in_a_stream_equals_learning_them_at_once():
-    whole = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=2))
-    streamed = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=2))
+    whole = apply_faast(tiny_model("qwen2"), FaastConfig(middle=MiddleLayers(num_layers=2)))
+    streamed = apply_faast(tiny_model("qwen2"), FaastConfig(middle=MiddleLayers(num_layers=2)))
     x = ids(batch=6, seq=10)
     whole.learn(x)
     streamed.learn([{"input_ids": x[:2]}, {"input_ids": x[2:5], "attention_mask": torch.ones(3, 10)}, x[5:]])
@@ -241,7 +246,7 @@ def test_learning_batches_in_a_stream_equals_learning_them_at_once():
 
 
 def test_learning_rejects_bad_input_with_the_argument_named():
-    model = apply_faast(tiny_model("gpt2"), FaastConfig(num_layers=1))
+    model = apply_faast(tiny_model("gpt2"), FaastConfig(middle=MiddleLayers(num_layers=1)))
     with pytest.raises(TypeError, match="input_ids: expected an int64 tensor"):
         model.learn(torch.randn(2, 5))
     with pytest.raises(ValueError, match="input_ids: token ids must lie in \\[0, 61\\)"):
@@ -266,7 +271,9 @@ def test_learning_rejects_bad_input_with_the_argument_named():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_save_and_load_give_identical_outputs_and_write_nothing_of_the_base(kind, tmp_path):
-    model = apply_faast(tiny_model(kind), FaastConfig(num_layers=2, alpha=0.8))
+    model = apply_faast(
+        tiny_model(kind), FaastConfig(middle=MiddleLayers(num_layers=2), regulariser=Regulariser(alpha=0.8))
+    )
     randomize_readouts(model)
     model.learn(ids(batch=4, seq=20, seed=7))
     x = ids(batch=2, seq=9, seed=8)
@@ -312,12 +319,12 @@ def test_inherited_saves_that_would_drop_the_learned_state_raise_naming_save_pre
 
 
 def test_loading_into_a_different_model_is_refused(tmp_path):
-    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=2))
+    model = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(num_layers=2)))
     model.save_pretrained(tmp_path / "a")
     model.save_fast_weights(tmp_path / "s.safetensors")
     with pytest.raises(ValueError, match="model_type"):
         from_pretrained(tiny_model("gpt2"), tmp_path / "a")
-    other = apply_faast(tiny_model("llama"), FaastConfig(num_layers=3))
+    other = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(num_layers=3)))
     with pytest.raises(ValueError, match="layers"):
         other.load_adapter(tmp_path / "a")
     with pytest.raises(ValueError, match="holds memories"):
@@ -332,7 +339,7 @@ def test_loading_into_a_different_model_is_refused(tmp_path):
 
 
 def test_readout_and_scorer_stay_float32_master_weights_in_a_bf16_model():
-    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=2))
+    model = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(num_layers=2)))
     model.to(torch.bfloat16)
     assert model.base_model.dtype == torch.bfloat16
     for layer in model.memory_layers.values():
@@ -344,7 +351,7 @@ def test_readout_and_scorer_stay_float32_master_weights_in_a_bf16_model():
     assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
     # The same model in float32, learning the same tokens: the bf16 path's statistics and logits agree with it to
     # bfloat16 rounding, while the memories move the logits far more than that (so a broken bf16 path shows).
-    reference = apply_faast(tiny_model("llama"), FaastConfig(num_layers=2))
+    reference = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(num_layers=2)))
     randomize_readouts(reference)
     reference.learn(ids())
     expected = reference(ids(seed=5)).logits
@@ -356,7 +363,7 @@ def test_readout_and_scorer_stay_float32_master_weights_in_a_bf16_model():
 
 
 def test_state_size_does_not_grow_with_tokens_learned():
-    model = apply_faast(tiny_model("gpt2"), FaastConfig(num_layers=2))
+    model = apply_faast(tiny_model("gpt2"), FaastConfig(middle=MiddleLayers(num_layers=2)))
     size = model.fast_weight_bytes()
     model.learn(ids(batch=8, seq=60))
     assert model.fast_weight_bytes() == size
@@ -376,7 +383,7 @@ def test_batches_built_from_texts_or_ids_go_to_the_model_device_and_given_tensor
 
 
 def test_a_bf16_model_reads_a_bf16_folded_matrix_within_one_rounding_of_float32():
-    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=2))
+    model = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(num_layers=2)))
     randomize_readouts(model)
     model.learn(ids())
     layer = next(iter(model.memory_layers.values()))
@@ -409,7 +416,7 @@ def test_learning_nothing_is_an_error(tmp_path):
 
 
 def test_a_learn_that_fails_part_way_leaves_every_memory_as_it_was():
-    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=2))
+    model = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(num_layers=2)))
     model.learn(ids(batch=2, seq=10, seed=1))
     before = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in model.learned_state()}
     x = ids(batch=1, seq=8, seed=5)

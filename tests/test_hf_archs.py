@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from faast.hf import FaastConfig, apply_faast
+from faast.hf import EmbeddingOutput, FaastConfig, MiddleLayers, ResidualOutput, apply_faast
 from faast.hf import targets as targets_module
 from faast.hf.output import _head_logits
 from faast.hf.targets import TARGETS, discover_target, target_for
@@ -38,10 +38,11 @@ SOFTCAPPED = {
 }  # fmt: skip
 
 
-def config_for(kind: str, **fields: object) -> FaastConfig:
-    """num_layers=2 (a memory layer before each of the 2 blocks) and the default residual output layer, or the
-    'embedding' one for a SOFTCAPPED type."""
-    return FaastConfig(num_layers=2, output_target="embedding" if kind in SOFTCAPPED else "residual", **fields)
+def config_for(kind: str, step: float | str = "auto") -> FaastConfig:
+    """MiddleLayers(num_layers=2) (a memory layer before each of the 2 blocks) and the default residual output layer
+    with `step`, or the embedding one for a SOFTCAPPED type."""
+    output = EmbeddingOutput() if kind in SOFTCAPPED else ResidualOutput(step=step)
+    return FaastConfig(output=output, middle=MiddleLayers(num_layers=2))
 
 
 def test_the_table_covers_the_common_decoder_lms():
@@ -89,7 +90,7 @@ def test_disabled_faast_gives_the_base_logits_bitwise(kind):
     x = ids(batch=2, seq=9)
     with torch.no_grad():
         expected = arch_model(kind)(x).logits
-    model = apply_faast(arch_model(kind), config_for(kind, output_step=0.5))
+    model = apply_faast(arch_model(kind), config_for(kind, step=0.5))
     randomize_readouts(model)
     assert torch.equal(model(x).logits, expected)  # nothing learned: every layer passes h through
     model.learn(ids(batch=2, seq=16, seed=1))
@@ -127,7 +128,7 @@ def test_learned_pairs_are_exact_under_left_and_right_padding(kind):
 
 @pytest.mark.parametrize("kind", ARCHS)
 def test_generation_with_kv_cache_equals_without_when_learned(kind):
-    model = apply_faast(arch_model(kind), config_for(kind, output_step=0.5))
+    model = apply_faast(arch_model(kind), config_for(kind, step=0.5))
     randomize_readouts(model, std=0.5)
     model.learn(ids(batch=12, seq=64, seed=3))
     layer = model.output_memory_layer
@@ -165,7 +166,7 @@ def final_norm_output(model, x, mask=None):
 
 @pytest.mark.parametrize("kind", [k for k in ARCHS if k not in SOFTCAPPED])
 def test_the_residual_output_layer_sees_the_models_own_logits(kind):
-    model = apply_faast(arch_model(kind), FaastConfig(num_layers=0))
+    model = apply_faast(arch_model(kind), FaastConfig())
     h, logits = final_norm_output(model, ids(batch=2, seq=9))
     assert rel(_head_logits(model.output_memory_layer.head, h), logits) < HEAD_LOGITS_REL
 
@@ -174,7 +175,7 @@ def test_the_residual_output_layer_sees_the_models_own_logits(kind):
 def test_scaled_logits_give_the_gradient_and_fisher_of_the_scaled_softmax(kind):
     # granite divides its logits by logits_scaling (4 here), cohere multiplies them by logit_scale (1/16): the
     # statistics must be those of p = softmax(s·h̃Hᵀ), i.e. r = s(H[y] − pH) and Σμμᵀ with μ = s·pH.
-    config = FaastConfig(num_layers=0, output_head_dtype="float32", learn_dtype="model", output_key_layers=[])
+    config = FaastConfig(output=ResidualOutput(head_dtype="float32", key_layers=[]), learn_dtype="model")
     model = apply_faast(arch_model(kind), config)
     scale = 1 / model.config.logits_scaling if kind == "granite" else model.config.logit_scale
     assert scale != 1.0
@@ -214,10 +215,10 @@ def test_scaled_logits_give_the_gradient_and_fisher_of_the_scaled_softmax(kind):
 def test_softcapped_logits_refuse_the_residual_output_layer(kind):
     capped = arch_model(kind, final_logit_softcapping=30.0)
     with pytest.raises(ValueError, match=rf"model type '{kind}' softcaps its logits \(config.final_logit_softcapping"
-                                         r"=30.0.*output_target='embedding'"):  # fmt: skip
+                                         r"=30.0.*output=EmbeddingOutput\(\)"):  # fmt: skip
         apply_faast(capped, FaastConfig())
     # The other layers do not read the logits; without softcapping the residual layer is exact again.
-    apply_faast(capped, FaastConfig(output_target="embedding")).learn(ids(batch=2, seq=8))
+    apply_faast(capped, FaastConfig(output=EmbeddingOutput())).learn(ids(batch=2, seq=8))
     uncapped = apply_faast(arch_model(kind, final_logit_softcapping=None), FaastConfig())
     h, logits = final_norm_output(uncapped, ids(batch=2, seq=9))
     assert rel(_head_logits(uncapped.output_memory_layer.head, h), logits) < HEAD_LOGITS_REL
@@ -290,6 +291,6 @@ def test_discovery_refuses_the_residual_layer_when_the_logits_are_not_the_head_o
     assert target.final_norm == "model.norm" and not target.logits_from_head
     with pytest.raises(ValueError, match="are not the LM head applied to the final norm's output"):
         apply_faast(model, FaastConfig())
-    learned = apply_faast(model, FaastConfig(num_layers=1, output_target="embedding"))
+    learned = apply_faast(model, FaastConfig(output=EmbeddingOutput(), middle=MiddleLayers(num_layers=1)))
     learned.learn(ids(batch=2, seq=8))
     assert learned.output_memory_layer.memory.count.item() == 2 * 7

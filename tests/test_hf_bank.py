@@ -12,7 +12,7 @@ import torch
 import faast.ops._dispatch as dispatch
 from faast import FastWeights
 from faast.checkpoint import load_checkpoint, save_state
-from faast.hf import FaastConfig, apply_faast
+from faast.hf import EmbeddingOutput, FaastConfig, MiddleLayers, apply_faast
 from hf_models import KINDS, VOCAB, tiny_model
 from tolerances import REORDER_REL, rel
 
@@ -53,7 +53,9 @@ def backend_calls(monkeypatch):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_batch_is_one_gram_accumulation_and_a_solve_one_eigh_for_all_middle_layers(kind, backend_calls):
-    model = apply_faast(tiny_model(kind), FaastConfig(layers=[0, 1, 2, 3]))  # 4 middle layers + the output layer
+    model = apply_faast(
+        tiny_model(kind), FaastConfig(middle=MiddleLayers(layers=[0, 1, 2, 3]))
+    )  # 4 middle layers + the output layer
     randomize(model)
     model.learn(ids(batch=2, seq=12))
     # One accumulation for the 4 middle layers (their rows stacked [4, rows, d]) and one for the output layer.
@@ -86,7 +88,7 @@ def test_host_syncs_per_learned_batch_do_not_grow_with_the_number_of_layers(monk
         monkeypatch.setattr(torch.Tensor, method, counted)
 
     def syncs_of_learning(layers):
-        model = apply_faast(tiny_model("llama"), FaastConfig(layers=layers))
+        model = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(layers=layers)))
         model.learn(ids(batch=2, seq=12))  # first batch: nothing cached yet
         syncs.clear()
         model.learn(ids(batch=2, seq=12, seed=1))
@@ -106,7 +108,7 @@ def test_host_syncs_per_learned_batch_do_not_grow_with_the_number_of_layers(monk
 
 
 def test_each_layer_memory_is_a_view_of_its_slot_of_the_bank():
-    model = apply_faast(tiny_model("gpt2"), FaastConfig(layers=[0, 2, 3]))
+    model = apply_faast(tiny_model("gpt2"), FaastConfig(middle=MiddleLayers(layers=[0, 2, 3])))
     randomize(model)
     model.learn(ids(batch=3, seq=15))
     bank = model.memory_bank
@@ -128,7 +130,7 @@ def test_each_layer_memory_is_a_view_of_its_slot_of_the_bank():
 
 
 def test_solve_settings_written_through_one_layer_apply_to_every_middle_layer():
-    model = apply_faast(tiny_model("llama"), FaastConfig(layers=[0, 1]))
+    model = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(layers=[0, 1])))
     randomize(model)
     model.learn(ids(batch=2, seq=30))
     x = ids(batch=1, seq=6, seed=1)
@@ -150,7 +152,7 @@ def test_solve_settings_written_through_one_layer_apply_to_every_middle_layer():
 
 
 def test_per_layer_update_discount_and_reset_touch_only_that_slot():
-    model = apply_faast(tiny_model("qwen2"), FaastConfig(layers=[1, 3]))
+    model = apply_faast(tiny_model("qwen2"), FaastConfig(middle=MiddleLayers(layers=[1, 3])))
     first, second = (layer.memory for layer in model.memory_layers.values())
     g = torch.Generator().manual_seed(0)
     k, v, s = torch.randn(2, 7, 32, generator=g), torch.randn(2, 7, 32, generator=g), torch.rand(2, 7, generator=g)
@@ -210,7 +212,7 @@ def per_layer_file(path, model, seed=0):
 @pytest.mark.parametrize("kind", KINDS)
 def test_per_layer_fast_weight_files_load_into_the_bank_exactly(kind, tmp_path):
     # Files of that layout were written by models with the paper's output layer (the only one there was).
-    model = apply_faast(tiny_model(kind), FaastConfig(layers=[0, 2, 3], output_target="embedding"))
+    model = apply_faast(tiny_model(kind), FaastConfig(output=EmbeddingOutput(), middle=MiddleLayers(layers=[0, 2, 3])))
     _, old = per_layer_file(tmp_path / "old.safetensors", model)
     model.load_fast_weights(tmp_path / "old.safetensors")
     for key, layer in model.memory_layers.items():
@@ -228,7 +230,7 @@ def test_per_layer_fast_weight_files_load_into_the_bank_exactly(kind, tmp_path):
         for name, tensor in old[key].state_dict().items():
             assert torch.equal(reader.memory_layers[key].memory.state_dict()[name], tensor), (key, name)
 
-    other = apply_faast(tiny_model(kind), FaastConfig(layers=[0, 2], output_target="embedding"))
+    other = apply_faast(tiny_model(kind), FaastConfig(output=EmbeddingOutput(), middle=MiddleLayers(layers=[0, 2])))
     with pytest.raises(ValueError, match=r"old\.safetensors: holds memories"):
         other.load_fast_weights(tmp_path / "old.safetensors")
     assert other.memory_bank.count.sum().item() == 0  # all or nothing
@@ -237,11 +239,11 @@ def test_per_layer_fast_weight_files_load_into_the_bank_exactly(kind, tmp_path):
 def test_a_checkpoint_of_the_model_itself_loads_with_load_fast_weights(tmp_path):
     from faast.checkpoint import Checkpointer
 
-    model = apply_faast(tiny_model("llama"), FaastConfig(layers=[1, 2]))
+    model = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(layers=[1, 2])))
     randomize(model)
     model.learn(ids(batch=2, seq=20))
     path = Checkpointer(tmp_path).save(model, {"batches": 1})  # the bank layout: memory_bank + output memory
-    fresh = apply_faast(tiny_model("llama"), FaastConfig(layers=[1, 2]))
+    fresh = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(layers=[1, 2])))
     fresh.load_fast_weights(path)
     assert torch.equal(fresh.memory_bank.gram, model.memory_bank.gram)
     assert torch.equal(fresh.output_memory_layer.memory.cross, model.output_memory_layer.memory.cross)
@@ -252,7 +254,7 @@ def test_a_checkpoint_of_the_model_itself_loads_with_load_fast_weights(tmp_path)
 
 def test_the_batched_training_solve_gives_the_per_layer_loss_and_gradients():
     def run(batched):
-        model = apply_faast(tiny_model("llama"), FaastConfig(layers=[0, 1, 3], dropout=0.0))
+        model = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(layers=[0, 1, 3], dropout=0.0)))
         randomize(model)
         model.learn(ids(batch=2, seq=16, seed=3))
         params = [p for layer in model.memory_layers.values() for p in (layer.readout.weight, layer.scorer.weight)]

@@ -15,7 +15,7 @@ import torch
 
 datasets = pytest.importorskip("datasets")
 
-from faast.hf import FaastConfig, apply_faast, corpus, learn_datasets  # noqa: E402
+from faast.hf import EmbeddingOutput, FaastConfig, MiddleLayers, ResidualOutput, apply_faast, corpus, learn_datasets  # noqa: E402
 from faast.hf.train import main as train_main  # noqa: E402
 from hf_models import save_tiny_checkpoint, tiny_model  # noqa: E402
 from tolerances import REORDER_REL, rel  # noqa: E402
@@ -49,7 +49,8 @@ def some_texts(n=30, seed=0):
 
 
 def fresh(target="embedding"):
-    return apply_faast(tiny_model("llama"), FaastConfig(num_layers=2, output_target=target))
+    output = {"embedding": EmbeddingOutput, "residual": ResidualOutput}[target]()
+    return apply_faast(tiny_model("llama"), FaastConfig(output=output, middle=MiddleLayers(num_layers=2)))
 
 
 def assert_same_statistics(actual, expected):
@@ -233,9 +234,9 @@ import sys
 sys.modules["datasets"] = None
 sys.path.insert(0, "tests")
 import torch
-from faast.hf import FaastConfig, apply_faast
+from faast.hf import FaastConfig, MiddleLayers, apply_faast
 from hf_models import CharTokenizer, tiny_model
-model = apply_faast(tiny_model("gpt2"), FaastConfig(num_layers=1))
+model = apply_faast(tiny_model("gpt2"), FaastConfig(middle=MiddleLayers(num_layers=1)))
 a = model.learn(["some text", "more"], tokenizer=CharTokenizer(), progress=False)
 b = model.learn([[5, 6, 7, 8]], progress=False)
 c = model.learn(torch.tensor([[5, 6, 7]]))

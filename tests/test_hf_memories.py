@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from faast.hf import FaastConfig, FaastModel, apply_faast, from_pretrained
+from faast.hf import (
+    EmbeddingOutput,
+    FaastConfig,
+    FaastModel,
+    MiddleLayers,
+    ResidualOutput,
+    apply_faast,
+    from_pretrained,
+)
 from hf_models import KINDS, VOCAB, tiny_model
 from tolerances import ELEMENTWISE, REORDER_REL, rel
 
@@ -42,9 +50,9 @@ def randomize_readouts(model, seed=1, std=0.2):
 
 CONFIGS = {
     "default": {},
-    "middle": {"layers": [1, 2]},
-    "logit": {"output_space": "logit"},
-    "embedding": {"output_target": "embedding"},
+    "middle": {"middle": MiddleLayers(layers=[1, 2])},
+    "logit": {"output": ResidualOutput(space="logit")},
+    "embedding": {"output": EmbeddingOutput()},
 }
 
 
@@ -207,7 +215,7 @@ def assert_same_statistics(model, a, b):
 @pytest.mark.parametrize("order", ["forgotten first", "forgotten last"])
 def test_forget_equals_never_learned(order):
     # A fixed step and weight: reading depends on the statistics alone. (With a tuned step, see the next test.)
-    config = FaastConfig(layers=[1, 2], output_step=0.5, output_weight=0.5)
+    config = FaastConfig(output=ResidualOutput(step=0.5, weight=0.5), middle=MiddleLayers(layers=[1, 2]))
     model = apply_faast(tiny_model("llama"), config)
     randomize_readouts(model)
     keep, drop = stream(0), stream(1)
@@ -331,6 +339,7 @@ import sys, torch
 sys.path.insert(0, "tests")
 from faast.hf import FaastModel
 from hf_models import tiny_model
+torch.set_num_threads({threads})  # the parent's: bit-for-bit needs the same GEMM kernels and summation order
 model = FaastModel.from_pretrained(tiny_model("{kind}"), sys.argv[1])
 x = torch.load(sys.argv[2])
 with torch.no_grad():
@@ -347,7 +356,7 @@ def test_a_fresh_process_reloads_every_memory_bit_for_bit(kind, config, tmp_path
     model.save_pretrained(tmp_path / "saved")
     x = prompts()
     torch.save(x, tmp_path / "x.pt")
-    code = RELOAD.format(kind=kind)
+    code = RELOAD.format(kind=kind, threads=torch.get_num_threads())
     args = [sys.executable, "-c", code, str(tmp_path / "saved"), str(tmp_path / "x.pt"), str(tmp_path / "out.pt")]
     run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from faast.hf import FaastConfig, FaastModel, apply_faast, from_pretrained
+from faast.hf import FaastConfig, FaastModel, MiddleLayers, Regulariser, apply_faast, from_pretrained
 from faast.hf.modules import FaastModuleModel, match_target_modules
 from hf_models import VOCAB, tiny_model
+from legacy_configs import V1_DEFAULT
 from tolerances import TRUTH_REL_W, assert_close, rel
 
 transformers = pytest.importorskip("transformers")
@@ -72,9 +73,9 @@ def test_target_modules_validation_and_round_trip():
     assert FaastConfig.from_json(config.to_json()) == config
     assert FaastConfig.from_json(FaastConfig(target_modules=r".*\.dense").to_json()).target_modules == r".*\.dense"
     # A configuration saved before the fields existed loads with no module memories.
-    old = FaastConfig().to_dict()
-    del old["target_modules"], old["module_fit"]
-    assert FaastConfig.from_dict(old).target_modules is None
+    old = {k: v for k, v in V1_DEFAULT.items() if k not in ("target_modules", "module_fit")}
+    assert FaastConfig.from_dict(old, version=1).target_modules is None
+    assert FaastConfig.from_dict(old, version=1).module_fit == "residual"
     with pytest.raises(ValueError, match="target_modules: .* not a valid regular expression"):
         FaastConfig(target_modules="(")
     with pytest.raises(ValueError, match="target_modules: expected None, a regular expression or a non-empty list"):
@@ -123,7 +124,7 @@ def test_classifier_head_learns_a_new_label_set(fit):
 
     model = apply_faast(base, FaastConfig(target_modules=["classifier"], module_fit=fit))
     assert isinstance(model, FaastModuleModel)
-    assert model.faast_config.model_type == "bert" and not model.faast_config.output_layer
+    assert model.faast_config.model_type == "bert" and model.faast_config.output is None
     assert all(not p.requires_grad for p in base.parameters())
     with torch.no_grad():  # an empty memory: the base model's logits, bit for bit
         assert torch.equal(model(input_ids=test_ids).logits, base_logits)
@@ -204,7 +205,9 @@ def test_a_module_of_unknown_width_is_sized_by_its_first_learn_and_by_a_load(tmp
 
 def test_module_model_save_and_load_round_trip(tmp_path):
     ids, labels = separable(48, seed=5)
-    model = apply_faast(tiny_classifier(), FaastConfig(target_modules=["classifier"], ridge=0.1))
+    model = apply_faast(
+        tiny_classifier(), FaastConfig(regulariser=Regulariser(ridge=0.1), target_modules=["classifier"])
+    )
     model.learn(input_ids=ids, labels=labels)
     model.save_pretrained(tmp_path / "adapter")
     path = model.save_fast_weights(tmp_path / "adapter" / "fast_weights.safetensors")
@@ -253,7 +256,9 @@ def test_lm_head_memory_fits_the_residual_of_the_users_targets(kind, ridge):
     with torch.no_grad():
         base_logits = base(input_ids=ids).logits
     keys, head_out = module_inputs(base, "lm_head", input_ids=ids)
-    model = apply_faast(base, FaastConfig(target_modules=["lm_head"], output_layer=False, ridge=ridge))
+    model = apply_faast(
+        base, FaastConfig(output=None, regulariser=Regulariser(ridge=ridge), target_modules=["lm_head"])
+    )
     assert isinstance(model, FaastModel)
     assert model.learn_modules(input_ids=ids, targets=targets) == 3 * 16
 
@@ -278,7 +283,9 @@ def test_lm_head_memory_fits_the_residual_of_the_users_targets(kind, ridge):
 
 
 def test_lm_head_memory_follows_the_cut_on_rank_deficient_keys():
-    model = apply_faast(tiny_model("gpt2"), FaastConfig(target_modules=["lm_head"], output_layer=False, alpha=0.5))
+    model = apply_faast(
+        tiny_model("gpt2"), FaastConfig(output=None, regulariser=Regulariser(alpha=0.5), target_modules=["lm_head"])
+    )
     g = torch.Generator().manual_seed(7)
     half = torch.randn(64, 16, generator=g)
     keys = torch.cat([half, half @ torch.randn(16, 16, generator=g)], dim=-1)  # rank 16 of 32
@@ -296,8 +303,8 @@ def test_lm_head_memory_follows_the_cut_on_rank_deficient_keys():
 
 def test_learn_is_unchanged_by_module_memories_and_save_load_is_exact(tmp_path):
     ids, targets = lm_batch(seed=1)
-    plain = apply_faast(tiny_model("gpt2"), FaastConfig(layers=[1]))
-    config = FaastConfig(layers=[1], target_modules=["h.1.mlp.c_proj", "lm_head"])
+    plain = apply_faast(tiny_model("gpt2"), FaastConfig(middle=MiddleLayers(layers=[1])))
+    config = FaastConfig(middle=MiddleLayers(layers=[1]), target_modules=["h.1.mlp.c_proj", "lm_head"])
     model = apply_faast(tiny_model("gpt2"), config)
     assert model.module_memories.names == ["transformer.h.1.mlp.c_proj", "lm_head"]
     assert model.module_memories.entry("c_proj").memory.dim_key == 128  # GPT-2's Conv1D: nx -> nf
@@ -321,7 +328,7 @@ def test_learn_is_unchanged_by_module_memories_and_save_load_is_exact(tmp_path):
 
 
 def test_a_module_run_twice_in_one_pass_is_refused():
-    model = apply_faast(tiny_model("gpt2"), FaastConfig(target_modules=["lm_head"], output_layer=False))
+    model = apply_faast(tiny_model("gpt2"), FaastConfig(output=None, target_modules=["lm_head"]))
     ids, targets = lm_batch()
 
     def twice(**inputs):

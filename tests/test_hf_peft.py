@@ -54,7 +54,7 @@ def test_lm_head_memory_on_a_lora_model_fits_what_the_adapted_model_gets_wrong()
     handle.remove()
     keys, head_out = seen[0]
 
-    model = apply_faast_to_peft(peft_model, FaastConfig(target_modules=["lm_head"], output_layer=False))
+    model = apply_faast_to_peft(peft_model, FaastConfig(output=None, target_modules=["lm_head"]))
     assert isinstance(model, FaastModel)
     assert model.learn_modules(input_ids=ids, targets=targets) == 48
     keep = targets != -100

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from faast import Accumulator, FastWeights, hardware
-from faast.hf import FaastConfig, apply_faast
+from faast.hf import EmbeddingOutput, FaastConfig, MiddleLayers, ResidualOutput, apply_faast
 from faast.hf import learning as learning_module
 from faast.hf import output as output_module
 from faast.hf import output_tuning as tuning_module
@@ -16,6 +16,7 @@ from faast.hf.output_tuning import HELD_OUT_SHARE
 from faast.hf.persistence import per_layer_holder
 from faast.hf.targets import TARGETS
 from hf_models import KINDS, VOCAB, tiny_model
+from legacy_configs import V1_DEFAULT
 from tolerances import BF16_AUTOCAST_REL, BF16_HEAD_PRODUCTS_REL, REORDER_REL, rel
 
 # The statistics are float64 sums of float32 products (keys and logits come from the float32 model).
@@ -46,11 +47,11 @@ def final_states(model, x, mask):
 
 
 def block_inputs(model, x, mask):
-    """The inputs of the blocks FaastConfig.output_key_layers names, each scaled to unit root-mean-square per
+    """The inputs of the blocks ResidualOutput.key_layers names, each scaled to unit root-mean-square per
     position, concatenated [B, T, d·len] float64 (None without such blocks), from plain hooks, faast disabled."""
     blocks = model.base_model.get_submodule(TARGETS[model.faast_config.model_type].blocks)
     seen, handles = {}, []
-    for i in model.faast_config.output_key_layers:
+    for i in model.faast_config.output.key_layers:
 
         def capture(module, args, kwargs, i=i):
             seen[i] = (args[0] if args else kwargs["hidden_states"]).detach().double()
@@ -76,7 +77,7 @@ def full_keys(model, x, mask):
 
 def reference_statistics(model, x, mask):
     """(keys [n, d_key], targets [n], S, T, Σ μμᵀ, Σ p) in float64 over the learned pairs; the keys are the final
-    norm's output h̃ [n, d] followed by the block inputs FaastConfig.output_key_layers names."""
+    norm's output h̃ [n, d] followed by the block inputs ResidualOutput.key_layers names."""
     h = full_keys(model, x, mask)
     d = model.faast_config.hidden_size
     pair = (mask[:, :-1] & mask[:, 1:]).reshape(-1)
@@ -106,7 +107,7 @@ def newton(s, t, n, mu_gram, mass, head, damping, alpha=1.0, n_curvature=None):
 @pytest.mark.parametrize("kind", KINDS)
 def test_statistics_equal_a_float64_hand_computation_under_padding(kind, head_dtype, key_layers):
     # key_layers: the keys are h̃ alone, or h̃ and the RMS-normalised inputs of early blocks ('auto': block L // 7)
-    config = FaastConfig(num_layers=0, output_head_dtype=head_dtype, learn_dtype="model", output_key_layers=key_layers)
+    config = FaastConfig(output=ResidualOutput(head_dtype=head_dtype, key_layers=key_layers), learn_dtype="model")
     model = apply_faast(tiny_model(kind), config)
     width = 32 * (1 + {"auto": 1, (): 0, (1, 3): 2}[key_layers if key_layers == "auto" else tuple(key_layers)])
     assert model.output_memory_layer.memory.dim_key == width
@@ -131,9 +132,10 @@ def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(
     # width: the key columns the correction reads. With the keys widened by block 0's input ('auto' on 4 blocks), the
     # full keys (64) once FIT_PER_KEY_DIM positions per key dimension were learned (8 × 39 = 312 >= 4 × 64), else the
     # leading h̃ block of the same statistics alone (4 × 39 = 156).
-    config = FaastConfig(num_layers=0, output_step=0.37, output_damping=0.5, output_head_dtype="float32",
-                         output_space=space, output_weight=0.4, learn_dtype="model",
-                         output_key_layers=key_layers)  # fmt: skip
+    output = ResidualOutput(
+        step=0.37, damping=0.5, head_dtype="float32", space=space, weight=0.4, key_layers=key_layers
+    )
+    config = FaastConfig(output=output, learn_dtype="model")
     model = apply_faast(tiny_model("llama"), config)
     x = ids(batch=batch, seq=40)
     mask = torch.ones_like(x, dtype=torch.bool)
@@ -165,7 +167,7 @@ def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force(sample,
     # fit still leaves out the whole span.
     if sample is not None:
         monkeypatch.setattr(tuning_module, "TUNE_SAMPLE", sample)
-    config = FaastConfig(num_layers=0, output_key_layers=[], output_tune_tokens=4096, output_space="logit")
+    config = FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=4096, space="logit"))
     model = apply_faast(tiny_model("llama"), config)
     x = ids(batch=8, seq=100, period=23)
     model.learn(x)
@@ -212,15 +214,11 @@ def test_the_tuned_step_and_weight_minimise_the_held_out_mixture_loss_found_by_b
     noise = ids(batch=8, seq=100, seed=7)
     x = torch.where(torch.rand(x.shape, generator=torch.Generator().manual_seed(1)) < 0.8, x, noise)
     config = FaastConfig(
-        num_layers=0,
-        output_tune_tokens=4096,
-        output_head_dtype="float32",
-        output_weight="auto",
+        output=ResidualOutput(tune_tokens=4096, head_dtype="float32", weight="auto", key_layers=[]),
         learn_dtype="model",
-        output_key_layers=[],
     )
     model = apply_faast(tiny_model("llama"), config)
-    assert model.faast_config.output_space == "probability"  # the default
+    assert model.faast_config.output.space == "probability"  # the default
     model.learn(x)
     layer = model.output_memory_layer
     m, lam = layer.solution(torch.device("cpu"), torch.float32)
@@ -249,11 +247,12 @@ def test_the_tuned_step_and_weight_minimise_the_held_out_mixture_loss_found_by_b
     assert abs(tuning["step"] - best_eta) <= 0.05 * best_eta and abs(tuning["weight"] - best_lam) <= 0.01
     assert float(nll(tuning["step"], torch.tensor([[tuning["weight"]]], dtype=torch.float64))) <= best_nll + 1e-6
     # The default holds λ at 0.5 and tunes η alone: the 1-D minimum at λ = 0.5.
-    fixed = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=4096,
-                                                         output_head_dtype="float32"))  # fmt: skip
+    fixed = apply_faast(
+        tiny_model("llama"), FaastConfig(output=ResidualOutput(tune_tokens=4096, head_dtype="float32"))
+    )
     fixed.learn(x)
     assert fixed.output_memory_layer.chosen_step() > 0
-    assert fixed.output_memory_layer.chosen_weight() == 0.5 == FaastConfig().output_weight
+    assert fixed.output_memory_layer.chosen_weight() == 0.5 == FaastConfig().output.weight
     half = torch.tensor([[0.5]], dtype=torch.float64)
     eta_half = min(etas, key=lambda e: float(nll(e, half)))
     assert abs(fixed.output_memory_layer.last_tuning["step"] - eta_half) <= 0.05 * eta_half
@@ -288,7 +287,7 @@ def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(multip
     texts = [phrase.roll(5 * i).repeat(8)[:n].tolist() for i, n in enumerate(lengths)]
     model = apply_faast(
         tiny_model("llama"),
-        FaastConfig(num_layers=0, output_key_layers=[], output_tune_tokens=160, output_space="logit"),
+        FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=160, space="logit")),
     )
     model.learn(texts, max_length=200, batch_size=2)
     layer = model.output_memory_layer
@@ -320,13 +319,13 @@ def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(multip
     monkeypatch.setattr(tuning_module, "GAP_MULTIPLE", 1)
     for min_fit, gap in ((256, 140), (500, 0)):
         monkeypatch.setattr(tuning_module, "MIN_FIT_TOKENS", min_fit)
-        one = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=160))
+        one = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(tune_tokens=160)))
         one.learn([sum(texts, [])], max_length=200, batch_size=2)
         one.output_memory_layer.folded(torch.device("cpu"), torch.float32)
         tuning = one.output_memory_layer.last_tuning
         assert (tuning["held_out_tokens"], tuning["document_gap_tokens"]) == (140, gap)
     # A tensor batch's rows have no known documents: the tail alone too.
-    rows = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_tune_tokens=160))
+    rows = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(tune_tokens=160)))
     rows.learn(x, mask)
     rows.output_memory_layer.folded(torch.device("cpu"), torch.float32)
     assert rows.output_memory_layer.last_tuning["document_gap_tokens"] == 0
@@ -341,7 +340,7 @@ def test_the_step_is_tuned_only_on_a_fit_of_at_least_fit_per_key_dim_positions_p
     monkeypatch.setattr(tuning_module, "FIT_PER_KEY_DIM", per_dim)
     phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
     text = phrase.repeat(40)[:705].tolist()
-    config = FaastConfig(num_layers=0, output_tune_tokens=160, output_default_step=0.03, output_key_layers=[])
+    config = FaastConfig(output=ResidualOutput(tune_tokens=160, default_step=0.03, key_layers=[]))
     model = apply_faast(tiny_model("llama"), config)
     model.learn([text], max_length=200, batch_size=2)
     layer = model.output_memory_layer
@@ -363,7 +362,7 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
 
     monkeypatch.setattr(tuning_module, "FIT_PER_KEY_DIM", 16)  # lets the tiny model tune (see the test above)
     phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
-    config = FaastConfig(num_layers=0, output_tune_tokens=160, output_default_step=0.03)
+    config = FaastConfig(output=ResidualOutput(tune_tokens=160, default_step=0.03))
     model = apply_faast(tiny_model("llama"), config)
     model.learn([phrase.repeat(40)[:705].tolist()], max_length=200, batch_size=2)
     step, weight = model.output_memory_layer.chosen_step(), model.output_memory_layer.chosen_weight()
@@ -390,14 +389,14 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
     fresh.reset_fast_weights()
     assert fresh.output_memory_layer.chosen_step() is None and fresh.output_memory_layer.chosen_weight() is None
     fresh.learn(ids(batch=1, seq=30))
-    assert fresh.output_memory_layer.chosen_step() == config.output_default_step
+    assert fresh.output_memory_layer.chosen_step() == config.output.default_step
     assert fresh.output_memory_layer.chosen_weight() == output_module.DEFAULT_WEIGHT
     assert not fresh.output_memory_layer.last_tuning["saved_step"]
     # A fixed step is the configuration's: nothing extra is saved.
-    fixed = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_step=0.2))
+    fixed = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(step=0.2)))
     fixed.learn(ids(batch=1, seq=30))
     fixed.save_fast_weights(tmp_path / "fixed.safetensors")
-    again = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0))
+    again = apply_faast(tiny_model("llama"), FaastConfig())
     again.load_fast_weights(tmp_path / "fixed.safetensors")
     assert again.output_memory_layer._restored_step is None
 
@@ -406,7 +405,7 @@ def test_head_products_in_bfloat16_learn_what_float32_learns_within_the_declared
     x = ids(batch=4, seq=60, period=13)
     learned = {}
     for dtype in ("float32", "bfloat16"):
-        model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_step=0.5, output_head_dtype=dtype))
+        model = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(step=0.5, head_dtype=dtype)))
         model.learn(x)
         layer = model.output_memory_layer
         learned[dtype] = (layer.memory.gram, layer.memory.cross, layer.folded(torch.device("cpu"), torch.float32))
@@ -422,8 +421,8 @@ def test_head_products_in_bfloat16_learn_what_float32_learns_within_the_declared
         assert output_module.products_dtype("auto", keys64) == torch.float32
         assert output_module.products_dtype("float32", keys32) == torch.float32
         assert output_module.products_dtype("bfloat16", keys64) == torch.bfloat16
-    with pytest.raises(ValueError, match="output_head_dtype: expected 'auto', 'float32' or 'bfloat16'"):
-        FaastConfig(output_head_dtype="float16")
+    with pytest.raises(ValueError, match="ResidualOutput.head_dtype: expected 'auto', 'float32' or 'bfloat16'"):
+        FaastConfig(output=ResidualOutput(head_dtype="float16"))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -435,7 +434,7 @@ def test_learning_under_bfloat16_autocast_learns_the_autocast_states_and_auto_pi
 
     def learned_gram(model_dtype, learn_dtype):
         base = tiny_model(kind).to(model_dtype)
-        model = apply_faast(base, FaastConfig(num_layers=0, output_step=0.3, learn_dtype=learn_dtype))
+        model = apply_faast(base, FaastConfig(output=ResidualOutput(step=0.3), learn_dtype=learn_dtype))
         model.learn(x)
         return model, model.output_memory_layer.memory.gram
 
@@ -458,14 +457,14 @@ def test_learning_under_bfloat16_autocast_learns_the_autocast_states_and_auto_pi
         assert torch.equal(auto, expected), (native, model_dtype)
     with pytest.raises(ValueError, match="learn_dtype: expected 'auto', 'model' or 'bfloat16'"):
         FaastConfig(learn_dtype="float16")
-    saved_before = {k: v for k, v in FaastConfig().to_dict().items() if k != "learn_dtype"}
-    assert FaastConfig.from_dict(saved_before).learn_dtype == "model"
+    saved_before = {k: v for k, v in V1_DEFAULT.items() if k != "learn_dtype"}  # written before the field existed
+    assert FaastConfig.from_dict(saved_before, version=1).learn_dtype == "model"
     assert FaastConfig.from_dict(FaastConfig(learn_dtype="bfloat16").to_dict()).learn_dtype == "bfloat16"
 
 
 def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tuned():
     # Random tokens: nothing to learn, so the held-out loss rises with any step and η = 0 keeps the base model.
-    model = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=0))
+    model = apply_faast(tiny_model("qwen2"), FaastConfig())
     x = ids(batch=8, seq=120, seed=5)
     model.learn(x)
     assert model.output_memory_layer.folded(torch.device("cpu"), torch.float32) is None
@@ -477,18 +476,18 @@ def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tu
     for space, kwargs, expected in (
         (
             "probability",
-            {"output_default_step": 0.02, "output_default_weight": 0.6, "output_weight": "auto"},
+            {"default_step": 0.02, "default_weight": 0.6, "weight": "auto"},
             (0.02, 0.6),
         ),
-        ("probability", {"output_default_weight": 0.6}, (output_module.DEFAULT_STEP["probability"], 0.5)),
+        ("probability", {"default_weight": 0.6}, (output_module.DEFAULT_STEP["probability"], 0.5)),
         (
             "probability",
-            {"output_weight": "auto"},
+            {"weight": "auto"},
             (output_module.DEFAULT_STEP["probability"], output_module.DEFAULT_WEIGHT),
         ),
         ("logit", {}, (output_module.DEFAULT_STEP["logit"], 1.0)),
     ):
-        few = apply_faast(tiny_model("qwen2"), FaastConfig(num_layers=0, output_space=space, **kwargs))
+        few = apply_faast(tiny_model("qwen2"), FaastConfig(output=ResidualOutput(space=space, **kwargs)))
         few.learn(ids(batch=1, seq=30))
         few.output_memory_layer.folded(torch.device("cpu"), torch.float32)
         step, weight = expected
@@ -500,12 +499,14 @@ def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tu
 def test_empty_and_disabled_give_the_base_logits_and_the_ablation_equals_an_output_only_model(kind):
     x = ids(batch=2, seq=30, period=11)
     base_logits = tiny_model(kind)(x).logits
-    both = apply_faast(tiny_model(kind), FaastConfig(layers=[1, 2], output_step=0.5))
+    both = apply_faast(
+        tiny_model(kind), FaastConfig(output=ResidualOutput(step=0.5), middle=MiddleLayers(layers=[1, 2]))
+    )
     assert torch.equal(both(x).logits, base_logits)  # empty memories
     for layer in both.memory_layers.values():  # non-zero readouts, so the middle layers change h
         torch.nn.init.normal_(layer.readout.weight, std=0.3)
     both.learn(x)
-    output_only = apply_faast(tiny_model(kind), FaastConfig(num_layers=0, output_step=0.5))
+    output_only = apply_faast(tiny_model(kind), FaastConfig(output=ResidualOutput(step=0.5)))
     output_only.learn(x)
     with torch.no_grad():
         with both.disable_faast():
@@ -522,7 +523,7 @@ def test_empty_and_disabled_give_the_base_logits_and_the_ablation_equals_an_outp
 
 
 def test_state_size_is_fixed_and_save_load_round_trips_exactly(tmp_path):
-    config = FaastConfig(num_layers=1, output_step=0.3, output_tune_tokens=64)
+    config = FaastConfig(output=ResidualOutput(step=0.3, tune_tokens=64), middle=MiddleLayers(num_layers=1))
     model = apply_faast(tiny_model("llama"), config)
     model.learn(ids(batch=1, seq=20))
     small = model.fast_weight_bytes()
@@ -554,7 +555,7 @@ def test_a_file_saved_when_the_output_sums_were_fast_weights_loads_exactly(tmp_p
 
     from faast.checkpoint import save_state
 
-    config = FaastConfig(num_layers=1, output_step=0.3, output_key_layers=[])
+    config = FaastConfig(output=ResidualOutput(step=0.3, key_layers=[]), middle=MiddleLayers(num_layers=1))
     model = apply_faast(tiny_model("llama"), config)
     model.learn(ids(batch=2, seq=40, seed=3))
     layer = model.output_memory_layer
@@ -583,7 +584,7 @@ def test_a_file_saved_when_the_output_sums_were_fast_weights_loads_exactly(tmp_p
 
 
 def test_merging_two_streams_equals_learning_both():
-    config = FaastConfig(num_layers=0, output_step=0.2)
+    config = FaastConfig(output=ResidualOutput(step=0.2))
     a, b, both = (apply_faast(tiny_model("gpt2"), config) for _ in range(3))
     x1, x2 = ids(batch=2, seq=30, seed=1), ids(batch=2, seq=30, seed=2)
     a.learn(x1)
@@ -601,33 +602,36 @@ def test_merging_two_streams_equals_learning_both():
 
 
 def test_configuration_errors_name_the_field_and_old_configurations_load_as_the_papers_layer():
-    for kwargs, field in (({"output_target": "logits"}, "output_target"), ({"output_step": -1}, "output_step"),
-                          ({"output_step": "tuned"}, "output_step"), ({"output_damping": 0}, "output_damping"),
-                          ({"output_alpha": -0.1}, "output_alpha"), ({"output_tune_tokens": -5}, "output_tune_tokens"),
-                          ({"output_tune_tokens": True}, "output_tune_tokens")):  # fmt: skip
+    for kwargs, field in (({"step": -1}, "ResidualOutput.step"), ({"step": "tuned"}, "ResidualOutput.step"),
+                          ({"damping": 0}, "ResidualOutput.damping"), ({"alpha": -0.1}, "ResidualOutput.alpha"),
+                          ({"tune_tokens": -5}, "ResidualOutput.tune_tokens"),
+                          ({"tune_tokens": True}, "ResidualOutput.tune_tokens")):  # fmt: skip
         with pytest.raises(ValueError, match=field):
-            FaastConfig(**kwargs)
-    saved_before = {k: v for k, v in FaastConfig().to_dict().items() if not k.startswith("output_") or
+            ResidualOutput(**kwargs)
+    with pytest.raises(ValueError, match="output.kind: expected 'residual' or 'embedding', got 'logits'"):
+        FaastConfig.from_dict({"output": {"kind": "logits"}})
+    # Written before the residual output layer existed (no output_* field but output_layer and output_mix).
+    saved_before = {k: v for k, v in V1_DEFAULT.items() if not k.startswith("output_") or
                     k in ("output_layer", "output_mix")}  # fmt: skip
-    assert FaastConfig.from_dict(saved_before).output_target == "embedding"
-    assert FaastConfig().output_target == "residual"
+    assert FaastConfig.from_dict(saved_before, version=1).output == EmbeddingOutput(mix=0.9)
+    assert FaastConfig().output == ResidualOutput()
     assert REORDER_REL < STAT_REL
 
 
 def test_a_model_without_an_lm_head_of_the_hidden_size_is_refused_with_the_fix_named():
     model = tiny_model("llama")
     model.lm_head = torch.nn.Linear(16, VOCAB, bias=False)
-    with pytest.raises(ValueError, match="output_target='embedding'"):
-        apply_faast(model, FaastConfig(num_layers=0))
+    with pytest.raises(ValueError, match=r"use FaastConfig\(output=EmbeddingOutput\(\)\) or output=None"):
+        apply_faast(model, FaastConfig())
 
 
 def test_learn_takes_a_tokenizer_batch_by_keyword_and_labels_select_the_pairs():
     x = ids(batch=2, seq=30, seed=4)
     mask = torch.ones_like(x)
     mask[1, :6] = 0
-    by_position = apply_faast(tiny_model("llama"), FaastConfig(layers=[1]))
+    by_position = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(layers=[1])))
     by_position.learn(x, mask)
-    by_keyword = apply_faast(tiny_model("llama"), FaastConfig(layers=[1]))
+    by_keyword = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(layers=[1])))
     by_keyword.learn(**{"input_ids": x, "attention_mask": mask})
     for (name, a), (_, b) in zip(by_position.learned_state(), by_keyword.learned_state(), strict=True):
         for mine, theirs in zip(a.summed_tensors(), b.summed_tensors(), strict=True):
@@ -636,7 +640,7 @@ def test_learn_takes_a_tokenizer_batch_by_keyword_and_labels_select_the_pairs():
     # An instruction-style batch: only the answer (the last 12 positions) is learned.
     labels = x.clone()
     labels[:, :18] = -100
-    exact = FaastConfig(num_layers=0, output_head_dtype="float32", learn_dtype="model", output_key_layers=[])
+    exact = FaastConfig(output=ResidualOutput(head_dtype="float32", key_layers=[]), learn_dtype="model")
     model = apply_faast(tiny_model("llama"), exact)
     stats = model.learn(input_ids=x, labels=labels)
     every = torch.ones_like(x, dtype=torch.bool)
@@ -661,7 +665,9 @@ def test_learn_takes_a_tokenizer_batch_by_keyword_and_labels_select_the_pairs():
 
 
 def test_solve_does_the_first_forward_pass_work_ahead_of_it():
-    model = apply_faast(tiny_model("gpt2"), FaastConfig(layers=[1, 2], output_tune_tokens=256))
+    model = apply_faast(
+        tiny_model("gpt2"), FaastConfig(output=ResidualOutput(tune_tokens=256), middle=MiddleLayers(layers=[1, 2]))
+    )
     for layer in model.memory_layers.values():
         torch.nn.init.normal_(layer.readout.weight, std=0.3)
     x = ids(batch=8, seq=100, period=17)
@@ -680,7 +686,7 @@ def test_solve_does_the_first_forward_pass_work_ahead_of_it():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_probability_space_mixes_the_rows_the_model_keeps_and_leaves_an_empty_memory_bit_exact(kind):
-    model = apply_faast(tiny_model(kind), FaastConfig(num_layers=0, output_step=0.5, output_weight=0.3))
+    model = apply_faast(tiny_model(kind), FaastConfig(output=ResidualOutput(step=0.5, weight=0.3)))
     x = ids(batch=2, seq=12, period=5)
     with torch.no_grad():
         with model.disable_faast():
@@ -712,8 +718,8 @@ def test_the_key_width_is_the_one_whose_tuned_correction_predicts_the_held_out_t
     # enough for either width (FIT_PER_KEY_DIM × 64 = 256), so (η, λ) is tuned for both and the lower held-out NLL
     # wins; each width's recorded NLL is checked against a float64 hand computation at its (η, λ).
     x = noisy_phrase()
-    config = FaastConfig(num_layers=0, output_tune_tokens=4096, output_head_dtype="float32", output_weight="auto",
-                         learn_dtype="model")  # fmt: skip
+    output = ResidualOutput(tune_tokens=4096, head_dtype="float32", weight="auto")
+    config = FaastConfig(output=output, learn_dtype="model")
     model = apply_faast(tiny_model("llama"), config)
     model.learn(x)
     layer = model.output_memory_layer
@@ -754,7 +760,7 @@ def test_the_key_width_is_the_one_whose_tuned_correction_predicts_the_held_out_t
 def test_the_chosen_key_width_is_saved_with_the_step_and_a_loaded_model_reads_the_same(width, tmp_path, monkeypatch):
     # One width offered to the tuning, so that each is saved and restored once.
     monkeypatch.setattr(output_module.ResidualOutputLayer, "_widths", lambda self, fitted: [width])
-    config = FaastConfig(num_layers=0, output_tune_tokens=4096)
+    config = FaastConfig(output=ResidualOutput(tune_tokens=4096))
     model = apply_faast(tiny_model("llama"), config)
     model.learn(noisy_phrase())
     assert model.output_memory_layer.chosen_key_width() == width
@@ -777,20 +783,20 @@ def test_the_chosen_key_width_is_saved_with_the_step_and_a_loaded_model_reads_th
 
 
 def test_output_key_layers_auto_resolves_to_an_early_block_and_old_configurations_keep_h_alone():
-    model = apply_faast(tiny_model("llama", layers=14), FaastConfig(num_layers=0))
-    assert model.faast_config.output_key_layers == [2]  # 14 // 7
+    model = apply_faast(tiny_model("llama", layers=14), FaastConfig())
+    assert model.faast_config.output.key_layers == [2]  # 14 // 7
     assert model.output_memory_layer.memory.dim_key == 64
-    assert FaastConfig.from_dict(model.faast_config.to_dict()).output_key_layers == [2]  # saved resolved
-    saved_before = {k: v for k, v in FaastConfig().to_dict().items() if k != "output_key_layers"}
-    assert FaastConfig.from_dict(saved_before).output_key_layers == []
-    paper = apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_target="embedding"))
-    assert paper.faast_config.output_key_layers == []
+    assert FaastConfig.from_dict(model.faast_config.to_dict()).output.key_layers == [2]  # saved resolved
+    saved_before = {k: v for k, v in V1_DEFAULT.items() if k != "output_key_layers"}
+    assert FaastConfig.from_dict(saved_before, version=1).output.key_layers == []
+    paper = apply_faast(tiny_model("llama"), FaastConfig(output=EmbeddingOutput()))
+    assert paper.faast_config.output_key_blocks(4) == [] and paper.output_memory_layer.memory.dim_key == 32
     listed = "expected 'auto' or a list of block indices >= 0"
     for value, message in (([1, 1], "block indices must be distinct"), ([-1], listed), ("early", listed),
                            ([1.0], listed)):  # fmt: skip
-        with pytest.raises(ValueError, match=f"output_key_layers: {message}"):
-            FaastConfig(output_key_layers=value)
-    with pytest.raises(ValueError, match=r"output_key_layers: indices \[4\] are out of range for a model with 4"):
-        apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_key_layers=[4]))
-    with pytest.raises(ValueError, match="output_key_layers: only the 'residual' output layer widens its keys"):
-        apply_faast(tiny_model("llama"), FaastConfig(num_layers=0, output_target="embedding", output_key_layers=[1]))
+        with pytest.raises(ValueError, match=f"ResidualOutput.key_layers: {message}"):
+            FaastConfig(output=ResidualOutput(key_layers=value))
+    with pytest.raises(ValueError, match=r"key_layers: indices \[4\] are out of range for a model with 4"):
+        apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(key_layers=[4])))
+    with pytest.raises(TypeError, match="key_layers does not apply to EmbeddingOutput .* a field of ResidualOutput"):
+        EmbeddingOutput(key_layers=[1])

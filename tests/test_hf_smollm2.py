@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from faast.hf import ResidualOutput
+
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("transformers")
@@ -36,7 +38,7 @@ def test_default_model_attaches_reads_and_generates_consistently(smollm2):
     model.reset_fast_weights()
     assert model.faast_config.model_type == "llama" and model.faast_config.hidden_size == 576
     # The default: the residual output layer alone (no middle layers, so no readout is needed).
-    assert model.faast_config.output_target == "residual" and len(model.memory_layers) == 0
+    assert isinstance(model.faast_config.output, ResidualOutput) and len(model.memory_layers) == 0
     text = "def handler(self, event):\n    return self._loop"
     x = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
     with model.disable_faast():
@@ -95,5 +97,6 @@ def test_the_shipped_readout_loads_with_its_middle_layers():
     from faast.hf.default import DEFAULT_READOUT, load_default_model
 
     model, _ = load_default_model(readout=DEFAULT_READOUT)
-    assert model.faast_config.layers == [4, 8, 12, 17, 21, 25] and model.faast_config.output_target == "residual"
+    assert model.faast_config.middle.layers == [4, 8, 12, 17, 21, 25]
+    assert isinstance(model.faast_config.output, ResidualOutput)
     assert all(torch.count_nonzero(layer.readout.weight) > 0 for layer in model.memory_layers.values())

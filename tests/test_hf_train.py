@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from faast.hf import FaastConfig, MemoryLayer, apply_faast, corpus
+from faast.hf import FaastConfig, MemoryLayer, MiddleLayers, Regulariser, apply_faast, corpus
 from faast.hf.train import TrainConfig, end_training_step, lr_factor, train_readout, training_step
 from hf_models import VOCAB, CharTokenizer, tiny_model
 from tolerances import rel
@@ -23,7 +23,9 @@ def fixed_batch(seed=0, batch=4, seq=24):
 def test_gradients_flow_through_t_with_the_filtered_inverse_constant():
     torch.manual_seed(0)
     d, alpha, gamma = 8, 0.5, 0.9
-    layer = MemoryLayer(d, FaastConfig(alpha=alpha, dropout=0.0), index=0)
+    layer = MemoryLayer(
+        d, FaastConfig(middle=MiddleLayers(dropout=0.0), regulariser=Regulariser(alpha=alpha)), index=0
+    )
     with torch.no_grad():
         layer.readout.weight.normal_(0, 0.3)
         layer.scorer.weight.normal_(0, 0.3)
@@ -67,7 +69,7 @@ def test_gradients_flow_through_t_with_the_filtered_inverse_constant():
 
 
 def test_a_training_run_decreases_the_loss_on_a_fixed_batch():
-    model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=2, dropout=0.0))
+    model = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(num_layers=2, dropout=0.0)))
     batch = fixed_batch()
     scorer_before = [layer.scorer.weight.detach().clone() for layer in model.memory_layers.values()]
     history = train_readout(model, [batch] * 25, TrainConfig(steps=25, lr=1e-2, warmup_steps=2, log_every=5))
@@ -82,7 +84,9 @@ def test_a_training_run_decreases_the_loss_on_a_fixed_batch():
 
 
 def test_training_in_bf16_keeps_fp32_master_weights():
-    model = apply_faast(tiny_model("qwen2").to(torch.bfloat16), FaastConfig(num_layers=1, dropout=0.0))
+    model = apply_faast(
+        tiny_model("qwen2").to(torch.bfloat16), FaastConfig(middle=MiddleLayers(num_layers=1, dropout=0.0))
+    )
     history = train_readout(model, [fixed_batch()] * 8, TrainConfig(steps=8, lr=1e-2, warmup_steps=1))
     layer = next(iter(model.memory_layers.values()))
     assert layer.readout.weight.dtype == torch.float32
@@ -94,7 +98,9 @@ def test_readout_training_keeps_the_models_precision_whatever_learn_dtype_says()
     # learn_dtype is for learn() only: a training step's differentiable pass is never autocast.
     losses = {}
     for learn_dtype in ("model", "bfloat16"):
-        model = apply_faast(tiny_model("llama"), FaastConfig(num_layers=1, dropout=0.0, learn_dtype=learn_dtype))
+        model = apply_faast(
+            tiny_model("llama"), FaastConfig(middle=MiddleLayers(num_layers=1, dropout=0.0), learn_dtype=learn_dtype)
+        )
         loss = training_step(model, fixed_batch(), discount=1.0)
         loss.backward()
         layer = next(iter(model.memory_layers.values()))
@@ -108,10 +114,10 @@ def test_resuming_from_a_checkpoint_gives_the_uninterrupted_result(tmp_path):
     batches = [fixed_batch(seed=s) for s in range(6)]
     config = dict(steps=6, lr=1e-2, warmup_steps=1, checkpoint_every=3)
 
-    straight = apply_faast(tiny_model("gpt2"), FaastConfig(num_layers=2))
+    straight = apply_faast(tiny_model("gpt2"), FaastConfig(middle=MiddleLayers(num_layers=2)))
     train_readout(straight, batches, TrainConfig(**config, checkpoint_dir=str(tmp_path / "a")))
 
-    crashed = apply_faast(tiny_model("gpt2"), FaastConfig(num_layers=2))
+    crashed = apply_faast(tiny_model("gpt2"), FaastConfig(middle=MiddleLayers(num_layers=2)))
 
     def stream(start):  # dies after the step-3 checkpoint
         for i, b in enumerate(batches[start:], start):
@@ -121,7 +127,7 @@ def test_resuming_from_a_checkpoint_gives_the_uninterrupted_result(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         train_readout(crashed, stream, TrainConfig(**config, checkpoint_dir=str(tmp_path / "b")))
-    resumed = apply_faast(tiny_model("gpt2"), FaastConfig(num_layers=2))
+    resumed = apply_faast(tiny_model("gpt2"), FaastConfig(middle=MiddleLayers(num_layers=2)))
     history = train_readout(
         resumed, lambda start: iter(batches[start:]), TrainConfig(**config, checkpoint_dir=str(tmp_path / "b"))
     )

@@ -145,7 +145,7 @@ def test_malformed_metadata_is_reported(tmp_path, metadata):
 
 def test_every_save_creates_missing_parent_folders_and_loads_back_exactly(tmp_path):
     from faast.checkpoint import load_checkpoint, save_state
-    from faast.hf import FaastConfig, apply_faast
+    from faast.hf import FaastConfig, MiddleLayers, apply_faast
     from hf_models import tiny_model
 
     memory = FastWeights(6, 2, dtype=torch.float64)
@@ -159,7 +159,7 @@ def test_every_save_creates_missing_parent_folders_and_loads_back_exactly(tmp_pa
     fresh.memory = FastWeights(6, 2, dtype=torch.float64)
     load_checkpoint(state, fresh)
     assert torch.equal(fresh.memory.cross, memory.cross)
-    model = apply_faast(tiny_model("llama"), FaastConfig(layers=[1]))
+    model = apply_faast(tiny_model("llama"), FaastConfig(middle=MiddleLayers(layers=[1])))
     model.learn(torch.randint(3, 60, (2, 12)))
     model.save_pretrained(tmp_path / "e" / "adapter")
     fast = model.save_fast_weights(tmp_path / "f" / "g" / "fw.safetensors")

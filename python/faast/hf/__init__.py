@@ -3,12 +3,14 @@
 `apply_faast(model, config)` attaches memory layers to a frozen causal LM (the decoder types of
 faast.hf.targets.TARGETS, others through discovery) by hooking its own modules (no copied modeling code); the
 returned model learns from text in forward passes (`learn`), and `generate` reads the fast weights.
-`FaastConfig(target_modules=...)` puts a memory on any module, PEFT-style (an encoder's classification head, an LM
-head: faast.hf.modules), and `apply_faast_to_peft` does the same inside a PEFT model (faast.hf.peft_method).
+FaastConfig groups the settings: `output` (ResidualOutput, the default; EmbeddingOutput, the paper's; or None),
+`middle` (MiddleLayers, an opt-in) and `regulariser` (Regulariser). `FaastConfig(target_modules=...)` puts a memory
+on any module, PEFT-style (an encoder's classification head, an LM head: faast.hf.modules), and
+`apply_faast_to_peft` does the same inside a PEFT model (faast.hf.peft_method).
 transformers is imported only by the functions that load models (faast.hf.default), not by importing this package.
 """
 
-from .config import FaastConfig
+from .config import EmbeddingOutput, FaastConfig, MiddleLayers, Regulariser, ResidualOutput
 from .layers import MemoryLayer, OutputMemoryLayer
 from .model import FaastModel, LearnStats, apply_faast, from_pretrained
 from .modules import FaastModuleModel
@@ -26,12 +28,16 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy: `python -m faast.hf.train` m
 
 __all__ = [
     "TARGETS",
+    "EmbeddingOutput",
     "FaastConfig",
     "FaastModel",
     "FaastModuleModel",
     "LearnStats",
     "MemoryLayer",
+    "MiddleLayers",
     "OutputMemoryLayer",
+    "Regulariser",
+    "ResidualOutput",
     "TrainConfig",
     "apply_faast",
     "apply_faast_to_peft",

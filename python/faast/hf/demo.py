@@ -87,8 +87,9 @@ def _load_model(args: argparse.Namespace) -> tuple[object, object]:
         for layer in model.faast_layers():
             layer.memory.alpha = alpha
     cfg = model.faast_config
-    middle = f"memory layers before blocks {cfg.layers} + " if cfg.layers else ""
-    print(f"model      SmolLM2-135M-Instruct (GGUF Q4_1 dequantised), frozen; {middle}the {cfg.output_target} "
+    middle = f"memory layers before blocks {cfg.middle.layers} + " if cfg.middle is not None else ""
+    output = "no" if cfg.output is None else f"the {cfg.output.kind}"
+    print(f"model      SmolLM2-135M-Instruct (GGUF Q4_1 dequantised), frozen; {middle}{output} "
           f"output layer (loaded in {time.perf_counter() - started:.0f} s)")  # fmt: skip
     return model, tokenizer
 
@@ -152,8 +153,8 @@ def _learn_and_score(model: object, args: argparse.Namespace, learn_ids: list[li
         "solve_seconds": solve_s,
         "state_bytes": state,
         "stored_keys_bytes_bf16": keys_bf16,
-        "layers": cfg.layers,
-        "alpha": args.alpha or cfg.alpha,
+        "layers": [] if cfg.middle is None else cfg.middle.layers,
+        "alpha": args.alpha or cfg.regulariser.alpha,
     }
 
 

@@ -5,7 +5,7 @@ head), so no modeling code is copied. Outside learning a hook reads its layer (h
 (`ModelHooks.learning`) the hooks only capture: each middle layer's pairs go into the pass's BankCapture, and the
 output layer's inputs into `LearnPass.output_rows`; the learning loop adds every statistic after the pass.
 
-The residual output layer can read keys wider than h̃ (FaastConfig.output_key_layers): the RMS-normalised inputs of
+The residual output layer can read keys wider than h̃ (ResidualOutput.key_layers): the RMS-normalised inputs of
 early blocks, taken by pre-hooks registered before the middle layers' hooks on the same block, so they see the input
 before a middle layer changes it (hooks run in registration order).
 """
@@ -62,7 +62,7 @@ class ModelHooks:
         blocks: its transformer blocks; final_norm: its final norm.
         middle_layers: block index -> MemoryLayer (read before that block).
         output_layer: the ResidualOutputLayer, the paper's OutputMemoryLayer, or None.
-        key_blocks: the blocks whose inputs widen the residual output layer's keys (FaastConfig.output_key_layers).
+        key_blocks: the blocks whose inputs widen the residual output layer's keys (ResidualOutput.key_layers).
     """
 
     def __init__(
@@ -153,9 +153,9 @@ class ModelHooks:
         if final is not None and final.shape[-2] != rows and not torch.equal(final[..., final.shape[-2] - rows :, :],
                                                                              hidden):  # fmt: skip
             raise ValueError(
-                "logits_to_keep: the output layer's wider keys (FaastConfig.output_key_layers) align the head's rows "
+                "logits_to_keep: the output layer's wider keys (ResidualOutput.key_layers) align the head's rows "
                 "with the last positions of the pass; ask for the last k positions (an int), or use "
-                "output_key_layers=[]"
+                "ResidualOutput(key_layers=[])"
             )
         if any(s is None or s.shape[:-2] != hidden.shape[:-2] or s.shape[-2] < rows for s in states):
             got = [None if s is None else list(s.shape) for s in states]

@@ -20,7 +20,7 @@ from .. import ops
 from ..memory import FastWeights
 from .bank import LayerMemory, MemoryBank
 from .capture import next_token_pairs, scored_cross
-from .config import FaastConfig
+from .config import EmbeddingOutput, FaastConfig, MiddleLayers
 
 
 def _keep_dtype(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -34,8 +34,14 @@ def _keep_dtype(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.T
 
 
 def memory_options(config: FaastConfig) -> dict:
-    """The FastWeights arguments a FaastConfig sets for every memory it builds: alpha, ridge and compute_dtype."""
-    return {"alpha": config.alpha, "ridge": config.ridge, "compute_dtype": getattr(torch, config.compute_dtype)}
+    """The FastWeights arguments a FaastConfig sets for every memory but the residual output layer's: the
+    regulariser's alpha and ridge, and compute_dtype."""
+    regulariser = config.regulariser
+    return {
+        "alpha": regulariser.alpha,
+        "ridge": regulariser.ridge,
+        "compute_dtype": getattr(torch, config.compute_dtype),
+    }
 
 
 def _memory(dim_key: int, dim_value: int, config: FaastConfig, device: torch.device | None) -> FastWeights:
@@ -59,7 +65,7 @@ class MemoryLayer(nn.Module):
 
     Args:
         hidden_size: d, the width of the hidden states.
-        config: the FaastConfig (alpha, ridge, compute_dtype, scorer, dropout).
+        config: the FaastConfig: its middle (MiddleLayers: scorer, dropout), regulariser and compute_dtype.
         index: the block it sits before.
         device: where its parameters (and its own bank) go.
         bank, slot: the MemoryBank shared by the model's middle layers and this layer's slot in it. Without a bank
@@ -84,6 +90,8 @@ class MemoryLayer(nn.Module):
         slot: int = 0,
     ):
         super().__init__()
+        if not isinstance(config.middle, MiddleLayers):
+            raise ValueError(f"config: a MemoryLayer needs config.middle = MiddleLayers(...), got {config.middle!r}")
         self.index = index
         if bank is None:
             self.own_bank = memory_bank(hidden_size, 1, config, device)  # registered: moves with the layer
@@ -102,9 +110,11 @@ class MemoryLayer(nn.Module):
         self.readout = nn.Linear(hidden_size, hidden_size, bias=False, device=device, dtype=torch.float32)
         nn.init.zeros_(self.readout.weight)
         self.scorer = (
-            nn.Linear(2 * hidden_size, 1, bias=False, device=device, dtype=torch.float32) if config.scorer else None
+            nn.Linear(2 * hidden_size, 1, bias=False, device=device, dtype=torch.float32)
+            if config.middle.scorer
+            else None
         )
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = nn.Dropout(config.middle.dropout)
         # M = W·P per bank (a model's named memories each have their own bank; a mixed batch reads several).
         self._folded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._step_cross: torch.Tensor | None = None  # this step's differentiable T (readout training)
@@ -224,7 +234,11 @@ class OutputMemoryLayer(nn.Module):
 
     def __init__(self, hidden_size: int, embedding_size: int, config: FaastConfig, device: torch.device | None = None):
         super().__init__()
-        self.mix = float(config.output_mix)
+        if not isinstance(config.output, EmbeddingOutput):
+            raise ValueError(
+                f"config: an OutputMemoryLayer needs config.output = EmbeddingOutput(...), got {config.output!r}"
+            )
+        self.mix = float(config.output.mix)
         self.memory = _memory(hidden_size, embedding_size, config, device)
         self._weights: tuple[tuple, torch.Tensor | None] | None = None
 

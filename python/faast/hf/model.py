@@ -16,6 +16,7 @@ is one batched eigendecomposition.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from .._version import __version__
 from ..memory import FastWeights
 from . import persistence
 from .base import CONFIG_NAME, WRAPPED_BASE_MODELS, BaseModelDelegate, eval_mode, freeze
-from .config import FaastConfig
+from .config import EmbeddingOutput, FaastConfig, ResidualOutput
 from .hooks import ModelHooks
 from .inputs import batches, describe, learn_items, learn_source
 from .layers import MemoryLayer, OutputMemoryLayer, memory_bank
@@ -65,25 +66,29 @@ class FaastModel(NamedMemories, BaseModelDelegate):
         backbone = get_submodule(base_model, target.backbone, "decoder backbone")
         hidden = int(base_model.config.hidden_size)
         embeddings = base_model.get_input_embeddings()
-        if config.output_layer and config.output_target == "embedding" and embeddings.embedding_dim != hidden:
+        if isinstance(config.output, EmbeddingOutput) and embeddings.embedding_dim != hidden:
             raise ValueError(
                 f"model: the output memory layer needs input embeddings of the hidden size {hidden}, got "
-                f"{embeddings.embedding_dim}; use FaastConfig(output_layer=False)"
+                f"{embeddings.embedding_dim}; use FaastConfig(output=None)"
             )
         num_params = sum(p.numel() for p in base_model.parameters())
         indices = config.block_indices(len(blocks), num_params)
         key_blocks = config.output_key_blocks(len(blocks))
-        self.faast_config = FaastConfig.from_dict(
-            {
-                **config.to_dict(),
-                "layers": indices,
-                "output_key_layers": key_blocks,
-                "model_type": base_model.config.model_type,
-                "hidden_size": hidden,
-                "num_hidden_layers": len(blocks),
-                "faast_version": __version__,
-            }
-        )
+        # The configuration as built: the blocks chosen and the output keys resolved, so a saved readout reloads
+        # onto the same layers whatever rule picked them. Its groups are copies: changing the caller's config later
+        # must not change the model's record.
+        middle, output = config.middle, config.output
+        if middle is not None:
+            middle = dataclasses.replace(middle, **({"layers": indices} if indices else {}))
+        if output is not None:
+            output = dataclasses.replace(
+                output, **({"key_layers": key_blocks} if isinstance(output, ResidualOutput) else {})
+            )
+        self.faast_config = dataclasses.replace(
+            config, middle=middle, output=output, regulariser=dataclasses.replace(config.regulariser),
+            model_type=base_model.config.model_type, hidden_size=hidden, num_hidden_layers=len(blocks),
+            faast_version=__version__,
+        )  # fmt: skip
         device = next(base_model.parameters()).device
         self.base_model = base_model
         freeze(base_model)
@@ -95,19 +100,19 @@ class FaastModel(NamedMemories, BaseModelDelegate):
             }
         )
         self.output_memory_layer: OutputMemoryLayer | ResidualOutputLayer | None = None
-        if config.output_layer and config.output_target == "residual":
+        if isinstance(config.output, ResidualOutput):
             head = residual_head(base_model, target)  # scaled when the type scales its logits (targets.py)
             if head is None or getattr(head, "weight", None) is None or head.weight.shape[-1] != hidden:
                 raise ValueError(
                     f"model: the residual output layer needs an LM head (get_output_embeddings()) reading the hidden"
-                    f" size {hidden}; use FaastConfig(output_target='embedding') or output_layer=False"
+                    f" size {hidden}; use FaastConfig(output=EmbeddingOutput()) or output=None"
                 )
             vocab = head.weight.shape[0]
             self.output_memory_layer = ResidualOutputLayer(
                 hidden, vocab, self.faast_config, device=device, extra_key_size=hidden * len(key_blocks)
             )
             self.output_memory_layer.attach_head(head)
-        elif config.output_layer:
+        elif config.output is not None:
             self.output_memory_layer = OutputMemoryLayer(hidden, hidden, self.faast_config, device=device)
         self.faast_hooks = ModelHooks(
             base_model, blocks, final_norm, {int(k): v for k, v in self.memory_layers.items()},
@@ -532,8 +537,9 @@ def from_pretrained(base_model: nn.Module, directory: str | Path, **overrides: o
     """Apply the FaastConfig saved in `directory` to `base_model` and load its readout and scorer weights, and what
     it had learned when save_pretrained wrote its memories (all or nothing: on any error the base model is restored).
 
-    `overrides` replace fields of the saved configuration (e.g. output_target='embedding', alpha=0.8); fields that
-    fix the readout's shape (layers, scorer, output_layer) must match what was saved.
+    `overrides` replace fields of the saved configuration (e.g. output=EmbeddingOutput(),
+    regulariser=Regulariser(alpha=0.8)); what fixes the readout's shape (the middle layers' blocks and scorer, whether
+    there is an output layer) must match what was saved.
     """
     directory = Path(directory)
     path = directory / CONFIG_NAME
@@ -541,7 +547,7 @@ def from_pretrained(base_model: nn.Module, directory: str | Path, **overrides: o
         raise FileNotFoundError(f"directory: no {CONFIG_NAME} in {directory} (write one with save_pretrained)")
     config = FaastConfig.load(path)
     if overrides:
-        config = FaastConfig.from_dict({**config.to_dict(), **overrides})
+        config = dataclasses.replace(config, **overrides)
     model = apply_faast(base_model, config)
     for name in ("model_type", "hidden_size", "num_hidden_layers"):
         if getattr(config, name) is not None and getattr(config, name) != getattr(model.faast_config, name):

@@ -14,6 +14,7 @@ untouched, bit for bit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -227,7 +228,7 @@ class ModuleMemories(nn.ModuleDict):
 
     Args:
         model: the model whose modules are hooked (not registered here: its weights are not this module's).
-        config: FaastConfig with target_modules (None attaches nothing), module_fit, alpha, ridge, compute_dtype.
+        config: FaastConfig with target_modules (None attaches nothing), module_fit, regulariser, compute_dtype.
         enabled: asked on every forward; False passes every target module's output through (disable_faast).
     """
 
@@ -383,7 +384,7 @@ def wants_module_model(model: nn.Module, config: FaastConfig) -> bool:
     """Whether apply_faast attaches module memories only (FaastModuleModel): target_modules are set, no middle
     layers are asked for and the model is not a language model (no entry in faast.hf.targets and no output
     embeddings, e.g. an encoder classifier). A causal LM gets a FaastModel, which carries module memories too."""
-    if config.target_modules is None or config.num_layers != 0 or config.layers:
+    if config.target_modules is None or config.middle is not None:
         return False
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     get_head = getattr(model, "get_output_embeddings", None)
@@ -395,7 +396,7 @@ class FaastModuleModel(BaseModelDelegate):
 
     Attributes:
         base_model: the wrapped model (frozen); calls go to it with the hooks active.
-        faast_config: the FaastConfig (output_layer recorded False: no LM layers are attached).
+        faast_config: the FaastConfig (output and middle recorded None: no LM layers are attached).
         module_memories: ModuleMemories.
     """
 
@@ -403,16 +404,10 @@ class FaastModuleModel(BaseModelDelegate):
         super().__init__()
         if config.target_modules is None:
             raise ValueError("config: FaastModuleModel needs FaastConfig(target_modules=...)")
-        self.faast_config = FaastConfig.from_dict(
-            {
-                **config.to_dict(),
-                "output_layer": False,
-                "num_layers": 0,
-                "layers": [],
-                "model_type": getattr(getattr(base_model, "config", None), "model_type", None),
-                "faast_version": __version__,
-            }
-        )
+        self.faast_config = dataclasses.replace(
+            config, output=None, middle=None, regulariser=dataclasses.replace(config.regulariser),
+            model_type=getattr(getattr(base_model, "config", None), "model_type", None), faast_version=__version__,
+        )  # fmt: skip
         self.base_model = base_model
         freeze(base_model)
         self._disabled = 0

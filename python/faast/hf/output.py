@@ -11,7 +11,7 @@ with W = S⁺ T (C/N + δ·mean(diag)·I)⁻¹. W is one Newton step on the log-
 linear correction h̃W, with a Kronecker-factored curvature (keys' Gram ⊗ the head's Fisher): S⁺T alone is the
 gradient step, the Fisher whitens it so that directions where the logits are sensitive move less.
 
-The keys can be wider than h̃: with FaastConfig.output_key_layers, FaastModel appends the RMS-normalised inputs of
+The keys can be wider than h̃: with ResidualOutput.key_layers, FaastModel appends the RMS-normalised inputs of
 early blocks (`key_state`), k = [h̃; x̂_ℓ], S = Σ k kᵀ and the correction is kW [2d → d]. The h̃ block of S and T is
 exactly the narrower statistics, so the solve uses the full keys only once enough text is fitted and they predict the
 held-out tail better (docs/design.md §6.3). The model reads
@@ -46,14 +46,15 @@ from ..accumulator import Accumulator
 from ..hardware import native_bf16
 from ..memory import FastWeights
 from . import output_tuning as tuning
-from .config import FaastConfig
+from .config import FaastConfig, ResidualOutput
+from .mixture import mixture_logits
 from .output_tuning import HeldOutTail, Logits
 
 _log = logging.getLogger("faast.hf")
 
 # η when it cannot be tuned (too little text learned, nothing saved), per space, and λ when it is 'auto' and cannot be
 # tuned: chosen on the validation domains after 2K tokens, for probability space at the default weight 0.5 (docs/
-# design.md §6.3). output_default_step / output_default_weight override them.
+# design.md §6.3). ResidualOutput.default_step / default_weight override them.
 DEFAULT_STEP = {"logit": 0.015, "probability": 0.03}
 DEFAULT_WEIGHT = 0.5
 KEY_STATE_EPS = 1e-6  # key_state's guard against an all-zero state
@@ -71,28 +72,24 @@ def _head_logits(head: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | N
 
 
 def _mixture_logits(z: torch.Tensor, dz: torch.Tensor, lam: float) -> torch.Tensor:
-    """log((1 − λ)·softmax(z) + λ·softmax(z + dz)) [n, V] for logits z and their change dz [n, V] (left unchanged):
-    log p0 + log(1 − λ) + softplus(dz − c + log(λ / (1 − λ))) with c = lse(z + dz) − lse(z),
-    stable (softplus is linear above 20) and one transcendental pass instead of two log-softmaxes and a logaddexp."""
+    """log((1 − λ)·softmax(z) + λ·softmax(z + dz)) [n, V] for logits z and their change dz [n, V] (mixture.py)."""
     if lam >= 1.0:
         return torch.log_softmax(z + dz, -1)
-    lse0 = torch.logsumexp(z, -1, keepdim=True)
-    shift = torch.logsumexp(z + dz, -1, keepdim=True) - lse0 - math.log(lam / (1.0 - lam))
-    return torch.nn.functional.softplus(dz - shift) + (z - lse0) + math.log1p(-lam)
+    return mixture_logits(z, dz, math.log(lam / (1.0 - lam)), math.log1p(-lam))
 
 
 def key_state(hidden: torch.Tensor) -> torch.Tensor:
     """hidden [..., d] (a block's input) scaled to unit root-mean-square per position, in hidden's dtype: the part of
-    the residual output layer's keys FaastConfig.output_key_layers adds. Normalised like the final norm's output (no
+    the residual output layer's keys ResidualOutput.key_layers adds. Normalised like the final norm's output (no
     learned scale), so that the Gram's blocks have comparable scales."""
     x = hidden if hidden.dtype == torch.float64 else hidden.float()
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + KEY_STATE_EPS)).to(hidden.dtype)
 
 
 def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
-    """The dtype of the head products learning takes for keys [.., d] under output_head_dtype `setting`: 'auto' is
-    bfloat16 on a CUDA device or CPU that multiplies it natively and float32 otherwise, and float32 for float64 keys
-    (kept exact, as the tests' references are)."""
+    """The dtype of the head products learning takes for keys [.., d] under ResidualOutput.head_dtype `setting`:
+    'auto' is bfloat16 on a CUDA device or CPU that multiplies it natively and float32 otherwise, and float32 for
+    float64 keys (kept exact, as the tests' references are)."""
     if setting != "auto":
         return getattr(torch, setting)
     if keys.dtype == torch.float64:
@@ -152,7 +149,7 @@ class ResidualOutputLayer(nn.Module):
         token_mass: Accumulator whose `probability` [V] sums p_t. Together they give the head's Fisher
             Σ_t Cov_{p_t}(H) = Hᵀ diag(Σ p) H − Σ μ μᵀ; faast.distributed and checkpoints sum and store them like
             the memory.
-        space: 'probability' or 'logit' (FaastConfig.output_space).
+        space: 'probability' or 'logit' (ResidualOutput.space).
         step: 'auto' (tuned on the held-out tail at each solve) or a fixed η.
         weight: the mixture weight λ in probability space: 'auto' (tuned with η) or a fixed number in [0, 1].
         damping: δ, added as δ·mean(diag(C/N))·I before inverting the curvature.
@@ -170,26 +167,31 @@ class ResidualOutputLayer(nn.Module):
     ):
         super().__init__()
         d = hidden_size
+        output = config.output
+        if not isinstance(output, ResidualOutput):
+            raise ValueError(
+                f"config: a ResidualOutputLayer needs config.output = ResidualOutput(...), got {output!r}"
+            )
         if not isinstance(extra_key_size, int) or extra_key_size < 0:
             raise ValueError(f"extra_key_size: expected an int >= 0, got {extra_key_size!r}")
         self.hidden_size, self.extra_key_size = d, extra_key_size
         compute = torch.float32 if config.compute_dtype == "float32" else torch.float64
         # Keys [h̃; x] of width d + extra_key_size (x: the states FaastModel adds, key_state of early blocks' inputs);
         # values stay the d-wide gradients.
-        self.memory = FastWeights(d + extra_key_size, d, alpha=config.output_alpha, compute_dtype=compute,
+        self.memory = FastWeights(d + extra_key_size, d, alpha=output.alpha, compute_dtype=compute,
                                   device=device)  # fmt: skip
         # The Fisher Σ_t Cov_{p_t}(H) = Hᵀ diag(Σ_t p_t) H − Σ_t μ_t μ_tᵀ is kept as its two sums; the V×d×d
         # product is formed once per solve.
         self.curvature = Accumulator({"gram": (d, d)}, device=device)
         self.token_mass = Accumulator({"probability": (vocab_size,)}, device=device)
-        self.step, self.damping = config.output_step, float(config.output_damping)
-        self.space, self.weight = config.output_space, config.output_weight
-        default_step = config.output_default_step
+        self.step, self.damping = output.step, float(output.damping)
+        self.space, self.weight = output.space, output.weight
+        default_step = output.default_step
         self.default_step = float(DEFAULT_STEP[self.space] if default_step is None else default_step)
-        default_weight = config.output_default_weight
+        default_weight = output.default_weight
         self.default_weight = float(DEFAULT_WEIGHT if default_weight is None else default_weight)
-        self.tune_tokens = config.output_tune_tokens
-        self.head_dtype = config.output_head_dtype
+        self.tune_tokens = output.tune_tokens
+        self.head_dtype = output.head_dtype
         # The held-out tail: the last tune_tokens learned positions (h̃ [n, d] float32, y [n], mask [n]). Learning
         # state of this process (not saved): after a load, step='auto' uses default_step until more text is learned.
         self.held_out = HeldOutTail(self.tune_tokens)
@@ -583,8 +585,9 @@ class ResidualOutputLayer(nn.Module):
             # One GEMM per READ_CHUNK rows (as much work as the head itself), then the elementwise mixture in blocks.
             dz = ((rows_h[i : i + READ_CHUNK].to(m.dtype) @ m).to(head_dtype) @ weight.T).to(compute)
             for j, dz_rows in zip(range(i, i + dz.shape[0], mix_rows), dz.split(mix_rows), strict=True):
-                parts.append((_mixture_logits(rows_z[j : j + MIX_ROWS].to(compute) * scale, dz_rows, lam) / scale)
-                             .to(logits.dtype))  # fmt: skip
+                z_rows = rows_z[j : j + dz_rows.shape[0]].to(compute)
+                mixed = _mixture_logits(z_rows * scale if scale != 1.0 else z_rows, dz_rows, lam)
+                parts.append((mixed / scale if scale != 1.0 else mixed).to(logits.dtype))
         return torch.cat(parts).reshape(logits.shape)
 
     def tail_capacity_bytes(self) -> int:

@@ -30,9 +30,10 @@ MIN_FIT_TOKENS = 256
 # suits other files and doubled their perplexity, while three validation domains lost at most 2.4% by not stepping
 # (docs/design.md §6.3).
 FIT_PER_KEY_DIM = 4
-# With output_tune_tokens above TUNE_SAMPLE, the held-out NLL is evaluated on TUNE_SAMPLE positions spread evenly over
-# the held-out span (the fit still leaves out all of it): bounds the cost of the [n, V] logits. A longer span is not
-# better by default: 8192 chose a better step than 2048 on one domain and a worse one on another (docs/design.md §6.3).
+# With ResidualOutput.tune_tokens above TUNE_SAMPLE, the held-out NLL is evaluated on TUNE_SAMPLE positions spread
+# evenly over the held-out span (the fit still leaves out all of it): bounds the cost of the [n, V] logits. A longer
+# span is not better by default: 8192 chose a better step than 2048 on one domain and a worse one on another
+# (docs/design.md §6.3).
 TUNE_SAMPLE = 2048
 # The fit that tunes the step also leaves out up to GAP_MULTIPLE × (held-out positions) of the tail's document just
 # before the tail: nearby text of the same document shares its names and phrasing (docs/design.md §6.3).
@@ -170,7 +171,7 @@ def held_out_nll(logits: Logits, eta: float, lam: float) -> float:
 
 def tune_mixture(logits: Logits, step: float | None = None) -> tuple[float, float, list[tuple[float, float, float]]]:
     """(η, λ) minimising the mean NLL of targets ys [n] under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1), with
-    η held at `step` when not None (output_weight='auto'). For each η the NLL is convex in λ (bisection of its
+    η held at `step` when not None (ResidualOutput.weight='auto'). For each η the NLL is convex in λ (bisection of its
     derivative); η is searched on a geometric grid, then by golden section on log η around the best grid point.
     Returns (η, λ, [(η_i, λ_i, NLL_i)] sorted by η); (0, 0) when no mixture helps (`significant`). logits: the
     held-out logits (`Logits`)."""

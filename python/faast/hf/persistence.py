@@ -4,7 +4,9 @@
 Every file is written atomically and read back verified (faast.persist). Nothing of the base model is written.
 
 - The adapter folder: `faast_config.json` (the FaastConfig) and `faast_adapter.safetensors` (each middle layer's
-  readout and scorer, float32), whose metadata repeats the configuration so a folder is checked as a whole.
+  readout and scorer, float32), whose metadata repeats the configuration so a folder is checked as a whole. Since
+  adapter format 2 the metadata records the configuration's `config_version`; format-1 files hold version 1 (the
+  flat layout of faast 0.1).
 - The fast-weights file: a faast.Checkpoint file (faast.checkpoint) of every piece of learned state, in the
   per-layer layout (one d×d memory per middle layer, `memory_layers.<block>.memory`, then the output layer's and the
   module memories'), so files written before the middle layers shared one bank and files written now are
@@ -31,7 +33,7 @@ from ..checkpoint import load_checkpoint, save_state
 from ..memory import FastWeights
 from ..persist import read_verified, write_atomic, write_text_atomic
 from .base import CONFIG_NAME
-from .config import FaastConfig
+from .config import CONFIG_VERSION, FaastConfig
 from .output import ResidualOutputLayer
 
 WEIGHTS_NAME = "faast_adapter.safetensors"
@@ -44,9 +46,22 @@ MANIFEST_FORMAT = "faast.hf.saved"
 MANIFEST_VERSION = 2
 _BASE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
 FORMAT = "faast.hf.adapter"
-FORMAT_VERSION = 1
-# What a saved adapter must share with the model it is loaded into (the rest may be overridden at load).
-_ADAPTER_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "layers", "scorer", "output_layer")
+FORMAT_VERSION = 2
+
+
+def _adapter_shape(config: FaastConfig) -> dict:
+    """What a saved adapter must share with the model it is loaded into (the rest may be overridden at load): the
+    base model's shape, the middle layers' blocks and scorer (their trained tensors), whether there is an output
+    layer."""
+    middle = config.middle
+    return {
+        "model_type": config.model_type,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "middle.layers": [] if middle is None else middle.layers,
+        "middle.scorer": None if middle is None else middle.scorer,
+        "output layer": config.output is not None,
+    }
 
 
 def _adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -178,6 +193,7 @@ def save_pretrained(model: nn.Module, directory: str | Path) -> Path:
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
         "faast_version": __version__,
+        "config_version": str(CONFIG_VERSION),
         "config": model.faast_config.to_json(),
     }
     write_atomic(directory / WEIGHTS_NAME, _adapter_tensors(model), metadata)
@@ -191,15 +207,18 @@ def load_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
     tensors, metadata = read_verified(path)
     if metadata.get("format") != FORMAT:
         raise ValueError(f"{path}: not a {FORMAT} file (format={metadata.get('format')!r})")
-    if int(metadata.get("format_version", "0")) > FORMAT_VERSION:
+    try:
+        version = int(metadata.get("format_version", "0"))
+        config_version = 1 if version < 2 else int(metadata["config_version"])
+    except (KeyError, ValueError):
+        raise ValueError(f"{path}: format_version / config_version: expected ints in the metadata") from None
+    if version > FORMAT_VERSION:
         raise ValueError(f"{path}: written by a newer faast; upgrade faast")
-    saved = FaastConfig.from_json(metadata["config"])
-    mine = model.faast_config
-    for name in _ADAPTER_FIELDS:
-        if getattr(saved, name) != getattr(mine, name):
-            raise ValueError(
-                f"{path}: saved for {name}={getattr(saved, name)!r}, this model has {getattr(mine, name)!r}"
-            )
+    saved = _adapter_shape(FaastConfig.from_json(metadata["config"], version=config_version))
+    mine = _adapter_shape(model.faast_config)
+    for name, value in saved.items():
+        if value != mine[name]:
+            raise ValueError(f"{path}: saved for {name}={value!r}, this model has {mine[name]!r}")
     expected = _adapter_tensors(model)
     if set(tensors) != set(expected):
         raise ValueError(f"{path}: expected tensors {sorted(expected)}, found {sorted(tensors)}")

@@ -16,17 +16,16 @@ import torch
 
 from .layers import MemoryLayer, OutputMemoryLayer
 from .memory_store import BASE, StoredMemory
+from .mixture import mixture_logits
 from .output import MIX_ROWS, READ_CHUNK, ResidualOutputLayer
 
 
 def mixture_rows(z: torch.Tensor, dz: torch.Tensor, log_odds: torch.Tensor, log_rest: torch.Tensor,
                  full: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """log((1 − λ)·softmax(z) + λ·softmax(z + dz)) [n, V] with a λ per row, given as log(λ / (1 − λ)) and
-    log(1 − λ) [n, 1] (the formula of faast.hf.output's single-memory read); full [n] bool: rows with λ = 1 (the
-    corrected prediction alone), or None when there are none."""
-    lse0 = torch.logsumexp(z, -1, keepdim=True)
-    shift = torch.logsumexp(z + dz, -1, keepdim=True) - lse0 - log_odds
-    out = torch.nn.functional.softplus(dz - shift) + (z - lse0) + log_rest
+    log(1 − λ) [n, 1]; full [n] bool: rows with λ = 1 (the corrected prediction alone), or None when there are
+    none."""
+    out = mixture_logits(z, dz, log_odds, log_rest)
     if full is not None:
         out = torch.where(full[:, None], torch.log_softmax(z + dz, -1), out)
     return out
@@ -179,8 +178,10 @@ class RowMemories:
             dz = (rows_p[i : i + READ_CHUNK].to(head_dtype) @ weight.T).to(compute)
             for j, dz_rows in zip(range(i, i + dz.shape[0], mix_rows), dz.split(mix_rows), strict=True):
                 rows = slice(j, j + dz_rows.shape[0])
-                mixed = mixture_rows(rows_z[rows].to(compute) * scale, dz_rows, odds_p[rows], rest_p[rows],
-                                     full_p[rows] if any_full else None) / scale  # fmt: skip
+                z_rows = rows_z[rows].to(compute)
+                mixed = mixture_rows(z_rows * scale if scale != 1.0 else z_rows, dz_rows, odds_p[rows], rest_p[rows],
+                                     full_p[rows] if any_full else None)  # fmt: skip
+                mixed = mixed / scale if scale != 1.0 else mixed
                 parts.append(torch.where(none_p[rows][:, None], rows_z[rows], mixed.to(logits.dtype)))
         return torch.cat(parts).reshape(logits.shape)
 

@@ -171,7 +171,7 @@ def residual_head(model: nn.Module, target: Target) -> nn.Module | ScaledHead | 
     (softcapping, or an unknown transform found by discovery) is refused: the layer's p and its Newton step would be
     those of another model."""
     model_type = model.config.model_type
-    fix = "use FaastConfig(output_target='embedding') or output_layer=False"
+    fix = "use FaastConfig(output=EmbeddingOutput()) or output=None"
     cap = None if target.logit_softcap is None else getattr(model.config, target.logit_softcap, None)
     if cap is not None:
         raise ValueError(

@@ -146,7 +146,7 @@ def save_training_checkpoint(
     final = directory / f"step-{step:08d}"
     tmp = directory / f".step-{step:08d}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, memories=False)  # the training-time memory is the one file beside it
         model.save_fast_weights(tmp / FAST_WEIGHTS)
         state = {
             "step": step,
@@ -363,7 +363,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from . import corpus
-    from .config import FaastConfig
+    from .config import EmbeddingOutput, FaastConfig, MiddleLayers, Regulariser, ResidualOutput
     from .default import load_base_model
     from .model import apply_faast
 
@@ -372,10 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     base, tokenizer, name = load_base_model(args.model, gguf_file=args.gguf_file, dtype=getattr(torch, args.dtype))
+    output = {"embedding": EmbeddingOutput, "residual": ResidualOutput}[args.output_target]()
     config = FaastConfig(
-        num_layers=args.num_layers, layers=args.layers, alpha=args.alpha, output_layer=not args.no_output_layer,
-        output_target=args.output_target, base_model=name,
-    )  # fmt: skip
+        output=None if args.no_output_layer else output,
+        middle=MiddleLayers(num_layers=args.num_layers, layers=args.layers),
+        regulariser=Regulariser(alpha=args.alpha),
+        base_model=name,
+    )
     model = apply_faast(base, config)
     train_config = TrainConfig(
         steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps, discount=args.discount,
