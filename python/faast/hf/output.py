@@ -47,7 +47,7 @@ from ..hardware import native_bf16
 from ..memory import FastWeights
 from . import output_tuning as tuning
 from .config import FaastConfig, ResidualOutput
-from .mixture import mixture_logits
+from .mixture import read_blocks
 from .output_tuning import HeldOutTail, Logits
 
 _log = logging.getLogger("faast.hf")
@@ -69,13 +69,6 @@ def _head_logits(head: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | N
     logits = (hidden.to(weight.dtype) @ weight.T).float()
     bias = getattr(head, "bias", None)
     return logits if bias is None else logits + bias.float()
-
-
-def _mixture_logits(z: torch.Tensor, dz: torch.Tensor, lam: float) -> torch.Tensor:
-    """log((1 − λ)·softmax(z) + λ·softmax(z + dz)) [n, V] for logits z and their change dz [n, V] (mixture.py)."""
-    if lam >= 1.0:
-        return torch.log_softmax(z + dz, -1)
-    return mixture_logits(z, dz, math.log(lam / (1.0 - lam)), math.log1p(-lam))
 
 
 def key_state(hidden: torch.Tensor) -> torch.Tensor:
@@ -579,16 +572,11 @@ class ResidualOutputLayer(nn.Module):
         weight = self.head.weight.to(head_dtype)  # the scaled head for a type that scales its logits (ScaledHead)
         rows_h, rows_z = hidden.reshape(-1, hidden.shape[-1]), logits.reshape(-1, logits.shape[-1])
         # On a CPU the mixture's [rows, V] temporaries should stay in cache; on a GPU small blocks only add launches.
-        mix_rows = READ_CHUNK if hidden.device.type == "cuda" else MIX_ROWS
-        parts = []
-        for i in range(0, rows_z.shape[0], READ_CHUNK):
-            # One GEMM per READ_CHUNK rows (as much work as the head itself), then the elementwise mixture in blocks.
-            dz = ((rows_h[i : i + READ_CHUNK].to(m.dtype) @ m).to(head_dtype) @ weight.T).to(compute)
-            for j, dz_rows in zip(range(i, i + dz.shape[0], mix_rows), dz.split(mix_rows), strict=True):
-                z_rows = rows_z[j : j + dz_rows.shape[0]].to(compute)
-                mixed = _mixture_logits(z_rows * scale if scale != 1.0 else z_rows, dz_rows, lam)
-                parts.append((mixed / scale if scale != 1.0 else mixed).to(logits.dtype))
-        return torch.cat(parts).reshape(logits.shape)
+        block = READ_CHUNK if hidden.device.type == "cuda" else MIX_ROWS
+        odds, rest = (0.0, 0.0) if lam >= 1.0 else (math.log(lam / (1.0 - lam)), math.log1p(-lam))
+        out = read_blocks(rows_h.to(m.dtype) @ m, rows_z, weight, compute=compute, scale=scale, log_odds=odds,
+                          log_rest=rest, full=lam >= 1.0, chunk=READ_CHUNK, block=block)  # fmt: skip
+        return out.reshape(logits.shape)
 
     def tail_capacity_bytes(self) -> int:
         """Bytes the held-out buffer takes when full: (1 + GAP_MULTIPLE)·tune_tokens positions (float32 states, int64

@@ -16,19 +16,8 @@ import torch
 
 from .layers import MemoryLayer, OutputMemoryLayer
 from .memory_store import BASE, StoredMemory
-from .mixture import mixture_logits
+from .mixture import read_blocks
 from .output import MIX_ROWS, READ_CHUNK, ResidualOutputLayer
-
-
-def mixture_rows(z: torch.Tensor, dz: torch.Tensor, log_odds: torch.Tensor, log_rest: torch.Tensor,
-                 full: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """log((1 − λ)·softmax(z) + λ·softmax(z + dz)) [n, V] with a λ per row, given as log(λ / (1 − λ)) and
-    log(1 − λ) [n, 1]; full [n] bool: rows with λ = 1 (the corrected prediction alone), or None when there are
-    none."""
-    out = mixture_logits(z, dz, log_odds, log_rest)
-    if full is not None:
-        out = torch.where(full[:, None], torch.log_softmax(z + dz, -1), out)
-    return out
 
 
 class RowMemories:
@@ -158,32 +147,22 @@ class RowMemories:
         stacked, odds, rest, full, none = solved
         index = self.rows(hidden.shape[0], hidden.device)
         keys = hidden if stacked.shape[1] == layer.hidden_size else layer.keys(hidden, extra)
-        # One batched product for every row's memory, then the head GEMM and the mixture in blocks, as the
+        # One batched product for every row's memory; then the head GEMM and the mixture in blocks, as the
         # single-memory read does.
         projected = torch.bmm(keys.to(stacked.dtype), stacked[index])  # [B, T, d]
         positions = logits.shape[1] if logits.dim() == 3 else 1
         per_row = lambda t: t[index].repeat_interleave(positions)  # noqa: E731 - a per-position gather
-        scale = float(getattr(layer.head, "scale", 1.0))
         compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
         head_dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16) else compute
-        weight = layer.head.weight.to(head_dtype)
-        rows_p = projected.reshape(-1, projected.shape[-1])
-        rows_z = logits.reshape(-1, logits.shape[-1])
-        odds_p, rest_p = per_row(odds).to(compute)[:, None], per_row(rest).to(compute)[:, None]
-        full_p, none_p = per_row(full), per_row(none)
-        any_full = bool(full_p.any())
-        mix_rows = READ_CHUNK if hidden.device.type == "cuda" else MIX_ROWS
-        parts = []
-        for i in range(0, rows_z.shape[0], READ_CHUNK):
-            dz = (rows_p[i : i + READ_CHUNK].to(head_dtype) @ weight.T).to(compute)
-            for j, dz_rows in zip(range(i, i + dz.shape[0], mix_rows), dz.split(mix_rows), strict=True):
-                rows = slice(j, j + dz_rows.shape[0])
-                z_rows = rows_z[rows].to(compute)
-                mixed = mixture_rows(z_rows * scale if scale != 1.0 else z_rows, dz_rows, odds_p[rows], rest_p[rows],
-                                     full_p[rows] if any_full else None)  # fmt: skip
-                mixed = mixed / scale if scale != 1.0 else mixed
-                parts.append(torch.where(none_p[rows][:, None], rows_z[rows], mixed.to(logits.dtype)))
-        return torch.cat(parts).reshape(logits.shape)
+        full_p = per_row(full)
+        out = read_blocks(
+            projected.reshape(-1, projected.shape[-1]), logits.reshape(-1, logits.shape[-1]),
+            layer.head.weight.to(head_dtype), compute=compute, scale=float(getattr(layer.head, "scale", 1.0)),
+            log_odds=per_row(odds).to(compute)[:, None], log_rest=per_row(rest).to(compute)[:, None],
+            full=full_p if bool(full_p.any()) else False, keep=per_row(none),
+            chunk=READ_CHUNK, block=READ_CHUNK if hidden.device.type == "cuda" else MIX_ROWS,
+        )  # fmt: skip
+        return out.reshape(logits.shape)
 
 
 def _stack(ms: list[torch.Tensor | None], shape: tuple[int, int], device: torch.device) -> torch.Tensor | None:
