@@ -1,6 +1,6 @@
-"""Test-time learning on five local text domains, every method in the same run (the multi-domain LM benchmark).
+"""Test-time learning on local text domains, every method in the same run (the multi-domain LM benchmark).
 
-    python experiments/lm_domains.py                         # all five domains, 32K learned / 8K scored tokens each
+    python experiments/lm_domains.py                         # the five + two extra domains, 32K learned / 8K scored
     python experiments/lm_domains.py --domains asyncio --learn-tokens 4096 --score-tokens 1024   # a quick look
 
 For each domain of experiments/domains.py (learn files -> held-out files, no file in both) on the embedded default
@@ -13,7 +13,11 @@ For each domain of experiments/domains.py (learn files -> held-out files, no fil
 - FAAST (paper output layer): the middle layers plus the paper's interpolating output layer (the previous default);
 - kNN-LM (k = 1024, λ = 0.25, the paper's settings), also along the curve;
 - LoRA (peft, q/v of every block, 1 epoch) and a linear projection at FAAST's layers (backprop, 1 epoch): the methods
-  a user would otherwise pick, trained on the same tokens (experiments/lm_baselines).
+  a user would otherwise pick, trained on the same tokens (experiments/lm_baselines);
+- the peers tuned as FAAST tunes its step, on the same held-out tail of the learned text (lm_baselines.tuning:
+  faast.hf.output_tuning.tail_plan's split): LoRA-best (learning rate and epochs chosen on the tail, then trained on
+  all the text), LoRA at FAAST's time (as many steps as fit in FAAST's learn + solve time of this run) and the kNN-LM
+  tuned (λ and T chosen on the tail). Their tuning time is recorded apart from their learn time (`tuning_s`).
 Each row records perplexity, learn time, scoring time and the memory the method adds. Results: one JSON (written
 after every domain, so a cut run keeps what it measured), a Markdown report with the per-domain tables, the averages
 and the issue's goals, and the curve plot.
@@ -32,21 +36,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS, ROOT  # noqa: E402
-from domains import DOMAINS, VALIDATION, domain_texts  # noqa: E402
+from domains import DOMAINS, EXTRA, VALIDATION, domain_texts  # noqa: E402
 
 from faast import provenance  # noqa: E402
 
-METHODS = ("default", "narrow", "fp32learn", "logit", "faast", "output", "paper", "knn", "lora", "lora_bf16", "linear")
+METHODS = ("default", "narrow", "fp32learn", "logit", "faast", "output", "paper", "knn", "knn_tuned", "lora",
+           "lora_bf16", "linear", "lora_best", "lora_time")  # fmt: skip
 # "lora_bf16": LoRA with its forward pass under bfloat16 autocast, the precision FAAST's learning pass uses.
 # "fp32learn": the default with its learning pass in float32 (learn_dtype='model': the default before bfloat16).
 # "narrow": the default with the output layer's keys h̃ alone (output_key_layers=[]: the default before wider keys).
 # "logit": the residual output layer read in logit space (the default before probability space), along the curve.
 # "faast" (the shipped middle layers + the residual output layer, both variants along the curve) and "paper" (the
 # paper's output layer) on request: each is one more pass.
-DEFAULT_METHODS = ("default", "narrow", "knn", "lora", "linear")
+# "knn_tuned", "lora_best": the peers tuned on FAAST's held-out tail; "lora_time": LoRA for FAAST's learn + solve time
+# (needs "default", which measures it).
+DEFAULT_METHODS = ("default", "narrow", "fp32learn", "knn", "knn_tuned", "lora", "linear", "lora_best", "lora_time")
 CURVE = (2048, 8192, 32768)
 KNN_CURVE = (32768,)
 RUN_ORDER = ("asyncio", "man", "copyright", "perl", "tkinter")  # code, roff, legal prose, then the rest
+# LoRA for FAAST's time: epochs are only an upper bound (the time budget stops it), high enough never to bind.
+TIME_EPOCHS = 1000
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,9 +63,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--domains",
         nargs="+",
-        choices=(*DOMAINS, *VALIDATION),
-        default=list(RUN_ORDER),
-        help="the benchmark's five (default) or the validation domains settings are chosen on",
+        choices=(*DOMAINS, *EXTRA, *VALIDATION),
+        default=[*RUN_ORDER, *EXTRA],
+        help="default: the benchmark's five, then the extra two chosen after the settings; or the validation domains"
+        " settings are chosen on",
     )
     p.add_argument("--learn-tokens", type=int, default=32768)
     p.add_argument("--score-tokens", type=int, default=8192)
@@ -83,7 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--train-window", type=int, default=256)
     p.add_argument("--train-batch-size", type=int, default=4)
     p.add_argument("--linear-lr", type=float, default=1e-4)
-    p.add_argument("--lora-lr", type=float, default=1e-3)
+    p.add_argument("--lora-lr", type=float, default=1e-3, help="LoRA's lr (LoRA at FAAST's time: without LoRA-best)")
+    p.add_argument("--lora-lrs", default="3e-4,1e-3,3e-3", help="LoRA-best's learning-rate grid")
+    p.add_argument("--lora-max-epochs", type=int, default=3, help="LoRA-best's epochs grid: 1 .. this")
+    p.add_argument("--knn-k", type=int, default=1024, help="the tuned kNN-LM's k")
+    p.add_argument("--knn-lams", default="0.05,0.1,0.25,0.4,0.6", help="the tuned kNN-LM's λ grid")
+    p.add_argument("--knn-temperatures", default="1,3,10,30,100", help="the tuned kNN-LM's temperature grid")
     p.add_argument("--baselines-from", type=Path, nargs="+", default=[],
                    help="earlier result JSONs: rows of kNN-LM, LoRA and linear are taken from the first that has the"
                         " domain with the same zero-shot perplexity (same text, same model) instead of re-run; each"
@@ -96,6 +111,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if set(args.methods) - set(METHODS):
         p.error(f"--methods: expected a subset of {list(METHODS)}, got {args.methods}")
+    if "lora_time" in args.methods and "default" not in args.methods:
+        p.error("--methods: lora_time trains for FAAST's default learn + solve time, which 'default' measures; add it")
+    for name in ("lora_lrs", "knn_lams", "knn_temperatures"):
+        try:
+            setattr(args, name, [float(x) for x in getattr(args, name).split(",") if x.strip()])
+        except ValueError:
+            p.error(f"--{name.replace('_', '-')}: expected comma-separated numbers, got {getattr(args, name)!r}")
+        if not getattr(args, name):
+            p.error(f"--{name.replace('_', '-')}: expected at least one number")
     return args
 
 
@@ -125,12 +149,33 @@ class Domain:
         self.scored = sum(len(w) - 1 for w in self.windows)
         self.rows: list[dict] = []
         self.curve: dict[str, dict[str, list]] = {}
+        self.tuned: dict[str, object] = {}  # the baselines' tuning choices (LoraChoice, KnnChoice) by method
+        self._split = None
 
     def add(self, method: str, result, learn_s: float, memory: int, **extra) -> None:  # noqa: ANN001
         self.rows.append({"method": method, "ppl": result.ppl, "learn_s": learn_s, "score_s": result.seconds,
                           "memory_bytes": memory, **extra})  # fmt: skip
         print(f"  {self.name} {method}: ppl {result.ppl:.3f} (learn {learn_s:.1f} s, score {result.seconds:.1f} s,"
               f" {memory / 2**20:.1f} MB)", flush=True)  # fmt: skip
+
+    def split(self, base, args: argparse.Namespace):  # noqa: ANN001, ANN201 - lm_baselines.TuningSplit
+        """The held-out tail FAAST's default tunes its step on, which the tuned baselines tune on: tail_plan with
+        FAAST's tune_tokens and min_fit (lm_baselines.tuning_split) over the documents as FAAST's default learns
+        them, the curve's parts (a text cut at a curve point is two documents to it, so it is here)."""
+        if self._split is None:
+            from lm_baselines import faast_min_fit, tuning_split
+
+            from faast.hf import ResidualOutput
+            from faast.hf.tokens import split_by_tokens
+
+            tune_tokens = output_overrides(args).get("tune_tokens", ResidualOutput().tune_tokens)
+            pieces = [p for part in split_by_tokens(self.learn, points(self.learned, CURVE)) for p in part]
+            self._split = tuning_split(pieces, tune_tokens, faast_min_fit(base.config.hidden_size))
+        return self._split
+
+    def row(self, method: str) -> dict | None:
+        """The row recorded under exactly this method name."""
+        return next((r for r in self.rows if r["method"] == method), None)
 
     def payload(self) -> dict:
         zero = self.rows[0]["ppl"]
@@ -210,14 +255,14 @@ def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "outp
     try:
         amounts = points(domain.learned, CURVE)
         curve = domain.curve[key] = {"tokens": amounts, "ppl": [], "bytes": [], "step": [], "weight": []}
-        learn_s, solves = 0.0, []
+        learn_s, solves, solved = 0.0, [], None
         for part in split_by_tokens(domain.learn, amounts):
             started = time.perf_counter()
             if part:
                 model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size)
             learned = time.perf_counter()
             if part:
-                model.solve()
+                solved = model.solve()
             learn_s += learned - started
             solves.append(time.perf_counter() - learned)
             result = perplexity(model, domain.windows, batch_size=args.batch_size)
@@ -227,10 +272,24 @@ def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "outp
             curve["weight"].append((model.output_memory_layer.last_tuning or {}).get("weight"))
         tuning = {k: v for k, v in (model.output_memory_layer.last_tuning or {}).items() if k != "held_out_nll"}
         curve["solve_s"] = solves
+        report = solve_report(solved, model)
+        extra = {"solve_report": report} if report is not None else {}
         domain.add(VARIANTS[key], result, learn_s + solves[-1], model.fast_weight_bytes(), tuning=tuning,
-                   curve_solve_s=sum(solves[:-1]))  # fmt: skip
+                   curve_solve_s=sum(solves[:-1]), **extra)  # fmt: skip
     finally:
         model.remove_faast()
+
+
+def solve_report(solved: object, model: object) -> object:
+    """What the last solve() returned, as JSON, when it is a report (a dict or an object of fields) rather than the
+    model itself or None: whatever the solve reports (e.g. whether the memory ended up off) goes in the row."""
+    if solved is None or solved is model:
+        return None
+    if dataclasses.is_dataclass(solved) and not isinstance(solved, type):
+        solved = dataclasses.asdict(solved)
+    elif not isinstance(solved, dict | list | tuple | str | int | float | bool) and hasattr(solved, "__dict__"):
+        solved = {k: v for k, v in vars(solved).items() if not k.startswith("_")}
+    return json.loads(json.dumps(solved, default=str))
 
 
 def run_output(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa: ANN001
@@ -291,6 +350,99 @@ def run_knn(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa: AN
     domain.add(f"kNN-LM (k={knn.config.k}, λ={knn.config.lam})", result, learn_s, knn.nbytes())
 
 
+def run_knn_tuned(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """The kNN-LM with λ and T chosen on FAAST's held-out tail (lm_baselines.tune_knn: the datastore of the fit
+    prefixes), then the datastore of all the learned text with those, scored on the held-out files. Learn time is
+    the final datastore's; the tuning's is tuning_s."""
+    from lm_baselines import KNNLM, KNNConfig, tune_knn
+
+    choice = tune_knn(base, domain.split(base, args), lams=args.knn_lams, temperatures=args.knn_temperatures,
+                      k=args.knn_k, window=args.window, batch_size=args.batch_size)  # fmt: skip
+    domain.tuned["knn_tuned"] = choice
+    knn = KNNLM(base, KNNConfig(k=args.knn_k, lam=choice.lam, temperature=choice.temperature))
+    started = time.perf_counter()
+    knn.add(domain.learn, window=args.window, batch_size=args.batch_size)
+    learn_s = time.perf_counter() - started
+    result = knn.perplexity(domain.windows, batch_size=args.batch_size)
+    domain.add(f"kNN-LM tuned (k={args.knn_k}, λ={choice.lam:g}, T={choice.temperature:g})", result, learn_s,
+               knn.nbytes(), tuning_s=choice.tuning_s, **_tuned(choice))  # fmt: skip
+
+
+def _tuned(choice: object) -> dict:
+    """A tuning choice's fields for a row: the grid apart, the rest under "tuned" (tuning_s is its own column)."""
+    fields = dataclasses.asdict(choice)
+    grid = fields.pop("grid")
+    fields.pop("tuning_s")
+    return {"tuned": fields, "grid": grid}
+
+
+def lora_rank(base, layers: list[int]) -> int:  # noqa: ANN001
+    """The LoRA rank whose parameter count matches the linear projection's at `layers` (as the 1-epoch LoRA's)."""
+    from lm_baselines import lora_rank_for
+
+    return lora_rank_for(base, len(layers) * base.config.hidden_size**2)
+
+
+def train_lora(domain: Domain, base, rank: int, args: argparse.Namespace, **fit: object) -> tuple:  # noqa: ANN001
+    """A fresh LoRA (torch seeded with 0, as lm_baselines.tune_lora seeds each of its runs) trained on all the learned
+    text by fit_causal_lm(**fit) and scored on the held-out files: (FitStats, Perplexity, trainable parameters)."""
+    import torch
+    from lm_baselines import apply_lora, fit_causal_lm
+
+    from faast.hf.evaluate import perplexity
+
+    torch.manual_seed(0)
+    lora = apply_lora(base, rank)
+    try:
+        trainable = [p for p in lora.parameters() if p.requires_grad]
+        stats = fit_causal_lm(lora, trainable, domain.learn, window=args.train_window,
+                              batch_size=args.train_batch_size, **fit)  # fmt: skip
+        result = perplexity(lora, domain.windows, batch_size=args.batch_size)
+    finally:
+        lora.unload()
+    return stats, result, trainable
+
+
+def run_lora_best(domain: Domain, base, layers: list[int], args: argparse.Namespace) -> None:  # noqa: ANN001
+    """LoRA with its learning rate and epochs chosen on FAAST's held-out tail (lm_baselines.tune_lora: trained on
+    the fit prefixes, scored after each epoch), then trained afresh on all the learned text with that lr for that
+    many epochs, on the schedule the tuning scored (warmup over one epoch's 10%, then constant). Learn time is the
+    final training's; the whole tuning's is tuning_s."""
+    from lm_baselines import tune_lora
+
+    rank = lora_rank(base, layers)
+    choice = tune_lora(base, domain.split(base, args), lrs=args.lora_lrs, max_epochs=args.lora_max_epochs,
+                       rank=rank, train_window=args.train_window, batch_size=args.train_batch_size,
+                       window=args.window, score_batch_size=args.batch_size)  # fmt: skip
+    domain.tuned["lora_best"] = choice
+    stats, result, trainable = train_lora(domain, base, rank, args, lr=choice.lr, epochs=choice.epochs,
+                                          warmup="epoch")  # fmt: skip
+    epochs = f"{choice.epochs} epoch" + ("s" if choice.epochs != 1 else "")
+    domain.add(f"LoRA-best (peft, r={rank}, lr={choice.lr:g}, {epochs}, tuned on the held-out tail)", result,
+               stats.seconds, sum(p.numel() * p.element_size() for p in trainable),
+               params=sum(p.numel() for p in trainable), steps=stats.steps, tuning_s=choice.tuning_s,
+               **_tuned(choice))  # fmt: skip
+
+
+def run_lora_time(domain: Domain, base, layers: list[int], args: argparse.Namespace) -> None:  # noqa: ANN001
+    """LoRA trained on all the learned text for FAAST's time: as many steps as fit in the learn + solve time the
+    default FAAST row measured in this run (fit_causal_lm's max_seconds; less than an epoch or several), with
+    LoRA-best's lr when it ran in this domain, else --lora-lr; warmup over one epoch's 10%, as LoRA-best's."""
+    faast = domain.row(VARIANTS["output"])
+    if faast is None:
+        raise RuntimeError(f"{domain.name}: LoRA at FAAST's time needs the default FAAST row, which did not run")
+    choice = domain.tuned.get("lora_best")
+    lr = choice.lr if choice is not None else args.lora_lr
+    rank = lora_rank(base, layers)
+    budget = faast["learn_s"]
+    stats, result, trainable = train_lora(domain, base, rank, args, lr=lr, epochs=TIME_EPOCHS, warmup="epoch",
+                                          max_seconds=budget)  # fmt: skip
+    domain.add(f"LoRA at FAAST's time (peft, r={rank}, lr={lr:g}, {stats.steps} steps)", result, stats.seconds,
+               sum(p.numel() * p.element_size() for p in trainable), params=sum(p.numel() for p in trainable),
+               steps=stats.steps, epochs=stats.epochs, budget_s=budget,
+               lr_from="LoRA-best" if choice is not None else "--lora-lr")  # fmt: skip
+
+
 def run_backprop(domain: Domain, base, layers: list[int], method: str, args: argparse.Namespace) -> None:  # noqa: ANN001
     from lm_baselines import LinearProjection, apply_lora, fit_causal_lm, lora_rank_for
 
@@ -348,14 +500,22 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
         run_paper(domain, base, readout, args)
     if "knn" in args.methods:
         run_knn(domain, base, args)
+    if "knn_tuned" in args.methods:
+        run_knn_tuned(domain, base, args)
     for method in ("lora", "lora_bf16", "linear"):
         if method in args.methods:
             run_backprop(domain, base, layers, method, args)
+    if "lora_best" in args.methods:
+        run_lora_best(domain, base, layers, args)
+    if "lora_time" in args.methods:  # after lora_best: it takes LoRA-best's lr
+        run_lora_time(domain, base, layers, args)
     import_baselines(domain, args)
     return domain.payload()
 
 
-BASELINE_PREFIXES = {"knn": "kNN-LM", "lora": "LoRA", "linear": "linear"}
+# The baselines' row names before " (": rows are matched by exactly this ("LoRA" is not "LoRA-best").
+BASELINE_PREFIXES = {"knn": "kNN-LM", "knn_tuned": "kNN-LM tuned", "lora": "LoRA", "linear": "linear",
+                     "lora_best": "LoRA-best"}  # fmt: skip
 
 
 def import_baselines(domain: Domain, args: argparse.Namespace) -> None:
@@ -376,7 +536,7 @@ def import_baselines(domain: Domain, args: argparse.Namespace) -> None:
                 earlier_zero = match["rows"][0]["ppl"]
                 raise SystemExit(f"--baselines-from {path}: {domain.name}'s zero-shot perplexity {earlier_zero:.6f}"
                                  f" differs from this run's {zero['ppl']:.6f}")  # fmt: skip
-            row = next((r for r in match["rows"] if r["method"].startswith(prefix)), None)
+            row = next((r for r in match["rows"] if r["method"].split(" (")[0] == prefix), None)
             if row is None:
                 continue
             source = earlier.get("provenance") or earlier.get("header") or {}

@@ -6,8 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from _common import table
+from domains import DOMAINS, EXTRA
 
 from faast.provenance import markdown
+
+# "Never hurts": FAAST's perplexity at most this multiple of zero-shot's, on every domain and at every curve point.
+NEVER_HURTS = 1.003
+# FAAST's last solve (with its step tuning) at most this many seconds.
+LAST_SOLVE_S = 5.0
+NOT_RUN = "not run"
+# Row names (before " (") of the peers the goals compare against.
+LORA, LORA_BEST, LORA_TIME, KNN = "LoRA", "LoRA-best", "LoRA at FAAST's time", "kNN-LM"
+FP32_LEARN = "FAAST: residual output only, float32 learning pass"  # VARIANTS["fp32learn"] of lm_domains.py
 
 
 def default_label(payload: dict) -> str:
@@ -15,54 +25,161 @@ def default_label(payload: dict) -> str:
     return payload["variants"][payload["default_variant"]]
 
 
-def _find(rows: list[dict], prefix: str) -> dict | None:
-    return next((r for r in rows if r["method"].startswith(prefix)), None)
+def method_key(method: str) -> str:
+    """A row's name across domains: FAAST rows by their whole name, the others by the part before " (" (their
+    settings, e.g. LoRA's rank or the tuned λ, may differ per domain)."""
+    return method if method.startswith("FAAST") else method.split(" (")[0]
 
 
-def averages(payload: dict) -> list[dict]:
-    """Per method (by its name in the first domain): mean reduction, learn, score time and memory over the domains."""
+def _find(rows: list[dict], key: str) -> dict | None:
+    """The first row whose `method_key` is exactly `key` ("LoRA" does not find "LoRA-best")."""
+    return next((r for r in rows if method_key(r["method"]) == key), None)
+
+
+def averages(payload: dict, names: tuple[str, ...] | None = None) -> list[dict]:
+    """Per method (by its name in the first domain) found in every domain of `names` (None: all the run's): mean
+    reduction, learn, tuning and score time and the largest memory over those domains ([] when none ran)."""
+    domains = [d for d in payload["domains"] if names is None or d["domain"] in names]
+    if not domains:
+        return []
     out = []
-    for first in payload["domains"][0]["rows"]:
-        key = first["method"].split(" (")[0] if not first["method"].startswith("FAAST") else first["method"]
-        found = [_find(d["rows"], key) for d in payload["domains"]]
+    for first in domains[0]["rows"]:
+        key = method_key(first["method"])
+        found = [_find(d["rows"], key) for d in domains]
         if any(f is None for f in found):
             continue
         n = len(found)
+        tuning = [f.get("tuning_s") for f in found]
         out.append({"method": first["method"], "reduction": sum(f["reduction"] for f in found) / n,
                     "learn_s": sum(f["learn_s"] for f in found) / n, "score_s": sum(f["score_s"] for f in found) / n,
+                    "tuning_s": sum(tuning) / n if None not in tuning else None,
                     "memory_bytes": max(f["memory_bytes"] for f in found)})  # fmt: skip
     return out
 
 
+def _not_run(goal: str, missing: str) -> list[str]:
+    return [goal, f"{NOT_RUN}: no {missing}", NOT_RUN]
+
+
+def _per_domain(payload: dict, *keys: str) -> tuple[list[tuple[dict, list[dict]]], list[str]]:
+    """([(domain, [its row of each key])] for the domains that have them all, [names of those that do not])."""
+    have, missing = [], []
+    for d in payload["domains"]:
+        rows = [next((r for r in d["rows"] if r["method"] == k), None) or _find(d["rows"], k) for k in keys]
+        if None in rows:
+            missing.append(d["domain"])
+        else:
+            have.append((d, rows))
+    return have, missing
+
+
+def _missing_note(missing: list[str]) -> str:
+    return f"; {NOT_RUN} on {', '.join(missing)}" if missing else ""
+
+
 def goals(payload: dict, mean: list[dict]) -> list[list[str]]:
-    """[goal, measured, met] rows."""
-    by = {m["method"].split(" (")[0] if not m["method"].startswith("FAAST") else m["method"]: m for m in mean}
+    """[goal, measured, met] rows, every goal always listed: one whose rows or curves are missing says "not run" and
+    is not met. `mean`: `averages` over all the run's domains."""
+    by = {method_key(m["method"]): m for m in mean}
     label = default_label(payload)
     faast = by.get(label) or next((m for name, m in by.items() if name.startswith(label)), None)
-    lora, knn = by.get("LoRA"), by.get("kNN-LM")
+    lora, lora_best, knn = by.get(LORA), by.get(LORA_BEST), by.get(KNN)
+    fp32 = by.get(payload["variants"].get("fp32learn", FP32_LEARN))
+    key = payload["default_variant"]
     rows = []
+
+    goal = "≥ 60% of LoRA's mean perplexity reduction"
     if faast and lora:
         share = faast["reduction"] / lora["reduction"] if lora["reduction"] > 0 else float("nan")
         measured = f"{100 * share:.0f}% ({100 * faast['reduction']:.1f}% vs {100 * lora['reduction']:.1f}%)"
-        rows.append(["≥ 60% of LoRA's mean perplexity reduction", measured, _yes(share >= 0.6)])
+        rows.append([goal, measured, _yes(share >= 0.6)])
+    else:
+        rows.append(_not_run(goal, "FAAST default or 1-epoch LoRA rows in every domain"))
+    goal = "learn time ≤ ½ LoRA's"
+    if faast and lora:
         ratio = faast["learn_s"] / lora["learn_s"]
-        rows.append(["learn time ≤ ½ LoRA's", f"{ratio:.2f}× ({faast['learn_s']:.0f} s vs {lora['learn_s']:.0f} s)",
-                     _yes(ratio <= 0.5)])  # fmt: skip
+        rows.append([goal, f"{ratio:.2f}× ({faast['learn_s']:.0f} s vs {lora['learn_s']:.0f} s)", _yes(ratio <= 0.5)])
+    else:
+        rows.append(_not_run(goal, "FAAST default or 1-epoch LoRA rows in every domain"))
+    goal = "≥ 8% absolute mean reduction"
     if faast:
-        measured = f"{100 * faast['reduction']:.1f}%"
-        rows.append(["≥ 8% absolute mean reduction", measured, _yes(faast["reduction"] >= 0.08)])
-    key = payload["default_variant"]
+        rows.append([goal, f"{100 * faast['reduction']:.1f}%", _yes(faast["reduction"] >= 0.08)])
+    else:
+        rows.append(_not_run(goal, "FAAST default row in every domain"))
+
+    # (a) every domain: the default beats LoRA trained for FAAST's own learn + solve time.
+    goal = "beats LoRA at FAAST's time on every domain"
+    have, missing = _per_domain(payload, label, LORA_TIME)
+    if have:
+        wins = [f["ppl"] < t["ppl"] for _, (f, t) in have]
+        d, (f, t) = max(have, key=lambda x: x[1][0]["ppl"] / x[1][1]["ppl"])
+        measured = (f"{sum(wins)} / {len(payload['domains'])} domains (closest: {d['domain']}, {f['ppl']:.3f} vs"
+                    f" {t['ppl']:.3f})" + _missing_note(missing))  # fmt: skip
+        rows.append([goal, measured, _yes(all(wins) and not missing)])
+    else:
+        rows.append(_not_run(goal, "LoRA at FAAST's time rows" if payload["domains"] else "domains"))
+    # (b) the mean reduction against LoRA tuned on the same held-out tail.
+    for goal, least in (("≥ 90% of LoRA-best's mean reduction", 0.9), ("stretch: ≥ 100% of LoRA-best's mean"
+                                                                         " reduction", 1.0)):  # fmt: skip
+        if faast and lora_best:
+            share = faast["reduction"] / lora_best["reduction"] if lora_best["reduction"] > 0 else float("nan")
+            measured = f"{100 * share:.0f}% ({100 * faast['reduction']:.1f}% vs {100 * lora_best['reduction']:.1f}%)"
+            rows.append([goal, measured, _yes(share >= least)])
+        else:
+            rows.append(_not_run(goal, "FAAST default or LoRA-best rows in every domain"))
+    # (c) never hurts: at every curve point of every domain.
+    goal = f"never hurts: perplexity ≤ zero-shot × {NEVER_HURTS} at every point"
+    points, missing = [], []
+    for d in payload["domains"]:
+        zero, curve, row = _find(d["rows"], "zero-shot"), d["curve"].get(key), _find(d["rows"], label)
+        if zero is None or not curve or row is None:
+            missing.append(d["domain"])
+            continue
+        points += [(p / zero["ppl"], d["domain"], t) for t, p in zip(curve["tokens"], curve["ppl"], strict=True)]
+        points.append((row["ppl"] / zero["ppl"], d["domain"], d["learned_tokens"]))
+    if points:
+        worst = max(points, key=lambda x: x[0])
+        measured = f"worst {100 * (worst[0] - 1):+.2f}% ({worst[1]}, {worst[2]:,} tokens)" + _missing_note(missing)
+        rows.append([goal, measured, _yes(worst[0] <= NEVER_HURTS and not missing)])
+    else:
+        rows.append(_not_run(goal, "FAAST default curves"))
+    # (d) the curve falls at every step, on every domain.
+    goal = "perplexity falls at every step 2K → 32K"
     curves = [d["curve"][key] for d in payload["domains"] if d["curve"].get(key)]
+    missing = [d["domain"] for d in payload["domains"] if not d["curve"].get(key)]
     if curves:
         falling = [all(b < a for a, b in zip(c["ppl"], c["ppl"][1:], strict=False)) for c in curves]
-        rows.append(["perplexity falls at every step 2K → 32K", f"{sum(falling)} / {len(falling)} domains",
-                     _yes(all(falling))])  # fmt: skip
+        rows.append([goal, f"{sum(falling)} / {len(payload['domains'])} domains" + _missing_note(missing),
+                     _yes(all(falling) and not missing)])  # fmt: skip
         fixed = all(len(set(c["bytes"])) == 1 for c in curves)
         sizes = sorted({b for c in curves for b in c["bytes"]})
         rows.append(["fixed state size", f"{sizes[-1] / 2**20:.2f} MB at every point", _yes(fixed)])
+    else:
+        rows += [_not_run(goal, "FAAST default curves"), _not_run("fixed state size", "FAAST default curves")]
+    # (e) the float32 learning pass (learn + solve) against one epoch of LoRA.
+    goal = "float32-learn learn time ≤ ½ the 1-epoch LoRA's"
+    if fp32 and lora:
+        ratio = fp32["learn_s"] / lora["learn_s"]
+        rows.append([goal, f"{ratio:.2f}× ({fp32['learn_s']:.0f} s vs {lora['learn_s']:.0f} s)", _yes(ratio <= 0.5)])
+    else:
+        rows.append(_not_run(goal, "float32-learn or 1-epoch LoRA rows in every domain"))
+    # (f) the last solve, with its step tuning, on every domain.
+    goal = f"last solve ≤ {LAST_SOLVE_S:g} s"
+    solves = [(d["curve"][key]["solve_s"][-1], d["domain"]) for d in payload["domains"]
+              if (d["curve"].get(key) or {}).get("solve_s")]  # fmt: skip
+    missing = [d["domain"] for d in payload["domains"] if not (d["curve"].get(key) or {}).get("solve_s")]
+    if solves:
+        slowest = max(solves, key=lambda x: x[0])
+        measured = f"max {slowest[0]:.2f} s ({slowest[1]})" + _missing_note(missing)
+        rows.append([goal, measured, _yes(slowest[0] <= LAST_SOLVE_S and not missing)])
+    else:
+        rows.append(_not_run(goal, "FAAST default solve times"))
+    goal = "stretch: the kNN-LM's mean reduction"
     if faast and knn:
-        rows.append(["stretch: the kNN-LM's mean reduction", f"{100 * faast['reduction']:.1f}% vs "
-                     f"{100 * knn['reduction']:.1f}%", _yes(faast["reduction"] >= knn["reduction"])])  # fmt: skip
+        rows.append([goal, f"{100 * faast['reduction']:.1f}% vs {100 * knn['reduction']:.1f}%",
+                     _yes(faast["reduction"] >= knn["reduction"])])  # fmt: skip
+    else:
+        rows.append(_not_run(goal, "FAAST default or kNN-LM rows in every domain"))
     return rows
 
 
@@ -71,10 +188,25 @@ def _yes(ok: bool) -> str:
 
 
 def _method_table(rows: list[dict]) -> list[str]:
-    return table(["method", "perplexity", "change", "learn s", "score s", "memory added"], [
+    return table(["method", "perplexity", "change", "learn s", "tuning s", "score s", "memory added"], [
         [r["method"] + (" †" if r.get("imported_from") else ""),
          f"{r['ppl']:.3f}", f"{-100 * r['reduction']:+.1f}%", f"{r['learn_s']:.1f}",
+         f"{r['tuning_s']:.1f}" if r.get("tuning_s") is not None else "–",
          f"{r['score_s']:.1f}", f"{r['memory_bytes'] / 2**20:,.2f} MB"] for r in rows])  # fmt: skip
+
+
+def _averages_sections(payload: dict, mean: list[dict]) -> list[str]:
+    """The averages over all the run's domains, then over its benchmark domains and over its extra ones apart (each
+    group when the run has some of it and other domains too)."""
+    names = [d["domain"] for d in payload["domains"]]
+    rows = [{**m, "ppl": float("nan")} for m in mean]
+    lines = [f"## Averages over all {len(names)} domains", "", *_method_table(rows)]
+    for title, group in (("the benchmark domains", DOMAINS), ("the extra domains (chosen after the settings)", EXTRA)):
+        chosen = tuple(n for n in names if n in group)
+        if chosen and len(chosen) < len(names):
+            rows = [{**m, "ppl": float("nan")} for m in averages(payload, chosen)]
+            lines += ["", f"## Averages over {title}: {', '.join(chosen)}", "", *_method_table(rows)]
+    return lines
 
 
 def report(payload: dict) -> list[str]:
@@ -88,10 +220,12 @@ def report(payload: dict) -> list[str]:
                  "; rows marked † were measured on the same text and model by an earlier run"
                  " (`imported_from` in the JSON: its file, git sha and date; --baselines-from)" if imported else "")
              + ". FAAST's learn time is its learning passes and its last solve; the solves at the earlier curve"
-             " points, there only to score them, are listed with the curve (LoRA and the others learn once).", "",
+             " points, there only to score them, are listed with the curve (LoRA and the others learn once). The"
+             " tuned peers (LoRA-best, kNN-LM tuned) choose their settings on the held-out tail FAAST tunes its step"
+             " on; their tuning is in its own column, their learn time is the final training's.", "",
              f"## Goals (averages over the domains; default: {default_label(payload)})", "",
              *table(["goal", "measured", "met"], goals(payload, mean)),
-             "", "## Averages", "", *_method_table([{**m, "ppl": float("nan")} for m in mean]).__iter__()]  # fmt: skip
+             "", *_averages_sections(payload, mean)]  # fmt: skip
     lines = [x.replace("| nan |", "| – |") for x in lines]
     for d in payload["domains"]:
         lines += ["", f"## {d['domain']}: learned {d['learned_tokens']:,} tokens, scored {d['scored_tokens']:,}", "",
@@ -126,10 +260,10 @@ def plot(payload: dict, path: Path) -> None:
             c = d["curve"].get(key)
             if c:
                 ax.plot(c["tokens"], [p / zero for p in c["ppl"]], marker="o", label=label)
-        for prefix in ("LoRA", "linear"):
+        for prefix, color in ((LORA, "C2"), ("linear", "C3"), (LORA_BEST, "C4")):
             r = _find(d["rows"], prefix)
             if r:
-                ax.axhline(r["ppl"] / zero, linestyle=":", color="C2" if prefix == "LoRA" else "C3", label=prefix)
+                ax.axhline(r["ppl"] / zero, linestyle=":", color=color, label=prefix)
         ax.axhline(1.0, color="gray", linestyle="--", label="zero-shot")
         ax.set_xscale("log", base=2)
         ax.set_title(d["domain"], fontsize=9)

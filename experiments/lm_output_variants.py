@@ -112,10 +112,12 @@ def feed(layer, keys, targets, starts: list[int], offset: int = 0, chunk: int = 
 # ----------------------------------------------------------------------------------------------- variants
 
 
-def tail_statistics(layer, held: int):  # noqa: ANN001, ANN201
-    """layer.tail_statistics(held) for the tail alone: the variants leave out their own gaps (the shipped rule's
-    gap before the tail is its own, from the document numbers the layer kept)."""
-    return layer.tail_statistics(held, leave_out_document=False)
+def tail_statistics(layer, held: int):  # noqa: ANN001, ANN201, ARG001
+    """(keys, targets, S, T, count, gap) of the layer's held-out split (layer.tail_statistics: every document's
+    end, and the text before it in that document). The results committed before the split became per-document
+    (their provenance says when) held out the stream's last `held` positions alone."""
+    keys, ys, _, s_tail, t_tail, n_tail, _, gap = layer.tail_statistics()
+    return keys, ys, s_tail, t_tail, n_tail, gap
 
 
 def tune(layer, keys, ys, w):  # noqa: ANN001, ANN201

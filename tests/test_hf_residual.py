@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from faast import Accumulator, FastWeights, hardware
-from faast.hf import EmbeddingOutput, FaastConfig, MiddleLayers, ResidualOutput, apply_faast
+from faast.hf import EmbeddingOutput, FaastConfig, MemoryOffWarning, MiddleLayers, ResidualOutput, apply_faast
 from faast.hf import learning as learning_module
 from faast.hf import output as output_module
 from faast.hf import output_tuning as tuning_module
@@ -102,6 +102,39 @@ def newton(s, t, n, mu_gram, mass, head, damping, alpha=1.0, n_curvature=None):
     return w @ torch.linalg.inv(c)
 
 
+def tail_split(lengths, tune_tokens, gap_multiple=2, min_fit=256, share=HELD_OUT_SHARE):
+    """A hand reference of the step's held-out choice for documents of `lengths` learned positions in stream order:
+    (held-out indices, left-out indices) into the flattened positions. Each document holds out its last
+    round(f·n) positions, f = min(tune_tokens, share·N) / N, and leaves out up to gap_multiple times as many just
+    before them (none when that would leave fewer than min_fit to fit on)."""
+    learned = sum(lengths)
+    fraction = min(tune_tokens, int(share * learned)) / learned
+    held = [min(n, int(fraction * n + 0.5)) for n in lengths]
+    gaps = [min(gap_multiple * h, n - h) for h, n in zip(held, lengths, strict=True)]
+    if learned - sum(held) - sum(gaps) < min_fit:
+        gaps = [0] * len(lengths)
+    held_index, out_index, start = [], [], 0
+    for n, h, g in zip(lengths, held, gaps, strict=True):
+        held_index += range(start + n - h, start + n)
+        out_index += range(start + n - h - g, start + n)
+        start += n
+    return torch.tensor(held_index), torch.tensor(out_index)
+
+
+def fit_without(k, y, head, out):
+    """(S, T, count) of the positions not in `out`, as the layer forms them: the full sums less those of the left-out
+    positions, whose keys and gradients the tail buffer stores rounded to its KEY_STORAGE dtype."""
+    d = head.shape[1]
+    r = head[y] - torch.softmax(k[:, :d] @ head.T, -1) @ head
+    kept, r_out = (v[out].to(tuning_module.KEY_STORAGE).double() for v in (k, r))
+    return k.T @ k - kept.T @ kept, k.T @ r - kept.T @ r_out, float(k.shape[0] - out.numel())
+
+
+def held_keys(k, held):
+    """The held-out keys as the tail buffer stores them (KEY_STORAGE), in float64."""
+    return k[held].to(tuning_module.KEY_STORAGE).double()
+
+
 @pytest.mark.parametrize("key_layers", ["auto", [], [1, 3]])
 @pytest.mark.parametrize("head_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", KINDS)
@@ -175,15 +208,16 @@ def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force(sample,
     layer.folded(torch.device("cpu"), torch.float32)
     tuning = layer.last_tuning
     k, y, _, _, mu_gram, mass = reference_statistics(model, x, torch.ones_like(x, dtype=torch.bool))
-    held = int(k.shape[0] * HELD_OUT_SHARE)
-    assert tuning["tuned"] and tuning["held_out_tokens"] == held
-    # Fitted without the last `held` positions of the stream (rows in learning order); the curvature keeps them.
+    # Each row (a document of its own) holds out its last 20 of 99 positions and leaves out 40 before them.
+    held, out = tail_split([99] * 8, 4096)
+    assert tuning["tuned"] and tuning["held_out_tokens"] == held.numel() == 160
+    assert tuning["document_gap_tokens"] == out.numel() - held.numel() == 320 and tuning["held_out_documents"] == 8
+    # Fitted without the left-out positions; the curvature keeps them.
     head = model.base_model.get_output_embeddings().weight.double()
-    kf = k[:-held]
-    rf = head[y[:-held]] - torch.softmax(kf @ head.T, -1) @ head
-    w = newton(kf.T @ kf, kf.T @ rf, float(kf.shape[0]), mu_gram, mass, head, damping=1.0, n_curvature=k.shape[0])
-    picked = torch.arange(held) if sample is None else torch.linspace(0, held - 1, sample).round().long()
-    kh, yh = k[-held:][picked], y[-held:][picked]
+    s_fit, t_fit, n_fit = fit_without(k, y, head, out)
+    w = newton(s_fit, t_fit, n_fit, mu_gram, mass, head, damping=1.0, n_curvature=k.shape[0])
+    picked = torch.arange(held.numel()) if sample is None else torch.linspace(0, 159, sample).round().long()
+    kh, yh = held_keys(k, held[picked]), y[held[picked]]
     z0, z1 = kh @ head.T, (kh @ w) @ head.T
 
     def nll(eta):
@@ -224,13 +258,12 @@ def test_the_tuned_step_and_weight_minimise_the_held_out_mixture_loss_found_by_b
     m, lam = layer.solution(torch.device("cpu"), torch.float32)
     tuning = layer.last_tuning
     k, y, _, _, mu_gram, mass = reference_statistics(model, x, torch.ones_like(x, dtype=torch.bool))
-    held = int(k.shape[0] * HELD_OUT_SHARE)
-    assert tuning["tuned"] and tuning["held_out_tokens"] == held and lam == tuning["weight"]
+    held, out = tail_split([99] * 8, 4096)
+    assert tuning["tuned"] and tuning["held_out_tokens"] == held.numel() and lam == tuning["weight"]
     head = model.base_model.get_output_embeddings().weight.double()
-    kf = k[:-held]
-    rf = head[y[:-held]] - torch.softmax(kf @ head.T, -1) @ head
-    w = newton(kf.T @ kf, kf.T @ rf, float(kf.shape[0]), mu_gram, mass, head, damping=1.0, n_curvature=k.shape[0])
-    kh, yh = k[-held:], y[-held:]
+    s_fit, t_fit, n_fit = fit_without(k, y, head, out)
+    w = newton(s_fit, t_fit, n_fit, mu_gram, mass, head, damping=1.0, n_curvature=k.shape[0])
+    kh, yh = held_keys(k, held), y[held]
     z0, z1 = kh @ head.T, (kh @ w) @ head.T
     log_a = torch.log_softmax(z0, -1).gather(-1, yh[:, None]).squeeze(-1)
     lams = torch.linspace(0, 1, 1001, dtype=torch.float64)[:, None]
@@ -277,10 +310,10 @@ def test_the_best_weight_is_the_minimum_of_the_convex_mixture_loss():
 
 
 @pytest.mark.parametrize("multiple", [1, 2])
-def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(multiple, monkeypatch):
-    # Five texts (a repeated phrase at different offsets, 700 pairs) learned two windows per batch; the held-out tail
-    # is the last 140 positions, inside the fifth text, whose 34 earlier positions the fit must leave out too (the
-    # buffer holds them for either gap multiple).
+def test_every_text_holds_out_its_end_and_the_fit_leaves_out_the_text_before_it(multiple, monkeypatch):
+    # Five texts (a repeated phrase at different offsets, 700 pairs) learned two windows per batch. Each text holds
+    # out its last round(0.2·n) positions (28, 24, 32, 22, 35: 141) and the fit leaves out `multiple` times as many
+    # just before them (the buffer keeps them for either multiple).
     monkeypatch.setattr(tuning_module, "GAP_MULTIPLE", multiple)
     lengths = (140, 120, 160, 110, 175)
     phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
@@ -293,29 +326,31 @@ def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(multip
     layer = model.output_memory_layer
     layer.folded(torch.device("cpu"), torch.float32)
     tuning = layer.last_tuning
-    held, gap = 140, 34
-    assert (tuning["held_out_tokens"], tuning["document_gap_tokens"]) == (held, gap)
+    held, out = tail_split([n - 1 for n in lengths], 160, gap_multiple=multiple)
+    assert held.numel() == 141 and out.numel() - held.numel() == 141 * multiple
+    assert (tuning["held_out_tokens"], tuning["document_gap_tokens"]) == (141, 141 * multiple)
+    assert tuning["held_out_documents"] == 5
     x = torch.zeros((len(texts), max(lengths)), dtype=torch.long)
     mask = torch.zeros_like(x, dtype=torch.bool)
     for i, t in enumerate(texts):
         x[i, : len(t)], mask[i, : len(t)] = torch.tensor(t), True
     k, y, _, _, mu_gram, mass = reference_statistics(model, x, mask)
-    assert k.shape[0] == sum(lengths) - len(lengths) and tuning["fitted_tokens"] == k.shape[0] - held - gap
+    assert k.shape[0] == sum(lengths) - len(lengths) and tuning["fitted_tokens"] == k.shape[0] - out.numel()
     head = model.base_model.get_output_embeddings().weight.double()
-    kf = k[: -held - gap]
-    rf = head[y[: -held - gap]] - torch.softmax(kf @ head.T, -1) @ head
-    w = newton(kf.T @ kf, kf.T @ rf, float(kf.shape[0]), mu_gram, mass, head, damping=1.0, n_curvature=k.shape[0])
-    z0, z1 = k[-held:] @ head.T, (k[-held:] @ w) @ head.T
+    s_fit, t_fit, n_fit = fit_without(k, y, head, out)
+    w = newton(s_fit, t_fit, n_fit, mu_gram, mass, head, damping=1.0, n_curvature=k.shape[0])
+    kh = held_keys(k, held)
+    z0, z1 = kh @ head.T, (kh @ w) @ head.T
 
     def nll(eta):
         z = z0 + eta * z1
-        return float((torch.logsumexp(z, -1) - z.gather(-1, y[-held:, None]).squeeze(-1)).mean())
+        return float((torch.logsumexp(z, -1) - z.gather(-1, y[held, None]).squeeze(-1)).mean())
 
     best = min(torch.linspace(0, 4, 801).tolist(), key=nll)
     assert tuning["step"] > 0.05
     assert abs(tuning["step"] - best) <= 0.01 + 0.02 * best
-    # The same tokens as one text: GAP_MULTIPLE times as many positions as the tail holds are left out before it (704
-    # learned: 140 held out); when that would leave fewer than MIN_FIT_TOKENS to fit on, only the tail is.
+    # The same tokens as one text: its last 140 positions are held out and GAP_MULTIPLE times as many before them
+    # left out (704 learned); when that would leave fewer than MIN_FIT_TOKENS to fit on, only the held-out ones are.
     monkeypatch.setattr(tuning_module, "GAP_MULTIPLE", 1)
     for min_fit, gap in ((256, 140), (500, 0)):
         monkeypatch.setattr(tuning_module, "MIN_FIT_TOKENS", min_fit)
@@ -324,11 +359,13 @@ def test_the_step_fit_leaves_out_the_text_before_the_tail_in_its_document(multip
         one.output_memory_layer.folded(torch.device("cpu"), torch.float32)
         tuning = one.output_memory_layer.last_tuning
         assert (tuning["held_out_tokens"], tuning["document_gap_tokens"]) == (140, gap)
-    # A tensor batch's rows have no known documents: the tail alone too.
+    # A tensor batch's rows are documents of their own: the same split as the five texts (no gaps at min_fit 500:
+    # 700 − 141 − 141 < 500).
     rows = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(tune_tokens=160)))
     rows.learn(x, mask)
     rows.output_memory_layer.folded(torch.device("cpu"), torch.float32)
-    assert rows.output_memory_layer.last_tuning["document_gap_tokens"] == 0
+    tuning = rows.output_memory_layer.last_tuning
+    assert (tuning["held_out_tokens"], tuning["document_gap_tokens"], tuning["held_out_documents"]) == (141, 0, 5)
 
 
 @pytest.mark.parametrize(("per_dim", "tuned"), [(16, True), (18, False)])
@@ -467,8 +504,10 @@ def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tu
     model = apply_faast(tiny_model("qwen2"), FaastConfig())
     x = ids(batch=8, seq=120, seed=5)
     model.learn(x)
-    assert model.output_memory_layer.folded(torch.device("cpu"), torch.float32) is None
-    assert model.output_memory_layer.last_tuning["step"] == 0.0
+    # The memory ends up off although it had text to tune on: it says so once, and why, and last_tuning records it.
+    with pytest.warns(MemoryOffWarning, match=r"memory is off: no step raised the likelihood .* 8 document"):
+        assert model.output_memory_layer.folded(torch.device("cpu"), torch.float32) is None
+    assert model.output_memory_layer.last_tuning["step"] == 0.0 and model.output_memory_layer.last_tuning["off"]
     with torch.no_grad(), model.disable_faast():
         base = model(x).logits
     assert torch.equal(model(x).logits, base)
@@ -673,7 +712,9 @@ def test_solve_does_the_first_forward_pass_work_ahead_of_it():
     x = ids(batch=8, seq=100, period=17)
     model.learn(x)
     assert model.output_memory_layer._folded is None
-    assert model.solve() is model
+    report = model.solve()
+    assert report == {"default": model.output_memory_layer.last_tuning}  # what it solved, as a copy
+    assert report["default"] is not model.output_memory_layer.last_tuning
     assert model.output_memory_layer.last_tuning["tuned"]
     folded = model.output_memory_layer._folded
     calls = []
@@ -714,9 +755,10 @@ def noisy_phrase():
 
 
 def test_the_key_width_is_the_one_whose_tuned_correction_predicts_the_held_out_tail_best(monkeypatch):
-    # The keys h̃ (32) and block 0's input ('auto' on 4 blocks: 64 in all). 792 positions, 158 held out: 634 fitted,
-    # enough for either width (FIT_PER_KEY_DIM × 64 = 256), so (η, λ) is tuned for both and the lower held-out NLL
-    # wins; each width's recorded NLL is checked against a float64 hand computation at its (η, λ).
+    # The keys h̃ (32) and block 0's input ('auto' on 4 blocks: 64 in all). 792 positions, 160 held out and 320 left
+    # out before them: 312 fitted, enough for either width (FIT_PER_KEY_DIM × 64 = 256), so (η, λ) is tuned for both
+    # and the lower held-out NLL wins; each width's recorded NLL is checked against a float64 hand computation at its
+    # (η, λ).
     x = noisy_phrase()
     output = ResidualOutput(tune_tokens=4096, head_dtype="float32", weight="auto")
     config = FaastConfig(output=output, learn_dtype="model")
@@ -728,26 +770,26 @@ def test_the_key_width_is_the_one_whose_tuned_correction_predicts_the_held_out_t
     by_width = tuning["by_key_width"]
     assert sorted(by_width) == [32, 64]
     k, y, _, _, mu_gram, mass = reference_statistics(model, x, torch.ones_like(x, dtype=torch.bool))
-    held = int(k.shape[0] * HELD_OUT_SHARE)
-    assert tuning["held_out_tokens"] == held and tuning["fitted_tokens"] == k.shape[0] - held
+    held, out = tail_split([99] * 8, 4096)
+    assert tuning["held_out_tokens"] == held.numel() and tuning["fitted_tokens"] == k.shape[0] - out.numel()
     head = model.base_model.get_output_embeddings().weight.double()
-    h = k[:, :32]
-    rf = head[y[:-held]] - torch.softmax(h[:-held] @ head.T, -1) @ head
+    s_fit, t_fit, n_fit = fit_without(k, y, head, out)
+    kh = held_keys(k, held)
     for width, chosen in by_width.items():
-        kf = k[:-held, :width]
-        w = newton(kf.T @ kf, kf.T @ rf, float(kf.shape[0]), mu_gram, mass, head, damping=1.0,
+        w = newton(s_fit[:width, :width], t_fit[:width], n_fit, mu_gram, mass, head, damping=1.0,
                    n_curvature=k.shape[0])  # fmt: skip
-        z0 = h[-held:] @ head.T
-        z = z0 + chosen["step"] * (k[-held:, :width] @ w) @ head.T
+        z0 = kh[:, :32] @ head.T
+        z = z0 + chosen["step"] * (kh[:, :width] @ w) @ head.T
         lam = chosen["weight"]
         mixture = (1 - lam) * torch.softmax(z0, -1) + lam * torch.softmax(z, -1)
-        nll = float(-mixture.gather(-1, y[-held:, None]).log().mean())
+        nll = float(-mixture.gather(-1, y[held, None]).log().mean())
         assert abs(nll - chosen["held_out_nll"]) < 1e-5 * nll, width
     width = min(by_width, key=lambda v: (by_width[v]["held_out_nll"], v))
     assert tuning["key_width"] == width == layer.chosen_key_width()
     assert (tuning["step"], tuning["weight"]) == (by_width[width]["step"], by_width[width]["weight"])
     assert m is not None and m.shape == (width, 32)
-    # Too little fitted for the full keys (16 per dimension: 512 <= 634 < 1024): tuned for h̃ alone, no choice made.
+    # Too little fitted for the full keys (16 per dimension: the gaps would leave 312 < 512, so none; 632 < 1024):
+    # tuned for h̃ alone, no choice made.
     monkeypatch.setattr(tuning_module, "FIT_PER_KEY_DIM", 16)
     few = apply_faast(tiny_model("llama"), config)
     few.learn(x)

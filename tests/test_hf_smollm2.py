@@ -100,3 +100,42 @@ def test_the_shipped_readout_loads_with_its_middle_layers():
     assert model.faast_config.middle.layers == [4, 8, 12, 17, 21, 25]
     assert isinstance(model.faast_config.output, ResidualOutput)
     assert all(torch.count_nonzero(layer.readout.weight) > 0 for layer in model.memory_layers.values())
+
+
+def test_two_texts_learned_in_either_order_gain_the_same_on_both():
+    # The case that once left the memory silently off: the stdlib package json's four modules (11.8K tokens), then
+    # the first 70% of Python's LICENSE.txt. Held out from the stream's end alone, the step was tuned on the licence
+    # only and came out 0 in that order. Held out from the end of every text, both orders tune the same step, turn
+    # the memory on, and lower the held-out perplexity of both texts (json/tool.py and the licence's last 30%) alike.
+    import sysconfig
+    from pathlib import Path
+
+    from faast.hf import FaastConfig, apply_faast
+    from faast.hf.default import load_base_model
+    from faast.hf.evaluate import perplexity, token_windows
+
+    base, tokenizer, _ = load_base_model("smollm2")  # a model of its own: the module's fixture keeps its memory
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    json_files = [lib / "json" / f for f in ("__init__.py", "decoder.py", "encoder.py", "scanner.py")]
+    json_ids = [tokenizer(p.read_text())["input_ids"] for p in json_files]
+    licence = tokenizer((lib / "LICENSE.txt").read_text())["input_ids"]
+    cut = int(0.7 * len(licence))
+    scored = {"json": token_windows(tokenizer((lib / "json" / "tool.py").read_text())["input_ids"], 1024),
+              "licence": token_windows(licence[cut:], 1024)}  # fmt: skip
+    zero = {name: perplexity(base, windows).ppl for name, windows in scored.items()}
+    results = []
+    for order in (("json", "licence"), ("licence", "json")):
+        adapted = apply_faast(base, FaastConfig())
+        try:
+            for name in order:
+                adapted.learn(json_ids if name == "json" else [licence[:cut]], max_length=256, batch_size=8)
+            tuning = adapted.solve()["default"]
+            results.append((tuning, {name: perplexity(adapted, w).ppl for name, w in scored.items()}))
+        finally:
+            adapted.remove_faast()
+    (first, ppl_a), (second, ppl_b) = results
+    assert first["tuned"] and not first["off"] and first["warning"] is None and first["held_out_documents"] == 5
+    assert first["step"] == pytest.approx(second["step"], rel=1e-6) and first["step"] > 0.05
+    for name in scored:
+        assert ppl_a[name] == pytest.approx(ppl_b[name], rel=1e-4)
+        assert ppl_a[name] < 0.95 * zero[name]

@@ -1,9 +1,11 @@
 """The LM evaluation pieces against direct computations on tiny models: label scoring (with and without a cached
 prefix), in-context perplexity, the Wilson interval, stream splitting, the backprop linear projection, LoRA with a
-matched parameter count and the KV-cache size."""
+matched parameter count, the KV-cache size, and the tuning harness of the baselines (FAAST's held-out tail, the
+held-out NLL, the nested training schedule and LoRA's tuned learning rate)."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -17,7 +19,18 @@ from tolerances import LM_LAYOUT_ABS
 
 # The backprop baselines are experiment code (experiments/lm_baselines), imported as the experiment scripts do.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-from lm_baselines import LinearProjection, apply_lora, fit_causal_lm, kv_cache_bytes, lora_rank_for  # noqa: E402
+from lm_baselines import (  # noqa: E402
+    LinearProjection,
+    apply_lora,
+    fit_causal_lm,
+    held_out_nll,
+    kv_cache_bytes,
+    lora_rank_for,
+    tune_lora,
+    tuning_split,
+)
+
+from faast.hf.output_tuning import tail_plan  # noqa: E402
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -167,3 +180,128 @@ def test_kv_cache_bytes_equal_the_cache_a_forward_pass_keeps(kind):
         cache = model(input_ids=torch.tensor([ids(11, 10)]), use_cache=True).past_key_values
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert kv_cache_bytes(model, 11) == held
+
+
+# Documents of the tuning tests: lengths with a 1-token one (no positions) and a short one; 880 positions in all, so
+# tail_plan (tune_tokens 2048, min_fit 256) holds out 20% of each and leaves gaps before them.
+LENGTHS = [120, 1, 100, 127, 90, 128, 110, 60, 128, 5, 21]
+
+
+def test_tuning_split_holds_out_exactly_what_tail_plan_says():
+    docs = [ids(n, 20 + i) for i, n in enumerate(LENGTHS)]
+    counts = [max(0, n - 1) for n in LENGTHS]
+    plan = tail_plan(counts, sum(counts), 2048, 256)
+    assert any(g for _, g in plan) and sum(h for h, _ in plan) >= 128  # gaps and a tail, as the test means
+    split = tuning_split(docs, tune_tokens=2048, min_fit=256)
+    assert split.plan == plan and split.held_tokens == sum(h for h, _ in plan)
+    assert split.fit_lengths() == [n - h - g for n, (h, g) in zip(LENGTHS, plan, strict=True)]
+    assert split.fit_texts() == [d[: n - h - g] for d, n, (h, g) in zip(docs, LENGTHS, plan, strict=True)
+                                 if n - h - g >= 2]  # fmt: skip
+    assert split.fit_tokens == sum(max(0, n - h - g - 1) for n, (h, g) in zip(LENGTHS, plan, strict=True))
+    # The rows score, document by document, exactly the targets of the last held_i positions (tokens L - h .. L - 1),
+    # each in a contiguous slice of its document that fits the window, with at least window - stride tokens before
+    # it (or the whole document before it).
+    for window in (16, 128):
+        rows, stride = iter(split.held_rows(window)), window // 2
+        for doc, (held, _) in zip(docs, plan, strict=True):
+            scored = []
+            while len(scored) < held:
+                row, n = next(rows)
+                start = next(a for a in range(len(doc)) if doc[a : a + len(row)] == row)
+                assert 1 <= n < len(row) <= window
+                first = start + len(row) - n  # the first target's index in the document
+                assert first - start >= min(first, window - stride)
+                scored += range(first, start + len(row))
+            assert scored == list(range(len(doc) - held, len(doc)))
+        assert next(rows, None) is None
+    with pytest.raises(ValueError, match="token_lists: 99 learned positions"):
+        tuning_split([ids(100, 0)], tune_tokens=2048, min_fit=256)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_held_out_nll_equals_a_float64_computation_on_exactly_the_held_positions(kind):
+    model = tiny_model(kind)
+    docs = [ids(n, 40 + i) for i, n in enumerate(LENGTHS)]
+    split = tuning_split(docs, tune_tokens=2048, min_fit=256)
+    # A window as long as the longest document: every target's context is all of its document before it.
+    nll, count = held_out_nll(model, split, window=128, batch_size=3)
+    expected = 0.0
+    for doc, (held, _) in zip(docs, split.plan, strict=True):
+        if held:
+            table = log_probs_of(model, doc)
+            expected -= sum(float(table[t - 1, doc[t]]) for t in range(len(doc) - held, len(doc)))
+    assert count == split.held_tokens
+    assert nll == pytest.approx(expected, abs=LM_LAYOUT_ABS * count)
+    # A short window: each row alone, unpadded, scores its last n tokens.
+    nll, count = held_out_nll(model, split, window=16, batch_size=3)
+    expected = 0.0
+    for row, n in split.held_rows(16):
+        table = log_probs_of(model, row)
+        expected -= sum(float(table[t - 1, row[t]]) for t in range(len(row) - n, len(row)))
+    assert count == split.held_tokens and nll == pytest.approx(expected, abs=LM_LAYOUT_ABS * count)
+
+
+def test_epoch_warmup_nests_epochs_and_the_time_budget_and_callback_stop_training():
+    model, data = tiny_model("llama", layers=3), [ids(91, 11), ids(61, 12)]
+    # 6 + 4 windows of 16 tokens, one a step: 10 steps an epoch, so warmup 'epoch' is 1 step, 'total' 3 of 3 epochs.
+    fit = {"window": 16, "batch_size": 1, "lr": 3e-2, "seed": 3}
+
+    def run(epochs: int, warmup: str = "epoch", **extra: object) -> tuple[list, object, list]:
+        projection = LinearProjection(model, [1, 2])
+        after_first = []
+
+        def snapshot(epoch: int) -> bool:
+            if epoch == 1:
+                after_first.extend(p.detach().clone() for p in projection.parameters())
+            return False
+
+        try:
+            stats = fit_causal_lm(model, list(projection.parameters()), data, epochs=epochs, warmup=warmup,
+                                  on_epoch=extra.pop("on_epoch", snapshot), **fit, **extra)  # fmt: skip
+            return [p.detach().clone() for p in projection.parameters()], stats, after_first
+        finally:
+            projection.remove()
+
+    one, stats, _ = run(1)
+    assert stats.steps == stats.steps_per_epoch == 10 and stats.epochs == 1.0
+    # warmup='epoch': the first epoch of a 3-epoch run is the 1-epoch run; warmup='total' (10% of all steps) is not.
+    _, stats, first = run(3)
+    assert stats.steps == 30 and all(torch.equal(a, b) for a, b in zip(one, first, strict=True))
+    _, _, first_total = run(3, "total")
+    assert not any(torch.equal(a, b) for a, b in zip(one, first_total, strict=True))
+    # The callback stops the run; a zero time budget leaves one step, a large one all of them.
+    assert run(5, on_epoch=lambda epoch: epoch == 2)[1].steps == 20
+    for budget, steps in ((0.0, 1), (1e6, 20)):
+        got = run(2, max_seconds=budget)[1]
+        assert got.steps == steps and got.epochs == steps / 10
+    with pytest.raises(ValueError, match="warmup: expected 'total' or 'epoch'"):
+        run(1, "steps")
+
+
+def test_tuned_lora_chooses_the_learning_rate_that_learns_on_the_schedule_its_final_training_follows():
+    pytest.importorskip("peft")
+    model = tiny_model("llama")
+    docs = [[5, 9, 13, 21] * 75 for _ in range(3)]  # strongly repetitive: a few steps of LoRA learn it
+    split = tuning_split(docs, tune_tokens=128, min_fit=256)
+    probe = torch.tensor([ids(20, 8)])
+    with torch.no_grad():
+        before = model(input_ids=probe).logits
+    fit = {"rank": 2, "train_window": 32, "batch_size": 4}
+    choice = tune_lora(model, split, lrs=(1e-9, 3e-2), max_epochs=2, window=64, **fit)
+    grid = {(g["lr"], g["epochs"]): g["nll"] for g in choice.grid}
+    assert list(grid) == [(1e-9, 1), (1e-9, 2), (3e-2, 1), (3e-2, 2)]
+    # A vanishing lr leaves the base model's held-out NLL; the working one lowers it, more with the second epoch.
+    assert grid[(1e-9, 2)] == pytest.approx(choice.base_nll, abs=1e-5)
+    assert (choice.lr, choice.epochs) == (3e-2, 2) and choice.nll == min(grid.values())
+    assert grid[(3e-2, 2)] < grid[(3e-2, 1)] < choice.base_nll - 0.1
+    assert choice.held_tokens == split.held_tokens and choice.fit_tokens == split.fit_tokens and choice.tuning_s > 0
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=probe).logits, before)  # every LoRA unloaded
+    # The final training with the chosen lr for one epoch (same seed, same warmup rule) is the tuning's first epoch.
+    torch.manual_seed(0)
+    lora = apply_lora(model, 2)
+    trainable = [p for p in lora.parameters() if p.requires_grad]
+    fit_causal_lm(lora, trainable, split.fit_texts(), window=32, batch_size=4, lr=3e-2, epochs=1, warmup="epoch")
+    nll, count = held_out_nll(lora, split, window=64, batch_size=4)
+    lora.unload()
+    assert math.isclose(nll / count, grid[(3e-2, 1)], rel_tol=1e-6)

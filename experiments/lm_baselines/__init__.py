@@ -2,7 +2,9 @@
 
 - `backprop`: a linear projection h + h·A at FAAST's layers and peft's LoRA, trained by `fit_causal_lm`, and
   `kv_cache_bytes` (the memory in-context learning adds);
-- `knnlm`: the kNN-LM datastore (Khandelwal et al., 2020).
+- `knnlm`: the kNN-LM datastore (Khandelwal et al., 2020);
+- `tuning`: the held-out tail FAAST tunes its step on (`tuning_split`, `held_out_nll`) and the baselines tuned on it
+  the same way (`tune_lora`, `tune_knn`).
 
 The experiment scripts run as `python experiments/<name>.py`, which puts experiments/ on sys.path, so they import
 this package as `lm_baselines`; the tests put experiments/ on sys.path themselves. It uses only faast's public names.
@@ -18,15 +20,35 @@ from .backprop import (
     lora_rank_for,
 )
 from .knnlm import KNNLM, KNNConfig
+from .tuning import (
+    KnnChoice,
+    LoraChoice,
+    TuningSplit,
+    faast_min_fit,
+    held_out_neighbours,
+    held_out_nll,
+    tune_knn,
+    tune_lora,
+    tuning_split,
+)
 
 __all__ = [
     "KNNLM",
     "LORA_MODULES",
     "FitStats",
     "KNNConfig",
+    "KnnChoice",
     "LinearProjection",
+    "LoraChoice",
+    "TuningSplit",
     "apply_lora",
+    "faast_min_fit",
     "fit_causal_lm",
+    "held_out_neighbours",
+    "held_out_nll",
     "kv_cache_bytes",
     "lora_rank_for",
+    "tune_knn",
+    "tune_lora",
+    "tuning_split",
 ]

@@ -8,7 +8,8 @@ against these (import them as `lm_baselines` with experiments/ on sys.path, as t
   W·P would be if it were learned by backprop instead of solved in closed form.
 - LoRA through peft (`apply_lora`), on the attention query/value projections of every block with the rank that
   matches a parameter budget (`lora_rank_for`), by default the linear projection's.
-- `fit_causal_lm`: the training loop both use (AdamW, one pass over overlapping windows, fp32 master weights).
+- `fit_causal_lm`: the training loop both use (AdamW over overlapping windows, fp32 master weights; by default
+  one pass, optionally scored after each epoch or stopped at a wall-clock budget).
 - `kv_cache_bytes`: the memory in-context learning adds (the prefix's key/value cache).
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,13 +115,20 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: float | None = None, modul
 
 @dataclass
 class FitStats:
-    """steps taken, tokens trained on (each window's predicted tokens), mean loss of the first and last 10% steps."""
+    """steps taken, tokens trained on (each window's predicted tokens), training seconds (the `on_epoch` callbacks'
+    time left out), mean loss of the first and last 10% steps, and the optimizer steps one epoch takes."""
 
     steps: int
     tokens: int
     seconds: float
     first_loss: float
     last_loss: float
+    steps_per_epoch: int = 0
+
+    @property
+    def epochs(self) -> float:
+        """Epochs trained, fractional when a time budget stopped the training mid-epoch."""
+        return self.steps / self.steps_per_epoch if self.steps_per_epoch else 0.0
 
 
 def fit_causal_lm(
@@ -135,37 +143,52 @@ def fit_causal_lm(
     weight_decay: float = 0.0,
     seed: int = 0,
     autocast: torch.dtype | None = None,
+    warmup: str = "total",
+    on_epoch: Callable[[int], bool | None] | None = None,
+    max_seconds: float | None = None,
 ) -> FitStats:
     """Train `params` on the causal-LM loss over every adjacent pair of the texts (windows overlap by one token).
 
-    AdamW with a linear warmup over the first 10% of steps then constant lr; gradients clipped to norm 1. The rest
-    of the model stays frozen and in eval mode (no dropout), as in the FAAST learn pass. `autocast` (e.g.
-    torch.bfloat16): the forward pass runs under torch.autocast with that dtype (the parameters and AdamW's state
-    keep theirs), the mixed-precision recipe a user would reach for to match FAAST's bfloat16 learning pass.
+    AdamW with a linear warmup then constant lr; gradients clipped to norm 1. The rest of the model stays frozen and
+    in eval mode (no dropout), as in the FAAST learn pass. `autocast` (e.g. torch.bfloat16): the forward pass runs
+    under torch.autocast with that dtype (the parameters and AdamW's state keep theirs), the mixed-precision recipe a
+    user would reach for to match FAAST's bfloat16 learning pass.
+
+    warmup: 'total' warms up over the first 10% of all `epochs`' steps; 'epoch' over the first 10% of one epoch's
+    steps, so training for E epochs is exactly the first E epochs of any longer run (the window order is drawn per
+    epoch from one seeded generator either way): what per-epoch scoring and time-bounded training need.
+    on_epoch(epoch): called after each full epoch (1-based) with the model still in eval mode; returning True stops
+    the training there. Its time is not training time. max_seconds: stop before a step that, at the mean step time
+    so far, would end past this much training time (at least one step is taken); `epochs` is then an upper bound.
     """
     if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
         raise ValueError(f"autocast: expected None, torch.bfloat16 or torch.float16, got {autocast!r}")
+    if warmup not in ("total", "epoch"):
+        raise ValueError(f"warmup: expected 'total' or 'epoch', got {warmup!r}")
     params = list(params)
     if not params:
         raise ValueError("params: expected trainable parameters, got none")
     windows = [w for ids in token_ids for w in overlapping_windows(ids, window)]
     if not windows:
         raise ValueError("token_ids: expected at least one text of >= 2 tokens, got none")
-    steps = epochs * math.ceil(len(windows) / batch_size)
+    per_epoch = math.ceil(len(windows) / batch_size)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    warmup = max(1, steps // 10)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    warmup_steps = max(1, (per_epoch if warmup == "epoch" else epochs * per_epoch) // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup_steps))
     device = params[0].device
     rng = random.Random(seed)
     losses, tokens = [], 0
     was_training = model.training
     model.eval()
-    started = time.perf_counter()
+    trained = 0.0  # training seconds: wall clock less the callbacks
     try:
-        for _ in range(epochs):
+        for epoch in range(1, epochs + 1):
             order = list(range(len(windows)))
             rng.shuffle(order)
             for start in range(0, len(order), batch_size):
+                if max_seconds is not None and losses and trained * (len(losses) + 1) / len(losses) > max_seconds:
+                    return _stats(losses, tokens, trained, per_epoch)
+                began = time.perf_counter()
                 ids, mask = pad_rows([windows[i] for i in order[start : start + batch_size]])
                 ids, mask = ids.to(device), mask.to(device)
                 labels = ids.masked_fill(~mask, -100)
@@ -177,18 +200,20 @@ def fit_causal_lm(
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 schedule.step()
-                losses.append(float(loss.detach()))
+                losses.append(float(loss.detach()))  # waits for the step: its time is all in `trained`
                 tokens += int((mask[:, 1:] & mask[:, :-1]).sum())
+                trained += time.perf_counter() - began
+            if on_epoch is not None and on_epoch(epoch):
+                break
     finally:
         model.train(was_training)
+    return _stats(losses, tokens, trained, per_epoch)
+
+
+def _stats(losses: list[float], tokens: int, seconds: float, per_epoch: int) -> FitStats:
     tenth = max(1, len(losses) // 10)
-    return FitStats(
-        steps=len(losses),
-        tokens=tokens,
-        seconds=time.perf_counter() - started,
-        first_loss=sum(losses[:tenth]) / tenth,
-        last_loss=sum(losses[-tenth:]) / tenth,
-    )
+    return FitStats(steps=len(losses), tokens=tokens, seconds=seconds, first_loss=sum(losses[:tenth]) / tenth,
+                    last_loss=sum(losses[-tenth:]) / tenth, steps_per_epoch=per_epoch)  # fmt: skip
 
 
 def kv_cache_bytes(model: nn.Module, tokens: int) -> int:

@@ -74,40 +74,82 @@ class KNNLM:
             added += int(pair.sum())
         return added
 
-    def knn_log_probs(self, queries: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """log p_kNN(target) [M] for queries [M, d] (−inf where no neighbour has the target)."""
+    def neighbours(self, queries: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k nearest keys of each query [M, d]: (their negative squared L2 distances [M, k] float32, largest
+        first; whether each one's next token is the query's target [M, k] bool), k = min(config.k, datastore size).
+        Independent of λ and T, so a grid over them reuses one search (lm_baselines.tuning.tune_knn)."""
+        if not self.values:
+            raise ValueError("the datastore is empty: call add() first")
         keys = torch.cat(self.keys)
         values = torch.cat(self.values)
         k = min(self.config.k, keys.shape[0])
         key_sq = keys.square().sum(-1)
-        out = []
+        negs, hits = [], []
         for start in range(0, queries.shape[0], self.config.query_chunk):
             q = queries[start : start + self.config.query_chunk].float()
             dist = q.square().sum(-1, keepdim=True) - 2 * q @ keys.mT + key_sq  # squared L2, [m, N]
             neg, index = torch.topk(-dist, k, dim=-1)
-            logw = torch.log_softmax(neg / self.config.temperature, dim=-1)
-            hit = values[index] == targets[start : start + q.shape[0]].unsqueeze(-1)
-            out.append(torch.logsumexp(logw.masked_fill(~hit, -math.inf), dim=-1))
-        return torch.cat(out)
+            negs.append(neg)
+            hits.append(values[index] == targets[start : start + q.shape[0]].unsqueeze(-1))
+        return torch.cat(negs), torch.cat(hits)
+
+    @staticmethod
+    def log_probs_from(neg: torch.Tensor, hit: torch.Tensor, temperature: float) -> torch.Tensor:
+        """log p_kNN(target) [M] from `neighbours`' negative distances [M, k] and hits [M, k] at temperature T
+        (−inf where no neighbour has the target)."""
+        logw = torch.log_softmax(neg / temperature, dim=-1)
+        return torch.logsumexp(logw.masked_fill(~hit, -math.inf), dim=-1)
+
+    @staticmethod
+    def mix(lm_log_probs: torch.Tensor, neg: torch.Tensor, hit: torch.Tensor, lam: float,
+            temperature: float) -> torch.Tensor:  # fmt: skip
+        """log(λ·p_kNN + (1 − λ)·p_LM) at the targets [M]: lm_log_probs [M] the LM's log-probabilities of the
+        targets, neg and hit [M, k] from `neighbours`. λ = 0 is the LM exactly."""
+        if lam <= 0:
+            return lm_log_probs
+        knn = KNNLM.log_probs_from(neg, hit, temperature)
+        return torch.logaddexp(lm_log_probs + math.log1p(-lam), knn + math.log(lam))
+
+    def knn_log_probs(self, queries: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """log p_kNN(target) [M] for queries [M, d] (−inf where no neighbour has the target)."""
+        neg, hit = self.neighbours(queries, targets)
+        return self.log_probs_from(neg, hit, self.config.temperature)
 
     @torch.no_grad()
-    def perplexity(self, windows: Sequence[Sequence[int]], *, batch_size: int = 4) -> Perplexity:
-        """Held-out perplexity of the interpolated model over the windows, scored as faast.hf.evaluate.perplexity."""
+    def scored_states(
+        self, rows: Sequence[Sequence[int]], scored: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One batch of rows (right padded): (final hidden states [M, d], the LM's log-probabilities of the targets
+        [M] float32, the targets [M] int64) at the scored positions, in row order. scored[r]: how many of row r's
+        last tokens are scored as targets (None: every token after the first, as perplexity windows are)."""
+        device = self._head.weight.device
+        ids, mask = pad_rows(rows)
+        ids, mask = ids.to(device), mask.to(device)
+        hidden, logits = self._hidden(ids, mask)
+        valid = mask[:, :-1] & mask[:, 1:]
+        if scored is not None:
+            for r, (row, n) in enumerate(zip(rows, scored, strict=True)):
+                if not 0 <= n < len(row):
+                    raise ValueError(f"scored: row {r} has {len(row)} tokens, so 0 to {len(row) - 1} targets; got {n}")
+                valid[r, : len(row) - 1 - n] = False  # targets are tokens 1 .. len - 1: keep the last n
+        target = ids[:, 1:][valid]
+        lm = torch.log_softmax(logits[:, :-1][valid].float(), dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        return hidden[:, :-1][valid].float(), lm, target
+
+    @torch.no_grad()
+    def perplexity(
+        self, windows: Sequence[Sequence[int]], *, batch_size: int = 4, scored: Sequence[int] | None = None
+    ) -> Perplexity:
+        """Held-out perplexity of the interpolated model over the windows, scored as faast.hf.evaluate.perplexity
+        (scored: per window, how many of its last tokens are scored; None: all but the first)."""
         if not self.values:
             raise ValueError("the datastore is empty: call add() first")
-        lam = self.config.lam
-        device = self._head.weight.device
         nll, tokens = 0.0, 0
         started = time.perf_counter()
         for start in range(0, len(windows), batch_size):
-            ids, mask = pad_rows(windows[start : start + batch_size])
-            ids, mask = ids.to(device), mask.to(device)
-            hidden, logits = self._hidden(ids, mask)
-            valid = mask[:, :-1] & mask[:, 1:]
-            target = ids[:, 1:][valid]
-            lm = torch.log_softmax(logits[:, :-1].float(), dim=-1)[valid].gather(-1, target.unsqueeze(-1)).squeeze(-1)
-            knn = self.knn_log_probs(hidden[:, :-1][valid], target)
-            mixed = torch.logaddexp(lm + math.log1p(-lam), knn + math.log(lam)) if lam > 0 else lm
-            nll -= float(mixed.sum())
-            tokens += int(valid.sum())
+            part = None if scored is None else scored[start : start + batch_size]
+            queries, lm, target = self.scored_states(windows[start : start + batch_size], part)
+            neg, hit = self.neighbours(queries, target)
+            nll -= float(self.mix(lm, neg, hit, self.config.lam, self.config.temperature).sum())
+            tokens += int(target.numel())
         return Perplexity(nll=nll, tokens=tokens, seconds=time.perf_counter() - started)

@@ -14,6 +14,7 @@ from .config import EmbeddingOutput, FaastConfig, MiddleLayers, Regulariser, Res
 from .layers import MemoryLayer, OutputMemoryLayer
 from .model import FaastModel, LearnStats, apply_faast, from_pretrained
 from .modules import FaastModuleModel
+from .output_tuning import MemoryOffWarning
 from .peft_method import apply_faast_to_peft
 from .targets import TARGETS, discover_target
 
@@ -34,6 +35,7 @@ __all__ = [
     "FaastModuleModel",
     "LearnStats",
     "MemoryLayer",
+    "MemoryOffWarning",
     "MiddleLayers",
     "OutputMemoryLayer",
     "Regulariser",

@@ -34,12 +34,14 @@ _log = logging.getLogger("faast.hf")
 @dataclass
 class LearnStats:
     """What a learn call consumed: tokens fed (real, unpadded; a text cut into w overlapping windows counts its w - 1
-    shared tokens twice), pairs added per memory layer (each adjacent pair of the text once), wall time."""
+    shared tokens twice), pairs added per memory layer (each adjacent pair of the text once), wall time; with
+    learn(solve=True), the memory's residual output tuning as FaastModel.solve reports it (else None)."""
 
     tokens: int = 0
     pairs: int = 0
     batches: int = 0
     seconds: float = 0.0
+    tuning: dict | None = None
 
     @property
     def tokens_per_second(self) -> float:

@@ -16,6 +16,7 @@ is one batched eigendecomposition.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -182,6 +183,7 @@ class FaastModel(NamedMemories, BaseModelDelegate):
         batch_size: int = 8,
         progress: bool | None = None,
         memory: str = DEFAULT,
+        solve: bool = False,
     ) -> LearnStats:
         """Stream statistics from text into every memory layer; no keys are kept and hidden states are unchanged.
 
@@ -206,22 +208,30 @@ class FaastModel(NamedMemories, BaseModelDelegate):
             progress: show a tqdm bar with tokens/s (default: when learning from an iterable and stderr is a tty).
             memory: the named memory to learn into, created on first use (docs/serving.md); the selected memory
                 (set_memory) does not change.
+            solve: solve the memory before returning (else the first read after learning does), and return its
+                residual output layer's tuning in LearnStats.tuning (as solve() reports it): whether the memory
+                ended up off, or at a step far below what one of its texts would take, and why.
 
         All or nothing: a call that raises (a bad item after good batches) leaves every memory as it was, and a
         memory it created is removed. Inputs that hold no tokens raise ValueError.
         Returns LearnStats (tokens, pairs per layer, batches, seconds, tokens_per_second).
         """
         name = check_name(memory)
+        if not isinstance(solve, bool):
+            raise TypeError(f"solve: expected True or False, got {solve!r}")
         created = self._creating(name)
         try:
             with self._bound(name):
-                return self._learn_core(inputs, attention_mask, input_ids=input_ids, labels=labels,
-                                        tokenizer=tokenizer, text_column=text_column, max_length=max_length,
-                                        batch_size=batch_size, progress=progress)  # fmt: skip
+                stats = self._learn_core(inputs, attention_mask, input_ids=input_ids, labels=labels,
+                                         tokenizer=tokenizer, text_column=text_column, max_length=max_length,
+                                         batch_size=batch_size, progress=progress)  # fmt: skip
         except BaseException:
             if created:
                 self.memory_store.delete(name)
             raise
+        if solve:
+            stats.tuning = self.solve(memories=[name])[name]
+        return stats
 
     def _learn_core(
         self,
@@ -303,14 +313,24 @@ class FaastModel(NamedMemories, BaseModelDelegate):
         [..., d_out] or class ids [...]); the module computes its own output. Returns the rows learned."""
         return self.module_memories.learn_inputs(inputs, targets, name=name, mask=mask)
 
-    def solve(self) -> FaastModel:
+    def solve(self, memories: list[str] | None = None) -> dict[str, dict | None]:
         """Solve every memory layer now, for the model's device and dtype; otherwise the first forward pass after
         learning does it. Middle layers: one batched eigendecomposition and the folded W·P; the residual output
-        layer: its Newton step and the step tuned on the held-out tail. Every named memory is solved, and each keeps
-        its solution until its statistics change, so switching memories solves nothing."""
+        layer: its Newton step and the step tuned on the held-out text. Every named memory is solved (memories: only
+        these), and each keeps its solution until its statistics change, so switching memories solves nothing.
+
+        Returns {memory name: its residual output layer's tuning, or None without one}: a copy of last_tuning with
+        step, weight, tuned, key_width and, when tuned, held_out_tokens / held_out_documents / document_gap_tokens /
+        fitted_tokens, off (the step or weight is 0: the memory reads as the base model), held_out_gain and its
+        standard error, parts (the step each large held-out text would take alone) and warning (why the memory is
+        off or far below one of its texts' steps; also issued once as a MemoryOffWarning)."""
+        if memories is not None and not isinstance(memories, (list, tuple)):
+            raise TypeError(f"memories: expected a list of memory names or None, got {memories!r}")
+        names = self.memories if memories is None else [self.memory_store.require(n, "memories") for n in memories]
         weight = self.base_model.get_input_embeddings().weight
         device, dtype = weight.device, weight.dtype
-        for name in self.memories:
+        report: dict[str, dict | None] = {}
+        for name in names:
             with self._bound(name):
                 for layer in self.faast_layers():
                     if isinstance(layer, OutputMemoryLayer):
@@ -318,7 +338,10 @@ class FaastModel(NamedMemories, BaseModelDelegate):
                     else:
                         layer.folded(device, dtype)
                 self.module_memories.solve()
-        return self
+                output = self.output_memory_layer
+                tuning = output.last_tuning if isinstance(output, ResidualOutputLayer) else None
+                report[name] = None if tuning is None else copy.deepcopy(tuning)
+        return report
 
     def reset_fast_weights(self) -> FaastModel:
         """Forget everything the selected memory learned (the readout, the scorer and the other memories stay)."""

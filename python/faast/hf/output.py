@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ from ..memory import FastWeights
 from . import output_tuning as tuning
 from .config import FaastConfig, ResidualOutput
 from .mixture import read_blocks
-from .output_tuning import HeldOutTail, Logits
+from .output_tuning import HeldOutTail, Logits, MemoryOffWarning
 
 _log = logging.getLogger("faast.hf")
 
@@ -276,7 +277,7 @@ class ResidualOutputLayer(nn.Module):
         self.curvature.add(count=positions, gram=mean_gram)
         self.token_mass.add(count=positions, probability=prob_sum)
         if self.tune_tokens:
-            self.held_out.keep(keys, targets, pair_mask, documents)
+            self.held_out.keep(keys, targets, pair_mask, documents, grads)
 
     def keys(self, hidden: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
         """The keys [..., d + extra_key_size] of hidden [..., d] (the final norm's output) and extra [...,
@@ -355,18 +356,15 @@ class ResidualOutputLayer(nn.Module):
             out += ((h.T * mass[i : i + 8192].float()) @ h).double()
         return out
 
-    def tail_statistics(self, held: int, *, leave_out_document: bool = True) -> tuple[torch.Tensor, ...]:
-        """(keys [n, d_key] and targets [n] of the held-out positions the step is tuned on; the S, T and count of the
-        positions the fit leaves out; how many of those precede the tail): see HeldOutTail.split. leave_out_document:
-        False holds out the tail alone (the text before it in its document stays in the fit)."""
-        keys, ys, out_k, out_y, gap = self.held_out.split(
-            held, int(self.memory.count), self._min_fit(), leave_out_document=leave_out_document
-        )
-        every = torch.ones_like(out_y, dtype=torch.bool)[None]
-        grads, _, _ = self.gradients(out_k[None, :, : self.hidden_size], out_y[None], every)
-        k64, g64 = out_k.double(), grads[0].double()
+    def tail_statistics(self) -> tuple:
+        """The positions the step is tuned on now (HeldOutTail.split): (keys [m, d_key] float32, targets [m] and
+        documents [m] of the sampled held-out positions; the S [d_key, d_key], T [d_key, d] float64 and count of every
+        position the fit leaves out; how many are held out; how many are gaps before them)."""
+        keys, ys, docs, out_k, out_v, held, gap = self.held_out.split(int(self.memory.count), self._min_fit())
+        # float32 products of the kept (rounded) keys and gradients: their rounding already bounds the precision.
+        k32 = out_k.float()
         count = torch.tensor(float(held + gap), dtype=torch.float64, device=out_k.device)
-        return keys, ys, k64.T @ k64, k64.T @ g64, count, gap
+        return keys, ys, docs, (k32.T @ k32).double(), (k32.T @ out_v.float()).double(), count, held, gap
 
     def tail_logits(self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, base: tuple | None = None) -> Logits:
         """(z0, z1 [n, V] float32: the logits of the keys' h̃ and their change per unit step, keys·w through the head
@@ -386,12 +384,10 @@ class ResidualOutputLayer(nn.Module):
         return max(tuning.MIN_FIT_TOKENS, tuning.FIT_PER_KEY_DIM * self.hidden_size)
 
     def held_out_positions(self) -> int:
-        """Positions the step is tuned on: the last HELD_OUT_SHARE of what was learned, at most tune_tokens (0 when
-        too little text was learned to fit on the rest, or after a load: the tail is learning state of this
-        process)."""
-        learned = int(self.memory.count)
-        held = min(len(self.held_out), self.tune_tokens, int(learned * tuning.HELD_OUT_SHARE))
-        return held if held >= tuning.MIN_HELD_OUT and learned - held >= self._min_fit() else 0
+        """Positions the step is tuned on: the last round(f·n) of every learned document, f = min(HELD_OUT_SHARE,
+        tune_tokens / learned) (output_tuning.tail_plan); 0 when too little text was learned to fit on the rest, or
+        after a load (the tail is learning state of this process)."""
+        return self.held_out.held_positions(int(self.memory.count), self._min_fit())
 
     def _fixed_weight(self) -> float | None:
         """λ when it is not tuned: 1 in logit space (the correction replaces the base logits), else the configured
@@ -428,11 +424,11 @@ class ResidualOutputLayer(nn.Module):
             self.last_tuning = {"step": step, "weight": weight, "tuned": False, "saved_step": restored,
                                 "key_width": width}  # fmt: skip
             return step, weight, width
-        keys, ys, s_tail, t_tail, n_tail, gap = self.tail_statistics(held)
+        keys, ys, docs, s_tail, t_tail, n_tail, held, gap = self.tail_statistics()
         memory = self.memory
         dt = memory.gram.dtype
         fitted = int(memory.count) - held - gap
-        results, base, widths = {}, None, self._widths(fitted)
+        results, base, log_base, widths = {}, None, None, self._widths(fitted)
         for width in widths:
             # Fitted without the held-out positions: their statistics subtract exactly. The curvature keeps them: it
             # depends on the model's predictions only, not on the tokens that followed.
@@ -440,21 +436,34 @@ class ResidualOutputLayer(nn.Module):
                              curvature, width)  # fmt: skip
             logits = self.tail_logits(keys, ys, w, base)
             base = (logits[0], logits[2])  # the base logits are the same for every width
+            if log_base is None:
+                log_base = tuning.base_log_targets(logits)
+            rows = None
             if fixed_weight is None:  # 'auto': η and λ together
                 eta, lam, trace = tuning.tune_mixture(logits, fixed_step)
+                best = tuning.held_out_nll(logits, eta, lam) if len(widths) > 1 else 0.0
             else:
-                (eta, trace), lam = tuning.tune_step(logits, fixed_weight), fixed_weight
-            # Only a choice between widths needs the held-out NLL of what each would read.
-            best = tuning.held_out_nll(logits, eta, lam) if len(widths) > 1 else 0.0
-            results[width] = (best, eta, lam, trace)
+                start = max((r[1] for r in results.values()), default=0.0)  # the narrower keys' step
+                eta, trace, rows = tuning.tune_step_rows(logits, fixed_weight, log_base, start)
+                lam = fixed_weight
+                # The held-out NLL of what this width would read (the width's choice), from the search's own rows.
+                best = float(-log_base.mean()) if eta <= 0 else float(-tuning.log_mixture(log_base, rows.log_memory,
+                                                                                            lam).mean())  # fmt: skip
+            results[width] = (best, eta, lam, trace, logits, rows)
         # The narrower keys win ties: a wider W fitted on the same text is the noisier one.
         width = min(results, key=lambda k: (results[k][0], k))
-        _, eta, lam, trace = results[width]
+        _, eta, lam, trace, logits, rows = results[width]
+        check_weight = lam if lam > 0 else (fixed_weight if fixed_weight is not None else self.default_weight)
+        candidate = min(trace, key=lambda t: t[-1])[0]  # the search's best step, before the significance test
+        diagnosis = tuning.diagnose(logits, docs, eta, check_weight, candidate, rows, log_base)
         self.last_tuning = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held,
+                            "held_out_documents": self.held_out.documents(int(memory.count), self._min_fit()),
                             "document_gap_tokens": gap, "fitted_tokens": fitted, "key_width": width,
-                            "held_out_nll": trace,
+                            "held_out_nll": trace, **diagnosis,
                             "by_key_width": {k: {"held_out_nll": v[0], "step": v[1], "weight": v[2]}
                                              for k, v in results.items() if len(results) > 1}}  # fmt: skip
+        if diagnosis["warning"] is not None:
+            warnings.warn(diagnosis["warning"], MemoryOffWarning, stacklevel=2)
         return eta, lam, width
 
     def solution(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor | None, float]:
@@ -579,6 +588,6 @@ class ResidualOutputLayer(nn.Module):
         return out.reshape(logits.shape)
 
     def tail_capacity_bytes(self) -> int:
-        """Bytes the held-out buffer takes when full: (1 + GAP_MULTIPLE)·tune_tokens positions (float32 states, int64
-        ids and documents)."""
-        return self.held_out.capacity_bytes(self.memory.dim_key)
+        """Bytes the held-out buffer takes at its usual fullest: (1 + GAP_MULTIPLE)·tune_tokens positions (float16
+        keys and gradients, int64 ids and documents; HeldOutTail.capacity_bytes)."""
+        return self.held_out.capacity_bytes(self.memory.dim_key, self.hidden_size)

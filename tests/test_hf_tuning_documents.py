@@ -1,0 +1,169 @@
+"""The residual output layer's step is tuned on the end of every learned text (faast/hf/output_tuning.py tail_plan,
+docs/design.md §6.3): the order texts are learned in does not decide it, a last text unlike the others does not switch
+the memory off, and a memory that ends up off, or far below what one of its texts would take, says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from faast.hf import FaastConfig, MemoryOffWarning, ResidualOutput, apply_faast
+from faast.hf import output_tuning as tuning_module
+from faast.hf.output_tuning import tail_plan
+from hf_models import VOCAB, tiny_model
+
+CONFIG = FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=4096))
+WINDOW = 100  # the tiny models take 128 positions
+
+
+def noisy_phrase(length: int, seed: int, noise: float = 0.2) -> list[int]:
+    """A repeated random phrase of 23 tokens with a share `noise` of its tokens replaced at random: text the model
+    learns from its own stream."""
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(3, VOCAB, (23,), generator=g)
+    text = phrase.repeat(length // 23 + 1)[:length]
+    swap = torch.rand(length, generator=g) < noise
+    return torch.where(swap, torch.randint(3, VOCAB, (length,), generator=g), text).tolist()
+
+
+def random_text(length: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def learned(*calls: list[list[int]]):
+    """A fresh model that learned each call's texts in one learn() call, in order, and solved."""
+    model = apply_faast(tiny_model("llama"), CONFIG)
+    for texts in calls:
+        model.learn(texts, max_length=WINDOW, batch_size=2)
+    model.output_memory_layer.folded(torch.device("cpu"), torch.float32)
+    return model
+
+
+def base_and_memory_nll(model, text: list[int]) -> tuple[float, float]:
+    """Mean next-token NLL of `text` under the base model and the adapted one."""
+    x = torch.tensor([text])
+    with torch.no_grad():
+        adapted = float(model(x, labels=x).loss)
+        with model.disable_faast():
+            base = float(model(x, labels=x).loss)
+    return base, adapted
+
+
+def test_the_plan_holds_out_every_document_in_proportion_and_does_not_depend_on_their_order():
+    # 11,786 + 2,715 positions (the json + licence case's sizes): 2,048 held out, split 1,665 / 383, each with twice
+    # as many left out before it; reversed, the same per document.
+    plan = tail_plan([11786, 2715], 14501, 2048, 2304)
+    assert plan == [(1665, 3330), (383, 766)]
+    assert tail_plan([2715, 11786], 14501, 2048, 2304) == plan[::-1]
+    # Too few positions to fit on once the gaps are out: no gaps; too few to hold out or fit at all: nothing.
+    assert tail_plan([700], 700, 160, 300) == [(140, 0)]
+    assert tail_plan([700], 700, 160, 600) == [(0, 0)]
+    assert tail_plan([500], 500, 4096, 256) == [(0, 0)]  # 100 would be held out: fewer than MIN_HELD_OUT
+    # A document shorter than 1/(2f) positions holds out none (round(f·n) = 0).
+    assert tail_plan([5000, 2], 5002, 1000, 256)[1] == (0, 0)
+
+
+def test_two_texts_learned_in_either_order_or_together_tune_the_same_step():
+    a, b = noisy_phrase(700, seed=1), noisy_phrase(400, seed=2)
+    runs = {"a then b": learned([a], [b]), "b then a": learned([b], [a]), "together": learned([a, b])}
+    tunings = {name: model.output_memory_layer.last_tuning for name, model in runs.items()}
+    first = tunings["a then b"]
+    assert first["tuned"] and first["held_out_documents"] == 2 and first["step"] > 0.05
+    for name, tuning in tunings.items():
+        assert tuning["held_out_tokens"] == first["held_out_tokens"], name
+        assert tuning["document_gap_tokens"] == first["document_gap_tokens"], name
+        assert tuning["step"] == pytest.approx(first["step"], rel=1e-4), name
+    # Each text's continuation reads the same in either order.
+    for text in (noisy_phrase(300, seed=1)[7:], noisy_phrase(300, seed=2)[7:]):
+        nll = [base_and_memory_nll(model, text)[1] for model in runs.values()]
+        assert max(nll) - min(nll) < 1e-4 * max(nll)
+
+
+def test_a_last_text_unlike_the_others_does_not_switch_the_memory_off():
+    # Text the memory learns (a phrase), then random tokens learned last. Held out from the stream's end alone, the
+    # step would be tuned on random text and be 0; held out from both texts, it is on and helps the first.
+    phrase, noise = noisy_phrase(900, seed=1), random_text(240, seed=5)
+    model = learned([phrase], [noise])
+    tuning = model.output_memory_layer.last_tuning
+    assert tuning["tuned"] and tuning["held_out_documents"] == 2 and not tuning["off"]
+    assert tuning["step"] > 0.05
+    base, adapted = base_and_memory_nll(model, noisy_phrase(300, seed=1)[11:])
+    assert adapted < base - 0.05
+    alone = learned([phrase]).output_memory_layer.last_tuning["step"]
+    assert tuning["step"] > alone / tuning_module.PART_STEP_RATIO  # no warning: the step serves the phrase too
+
+
+def disagreeing_logits(right: int, wrong: int, seed: int = 0):
+    """Held-out logits (z0, z1, z0 and z1 at the targets; output_tuning.Logits) of `right` rows of document 0 whose
+    correction z1 raises the target and `wrong` rows of document 1 whose correction lowers it, and the documents."""
+    g = torch.Generator().manual_seed(seed)
+    n, vocab = right + wrong, 40
+    z0 = torch.randn(n, vocab, generator=g)
+    z1 = torch.randn(n, vocab, generator=g) * 0.3
+    ys = torch.randint(0, vocab, (n,), generator=g)
+    sign = torch.cat([torch.ones(right), -torch.ones(wrong)])
+    z1[torch.arange(n), ys] += 3.0 * sign
+    documents = torch.cat([torch.zeros(right, dtype=torch.long), torch.ones(wrong, dtype=torch.long)])
+    rows = torch.arange(n)
+    return (z0, z1, z0[rows, ys], z1[rows, ys]), documents
+
+
+def nll_at(logits, rows, eta, lam):
+    """Mean NLL of `rows` under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1), float64 by hand."""
+    z0, z1, t0, t1 = (v[rows].double() for v in logits)
+    log_a = t0 - torch.logsumexp(z0, -1)
+    log_b = t0 + eta * t1 - torch.logsumexp(z0 + eta * z1, -1)
+    if lam >= 1.0:
+        return float(-log_b.mean())
+    return float(-torch.logaddexp(log_a + torch.log1p(torch.tensor(-lam, dtype=torch.float64)),
+                                  log_b + torch.log(torch.tensor(lam, dtype=torch.float64))).mean())  # fmt: skip
+
+
+@pytest.mark.parametrize(("right", "wrong", "off"), [(600, 500, False), (200, 1000, True)])
+def test_a_memory_whose_texts_disagree_says_its_step_is_far_below_what_one_would_take(right, wrong, off):
+    # Document 0's correction is right, document 1's wrong: the step that serves both (logit space, λ = 1: convex) is
+    # far below the one document 0 alone would take (or 0: the memory is off). The diagnosis names document 0 and
+    # estimates its own step.
+    logits, documents = disagreeing_logits(right, wrong)
+    eta, _ = tuning_module.tune_step(logits, 1.0)
+    diagnosis = tuning_module.diagnose(logits, documents, eta, 1.0, eta)
+    parts = {p["document"]: p for p in diagnosis["parts"]}
+    assert sorted(parts) == [0, 1] and parts[0]["positions"] == right and parts[1]["positions"] == wrong
+    own = min(torch.linspace(0, 4, 401).tolist(), key=lambda e: nll_at(logits, documents == 0, e, 1.0))
+    assert own > tuning_module.PART_STEP_RATIO * eta
+    assert parts[0]["step"] > tuning_module.PART_STEP_RATIO * eta and parts[1]["step"] <= eta
+    assert diagnosis["off"] is off and (eta == 0.0) is off
+    every = torch.ones_like(documents, dtype=torch.bool)
+    gain = nll_at(logits, every, 0.0, 1.0) - nll_at(logits, every, eta, 1.0)
+    if not off:
+        assert diagnosis["held_out_gain"] == pytest.approx(gain, rel=1e-4)
+        assert "much smaller" in diagnosis["warning"] and "document 0" in diagnosis["warning"]
+    else:
+        assert "is off" in diagnosis["warning"] and "document 0" in diagnosis["warning"]
+
+
+def test_a_memory_that_ends_up_off_says_so_once_in_what_learn_and_solve_return():
+    # Random texts: no step helps their held-out ends. learn(solve=True) warns once and returns the reason; solve()
+    # reports the same for every memory, without warning again (the solution is cached; warnings are errors here).
+    model = apply_faast(tiny_model("llama"), CONFIG)
+    texts = [random_text(400, seed=s) for s in range(4)]
+    with pytest.warns(MemoryOffWarning, match="4 document") as caught:
+        stats = model.learn(texts, max_length=WINDOW, batch_size=2, solve=True)
+    assert len(caught) == 1 and stats.tuning["off"] and stats.tuning["step"] == 0.0
+    assert stats.tuning["warning"] == str(caught[0].message)
+    assert stats.tuning["held_out_gain"] <= 2 * stats.tuning["held_out_gain_se"]
+    model.learn([noisy_phrase(700, seed=1)], max_length=WINDOW, batch_size=2, memory="phrase")
+    report = model.solve()
+    assert sorted(report) == ["default", "phrase"]
+    assert report["default"] == stats.tuning and report["phrase"]["warning"] is None and not report["phrase"]["off"]
+    assert report["phrase"] == model.solve(memories=["phrase"])["phrase"]
+    with pytest.raises(ValueError, match="memories: no memory named 'nope'"):
+        model.solve(memories=["nope"])
+    with pytest.raises(TypeError, match="solve: expected True or False"):
+        model.learn(texts, solve="yes")
+    assert model.memory_state("default").output.memory.count == stats.pairs  # the refused call learned nothing
+    x = torch.tensor([random_text(50, seed=9)])
+    with torch.no_grad():
+        adapted = model(x).logits
+        with model.disable_faast():
+            assert torch.equal(adapted, model(x).logits)  # off: the model reads exactly as the base model
