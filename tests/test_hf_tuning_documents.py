@@ -132,6 +132,9 @@ def test_a_memory_whose_texts_disagree_says_its_step_is_far_below_what_one_would
     own = min(torch.linspace(0, 4, 401).tolist(), key=lambda e: nll_at(logits, documents == 0, e, 1.0))
     assert own > tuning_module.PART_STEP_RATIO * eta
     assert parts[0]["step"] > tuning_module.PART_STEP_RATIO * eta and parts[1]["step"] <= eta
+    # Document 0's step is confirmed on its own rows (it gains there, significantly); document 1's is not checked.
+    assert parts[0]["confirmed"] is True and parts[1]["confirmed"] is None
+    assert nll_at(logits, documents == 0, parts[0]["step"], 1.0) < nll_at(logits, documents == 0, eta, 1.0)
     assert diagnosis["off"] is off and (eta == 0.0) is off
     every = torch.ones_like(documents, dtype=torch.bool)
     gain = nll_at(logits, every, 0.0, 1.0) - nll_at(logits, every, eta, 1.0)

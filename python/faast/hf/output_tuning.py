@@ -285,8 +285,11 @@ def diagnose(
     - off: η or λ is 0; held_out_gain / held_out_gain_se: the mean gain in log-likelihood per held-out position,
       and its standard error, at (η, λ) or, when off, at `candidate` (the best step the search found);
     - parts: for every document with PART_MIN_POSITIONS or more rows, the step it alone would take, estimated by
-      one Newton step on its rows' mean NLL from η (their gradient and curvature in η at weight λ);
-    - warning: a message when the memory is off, or when a part's step is over PART_STEP_RATIO times η (else None).
+      one Newton step on its rows' mean NLL from η (their gradient and curvature in η at weight λ), and, where that
+      step is over PART_STEP_RATIO times η, whether its rows gain there significantly over η (`confirmed`: one pass
+      over those rows; None where not checked);
+    - warning: a message when the memory is off, or when a confirmed part's step is over PART_STEP_RATIO times η
+      (else None).
 
     rows, log_base: what `tune_step_rows` and `base_log_targets` computed (rows at η or at `candidate`), reused.
     """
@@ -316,14 +319,22 @@ def diagnose(
                 step = min(MAX_STEP, max(0.0, eta - g / c))
             else:  # not convex here: only the direction is known
                 step = MAX_STEP if g < 0 else 0.0
-            parts.append({"document": doc, "positions": n, "step": step})
+            # A step far from η is a one-step extrapolation: it counts only if the part's rows really gain there,
+            # significantly, over what they read at η (one pass over those rows alone).
+            confirmed = None
+            if step > PART_STEP_RATIO * eta:
+                part_logits = tuple(v[rows] for v in logits)
+                there = log_mixture(log_base[rows], _log_targets(*part_logits, step), lam)
+                better = there - log_mix[rows]
+                confirmed = float(better.mean()) > MIN_GAIN_SE * float(better.std()) / math.sqrt(n)
+            parts.append({"document": doc, "positions": n, "step": step, "confirmed": confirmed})
     n, docs = int(documents.numel()), int(ids.numel())
     warning = None
     if off:
         found = ("the loss rose with any step" if at <= 0 else
                  f"best step {at:.3g}: mean gain {mean:+.4f} ± {se:.4f} nats per position, needs over "
                  f"{MIN_GAIN_SE:g} standard errors")  # fmt: skip
-        wanting = [p for p in parts if p["step"] > 0]
+        wanting = [p for p in parts if p["step"] > 0 and p["confirmed"]]
         alone = ""
         if wanting:
             top = max(wanting, key=lambda p: p["step"])
@@ -335,7 +346,7 @@ def diagnose(
                    f"model.{alone} Learn more text like what it will read, or set ResidualOutput(step=...) to force "
                    f"a step.")  # fmt: skip
     else:
-        larger = [p for p in parts if p["step"] > PART_STEP_RATIO * eta]
+        larger = [p for p in parts if p["step"] > PART_STEP_RATIO * eta and p["confirmed"]]
         if larger:
             top = max(larger, key=lambda p: p["step"])
             warning = (f"faast: the residual output memory's step {eta:.3g} is much smaller than {len(larger)} of "
