@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .model import FaastModel
+from .output_tuning import MemoryOffWarning
 
 _log = logging.getLogger("faast.hf.train")
 
@@ -118,7 +120,11 @@ def training_step(model: FaastModel, batch: dict[str, torch.Tensor], discount: f
         state.apply_discount(discount)
     model.learn_batch(learn_ids, learn_mask, differentiable=True)
     model.begin_training_step()  # one solve for every middle layer
-    out = model(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask), use_cache=False)
+    # The output layer's memory here is the training stream's, rebuilt every step, not one a user reads: whether its
+    # tuned step is off says nothing about the readout being trained.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemoryOffWarning)
+        out = model(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask), use_cache=False)
     return out.loss
 
 
