@@ -73,6 +73,15 @@ def _per_domain(payload: dict, *keys: str) -> tuple[list[tuple[dict, list[dict]]
     return have, missing
 
 
+def _worst_row(goal: str, entries: list[tuple], limit: float, missing: list[str], what: str, describe) -> list:  # noqa: ANN001
+    """A goal row met when the largest first value of `entries` [(value, ...)] is at most `limit` and no domain is
+    `missing`; `describe` words the largest entry; "not run" (naming `what`) without entries."""
+    if not entries:
+        return _not_run(goal, what)
+    worst = max(entries, key=lambda x: x[0])
+    return [goal, describe(worst) + _missing_note(missing), _yes(worst[0] <= limit and not missing)]
+
+
 def _missing_note(missing: list[str]) -> str:
     return f"; {NOT_RUN} on {', '.join(missing)}" if missing else ""
 
@@ -137,12 +146,8 @@ def goals(payload: dict, mean: list[dict]) -> list[list[str]]:
             continue
         points += [(p / zero["ppl"], d["domain"], t) for t, p in zip(curve["tokens"], curve["ppl"], strict=True)]
         points.append((row["ppl"] / zero["ppl"], d["domain"], d["learned_tokens"]))
-    if points:
-        worst = max(points, key=lambda x: x[0])
-        measured = f"worst {100 * (worst[0] - 1):+.2f}% ({worst[1]}, {worst[2]:,} tokens)" + _missing_note(missing)
-        rows.append([goal, measured, _yes(worst[0] <= NEVER_HURTS and not missing)])
-    else:
-        rows.append(_not_run(goal, "FAAST default curves"))
+    rows.append(_worst_row(goal, points, NEVER_HURTS, missing, "FAAST default curves",
+                           lambda w: f"worst {100 * (w[0] - 1):+.2f}% ({w[1]}, {w[2]:,} tokens)"))  # fmt: skip
     # (d) the curve falls at every step, on every domain.
     goal = "perplexity falls at every step 2K → 32K"
     curves = [d["curve"][key] for d in payload["domains"] if d["curve"].get(key)]
@@ -168,12 +173,8 @@ def goals(payload: dict, mean: list[dict]) -> list[list[str]]:
     solves = [(d["curve"][key]["solve_s"][-1], d["domain"]) for d in payload["domains"]
               if (d["curve"].get(key) or {}).get("solve_s")]  # fmt: skip
     missing = [d["domain"] for d in payload["domains"] if not (d["curve"].get(key) or {}).get("solve_s")]
-    if solves:
-        slowest = max(solves, key=lambda x: x[0])
-        measured = f"max {slowest[0]:.2f} s ({slowest[1]})" + _missing_note(missing)
-        rows.append([goal, measured, _yes(slowest[0] <= LAST_SOLVE_S and not missing)])
-    else:
-        rows.append(_not_run(goal, "FAAST default solve times"))
+    rows.append(_worst_row(goal, solves, LAST_SOLVE_S, missing, "FAAST default solve times",
+                           lambda w: f"max {w[0]:.2f} s ({w[1]})"))  # fmt: skip
     goal = "stretch: the kNN-LM's mean reduction"
     if faast and knn:
         rows.append([goal, f"{100 * faast['reduction']:.1f}% vs {100 * knn['reduction']:.1f}%",
