@@ -73,6 +73,15 @@ def _per_domain(payload: dict, *keys: str) -> tuple[list[tuple[dict, list[dict]]
     return have, missing
 
 
+def _half_time_row(goal: str, row: dict | None, lora: dict | None, what: str) -> list:
+    """A goal row met when `row`'s mean learn time is at most half the 1-epoch LoRA's; "not run" (naming `what`)
+    when either is missing."""
+    if not (row and lora):
+        return _not_run(goal, f"{what} in every domain")
+    ratio = row["learn_s"] / lora["learn_s"]
+    return [goal, f"{ratio:.2f}× ({row['learn_s']:.0f} s vs {lora['learn_s']:.0f} s)", _yes(ratio <= 0.5)]
+
+
 def _worst_row(goal: str, entries: list[tuple], limit: float, missing: list[str], what: str, describe) -> list:  # noqa: ANN001
     """A goal row met when the largest first value of `entries` [(value, ...)] is at most `limit` and no domain is
     `missing`; `describe` words the largest entry; "not run" (naming `what`) without entries."""
@@ -104,12 +113,7 @@ def goals(payload: dict, mean: list[dict]) -> list[list[str]]:
         rows.append([goal, measured, _yes(share >= 0.6)])
     else:
         rows.append(_not_run(goal, "FAAST default or 1-epoch LoRA rows in every domain"))
-    goal = "learn time ≤ ½ LoRA's"
-    if faast and lora:
-        ratio = faast["learn_s"] / lora["learn_s"]
-        rows.append([goal, f"{ratio:.2f}× ({faast['learn_s']:.0f} s vs {lora['learn_s']:.0f} s)", _yes(ratio <= 0.5)])
-    else:
-        rows.append(_not_run(goal, "FAAST default or 1-epoch LoRA rows in every domain"))
+    rows.append(_half_time_row("learn time ≤ ½ LoRA's", faast, lora, "FAAST default or 1-epoch LoRA rows"))
     goal = "≥ 8% absolute mean reduction"
     if faast:
         rows.append([goal, f"{100 * faast['reduction']:.1f}%", _yes(faast["reduction"] >= 0.08)])
@@ -162,12 +166,8 @@ def goals(payload: dict, mean: list[dict]) -> list[list[str]]:
     else:
         rows += [_not_run(goal, "FAAST default curves"), _not_run("fixed state size", "FAAST default curves")]
     # (e) the float32 learning pass (learn + solve) against one epoch of LoRA.
-    goal = "float32-learn learn time ≤ ½ the 1-epoch LoRA's"
-    if fp32 and lora:
-        ratio = fp32["learn_s"] / lora["learn_s"]
-        rows.append([goal, f"{ratio:.2f}× ({fp32['learn_s']:.0f} s vs {lora['learn_s']:.0f} s)", _yes(ratio <= 0.5)])
-    else:
-        rows.append(_not_run(goal, "float32-learn or 1-epoch LoRA rows in every domain"))
+    rows.append(_half_time_row("float32-learn learn time ≤ ½ the 1-epoch LoRA's", fp32, lora,
+                               "float32-learn or 1-epoch LoRA rows"))  # fmt: skip
     # (f) the last solve, with its step tuning, on every domain.
     goal = f"last solve ≤ {LAST_SOLVE_S:g} s"
     solves = [(d["curve"][key]["solve_s"][-1], d["domain"]) for d in payload["domains"]
