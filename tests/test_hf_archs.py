@@ -14,7 +14,7 @@ import torch
 
 from faast.hf import EmbeddingOutput, FaastConfig, MiddleLayers, ResidualOutput, apply_faast
 from faast.hf import targets as targets_module
-from faast.hf.output import _head_logits
+from faast.hf.head import head_logits
 from faast.hf.targets import TARGETS, discover_target, target_for
 from hf_models import arch_model, transformers
 from test_hf import ids, randomize_readouts
@@ -168,7 +168,7 @@ def final_norm_output(model, x, mask=None):
 def test_the_residual_output_layer_sees_the_models_own_logits(kind):
     model = apply_faast(arch_model(kind), FaastConfig())
     h, logits = final_norm_output(model, ids(batch=2, seq=9))
-    assert rel(_head_logits(model.output_memory_layer.head, h), logits) < HEAD_LOGITS_REL
+    assert rel(head_logits(model.output_memory_layer.head, h), logits) < HEAD_LOGITS_REL
 
 
 @pytest.mark.parametrize("kind", ["granite", "cohere"])
@@ -221,7 +221,7 @@ def test_softcapped_logits_refuse_the_residual_output_layer(kind):
     apply_faast(capped, FaastConfig(output=EmbeddingOutput())).learn(ids(batch=2, seq=8))
     uncapped = apply_faast(arch_model(kind, final_logit_softcapping=None), FaastConfig())
     h, logits = final_norm_output(uncapped, ids(batch=2, seq=9))
-    assert rel(_head_logits(uncapped.output_memory_layer.head, h), logits) < HEAD_LOGITS_REL
+    assert rel(head_logits(uncapped.output_memory_layer.head, h), logits) < HEAD_LOGITS_REL
 
 
 # ---------------------------------------------------------------------------------------------------- discovery

@@ -74,19 +74,34 @@ class KNNLM:
             added += int(pair.sum())
         return added
 
+    def add_states(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Store pairs whose states are already computed: keys [M, d] (final hidden states, kept as float32),
+        values [M] int64 (each state's next token). What a stream's datastore grows by after scoring a window with
+        the same forward pass (lm_baselines.stream). Returns M."""
+        if keys.ndim != 2 or values.shape != keys.shape[:1]:
+            raise ValueError(f"keys, values: expected [M, d] and [M], got {list(keys.shape)} and {list(values.shape)}")
+        self.keys.append(keys.detach().float())
+        self.values.append(values.detach().long())
+        return int(values.numel())
+
     def neighbours(self, queries: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The k nearest keys of each query [M, d]: (their negative squared L2 distances [M, k] float32, largest
         first; whether each one's next token is the query's target [M, k] bool), k = min(config.k, datastore size).
         Independent of λ and T, so a grid over them reuses one search (lm_baselines.tuning.tune_knn)."""
         if not self.values:
             raise ValueError("the datastore is empty: call add() first")
-        keys = torch.cat(self.keys)
-        values = torch.cat(self.values)
-        k = min(self.config.k, keys.shape[0])
+        return self.search(queries, targets, torch.cat(self.keys), torch.cat(self.values), self.config.k,
+                           self.config.query_chunk)  # fmt: skip
+
+    @staticmethod
+    def search(queries: torch.Tensor, targets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, k: int,
+               query_chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """`neighbours` over given keys [N, d] float32 and values [N] int64 (no datastore needed)."""
+        k = min(k, keys.shape[0])
         key_sq = keys.square().sum(-1)
         negs, hits = [], []
-        for start in range(0, queries.shape[0], self.config.query_chunk):
-            q = queries[start : start + self.config.query_chunk].float()
+        for start in range(0, queries.shape[0], query_chunk):
+            q = queries[start : start + query_chunk].float()
             dist = q.square().sum(-1, keepdim=True) - 2 * q @ keys.mT + key_sq  # squared L2, [m, N]
             neg, index = torch.topk(-dist, k, dim=-1)
             negs.append(neg)

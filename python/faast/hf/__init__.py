@@ -2,7 +2,8 @@
 
 `apply_faast(model, config)` attaches memory layers to a frozen causal LM (the decoder types of
 faast.hf.targets.TARGETS, others through discovery) by hooking its own modules (no copied modeling code); the
-returned model learns from text in forward passes (`learn`), and `generate` reads the fast weights.
+returned model learns from text in forward passes (`learn`, or `read_stream` while reading a long text), and
+`generate` reads the fast weights.
 FaastConfig groups the settings: `output` (ResidualOutput, the default; EmbeddingOutput, the paper's; or None),
 `middle` (MiddleLayers, an opt-in) and `regulariser` (Regulariser). `FaastConfig(target_modules=...)` puts a memory
 on any module, PEFT-style (an encoder's classification head, an LM head: faast.hf.modules), and
@@ -16,6 +17,7 @@ from .model import FaastModel, LearnStats, apply_faast, from_pretrained
 from .modules import FaastModuleModel
 from .output_tuning import MemoryOffWarning
 from .peft_method import apply_faast_to_peft
+from .reading import ReadReport, chunk_windows, read_stream
 from .targets import TARGETS, discover_target
 
 
@@ -38,12 +40,15 @@ __all__ = [
     "MemoryOffWarning",
     "MiddleLayers",
     "OutputMemoryLayer",
+    "ReadReport",
     "Regulariser",
     "ResidualOutput",
     "TrainConfig",
     "apply_faast",
     "apply_faast_to_peft",
+    "chunk_windows",
     "discover_target",
     "from_pretrained",
+    "read_stream",
     "train_readout",
 ]

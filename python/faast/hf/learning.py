@@ -31,6 +31,10 @@ from .output import ResidualOutputLayer
 _log = logging.getLogger("faast.hf")
 
 
+# A stream reading a learning pass (Learner.learn_batch): (h̃, extra keys, targets, pair_mask) -> the head's logits.
+Reader = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @dataclass
 class LearnStats:
     """What a learn call consumed: tokens fed (real, unpadded; a text cut into w overlapping windows counts its w - 1
@@ -117,10 +121,16 @@ class Learner:
         labels: torch.Tensor | None = None,
         differentiable: bool = False,
         documents: torch.Tensor | None = None,
+        reader: Reader | None = None,
     ) -> LearnStats:
         """Learn one batch: input_ids [B, T] int64, attention_mask [B, T] (None: all real), labels [B, T] (-100: the
         pair predicting that position is not learned), documents [B] int64 (each row's text, for the step tuning).
-        differentiable: keep each middle layer's T with the graph to its scorer (readout training)."""
+        differentiable: keep each middle layer's T with the graph to its scorer (readout training). reader: a stream
+        reading the batch (faast/hf/reading.py): called after the pass with (h̃ [B, T, d], the extra keys or None,
+        targets, pair_mask), before the residual output layer learns; it scores the batch with what was learned
+        before and returns the head's logits [B, T-1, V] float32, which the layer then learns from rather than
+        forming them again (and keeps no held-out tail: the stream tunes the step itself). With a reader the pass
+        runs in the model's own dtype, so the scores are what the model reads."""
         input_ids, mask = check_batch(input_ids, attention_mask, self.base_model)
         started = time.perf_counter()
         if documents is None:
@@ -149,7 +159,7 @@ class Learner:
             torch.set_grad_enabled(differentiable),
             eval_mode(self.base_model),
             self.module_memories.passthrough(),  # every layer learns from the base model's own activations
-            self._autocast(input_ids.device, differentiable),
+            self._autocast(input_ids.device, differentiable or reader is not None),
         ):
             self.backbone(input_ids=input_ids, attention_mask=mask.long(), position_ids=positions, use_cache=False)
         # Every statistic is added after the pass, so an error inside it (or in the bank's checks) learns nothing.
@@ -162,7 +172,10 @@ class Learner:
                     layer.add_step_cross(step[layer.slot])
         rows = learn_pass.output_rows
         if rows is not None and isinstance(self.output_layer, ResidualOutputLayer):
-            self.output_layer.learn(rows[0], targets, pair_mask, documents, self.hooks.extra_keys(rows[0]))
+            extra = self.hooks.extra_keys(rows[0])
+            logits = None if reader is None else reader(rows[0], extra, targets, pair_mask)
+            self.output_layer.learn(rows[0], targets, pair_mask, documents, extra, logits=logits,
+                                    hold_out=reader is None)  # fmt: skip
         elif rows is not None:
             self.output_layer.memory.update(*rows, mask=pair_mask)
         if self._sink is not None:
@@ -171,11 +184,12 @@ class Learner:
         tokens, pairs = torch.stack([mask.sum(), pair_mask.sum()]).tolist()
         return LearnStats(tokens=tokens, pairs=pairs, batches=1, seconds=time.perf_counter() - started)
 
-    def _autocast(self, device: torch.device, differentiable: bool) -> contextlib.AbstractContextManager:
-        """bfloat16 autocast for the pass where learn_dtype asks for it (never while training the readout: its
-        gradients keep the model's precision). The captured states stay float32: the residual stream and the norms'
-        outputs are float32 under autocast, only the matrix products inside the blocks round."""
-        if differentiable or self.learn_dtype == "model":
+    def _autocast(self, device: torch.device, own_dtype: bool) -> contextlib.AbstractContextManager:
+        """bfloat16 autocast for the pass where learn_dtype asks for it; never with own_dtype (while training the
+        readout, whose gradients keep the model's precision, or while a stream scores the pass). The captured states
+        stay float32: the residual stream and the norms' outputs are float32 under autocast, only the matrix products
+        inside the blocks round."""
+        if own_dtype or self.learn_dtype == "model":
             return contextlib.nullcontext()
         if self.learn_dtype == "auto":
             weights = self.base_model.get_input_embeddings().weight

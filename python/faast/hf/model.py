@@ -33,17 +33,18 @@ from .hooks import ModelHooks
 from .inputs import batches, describe, learn_items, learn_source
 from .layers import MemoryLayer, OutputMemoryLayer, memory_bank
 from .learning import Learner, LearnStats
-from .memory_store import BASE, DEFAULT, Ledger, MemoryStore, check_name, fingerprints
+from .memory_store import BASE, DEFAULT, Ledger, MemoryStore, check_name
 from .modules import FaastModuleModel, ModuleMemories, wants_module_model
 from .named_memories import NamedMemories
 from .output import ResidualOutputLayer
+from .reading import StreamReader
 from .rows import RowMemories
 from .targets import get_submodule, residual_head, target_for
 
 __all__ = ["FaastModel", "LearnStats", "apply_faast", "from_pretrained"]
 
 
-class FaastModel(NamedMemories, BaseModelDelegate):
+class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
     """A causal LM with FAAST memory layers. Build it with `apply_faast(model, config)`.
 
     Attributes:
@@ -249,45 +250,17 @@ class FaastModel(NamedMemories, BaseModelDelegate):
         """learn() into the bound memory, recording each learned window in its ledger (all or nothing)."""
         inputs = learn_source(inputs, input_ids)
         source = describe(inputs)
-        ledger: Ledger = self.memory_store.ledgers[self.memory_store.bound]
-        before = ledger.copy()
-
-        def record(ids: torch.Tensor, mask: torch.Tensor, pairs: torch.Tensor, documents: torch.Tensor | None) -> None:
-            docs = [-1] * ids.shape[0] if documents is None else documents.tolist()
-            ledger.add(fingerprints(ids, mask, pairs), docs)
-
-        try:
-            with self._all_or_nothing(), self.learner.recording(record):
-                if isinstance(inputs, torch.Tensor):
-                    stats = self.learner.learn_tensor(inputs, attention_mask, labels)
-                else:
-                    items = learn_items(inputs, attention_mask, labels, tokenizer, text_column)
-                    device = self.base_model.get_input_embeddings().weight.device
-                    stream = batches(items, tokenizer, max_length, batch_size, device)
-                    stats = self.learner.learn_stream(stream, progress)
-        except BaseException:
-            self.memory_store.ledgers[self.memory_store.bound] = before
-            raise
+        with self._learning_recorded():
+            if isinstance(inputs, torch.Tensor):
+                stats = self.learner.learn_tensor(inputs, attention_mask, labels)
+            else:
+                items = learn_items(inputs, attention_mask, labels, tokenizer, text_column)
+                device = self.base_model.get_input_embeddings().weight.device
+                stream = batches(items, tokenizer, max_length, batch_size, device)
+                stats = self.learner.learn_stream(stream, progress)
         if stats.tokens == 0:
             raise ValueError(f"inputs: nothing to learn: the {source} held no tokens")
         return stats
-
-    @contextlib.contextmanager
-    def _all_or_nothing(self) -> Iterator[None]:
-        """A learn call that raises part way (a bad item after good batches) leaves every memory as it was."""
-        saved = [(m, {k: v.clone() for k, v in m.state_dict().items()}) for _, m in self.learned_state()]
-        output = self.output_memory_layer
-        tail = output.held_out.snapshot() if isinstance(output, ResidualOutputLayer) else None
-        try:
-            yield
-        except BaseException:
-            with torch.no_grad():
-                for memory, state in saved:
-                    memory.load_state_dict(state)
-                    memory.mark_changed()
-            if tail is not None:
-                output.held_out.restore(tail)
-            raise
 
     def learn_modules(
         self,

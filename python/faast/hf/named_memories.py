@@ -18,10 +18,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from .learning import LearnStats
-from .memory_store import BASE, StoredMemory, check_name
+from .memory_store import BASE, StoredMemory, check_name, fingerprints
 from .output import OutputState, ResidualOutputLayer
 
 _SCRATCH = "__scratch__"  # the memory forget() learns the texts into, to subtract them
@@ -29,7 +30,7 @@ _SCRATCH = "__scratch__"  # the memory forget() learns the texts into, to subtra
 
 class NamedMemories:
     """FaastModel's named memories. Needs the model's memory_store, memory_bank, memory_layers,
-    output_memory_layer, module_memories, learner and _learn_core."""
+    output_memory_layer, module_memories, learner, learned_state and _learn_core."""
 
     # ------------------------------------------------------------------ selecting
 
@@ -110,6 +111,41 @@ class NamedMemories:
             yield
         finally:
             self._bind(previous)
+
+    @contextlib.contextmanager
+    def _learning_recorded(self) -> Iterator[None]:
+        """Inside, every batch the learner learns into the bound memory is recorded in its ledger, and learning is all
+        or nothing: an exception leaves every memory, its held-out tail and the ledger as they were."""
+        ledger = self.memory_store.ledgers[self.memory_store.bound]
+        before = ledger.copy()
+
+        def record(ids: torch.Tensor, mask: torch.Tensor, pairs: torch.Tensor, documents: torch.Tensor | None) -> None:
+            docs = [-1] * ids.shape[0] if documents is None else documents.tolist()
+            ledger.add(fingerprints(ids, mask, pairs), docs)
+
+        try:
+            with self._all_or_nothing(), self.learner.recording(record):
+                yield
+        except BaseException:
+            self.memory_store.ledgers[self.memory_store.bound] = before
+            raise
+
+    @contextlib.contextmanager
+    def _all_or_nothing(self) -> Iterator[None]:
+        """A learn call that raises part way (a bad item after good batches) leaves every memory as it was."""
+        saved = [(m, {k: v.clone() for k, v in m.state_dict().items()}) for _, m in self.learned_state()]
+        output = self.output_memory_layer
+        tail = output.held_out.snapshot() if isinstance(output, ResidualOutputLayer) else None
+        try:
+            yield
+        except BaseException:
+            with torch.no_grad():
+                for memory, state in saved:
+                    memory.load_state_dict(state)
+                    memory.mark_changed()
+            if tail is not None:
+                output.held_out.restore(tail)
+            raise
 
     def _creating(self, name: str) -> bool:
         """Create memory `name` when it does not exist; returns whether it did."""

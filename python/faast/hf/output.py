@@ -44,10 +44,10 @@ from torch import nn
 
 from .. import ops
 from ..accumulator import Accumulator
-from ..hardware import native_bf16
 from ..memory import FastWeights
 from . import output_tuning as tuning
 from .config import FaastConfig, ResidualOutput
+from .head import READ_CHUNK, head_gradients, head_logits, products_dtype
 from .mixture import read_blocks
 from .output_tuning import HeldOutTail, Logits, MemoryOffWarning
 
@@ -59,17 +59,7 @@ _log = logging.getLogger("faast.hf")
 DEFAULT_STEP = {"logit": 0.015, "probability": 0.03}
 DEFAULT_WEIGHT = 0.5
 KEY_STATE_EPS = 1e-6  # key_state's guard against an all-zero state
-READ_CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
 MIX_ROWS = 32  # positions per block of the reading mixture's elementwise passes ([32, V] float32: 6 MB for V = 49K)
-
-
-def _head_logits(head: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits [n, V] float32 of rows hidden [n, d] through the LM head (weight [V, d], optional bias). `weight`: the
-    head's weight already cast to the products' dtype (float32 or bfloat16; default float32)."""
-    weight = head.weight.float() if weight is None else weight
-    logits = (hidden.to(weight.dtype) @ weight.T).float()
-    bias = getattr(head, "bias", None)
-    return logits if bias is None else logits + bias.float()
 
 
 def key_state(hidden: torch.Tensor) -> torch.Tensor:
@@ -78,17 +68,6 @@ def key_state(hidden: torch.Tensor) -> torch.Tensor:
     learned scale), so that the Gram's blocks have comparable scales."""
     x = hidden if hidden.dtype == torch.float64 else hidden.float()
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + KEY_STATE_EPS)).to(hidden.dtype)
-
-
-def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
-    """The dtype of the head products learning takes for keys [.., d] under ResidualOutput.head_dtype `setting`:
-    'auto' is bfloat16 on a CUDA device or CPU that multiplies it natively and float32 otherwise, and float32 for
-    float64 keys (kept exact, as the tests' references are)."""
-    if setting != "auto":
-        return getattr(torch, setting)
-    if keys.dtype == torch.float64:
-        return torch.float32
-    return torch.bfloat16 if native_bf16(keys.device) else torch.float32
 
 
 class OutputState(nn.Module):
@@ -257,12 +236,16 @@ class ResidualOutputLayer(nn.Module):
         pair_mask: torch.Tensor,
         documents: torch.Tensor | None = None,
         extra: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
+        hold_out: bool = True,
     ) -> None:
         """Add the positions of hidden [B, T, d] (the final norm's output) that predict targets [B, T-1] (the next
         token ids) where pair_mask [B, T-1] is True. documents [B] int64: which document each row belongs to,
         non-decreasing along the stream (-1 or None: unknown); the step tuning uses it to leave the text just before
         the held-out tail out of its fit when both come from one document. extra [B, T, extra_key_size]: the rest of
-        each position's key (key_state of the configured blocks' inputs), required when extra_key_size > 0."""
+        each position's key (key_state of the configured blocks' inputs), required when extra_key_size > 0. logits
+        [B, T-1, V]: the head's logits of the learned positions when already computed (a stream scored them with
+        them). hold_out: keep the positions in the held-out tail the step is tuned on (a stream tunes its own)."""
         states = hidden[:, :-1]
         keys = self.keys(hidden, extra)[:, :-1]
         if targets.shape != keys.shape[:-1] or pair_mask.shape != targets.shape:
@@ -270,13 +253,15 @@ class ResidualOutputLayer(nn.Module):
                              f"{tuple(targets.shape)} and {tuple(pair_mask.shape)}")  # fmt: skip
         if documents is not None and documents.shape != keys.shape[:1]:
             raise ValueError(f"documents: expected shape {tuple(keys.shape[:1])}, got {tuple(documents.shape)}")
-        grads, mean_gram, prob_sum = self.gradients(states, targets, pair_mask)
+        if logits is not None and logits.shape[:-1] != targets.shape:
+            raise ValueError(f"logits: expected shape {[*targets.shape, '*']}, got {list(logits.shape)}")
+        grads, mean_gram, prob_sum = self.gradients(states, targets, pair_mask, logits)
         k = keys if keys.dtype == torch.float64 else keys.float()
         self.memory.update(k, grads.to(k.dtype), mask=pair_mask)
         positions = pair_mask.sum().to(torch.float64)
         self.curvature.add(count=positions, gram=mean_gram)
         self.token_mass.add(count=positions, probability=prob_sum)
-        if self.tune_tokens:
+        if self.tune_tokens and hold_out:
             self.held_out.keep(keys, targets, pair_mask, documents, grads)
 
     def keys(self, hidden: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
@@ -293,32 +278,13 @@ class ResidualOutputLayer(nn.Module):
         return torch.cat([hidden, extra.to(hidden.dtype)], -1)
 
     def gradients(
-        self, keys: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
+        self, keys: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For the head's inputs keys [B, T-1, d] (h̃), the next tokens targets [B, T-1] and mask [B, T-1] (bool): (the
         log-likelihood gradients r = H[y] − pH [B, T-1, d] float32, zero where masked; Σ μ μᵀ [d, d] and Σ p [V]
-        float64 over unmasked positions)."""
-        weight = self.head.weight
-        d = keys.shape[-1]
-        flat, ys, keep = keys.reshape(-1, d), targets.reshape(-1), mask.reshape(-1)
-        grads = torch.empty((flat.shape[0], d), dtype=torch.float32, device=keys.device)
-        prob_sum = torch.zeros(weight.shape[0], dtype=torch.float64, device=keys.device)
-        mean_gram = torch.zeros((d, d), dtype=torch.float64, device=keys.device)
-        w32 = weight.float()
-        # The two V×d products per position are most of learning's cost beyond the backbone: in bfloat16 (float32
-        # accumulation) they took 0.65× the time, and held-out perplexity moved by at most 0.04 points on three
-        # validation domains (docs/design.md §6.3).
-        wp = weight.to(products_dtype(self.head_dtype, keys))
-        for i in range(0, flat.shape[0], READ_CHUNK):
-            rows = slice(i, i + READ_CHUNK)
-            kept = keep[rows, None].to(torch.float32)
-            p = torch.softmax(_head_logits(self.head, flat[rows], wp), -1).mul_(kept)  # masked positions: p = 0
-            mu = (p.to(wp.dtype) @ wp).float()
-            grads[rows] = (w32[ys[rows]] - mu).mul_(kept)
-            # float32 sums of at most READ_CHUNK probabilities: ample for a curvature, then summed in float64.
-            prob_sum += p.sum(0).double()
-            mean_gram += mu.double().T @ mu.double()
-        return grads.reshape(keys.shape), mean_gram, prob_sum
+        float64 over unmasked positions); faast/hf/head.py. logits [B, T-1, V]: the head's logits of those positions
+        when already computed (a stream scored them)."""
+        return head_gradients(self.head, keys, targets, mask, products_dtype(self.head_dtype, keys), logits)
 
     # ------------------------------------------------------------------ solving
 
@@ -371,9 +337,9 @@ class ResidualOutputLayer(nn.Module):
         without its bias; their entries at the targets ys [n]). base: (z0, its entries) of an earlier call on the
         same keys, reused."""
         if base is None:
-            z0 = _head_logits(self.head, keys[:, : self.hidden_size])
+            z0 = head_logits(self.head, keys[:, : self.hidden_size])
             base = (z0, z0.gather(-1, ys[:, None]).squeeze(-1))
-        z1 = _head_logits(self.head, keys @ w.float())
+        z1 = head_logits(self.head, keys @ w.float())
         bias = getattr(self.head, "bias", None)
         if bias is not None:
             z1 -= bias.float()

@@ -72,7 +72,7 @@ def _moments(z0: torch.Tensor, z1: torch.Tensor, eta: float) -> tuple[torch.Tens
     return tuple(torch.cat(parts) for parts in zip(*out, strict=True))
 
 
-def _log_targets(
+def log_targets(
     z0: torch.Tensor, z1: torch.Tensor, target0: torch.Tensor, target1: torch.Tensor, eta: float
 ) -> torch.Tensor:
     """log softmax(z0 + η·z1) at the targets [n] float64, for logits z0, z1 [n, V] and their entries at the targets
@@ -211,7 +211,7 @@ def held_out_nll(logits: Logits, eta: float, lam: float) -> float:
     log_base = (target0 - torch.logsumexp(z0, -1)).double()
     if eta <= 0.0 or lam <= 0.0:
         return float(-log_base.mean())
-    return mixture_nll(log_base, _log_targets(z0, z1, target0, target1, eta), lam)
+    return mixture_nll(log_base, log_targets(z0, z1, target0, target1, eta), lam)
 
 
 def tune_mixture(logits: Logits, step: float | None = None) -> tuple[float, float, list[tuple[float, float, float]]]:
@@ -225,7 +225,7 @@ def tune_mixture(logits: Logits, step: float | None = None) -> tuple[float, floa
     seen: dict[float, tuple[float, float]] = {}
 
     def log_memory(eta: float) -> torch.Tensor:
-        return _log_targets(z0, z1, target0, target1, eta)
+        return log_targets(z0, z1, target0, target1, eta)
 
     def nll(eta: float) -> float:
         if eta not in seen:
@@ -324,7 +324,7 @@ def diagnose(
             confirmed = None
             if step > PART_STEP_RATIO * eta:
                 part_logits = tuple(v[rows] for v in logits)
-                there = log_mixture(log_base[rows], _log_targets(*part_logits, step), lam)
+                there = log_mixture(log_base[rows], log_targets(*part_logits, step), lam)
                 better = there - log_mix[rows]
                 confirmed = float(better.mean()) > MIN_GAIN_SE * float(better.std()) / math.sqrt(n)
             parts.append({"document": doc, "positions": n, "step": step, "confirmed": confirmed})

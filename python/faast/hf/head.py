@@ -1,0 +1,74 @@
+"""The LM head's products the residual output layer learns from (docs/design.md §6.3): logits of rows through the
+head, and the next-token log-likelihood gradients with the sums of the head's Fisher, from those logits.
+
+For the head's input h̃ [d] the model predicts p = softmax(h̃ Hᵀ) (H [V, d], the head's weight); the gradient of
+log p_y with respect to h̃ is r = H[y] − pH. Learning (faast/hf/output.py) and reading a stream (faast/hf/reading.py)
+both go through `head_gradients`; a stream passes the logits it already computed to score the text.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..hardware import native_bf16
+
+READ_CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
+
+
+def head_logits(head: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [n, V] float32 of rows hidden [n, d] through the LM head (weight [V, d], optional bias). `weight`: the
+    head's weight already cast to the products' dtype (float32 or bfloat16; default float32)."""
+    weight = head.weight.float() if weight is None else weight
+    logits = (hidden.to(weight.dtype) @ weight.T).float()
+    bias = getattr(head, "bias", None)
+    return logits if bias is None else logits + bias.float()
+
+
+def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
+    """The dtype of the head products learning takes for keys [.., d] under ResidualOutput.head_dtype `setting`:
+    'auto' is bfloat16 on a CUDA device or CPU that multiplies it natively and float32 otherwise, and float32 for
+    float64 keys (kept exact, as the tests' references are)."""
+    if setting != "auto":
+        return getattr(torch, setting)
+    if keys.dtype == torch.float64:
+        return torch.float32
+    return torch.bfloat16 if native_bf16(keys.device) else torch.float32
+
+
+def head_gradients(
+    head: nn.Module,
+    keys: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    products: torch.dtype,
+    logits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the head's inputs keys [B, T-1, d] (h̃), the next tokens targets [B, T-1] and mask [B, T-1] (bool): (the
+    log-likelihood gradients r = H[y] − pH [B, T-1, d] float32, zero where masked; Σ μ μᵀ [d, d] and Σ p [V] float64
+    over unmasked positions; μ = pH). products: the dtype of the head products (`products_dtype`). logits: the
+    head's logits of the same positions [B, T-1, V] when already computed (a stream scored them), else they are
+    formed here."""
+    weight = head.weight
+    d = keys.shape[-1]
+    flat, ys, keep = keys.reshape(-1, d), targets.reshape(-1), mask.reshape(-1)
+    given = None if logits is None else logits.reshape(flat.shape[0], -1)
+    grads = torch.empty((flat.shape[0], d), dtype=torch.float32, device=keys.device)
+    prob_sum = torch.zeros(weight.shape[0], dtype=torch.float64, device=keys.device)
+    mean_gram = torch.zeros((d, d), dtype=torch.float64, device=keys.device)
+    w32 = weight.float()
+    # The two V×d products per position are most of learning's cost beyond the backbone: in bfloat16 (float32
+    # accumulation) they took 0.65× the time, and held-out perplexity moved by at most 0.04 points on three
+    # validation domains (docs/design.md §6.3).
+    wp = weight.to(products)
+    for i in range(0, flat.shape[0], READ_CHUNK):
+        rows = slice(i, i + READ_CHUNK)
+        kept = keep[rows, None].to(torch.float32)
+        z = head_logits(head, flat[rows], wp) if given is None else given[rows].float()
+        p = torch.softmax(z, -1).mul_(kept)  # masked positions: p = 0
+        mu = (p.to(wp.dtype) @ wp).float()
+        grads[rows] = (w32[ys[rows]] - mu).mul_(kept)
+        # float32 sums of at most READ_CHUNK probabilities: ample for a curvature, then summed in float64.
+        prob_sum += p.sum(0).double()
+        mean_gram += mu.double().T @ mu.double()
+    return grads.reshape(keys.shape), mean_gram, prob_sum
