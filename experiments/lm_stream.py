@@ -50,6 +50,7 @@ VALIDATION = ("email", "licenses")
 TEXT_FILES = "text-files"
 # Tokens tokenised beyond --limit before the cut, so the first --limit tokens do not depend on where reading stopped.
 MARGIN = 64
+FAAST_CHUNK_KEYS = ("steps", "weights", "key_widths", "tune_s", "statistics_s", "solve_s")  # kept per chunk
 NEVER_WORSE = 1.003  # goal 4: FAAST's perplexity at most this multiple of zero-shot's on every stream
 LATENCY_S = 1.0  # goal 3: FAAST's update at most this many seconds per chunk
 FLAT = 1.25  # goal 3: mean(last quarter) / mean(first quarter) of FAAST's update seconds at most this
@@ -416,6 +417,13 @@ def report_lines(payload: dict) -> list[str]:
         lines += ["FAAST's update latency (slope and ratio over the chunks after the first; the last row: the "
                   "streams' mean update at each chunk index):", "",
                   *table(["stream", "max s", "mean s", "slope ms/chunk", "last ¼ / first ¼"], body), ""]  # fmt: skip
+        parts = ("tune_s", "statistics_s", "solve_s")
+        faast_chunks = {name: payload["chunks"].get(name, {}).get("faast", {}) for name in streams}
+        split = [[name, *(f"{sum(c[k][1:]) / max(len(c[k]) - 1, 1):.3f}" for k in parts)]
+                 for name, c in faast_chunks.items() if "solve_s" in c]  # fmt: skip
+        if split:
+            lines += ["FAAST's update, its parts (mean seconds per chunk after the first):", "",
+                      *table(["stream", "tune s", "statistics s", "solve s"], split), ""]  # fmt: skip
     lines += ["Settings (chosen on the validation streams by mean prequential perplexity, or given by --settings):",
               ""]  # fmt: skip
     for m, s in payload["chosen_settings"].items():
@@ -505,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
             r = row(name, result, zero)
             payload["rows"].append(r)
             chunks[method] = {k: result[k] for k in ("tokens", "nll", "update_s", "read_s", *(
-                ("steps", "weights") if method == "faast" else ()))}  # fmt: skip
+                FAAST_CHUNK_KEYS if method == "faast" else ()))}  # fmt: skip
             n = len(result["tokens"])
             print(f"  {name} {method}: ppl {r['ppl']:.3f} ({100 * r['relative_reduction']:+.2f}%), update "
                   f"{r['update_s'] / n:.3f} s/chunk (max {max(result['update_s']):.3f}), scoring "

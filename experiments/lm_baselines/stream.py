@@ -356,7 +356,8 @@ def run_stream(method: StreamMethod, ids: torch.Tensor | Sequence[int], chunk: i
 def run_faast(model: nn.Module, ids: torch.Tensor | Sequence[int], chunk: int) -> dict:
     """faast.hf.reading.read_stream on the stream, from empty fast weights (reset before and after, so the next
     method and the next stream start afresh), as the same record as run_stream's, plus "steps" and "weights" (the
-    report's) and "wall_s" (the whole call)."""
+    report's), the update's parts ("tune_s", "statistics_s", "solve_s"), "key_widths" and "wall_s" (the whole
+    call)."""
     from faast.hf.reading import read_stream
 
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
@@ -374,6 +375,8 @@ def run_faast(model: nn.Module, ids: torch.Tensor | Sequence[int], chunk: int) -
             "nll": [float(x) for x in report.nll], "update_s": update_s, "read_s": read_s,
             "total_s": sum(update_s) + sum(read_s), "ppl": prequential_ppl(token_nll, tokens),
             "steps": [float(s) for s in report.steps], "weights": [float(w) for w in report.weights],
+            "key_widths": [int(w) for w in report.key_widths], "tune_s": [float(s) for s in report.tune_s],
+            "statistics_s": [float(s) for s in report.statistics_s], "solve_s": [float(s) for s in report.solve_s],
             "wall_s": wall}  # fmt: skip
 
 
