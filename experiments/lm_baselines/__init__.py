@@ -3,6 +3,8 @@
 - `backprop`: a linear projection h + h·A at FAAST's layers and peft's LoRA, trained by `fit_causal_lm`, and
   `kv_cache_bytes` (the memory in-context learning adds);
 - `knnlm`: the kNN-LM datastore (Khandelwal et al., 2020);
+- `stream`: the methods a stream is read with, chunk by chunk (experiments/lm_stream.py): zero-shot, dynamic
+  evaluation on LoRA or the last blocks, the neural cache and the kNN-LM over the stream, and FAAST's `read_stream`;
 - `tuning`: the held-out tail FAAST tunes its step on (`tuning_split`, `held_out_nll`) and the baselines tuned on it
   the same way (`tune_lora`, `tune_knn`).
 
