@@ -30,7 +30,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 DOMAINS = ("asyncio", "tkinter", "perl", "man", "copyright")
@@ -87,15 +87,10 @@ def read(path: Path) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def domain_texts(
-    name: str, min_files: int = 8, min_held_out_chars: int = 40_000, min_learn_chars: int = 200_000
-) -> tuple[list[str], list[str]]:
-    """(learn texts, held-out texts) of a domain: unique non-empty files, every 4th held out (then, if they hold
-    fewer than min_held_out_chars characters, the last learn files too, as long as min_learn_chars remain)."""
-    if name not in FILES:
-        raise ValueError(f"name: expected one of {(*DOMAINS, *EXTRA, *VALIDATION)}, got {name!r}")
-    texts, seen = [], set()
-    for path in FILES[name]():
+def unique_texts(paths: Iterable[Path]) -> Iterator[str]:
+    """Each readable, non-empty file's text (`read`), in order, exact duplicates skipped."""
+    seen = set()
+    for path in paths:
         try:
             text = read(path)
         except (OSError, EOFError):
@@ -103,7 +98,17 @@ def domain_texts(
         digest = hashlib.sha256(text.encode()).hexdigest()
         if text.strip() and digest not in seen:
             seen.add(digest)
-            texts.append(text)
+            yield text
+
+
+def domain_texts(
+    name: str, min_files: int = 8, min_held_out_chars: int = 40_000, min_learn_chars: int = 200_000
+) -> tuple[list[str], list[str]]:
+    """(learn texts, held-out texts) of a domain: unique non-empty files, every 4th held out (then, if they hold
+    fewer than min_held_out_chars characters, the last learn files too, as long as min_learn_chars remain)."""
+    if name not in FILES:
+        raise ValueError(f"name: expected one of {(*DOMAINS, *EXTRA, *VALIDATION)}, got {name!r}")
+    texts = list(unique_texts(FILES[name]()))
     if len(texts) < min_files:
         raise SystemExit(f"domain {name!r}: found {len(texts)} usable files on this machine, need >= {min_files}")
     held_out = texts[3::4]

@@ -27,19 +27,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
-import hashlib
 import io
 import json
 import math
 import sys
 import sysconfig
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_model_arguments, load_model, start_record, table, write_results  # noqa: E402
+from _common import ROOT, add_model_arguments, load_model, start_record, table, write_results  # noqa: E402
 
 METHODS = ("zero-shot", "faast", "dynamic-eval-lora", "dynamic-eval-blocks", "cache", "knn")
 ALIASES = {"dynamic-eval": ("dynamic-eval-lora", "dynamic-eval-blocks")}
@@ -79,27 +78,13 @@ def expand(patterns: Sequence[str]) -> list[Path]:
     return out
 
 
-def unique_texts(paths: Iterable[Path]) -> Iterable[str]:
-    """Each readable, non-empty file's text, in order, exact duplicates skipped (experiments/domains.read decodes)."""
-    from domains import read
-
-    seen = set()
-    for path in paths:
-        try:
-            text = read(path)
-        except (OSError, EOFError):
-            continue
-        digest = hashlib.sha256(text.encode()).hexdigest()
-        if text.strip() and digest not in seen:
-            seen.add(digest)
-            yield text
-
-
 def stream_ids(paths: Sequence[Path], tokenizer: object, limit: int) -> tuple[list[int], int]:
     """(the first `limit` token ids of the files' texts joined by blank lines, files read). Files are read only until
     the text holds limit + MARGIN tokens (a long list such as the copyright files is not read whole); the joined
     text is tokenised in one call, again with more text when too short."""
     texts, chars, wanted = [], 0, 8 * (limit + MARGIN)
+    from domains import unique_texts
+
     source = iter(unique_texts(paths))
     exhausted = False
     while True:
@@ -495,7 +480,7 @@ def main(argv: list[str] | None = None) -> dict:
     stem = args.out or f"lm_stream_{args.model.replace('/', '_')}"
     payload = {"model": description, "chunk": args.chunk, "limit": args.limit, "methods": args.methods,
                "lora_rank": args.lora_rank, "blocks": args.blocks,
-               "settings": {k: str(v) for k, v in vars(args).items()},
+               "settings": {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()},
                "chosen_settings": chosen, "validation": search, "streams": {}, "rows": [],
                "chunks": {}, "goals": [], "faast_latency": None}  # fmt: skip
     for name in args.streams:
