@@ -59,11 +59,28 @@ constexpr bool kHasSyevBatched = true;
 constexpr bool kHasSyevBatched = false;
 #endif
 
-#define FAAST_CUSOLVER(call, what)                                                                          \
-  do {                                                                                                      \
-    cusolverStatus_t status_ = (call);                                                                      \
-    TORCH_CHECK(status_ == CUSOLVER_STATUS_SUCCESS, "faast::batched_eigh: ", what, " failed with cuSOLVER " \
-                "status ", static_cast<int>(status_));                                                      \
+// Every error leaves through fail() with a message already formatted (std::to_string, string concatenation), never
+// through TORCH_CHECK's stream formatting of numbers: on the H100 image (benchmarks/results/gpu_h100_run4.md) the two
+// throws whose messages streamed integers crashed the process (SIGSEGV) while those streaming only strings raised.
+[[noreturn]] void fail(const std::string& message) {
+  TORCH_CHECK(false, message);
+}
+
+std::string sizes_text(at::IntArrayRef sizes) {
+  std::string text = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    text += (i ? ", " : "") + std::to_string(sizes[i]);
+  }
+  return text + "]";
+}
+
+#define FAAST_CUSOLVER(call, what)                                                                            \
+  do {                                                                                                        \
+    cusolverStatus_t status_ = (call);                                                                        \
+    if (status_ != CUSOLVER_STATUS_SUCCESS) {                                                                 \
+      fail(std::string("faast::batched_eigh: ") + (what) + " failed with cuSOLVER status " +                  \
+           std::to_string(static_cast<int>(status_)));                                                        \
+    }                                                                                                         \
   } while (0)
 
 // cuSOLVER is column-major. A row-major symmetric matrix read column-major is its transpose, i.e. the same matrix,
@@ -84,22 +101,26 @@ const char* routine_name(Routine routine) {
 
 // Every argument check, before anything is allocated or queued: a bad argument raises here and nowhere later.
 Routine check_arguments(const at::Tensor& gram, c10::string_view algorithm) {
-  TORCH_CHECK(gram.defined(), "faast::batched_eigh: gram must be a tensor, got an undefined one");
-  TORCH_CHECK(gram.is_cuda(), "faast::batched_eigh: gram must be a CUDA tensor, got one on ", gram.device());
-  TORCH_CHECK(gram.layout() == at::kStrided, "faast::batched_eigh: gram must be a dense (strided) tensor, got layout ",
-              gram.layout());
-  TORCH_CHECK(gram.dim() == 3 && gram.size(1) == gram.size(2),
-              "faast::batched_eigh: gram must have shape [L, d, d], got ", gram.sizes());
-  TORCH_CHECK(gram.scalar_type() == at::kDouble,
-              "faast::batched_eigh: gram must be float64 (a float32 eigensolver loses every direction below ~1e-5 of "
-              "the largest eigenvalue; upcast first), got ", gram.scalar_type());
+  if (!gram.defined()) fail("faast::batched_eigh: gram must be a tensor, got an undefined one");
+  if (!gram.is_cuda()) fail("faast::batched_eigh: gram must be a CUDA tensor, got one on " + gram.device().str());
+  if (gram.layout() != at::kStrided) fail("faast::batched_eigh: gram must be a dense (strided) tensor");
+  if (gram.dim() != 3 || gram.size(1) != gram.size(2)) {
+    fail("faast::batched_eigh: gram must have shape [L, d, d], got " + sizes_text(gram.sizes()));
+  }
+  if (gram.scalar_type() != at::kDouble) {
+    fail(std::string("faast::batched_eigh: gram must be float64 (a float32 eigensolver loses every direction below "
+                     "~1e-5 of the largest eigenvalue; upcast first), got ") +
+         c10::toString(gram.scalar_type()));
+  }
   const int64_t batch = gram.size(0);
   const int64_t n = gram.size(1);
   const bool is_auto = algorithm == "auto";
   const bool known = is_auto || algorithm == "syevj_batched" || algorithm == "syev_batched" ||
                      algorithm == "syevd_streams";
-  TORCH_CHECK(known, "faast::batched_eigh: algorithm must be auto, syevj_batched, syev_batched or syevd_streams; got ",
-              std::string(algorithm));
+  if (!known) {
+    fail("faast::batched_eigh: algorithm must be auto, syevj_batched, syev_batched or syevd_streams; got " +
+         std::string(algorithm));
+  }
   // n * n * batch cannot overflow int64 for any tensor that fits in memory; these are the routines' own limits.
   const bool jacobi_fits = n <= kJacobiMaxDim && batch <= INT_MAX;
   const bool batched_fits = kHasSyevBatched && n * n * batch <= INT_MAX;
@@ -109,15 +130,20 @@ Routine check_arguments(const at::Tensor& gram, c10::string_view algorithm) {
     return Routine::kSyevdStreams;
   }
   if (algorithm == "syevj_batched") {
-    TORCH_CHECK(jacobi_fits, "faast::batched_eigh: syevj_batched supports d <= ", kJacobiMaxDim,
-                " and L <= 2^31 - 1, got L = ", batch, ", d = ", n);
+    if (!jacobi_fits) {
+      fail("faast::batched_eigh: syevj_batched supports d <= " + std::to_string(kJacobiMaxDim) +
+           " and L <= 2^31 - 1, got L = " + std::to_string(batch) + ", d = " + std::to_string(n));
+    }
     return Routine::kSyevjBatched;
   }
   if (algorithm == "syev_batched") {
-    TORCH_CHECK(kHasSyevBatched, "faast::batched_eigh: syev_batched needs cuSOLVER 11.7 (CUDA 12.6) or newer; this "
-                "build has an older one");
-    TORCH_CHECK(batched_fits, "faast::batched_eigh: syev_batched supports L * d * d <= 2^31 - 1, got ", batch, " * ",
-                n, "^2");
+    if (!kHasSyevBatched) {
+      fail("faast::batched_eigh: syev_batched needs cuSOLVER 11.7 (CUDA 12.6) or newer; this build has an older one");
+    }
+    if (!batched_fits) {
+      fail("faast::batched_eigh: syev_batched supports L * d * d <= 2^31 - 1, got " + std::to_string(batch) + " * " +
+           std::to_string(n) + "^2");
+    }
     return Routine::kSyevBatched;
   }
   return Routine::kSyevdStreams;
@@ -227,7 +253,7 @@ void syevj_batched(at::Tensor& a, at::Tensor& w, at::Tensor& info, Pending& pend
   FAAST_CUSOLVER(cusolverDnDsyevjBatched_bufferSize(handle, CUSOLVER_EIG_MODE_VECTOR, kLowerTriangleOfRowMajor, n, pa,
                                                     n, pw, &lwork, params, batch),
                  "cusolverDnDsyevjBatched_bufferSize");
-  TORCH_CHECK(lwork >= 0, "faast::batched_eigh: cusolverDnDsyevjBatched_bufferSize returned lwork = ", lwork);
+  if (lwork < 0) fail("faast::batched_eigh: cusolverDnDsyevjBatched_bufferSize returned lwork = " + std::to_string(lwork));
   auto* work = static_cast<double*>(pending.device_bytes(static_cast<size_t>(lwork) * sizeof(double), a));
   FAAST_CUSOLVER(cusolverDnDsyevjBatched(handle, CUSOLVER_EIG_MODE_VECTOR, kLowerTriangleOfRowMajor, n, pa, n, pw,
                                          work, lwork, info.data_ptr<int>(), params, batch),
@@ -256,7 +282,7 @@ void syev_batched(at::Tensor& a, at::Tensor& w, at::Tensor& info, Pending& pendi
 }
 #else
 void syev_batched(at::Tensor&, at::Tensor&, at::Tensor&, Pending&) {
-  TORCH_CHECK(false, "faast::batched_eigh: syev_batched needs cuSOLVER 11.7 (CUDA 12.6) or newer");
+  fail("faast::batched_eigh: syev_batched needs cuSOLVER 11.7 (CUDA 12.6) or newer");
 }
 #endif
 
@@ -368,9 +394,12 @@ std::tuple<at::Tensor, at::Tensor> batched_eigh_cuda(const at::Tensor& gram, c10
   auto values = info.accessor<int, 1>();
   for (int64_t layer = 0; layer < info.size(0); ++layer) {
     const int v = values[layer];
-    TORCH_CHECK(v == 0, "faast::batched_eigh: ", routine_name(routine), " failed on layer ", layer, " (info = ", v,
-                v > 0 ? ": did not converge; the statistics may hold NaN/Inf or be far from symmetric)"
-                      : ": invalid argument)");
+    if (v != 0) {
+      fail(std::string("faast::batched_eigh: ") + routine_name(routine) + " failed on layer " + std::to_string(layer) +
+           " (info = " + std::to_string(v) +
+           (v > 0 ? ": did not converge; the statistics may hold NaN/Inf or be far from symmetric)"
+                  : ": invalid argument)"));
+    }
   }
   return {w, vectors};
 }
