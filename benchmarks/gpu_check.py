@@ -129,7 +129,8 @@ def commands(step: str, out: Path, smoke: bool, limit: float = 60.0) -> list[dic
         marked = sorted(f"tests/{f.name}" for f in (ROOT / "tests").glob("test_*.py")
                         if f.name != "test_native.py" and "mark.gpu" in f.read_text(encoding="utf-8"))  # fmt: skip
         # Smoke: the interpreter suite runs in CI already; here only that each selection collects and runs.
-        unmarked = ["tests/test_native.py"] + ([] if smoke else ["tests/test_triton_kernels.py"])
+        kernels = ["tests/test_mixture.py", "tests/test_triton_kernels.py"]
+        unmarked = ["tests/test_native.py"] + ([] if smoke else kernels)
         return [
             {"argv": _pytest("-m", "gpu", *skip, *marked), "pytest": True, "share": 0.25 * limit},
             {"argv": _pytest("-m", "gpu", "tests/test_native.py"), "pytest": True, "isolate": True,

@@ -1,8 +1,9 @@
-"""Triton kernels for faast: fused score-weighted Gram accumulation and the folded residual projection.
+"""Triton kernels for faast: fused score-weighted Gram accumulation, the folded residual projection and the
+probability-space mixture read.
 
 This package never imports faast (the dependency runs one way: faast's dispatch registers these kernels as its
-``triton`` backend). Kernels live one family per file (``gram.py``, ``residual.py``), each with a private
-``@triton.jit`` kernel, a launcher that checks, allocates and launches, and a float64 ``naive_*`` oracle;
+``triton`` backend). Kernels live one family per file (``gram.py``, ``residual.py``, ``mixture.py``), each with a
+private ``@triton.jit`` kernel, a launcher that checks, allocates and launches, and a float64 ``naive_*`` oracle;
 ``ops.py`` registers them as torch.library custom ops. Everything runs on the CPU under ``TRITON_INTERPRET=1``
 (how CI tests them); on a GPU they compile for the device.
 """

@@ -7,6 +7,8 @@
                                              weighted_least_squares, precision) -> ()
         adds the batch into float64 accumulators in place (mutates gram, cross, sqnorm; no gradient)
     torch.ops.faast_kernels.residual_project(x [R, d], m [d, d]) -> [R, d]
+    torch.ops.faast_kernels.mixture_logits(z [n, V], dz [n, V], log_odds [n], log_rest [n], full [n], scale)
+        -> [n, V] in z's dtype: the probability-space read of a residual output memory (no gradient)
 
 Custom ops are opaque to torch.compile, so a compiled module that calls them traces without graph breaks. The
 functional statistics are differentiable with respect to values and scores (training a token scorer backpropagates
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import gram as _gram
+from . import mixture as _mixture
 from . import residual as _residual
 
 
@@ -124,3 +127,20 @@ def residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 @residual_project.register_fake
 def _(x, m):  # noqa: ANN001, ANN202
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("faast_kernels::mixture_logits", mutates_args=())
+def mixture_logits(
+    z: torch.Tensor,
+    dz: torch.Tensor,
+    log_odds: torch.Tensor,
+    log_rest: torch.Tensor,
+    full: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return _mixture.mixture_logits(z, dz, log_odds, log_rest, full, scale)
+
+
+@mixture_logits.register_fake
+def _(z, dz, log_odds, log_rest, full, scale):  # noqa: ANN001, ANN202
+    return torch.empty(z.shape, dtype=z.dtype, device=z.device)

@@ -1,60 +1,17 @@
 """The probability-space read of the residual output layer: the log of a mixture of two softmaxes, elementwise over
 [n, V] logits (docs/design.md §6.3). faast/hf/output.py reads one memory with it, faast/hf/rows.py a memory per row.
 
-On a CPU these [n, V] passes, not the head's GEMM, were most of a read's cost, and most of that was allocating:
-every fresh [32, V] temporary (6 MB at V = 49K) is a new mapping the kernel faults in page by page. So the no-grad
-path writes into buffers the caller allocates once per read (`Workspace`) and reuses block after block.
+The elementwise mixture is faast.ops' (python/faast/ops/mixture.py). On a CPU it runs in small blocks of rows that stay
+in cache, writing into buffers allocated once per read; on a GPU each block of READ_CHUNK rows goes through
+faast.ops.mix_probabilities, whose dispatch times the torch composition against faast_kernels' fused kernel.
 """
 
 from __future__ import annotations
 
 import torch
 
-
-class Workspace:
-    """Scratch buffers for mixture_logits: one [rows, V] block reused by every block of a read (a shorter last block
-    uses a slice)."""
-
-    def __init__(self, rows: int, like: torch.Tensor) -> None:
-        self.scratch = torch.empty((rows, like.shape[-1]), dtype=like.dtype, device=like.device)
-
-    def take(self, rows: int) -> torch.Tensor:
-        return self.scratch[:rows]
-
-
-def _logsumexp_into(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """logsumexp over the last dim [n, 1] of x [n, V], using scratch [n, V] (overwritten) instead of temporaries."""
-    top = x.amax(-1, keepdim=True)
-    top.masked_fill_(~torch.isfinite(top), 0.0)  # a row of -inf (or inf) keeps torch.logsumexp's answer
-    return torch.sub(x, top, out=scratch).exp_().sum(-1, keepdim=True).log_().add_(top)
-
-
-def mixture_logits(
-    z: torch.Tensor,
-    dz: torch.Tensor,
-    log_odds: float | torch.Tensor,
-    log_rest: float | torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    workspace: Workspace | None = None,
-) -> torch.Tensor:
-    """log((1 − λ)·softmax(z) + λ·softmax(z + dz)) [n, V] for logits z and their change dz [n, V] (left unchanged),
-    with λ in (0, 1) given as log(λ / (1 − λ)) and log(1 − λ): numbers, or [n, 1] tensors (a λ per row).
-
-    Computed as log p0 + log(1 − λ) + softplus(dz − c + log(λ / (1 − λ))), c = lse(z + dz) − lse(z): stable
-    (softplus is linear above 20) and one transcendental pass instead of two log-softmaxes and a logaddexp.
-    out: where to write the result ([n, V], z's dtype); workspace: reused scratch (both: no-grad reads only).
-    """
-    if torch.is_grad_enabled() and (z.requires_grad or dz.requires_grad):  # autograd needs every temporary intact
-        lse0 = torch.logsumexp(z, -1, keepdim=True)
-        shift = torch.logsumexp(z + dz, -1, keepdim=True) - lse0 - log_odds
-        return torch.nn.functional.softplus(dz - shift) + (z - lse0) + log_rest
-    scratch = (workspace or Workspace(z.shape[0], z)).take(z.shape[0])
-    out = torch.empty_like(z) if out is None else out
-    lse0 = _logsumexp_into(z, scratch)
-    shift = _logsumexp_into(torch.add(z, dz, out=out), scratch).sub_(lse0).sub_(log_odds)
-    torch.ops.aten.softplus.out(torch.sub(dz, shift, out=scratch), 1, 20, out=out)
-    return out.add_(z).sub_(lse0.sub_(log_rest))
+from .. import ops
+from ..ops.mixture import Workspace, mixture_logits
 
 
 def read_blocks(
@@ -82,6 +39,9 @@ def read_blocks(
     """
     n = logits.shape[0]
     grad = torch.is_grad_enabled() and (projected.requires_grad or logits.requires_grad)
+    if not grad and logits.device.type != "cpu":
+        return _read_chunks(projected, logits, weight, scale=scale, log_odds=log_odds, log_rest=log_rest, full=full,
+                            keep=keep, chunk=chunk)  # fmt: skip
     parts, result, workspace, products = [], None, None, None
     if not grad:
         result = torch.empty(logits.shape, dtype=compute, device=logits.device)
@@ -113,3 +73,44 @@ def read_blocks(
             elif mixed is not out:
                 out.copy_(mixed)
     return torch.cat(parts) if grad else result.to(logits.dtype)
+
+
+def _per_row(value: float | torch.Tensor, n: int, like: torch.Tensor) -> torch.Tensor:
+    """A number, or [n] / [n, 1] values, as an [n] tensor: float64 for float64 logits `like`, else float32."""
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    if isinstance(value, torch.Tensor) and value.dim():
+        return value.reshape(n).to(dtype)
+    return torch.full((n,), float(value), dtype=dtype, device=like.device)
+
+
+def _read_chunks(
+    projected: torch.Tensor,
+    logits: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    scale: float,
+    log_odds: float | torch.Tensor,
+    log_rest: float | torch.Tensor,
+    full: bool | torch.Tensor,
+    keep: torch.Tensor | None,
+    chunk: int,
+) -> torch.Tensor:
+    """read_blocks without a gradient on a GPU: per `chunk` rows one head GEMM in the products' dtype, then the
+    mixture through faast.ops.mix_probabilities (its dispatch picks the torch composition or the fused kernel), written
+    straight into the [n, V] result in logits' dtype."""
+    n = logits.shape[0]
+    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    odds, rest = _per_row(log_odds, n, logits), _per_row(log_rest, n, logits)
+    if isinstance(full, torch.Tensor):
+        flags: torch.Tensor | None = full.reshape(n)
+    else:
+        flags = torch.ones(n, dtype=torch.bool, device=logits.device) if full else None
+    for i in range(0, n, chunk):
+        rows = slice(i, min(i + chunk, n))
+        dz = projected[rows].to(weight.dtype) @ weight.T
+        part = flags[rows] if flags is not None else None
+        mixed = ops.mix_probabilities(logits[rows], dz, odds[rows], rest[rows], part, scale)
+        if keep is not None:
+            mixed = torch.where(keep[rows][:, None], logits[rows], mixed)
+        out[rows] = mixed
+    return out

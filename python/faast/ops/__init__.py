@@ -9,10 +9,21 @@ backend in faast.ops.reference runs everywhere and is the oracle for the others.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-from . import _autotune, _cuda_backend, _cupy_backend, _dispatch, _triton_backend, _validate, gram_modes, reference
+from . import (
+    _autotune,
+    _cuda_backend,
+    _cupy_backend,
+    _dispatch,
+    _triton_backend,
+    _validate,
+    gram_modes,
+    mixture,
+    reference,
+)  # fmt: skip
 from ._validate import (
     as_count,
     check_accumulator,
@@ -30,6 +41,7 @@ __all__ = [
     "accumulate_gram_unchecked",
     "eigh_gram",
     "fold_readout",
+    "mix_probabilities",
     "native_extension_error",
     "residual_project",
     "solve_fast_weights",
@@ -43,6 +55,7 @@ _dispatch.register_backend(
             "accumulate_gram": reference.accumulate_gram_streaming,
             "eigh": reference.eigh,
             "residual_project": reference.residual_project,
+            "mix_probabilities": mixture.mix_probabilities_torch,
         },
     )
 )
@@ -74,6 +87,7 @@ _GRAM_SAMPLE_DEFAULT = 2048
 # Batched eigensolvers gain with the batch, so eigh is timed on the whole batch (up to this many matrices).
 _EIGH_SAMPLE = 64
 _RESIDUAL_SAMPLE = 8192
+_MIXTURE_SAMPLE = 256
 
 
 def eigh_call(flat: torch.Tensor) -> _dispatch.Call:
@@ -91,6 +105,15 @@ def residual_call(x: torch.Tensor, m: torch.Tensor) -> _dispatch.Call:
     return _dispatch.Call(
         "residual_project", x.device, (x.dtype, m.dtype), (tuple(x.shape), tuple(m.shape)),
         shape_class=f"rows{_autotune.size_class(min(rows, _RESIDUAL_SAMPLE))} d{d} {x.dtype}/{m.dtype}",
+    )  # fmt: skip
+
+
+def mixture_call(z: torch.Tensor, dz: torch.Tensor) -> _dispatch.Call:
+    """The dispatch's description of mix_probabilities(z [n, V], dz [n, V], ...)."""
+    n, v = z.shape
+    return _dispatch.Call(
+        "mix_probabilities", z.device, (z.dtype, dz.dtype), (tuple(z.shape), tuple(dz.shape)),
+        shape_class=f"rows{_autotune.size_class(min(n, _MIXTURE_SAMPLE))} V{v} {z.dtype}/{dz.dtype}",
     )  # fmt: skip
 
 
@@ -421,3 +444,52 @@ def fold_readout(
     _validate.require_same_device("weights", weights, readout=readout)
     dtype = out_dtype or torch.promote_types(weights.dtype, readout.dtype)
     return (weights.to(torch.float64) @ readout.to(torch.float64)).to(dtype)
+
+
+def mix_probabilities(
+    z: torch.Tensor,
+    dz: torch.Tensor,
+    log_odds: torch.Tensor,
+    log_rest: torch.Tensor,
+    full: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """The probability-space read of a residual output memory, per row: log((1 − λ)·softmax(z·s) + λ·softmax(z·s +
+    dz)) / s, and log_softmax(z·s + dz) / s on `full` rows (λ = 1). No gradient (faast/hf/mixture.py keeps the
+    differentiable path in torch).
+
+    Args:
+        z: [n, V] the head's logits, any floating dtype.
+        dz: [n, V] the correction's head products, any floating dtype.
+        log_odds: [n] log(λ / (1 − λ)) per row, float32 or float64.
+        log_rest: [n] log(1 − λ) per row, float32 or float64.
+        full: [n] bool, rows read with λ = 1 (their log_odds / log_rest are ignored); None: no such row.
+        scale: s, the model type's logit scale (a finite number > 0).
+
+    Returns:
+        [n, V] in z.dtype, computed in float32 (float64 for float64 z, on the torch backend).
+    """
+    _validate.require_tensor("z", z)
+    if z.dim() != 2:
+        raise ValueError(f"z: expected a tensor of shape [n, V], got {list(z.shape)}")
+    _validate.require_tensor("dz", dz)
+    _validate.require_shape("dz", dz, tuple(z.shape), "[n, V] as z")
+    n = z.shape[0]
+    for name, t in (("log_odds", log_odds), ("log_rest", log_rest)):
+        _validate.require_tensor(name, t, dtypes=(torch.float32, torch.float64))
+        _validate.require_shape(name, t, (n,), "[n], one value per row of z")
+    if full is not None:
+        _validate.require_tensor("full", full, dtypes=(torch.bool,))
+        _validate.require_shape("full", full, (n,), "[n], one flag per row of z")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a finite number > 0, got {scale!r}")
+    _validate.require_same_device("z", z, dz=dz, log_odds=log_odds, log_rest=log_rest,
+                                  **({} if full is None else {"full": full}))  # fmt: skip
+    k = min(n, _MIXTURE_SAMPLE)
+    flags = None if full is None else full[:k]
+
+    def sample(fn: Callable) -> object:
+        return fn(z[:k], dz[:k], log_odds[:k], log_rest[:k], flags, float(scale))
+
+    _, impl = _dispatch.resolve("mix_probabilities", z.device, mixture_call(z, dz), sample)
+    return impl(z, dz, log_odds, log_rest, full, float(scale))

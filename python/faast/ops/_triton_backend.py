@@ -1,4 +1,5 @@
-"""The ``triton`` backend: faast_kernels' fused Gram and residual kernels behind faast.ops' backend signatures.
+"""The ``triton`` backend: faast_kernels' fused Gram, residual and mixture kernels behind faast.ops' backend
+signatures.
 
 Registered lazily: importing faast does not import Triton; the kernels are loaded on the first call. It runs on CUDA
 tensors, and on CPU tensors too under TRITON_INTERPRET=1 (Triton's interpreter: slow, used by the tests).
@@ -127,6 +128,21 @@ def residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.ops.faast_kernels.residual_project(flat, m).reshape(x.shape)
 
 
+def mix_probabilities(
+    z: torch.Tensor,
+    dz: torch.Tensor,
+    log_odds: torch.Tensor,
+    log_rest: torch.Tensor,
+    full: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """faast.ops.mix_probabilities through the fused kernel (float32 arithmetic; `gate` keeps float64 logits on the
+    torch path)."""
+    _kernels()
+    flags = torch.zeros(z.shape[0], dtype=torch.bool, device=z.device) if full is None else full
+    return torch.ops.faast_kernels.mixture_logits(z, dz, log_odds.float(), log_rest.float(), flags, float(scale))
+
+
 _load_error: list[str] = []
 
 
@@ -159,6 +175,8 @@ def gate(op: str, call: _dispatch.Call) -> str | None:
     suite on every device. Where no gate applies, auto times the kernels against cuBLAS and keeps the faster."""
     if call.device.type != "cuda":
         return "Triton's CPU interpreter is for tests: auto never picks it on the CPU"
+    if op == "mix_probabilities" and call.dtypes and call.dtypes[0] == torch.float64:
+        return "the fused mixture computes in float32; float64 logits keep the torch path's float64 arithmetic"
     if op != "accumulate_gram" or not call.dtypes:
         return None
     keys, values = call.dtypes[0], call.dtypes[-1]
@@ -192,6 +210,7 @@ def register() -> None:
                 "accumulate_gram": accumulate_gram,
                 "accumulate_gram_": accumulate_gram_,
                 "residual_project": residual_project,
+                "mix_probabilities": mix_probabilities,
             },  # fmt: skip
             devices=_devices(),
             unavailable_reason=_unavailable,

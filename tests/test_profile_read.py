@@ -1,0 +1,54 @@
+"""benchmarks/profile_read.py, the profile a lent GPU runs after gpu_check: its smoke mode end to end on a tiny Llama,
+the counts it reports, and its argument checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "profile_read.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("FAAST_BACKEND", "PYTHONPATH")}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_smoke_profile_reports_every_case_and_the_operators_the_read_adds(tmp_path):
+    pytest.importorskip("transformers")
+    proc = _run("--model", "tiny", "--smoke", "--out-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "profile_read_tiny_smoke.json").read_text())
+    assert "git_sha" in data["provenance"]
+    cases = data["cases"]
+    assert list(cases) == ["base", "probability", "logit"]
+    assert cases["base"]["vs_base"] == 1.0
+    for name, case in cases.items():
+        assert len(case["wall_s"]) == data["reps"] == 2, name
+        assert case["median_s"] == pytest.approx(sorted(case["wall_s"])[0] / 2 + sorted(case["wall_s"])[1] / 2)
+        assert case["kernels"] == 0  # no CUDA device here
+        assert case["top_host"] and all(r["name"].startswith("aten::") for r in case["top_host"])
+    # The memory is on (tuned or forced), so both reads run operators the base pass does not.
+    assert data["step"] > 0 and data["weight"] > 0
+    assert cases["probability"]["aten_ops"] > cases["base"]["aten_ops"]
+    assert cases["logit"]["aten_ops"] > cases["base"]["aten_ops"]
+    # The probability-space mixture (faast/hf/mixture.py) is the only softplus of the three passes.
+    assert cases["probability"]["op_counts"].get("aten::softplus", 0) >= 1
+    assert "aten::softplus" not in cases["logit"]["op_counts"] and "aten::softplus" not in cases["base"]["op_counts"]
+    assert sum(cases["base"]["op_counts"].values()) == cases["base"]["aten_ops"]
+    md = (tmp_path / "profile_read_tiny_smoke.md").read_text()
+    assert "| probability |" in md and "| logit |" in md
+
+
+@pytest.mark.parametrize("flag", ["--reps", "--batch", "--seq", "--learn-batches"])
+def test_a_non_positive_size_is_refused_naming_the_argument(flag, tmp_path):
+    proc = _run("--model", "tiny", flag, "0", "--out-dir", str(tmp_path))
+    assert proc.returncode == 2
+    assert f"{flag}: expected a positive integer, got 0" in proc.stderr
+    assert not list(tmp_path.iterdir())
