@@ -4,16 +4,17 @@ gpu_h100_run4.md shows (+73% per forward pass in probability space on the SmolLM
 read predicts a few per cent), so that one device call says whether operators, kernels or host synchronisations cost
 it.
 
-    python benchmarks/profile_read.py --device cuda                  # SmolLM2-shaped, bf16, on a GPU (about 1 min)
+    python benchmarks/profile_read.py --device cuda                  # SmolLM2-shaped, bf16, on a GPU (estimated 1 min)
     python benchmarks/profile_read.py --model tiny --smoke           # anywhere: a tiny Llama, a quick check
 
 Per case (the base forward pass, the probability-space read, the logit-space read; the same [B, T] batch): the median
 wall time of --reps passes and its ratio to the base pass, the operators (aten::*) and device kernels one pass
 launches, its host synchronisations (aten::_local_scalar_dense, cudaStreamSynchronize, cudaDeviceSynchronize,
-cudaMemcpy), and the operators with the most self time on the device (CUDA) and on the host. The memory is learned
-from --learn-batches batches of random tokens and solved untimed; if the tuned step leaves it off (random weights can),
-step 1 and weight 0.5 are set so that the read does its full work, and the report says so. Writes
-profile_read_<model>_<device>.{json,md} through the results writer.
+cudaMemcpy), and the operators with the most self time on the device (CUDA) and on the host. Then the mixture alone
+on one read chunk (min(B·T, 1024) rows of the model's vocabulary): the torch composition against the fused kernel.
+The memory is learned from --learn-batches batches of random tokens and solved untimed; if the tuned step leaves it
+off (random weights can), step 1 and weight 0.5 are set so that the read does its full work, and the report says so.
+Writes profile_read_<model>_<device>.{json,md} through the results writer.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import _harness as H  # noqa: E402
 H.add_source_path()
 import torch  # noqa: E402
 from bench_hf_overhead import SHAPES, load  # noqa: E402
+from faast_kernels import interpreting  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYNC_EVENTS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
@@ -88,6 +90,34 @@ def profile_pass(run, device: str) -> dict:  # noqa: ANN001 - a callable running
     }
 
 
+def time_mixture(n: int, v: int, dtype: torch.dtype, device: str, reps: int) -> dict:
+    """The mixture alone on [n, V] logits and products of `dtype`: faast.ops' torch composition against
+    faast_kernels' fused kernel (called directly, not through the dispatch), median ms of `reps` calls each, and the
+    kernel's largest difference from the composition. The kernel needs a CUDA device (or TRITON_INTERPRET=1)."""
+    from faast.ops import _triton_backend
+    from faast.ops.mixture import mix_probabilities_torch
+
+    g = torch.Generator().manual_seed(0)
+    z = (3 * torch.randn(n, v, generator=g)).to(device, dtype)
+    dz = torch.randn(n, v, generator=g).to(device, dtype)
+    odds = torch.zeros(n, device=device)
+    rest = torch.full((n,), -0.6931, device=device)
+    result: dict = {"rows": n, "vocab": v, "dtype": str(dtype).replace("torch.", "")}
+    candidates = {"torch": mix_probabilities_torch, "triton": _triton_backend.mix_probabilities}
+    outs = {}
+    for name, fn in candidates.items():
+        if name == "triton" and not device.startswith("cuda") and not interpreting():
+            result["triton_skipped"] = "needs a CUDA device (or TRITON_INTERPRET=1)"
+            continue
+        outs[name] = fn(z, dz, odds, rest, None, 1.0)  # warm-up: the kernel compiles here
+        times = [H.time_once(lambda _, f=fn: f(z, dz, odds, rest, None, 1.0))[0] for _ in range(reps)]
+        result[f"{name}_ms"] = 1e3 * statistics.median(times)
+    if len(outs) == 2:
+        result["torch_over_triton"] = result["torch_ms"] / result["triton_ms"]
+        result["max_abs_diff"] = float((outs["torch"].double() - outs["triton"].double()).abs().max())
+    return result
+
+
 def run(args: argparse.Namespace) -> dict:
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     model, ids, description = load(args.model, args.device, dtype)
@@ -129,8 +159,11 @@ def run(args: argparse.Namespace) -> dict:
     base = cases["base"]["median_s"]
     for case in cases.values():
         case["vs_base"] = case["median_s"] / base
+    vocab = int(output.head.weight.shape[0])
+    mixture = time_mixture(min(b * t, 1024), vocab, getattr(torch, dtype), args.device, args.reps)
     return {"model": description, "batch": [b, t], "reps": args.reps, "forced_step": forced,
-            "step": output.chosen_step(), "weight": output.chosen_weight(), "cases": cases}  # fmt: skip
+            "step": output.chosen_step(), "weight": output.chosen_weight(), "cases": cases,
+            "mixture": mixture}  # fmt: skip
 
 
 def report(payload: dict) -> list[str]:
@@ -147,6 +180,14 @@ def report(payload: dict) -> list[str]:
         rows.append([name, H.fmt_s(c["median_s"]), f"{c['vs_base']:.3f}", c["aten_ops"], c["kernels"],
                      f"{c['device_kernel_us'] / 1e3:.2f} ms", syncs])  # fmt: skip
     lines += [H.markdown_table(["case", "wall", "vs base", "aten ops", "kernels", "kernel time", "syncs"], rows), ""]
+    mix = payload["mixture"]
+    lines += [
+        f"The mixture alone, {mix['rows']} x {mix['vocab']:,} {mix['dtype']} (one read chunk): torch composition "
+        f"{mix['torch_ms']:.3f} ms; fused kernel "
+        + (f"{mix['triton_ms']:.3f} ms ({mix['torch_over_triton']:.2f}x faster; max |difference| "
+           f"{mix['max_abs_diff']:.1e})." if "triton_ms" in mix else f"not run: {mix['triton_skipped']}."),
+        "",
+    ]  # fmt: skip
     for name in ("probability", "logit"):
         c = payload["cases"][name]
         for key, label, field in (("top_device", "self device time", "self_device_us"),

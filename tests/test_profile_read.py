@@ -42,6 +42,11 @@ def test_the_smoke_profile_reports_every_case_and_the_operators_the_read_adds(tm
     assert cases["probability"]["op_counts"].get("aten::softplus", 0) >= 1
     assert "aten::softplus" not in cases["logit"]["op_counts"] and "aten::softplus" not in cases["base"]["op_counts"]
     assert sum(cases["base"]["op_counts"].values()) == cases["base"]["aten_ops"]
+    mixture = data["mixture"]  # the interpreter runs the kernel here (conftest's TRITON_INTERPRET=1 is inherited)
+    assert mixture["rows"] == 2 * 64 and mixture["vocab"] == 512
+    assert mixture["torch_ms"] > 0 and mixture["triton_ms"] > 0
+    assert mixture["torch_over_triton"] == pytest.approx(mixture["torch_ms"] / mixture["triton_ms"])
+    assert mixture["max_abs_diff"] < 1e-4
     md = (tmp_path / "profile_read_tiny_smoke.md").read_text()
     assert "| probability |" in md and "| logit |" in md
 
