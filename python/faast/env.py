@@ -17,7 +17,7 @@ import torch
 from . import __version__
 from .ops import _autotune, _dispatch
 
-OPS = ("accumulate_gram", "eigh", "residual_project")
+OPS = ("accumulate_gram", "eigh", "residual_project", "mix_probabilities")
 
 
 def _native_extension() -> str:
