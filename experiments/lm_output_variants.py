@@ -56,29 +56,38 @@ class Scorer:
         self.head, self.hidden, self.targets = head, hidden, targets
         self.keys, self.learned_targets, self.doc_starts = learned if learned is not None else (None, None, [])
         self.variant_tail = None
-        self.weight = head.weight.float()
+        self.weight = head.weight.detach().float()
         self.z0 = hidden @ self.weight.T
         self.t0 = self.z0.gather(-1, targets[:, None]).squeeze(-1)
-        self.base = float((torch.logsumexp(self.z0, -1) - self.t0).mean())
+        self.base_tokens = torch.logsumexp(self.z0, -1) - self.t0  # [n] the frozen model's NLL per position
+        self.base = float(self.base_tokens.mean())
+        self.extra: dict = {}  # what a variant reports beside its perplexity (leverage_bins), taken by main()
 
-    def nll(self, m, weight: float = 1.0) -> float:  # noqa: ANN001
-        """Mean NLL with the correction M read in logit space (weight 1) or as a mixture (1 − λ)·p + λ·p_M."""
-        import math
-
+    def token_nll(self, m, weight=1.0):  # noqa: ANN001, ANN201
+        """NLL per held-out position [n] with the correction M read in logit space (weight 1) or as a mixture
+        (1 − λ)·p + λ·p_M; weight: λ, or a tensor [n] of λ per position (a gate)."""
         import torch
 
-        if m is None or weight <= 0:
-            return self.base
-        total = 0.0
+        per_position = isinstance(weight, torch.Tensor)
+        if m is None or (not per_position and weight <= 0):
+            return self.base_tokens
+        out = []
         for i in range(0, len(self.targets), 1024):
             h, z0, y = self.hidden[i : i + 1024], self.z0[i : i + 1024], self.targets[i : i + 1024, None]
-            z = z0 + (h @ m.float()) @ self.weight.T
+            z = z0 + (h @ m.detach().float()) @ self.weight.T
             log_p = z.gather(-1, y).squeeze(-1) - torch.logsumexp(z, -1)
-            if weight < 1:
-                log_p0 = z0.gather(-1, y).squeeze(-1) - torch.logsumexp(z0, -1)
+            log_p0 = z0.gather(-1, y).squeeze(-1) - torch.logsumexp(z0, -1)
+            if per_position:
+                lam = weight[i : i + 1024].double()
+                log_p = torch.logaddexp(log_p0.double() + torch.log1p(-lam), log_p.double() + torch.log(lam))
+            elif weight < 1:
                 log_p = torch.logaddexp(log_p0 + math.log1p(-weight), log_p + math.log(weight))
-            total -= float(log_p.sum())
-        return total / len(self.targets)
+            out.append(-log_p.double())
+        return torch.cat(out)
+
+    def nll(self, m, weight=1.0) -> float:  # noqa: ANN001
+        """Mean NLL over the held-out positions (token_nll)."""
+        return float(self.token_nll(m, weight).mean())
 
 
 def layer_for(head, dim: int, vocab: int, **residual):  # noqa: ANN001, ANN201
@@ -326,6 +335,53 @@ def fixed(eta: float, weight: float = 1.0):  # noqa: ANN201
     return variant
 
 
+LEVERAGE_RIDGE = 1e-3  # the ridge of the leverage's inverse, relative to the keys' mean eigenvalue
+
+
+def relative_leverage(layer, keys):  # noqa: ANN001, ANN201
+    """r = kᵀ(S/N + μI)⁻¹k / d per key of keys [n, d] (S, N: the layer's learned h̃ statistics; μ: LEVERAGE_RIDGE of
+    the mean eigenvalue): about 1 for keys distributed as the learned ones (E kᵀC⁻¹k = d), large for keys in
+    directions the learned text rarely took. A closed-form posterior variance of the memory's read at k."""
+    import torch
+
+    d = keys.shape[1]
+    lam, vecs = torch.linalg.eigh(layer.memory.gram[:d, :d] / float(layer.memory.count))
+    lam = lam.clamp_min(0)
+    inv = 1.0 / (lam + LEVERAGE_RIDGE * lam.mean())
+    return ((keys.double() @ vecs).square() * inv).sum(-1) / d
+
+
+def leverage_bins(layer, scorer, bins: int = 5):  # noqa: ANN001, ANN201
+    """The shipped read, plus its per-position gain (base NLL − memory NLL) by quintile of the held-out keys'
+    relative leverage, in scorer.extra["bins"]: [[mean r, mean gain in nats, positions], ...] from low r to high."""
+    import torch
+
+    m, eta, lam = shipped(layer, scorer)
+    if m is not None and lam:
+        gain = scorer.base_tokens.double() - scorer.token_nll(m, lam)
+        r = relative_leverage(layer, scorer.hidden)
+        order = torch.argsort(r)
+        scorer.extra["bins"] = [[float(r[part].mean()), float(gain[part].mean()), int(part.numel())]
+                                for part in torch.tensor_split(order, bins)]  # fmt: skip
+    return m, eta, lam
+
+
+def leverage_gate(gamma: float, two_sided: bool = False):  # noqa: ANN201
+    """The shipped M and λ, with λ per held-out position scaled by r^−γ (r: relative_leverage of its key): capped at
+    λ (shrinks only where the key is rarer than the learned ones) or, two-sided, up to 0.95 where it is commoner."""
+
+    def variant(layer, scorer):  # noqa: ANN001, ANN202
+        m, eta, lam = shipped(layer, scorer)
+        if m is None or not lam:
+            return m, eta, lam
+        factor = relative_leverage(layer, scorer.hidden).clamp_min(1e-6).pow(-gamma)
+        if not two_sided:
+            factor = factor.clamp_max(1.0)
+        return m, eta, (lam * factor).clamp(0.0, 0.95)
+
+    return variant
+
+
 VARIANTS = {
     "prefix0.5": prefix(0.5),
     "prefix0.7": prefix(0.7),
@@ -353,6 +409,9 @@ VARIANTS = {
     "ridgeN1": ridge_per_token(1.0),
     "ridgeN4": ridge_per_token(4.0),
     "damping3": damping(3.0),
+    "levbins": leverage_bins,
+    **{f"lev{g}": leverage_gate(g) for g in (0.5, 1.0, 2.0)},
+    **{f"lev{g}x2": leverage_gate(g, two_sided=True) for g in (0.25, 0.5, 1.0)},
 }
 
 
@@ -431,9 +490,13 @@ def main(argv: list[str] | None = None) -> dict:
                                    1.0)[:3]  # fmt: skip
                 solve_s = time.perf_counter() - started
                 nll = scorer.nll(m, weight)
+                if isinstance(weight, torch.Tensor):  # a gate: λ per position, reported by its mean
+                    weight = float(weight.double().mean())
                 row = {"domain": name, "point": point, "tokens": amount, "variant": variant, "ppl": math.exp(nll),
                        "zero_shot": math.exp(scorer.base), "change": math.exp(nll - scorer.base) - 1,
-                       "step": step, "weight": weight, "solve_s": solve_s, "learn_s": learn_s}  # fmt: skip
+                       "step": step, "weight": weight, "solve_s": solve_s, "learn_s": learn_s,
+                       **scorer.extra}  # fmt: skip
+                scorer.extra = {}
                 rows.append(row)
                 print(f"{name:>15} {amount:>6} {variant:>11}: {100 * row['change']:+6.1f}%  step {step}  "
                       f"({solve_s:.1f} s)", flush=True)  # fmt: skip
@@ -457,7 +520,9 @@ LEGEND = [
     " tune at any size); `prefixF` fits on the stream's first share F and tunes on the tail; `fixedX` is the step X;"
     " `shrinkF` cuts the tuned η to the smallest step with F of the tail's best gain; `ridge` chooses a ridge with η"
     " on the tail; `dampingX` sets the curvature damping; `oracle` tunes η on the held-out files themselves (not a"
-    " method: the headroom of any step rule).",
+    " method: the headroom of any step rule). `levG` scales the shipped λ per held-out position by r^−G, capped at"
+    " λ, where r = kᵀ(S/N + μI)⁻¹k / d is the relative leverage of its key (about 1 for keys like the learned ones);"
+    " `levGx2` lets it grow up to 0.95 where r < 1; `levbins` is `shipped`, with its gain by quintile of r below.",
     "",
 ]
 
@@ -484,6 +549,16 @@ def table(rows: list[dict], variants: list[str]) -> list[str]:
                 got = [change[d] for d in members if d in change]
                 cells.append(f"{100 * sum(got) / len(got):+.1f}%" if len(got) == len(members) else "")
             lines.append(f"| {v} | " + " | ".join(cells) + " |")
+        lines.append("")
+    binned = [r for r in rows if r.get("bins")]
+    if binned:
+        lines += ["## The shipped read's gain by quintile of the held-out keys' relative leverage r", "",
+                  "Each cell: mean r / mean gain per position in millinats (base NLL − memory NLL), low r first.", "",
+                  "| domain | tokens | " + " | ".join(f"q{i + 1}" for i in range(len(binned[0]["bins"]))) + " |",
+                  "|---|---|" + "---|" * len(binned[0]["bins"])]  # fmt: skip
+        for r in binned:
+            cells = [f"{b[0]:.2f} / {1e3 * b[1]:+.0f}" for b in r["bins"]]
+            lines.append(f"| {r['domain']} | {r['tokens']:,} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
 

@@ -514,17 +514,23 @@ def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_
     assert module.solve_report(report, module) == {"off": False, "parts": [1]}
 
 
+def _variants_layer(positions: int):  # noqa: ANN202 - (the script, its head, a layer that learned, its keys)
+    """lm_output_variants' layer on an 8 → 11 head after learning `positions` random keys as one document."""
+    variants = load_script("lm_output_variants")
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    layer = variants.layer_for(head, 8, 11)
+    keys, targets = torch.randn(positions, 8), torch.randint(0, 11, (positions,))
+    variants.feed(layer, keys, targets, [0])
+    return variants, head, layer, keys
+
+
 def test_output_variants_space_uses_that_space_default_and_restores_the_layer():
     # lm_output_variants scores the logit-space rule on the layer the shipped rule uses: with too few positions to
     # tune, it must read at logit space's own default step, and leave the shipped layer's settings as they were.
     from faast.hf.output import DEFAULT_STEP
 
-    variants = load_script("lm_output_variants")
-    torch.manual_seed(0)
-    head = torch.nn.Linear(8, 11, bias=False)
-    layer = variants.layer_for(head, 8, 11)
-    keys, targets = torch.randn(40, 8), torch.randint(0, 11, (40,))
-    variants.feed(layer, keys, targets, [0])
+    variants, head, layer, _ = _variants_layer(40)
     before = layer.space, layer.weight, layer.default_step
     m, step, weight = variants.VARIANTS["logit"](layer, None)
     assert step == DEFAULT_STEP["logit"] and weight == 1.0
@@ -532,3 +538,30 @@ def test_output_variants_space_uses_that_space_default_and_restores_the_layer():
     m_shipped, step_shipped, weight_shipped = variants.shipped(layer, None)
     assert step_shipped == DEFAULT_STEP["probability"] and weight_shipped == layer.weight
     torch.testing.assert_close(m, m_shipped * DEFAULT_STEP["logit"] / DEFAULT_STEP["probability"])
+
+
+def test_output_variants_leverage_is_the_float64_hand_computation_and_gates_per_position():
+    variants, head, layer, keys = _variants_layer(60)
+    query, ys = torch.randn(7, 8), torch.randint(0, 11, (7,))
+    # By hand: C = Σ k kᵀ / N over the learned keys, r = qᵀ(C + μ·mean eig(C)·I)⁻¹q / d.
+    c = keys.double().T @ keys.double() / 60
+    shift = variants.LEVERAGE_RIDGE * torch.linalg.eigvalsh(c).clamp_min(0).mean()
+    inverse = torch.linalg.inv(c + shift * torch.eye(8, dtype=torch.float64))
+    expected = ((query.double() @ inverse) * query.double()).sum(-1) / 8
+    torch.testing.assert_close(variants.relative_leverage(layer, query), expected, rtol=1e-9, atol=0)
+    scorer = variants.Scorer(head, query, ys)
+    m = 0.1 * torch.randn(8, 8)
+    # One λ for every position is the scalar mixture; λ = 0 everywhere is the frozen model.
+    assert scorer.nll(m, torch.full((7,), 0.3)) == pytest.approx(scorer.nll(m, 0.3), rel=1e-6)
+    torch.testing.assert_close(scorer.token_nll(m, torch.zeros(7)), scorer.base_tokens.double())
+    m_shipped, _, lam = variants.shipped(layer, scorer)
+    _, _, flat = variants.leverage_gate(0.0)(layer, scorer)
+    assert torch.equal(flat, torch.full((7,), lam, dtype=flat.dtype))
+    _, _, gated = variants.leverage_gate(1.0)(layer, scorer)
+    r = variants.relative_leverage(layer, query)
+    torch.testing.assert_close(gated, (lam * r.pow(-1.0).clamp_max(1.0)).clamp(0, 0.95))
+    variants.leverage_bins(layer, scorer, bins=3)
+    bins = scorer.extra["bins"]
+    assert [b[2] for b in bins] == [3, 2, 2] and bins[0][0] <= bins[1][0] <= bins[2][0]
+    gain = scorer.base_tokens.double() - scorer.token_nll(m_shipped, lam)
+    assert sum(b[1] * b[2] for b in bins) == pytest.approx(float(gain.sum()), rel=1e-9, abs=1e-12)
