@@ -483,8 +483,7 @@ def mix_probabilities(
         _validate.require_shape("full", full, (n,), "[n], one flag per row of z")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale: expected a finite number > 0, got {scale!r}")
-    _validate.require_same_device("z", z, dz=dz, log_odds=log_odds, log_rest=log_rest,
-                                  **({} if full is None else {"full": full}))  # fmt: skip
+    _validate.require_same_device("z", z, dz=dz, log_odds=log_odds, log_rest=log_rest, full=full)
     k = min(n, _MIXTURE_SAMPLE)
     flags = None if full is None else full[:k]
 
