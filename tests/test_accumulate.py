@@ -100,12 +100,28 @@ def test_many_chunks_and_blocks(monkeypatch):
     monkeypatch.setattr(reference, "_CHUNK_BYTES", 8 * (37 + 11) * 64)
     monkeypatch.setattr(reference, "_TRIANGLE_BLOCK", 8)
     keys, values, scores = torch.randn(1000, 37), torch.randn(1000, 11), torch.rand(1000)
-    assert reference.chunk_rows(1, 48, torch.float64, 1000) == 64
+    assert reference.chunk_rows(1, 48, torch.float64, 1000) == 63  # 16 chunks of a 64-row budget: 15 x 63 + 55
     assert len(reference.triangle_blocks(37)) == 5
     gram, cross = ops.accumulate_gram(keys, values, scores)
     s_ref, t_ref, _ = expected(keys, values, scores)
     assert_close(gram, s_ref, torch.float64)
     assert_close(cross, t_ref, torch.float64)
+
+
+def test_chunk_rows_splits_rows_evenly_within_the_budget(monkeypatch):
+    # The budget's row count, then as few chunks as it allows, of equal length: 4,096 rows under a 1,365-row budget
+    # are 4 chunks of 1,024, not 3 of 1,365 and a 1-row chunk of slow GEMMs.
+    monkeypatch.setattr(reference, "_CHUNK_BYTES", 1365 * 1536 * 8)
+    assert reference.chunk_rows(1, 1536, torch.float64, 4096) == 1024
+    for budget_rows in (64, 100, 1365):
+        monkeypatch.setattr(reference, "_CHUNK_BYTES", budget_rows * 48 * 8)
+        for rows in (0, 1, 63, 64, 65, 99, 1000, 4096, 4097):
+            step = reference.chunk_rows(1, 48, torch.float64, rows)
+            assert 1 <= step <= max(1, min(rows, budget_rows))
+            if rows:
+                chunks = -(-rows // step)
+                assert chunks == -(-rows // min(rows, budget_rows))  # no more chunks than the budget needs
+                assert rows - (chunks - 1) * step > step - chunks  # the last chunk is short by less than one row each
 
 
 def test_triangle_blocks_tile_the_columns():

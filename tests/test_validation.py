@@ -1171,3 +1171,48 @@ def test_drop_nonfinite_still_rejects_overflow_and_shapes():
     with pytest.raises(ValueError, match="values"):
         m.update(K(), V(N - 1))
     assert_untouched(m, before)
+
+
+# ------------------------------------------------------------------------------------ the door's one-pass check
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("bad", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
+def test_all_finite_finds_one_bad_entry_at_any_position(dtype, bad):
+    from faast.ops import _validate
+
+    for shape in ((1,), (7,), (33, 5), (2, 65, 17)):
+        clean = torch.randn(shape).to(dtype)
+        assert _validate.all_finite(clean)
+        assert _validate.all_finite(clean.mT if clean.dim() > 1 else clean, None, clean[..., ::2])
+        for flat in range(clean.numel()):
+            x = clean.clone()
+            x.view(-1)[flat] = bad
+            assert not _validate.all_finite(x), (shape, flat)
+            assert not _validate.all_finite(clean, None, x.mT if x.dim() > 1 else x), (shape, flat)
+
+
+def test_all_finite_on_empty_extreme_and_absent_tensors():
+    from faast.ops import _validate
+
+    assert _validate.all_finite()
+    assert _validate.all_finite(None, torch.empty(0, 5))
+    # Finite but huge float64 entries are finite: nothing is summed, so nothing overflows.
+    assert _validate.all_finite(torch.tensor([1e308, -1e308, 1e308], dtype=torch.float64))
+    assert not _validate.all_finite(torch.tensor([1e308, NAN], dtype=torch.float64), None)
+
+
+def test_update_takes_the_fast_pass_and_still_names_a_bad_last_row():
+    # Clean rows are learned exactly; a NaN in the very last entry is still found, named, and nothing is learned.
+    keys, values = torch.randn(300, DK, dtype=torch.float64), torch.randn(300, DV, dtype=torch.float64)
+    mem = faast.FastWeights(DK, DV).update(keys, values)
+    s_ref, t_ref, _, yy_ref = statistics64(keys, values)
+    for got, want in ((mem.gram, s_ref), (mem.cross, t_ref), (mem.target_sqnorm, yy_ref)):
+        assert rel(got, want) <= REORDER_REL
+    before = {k: v.clone() for k, v in mem.state_dict().items()}
+    poisoned = values.clone()
+    poisoned[-1, -1] = NAN
+    with pytest.raises(ValueError, match=rf"values.*\[299, {DV - 1}\]"):
+        mem.update(keys, poisoned)
+    for k, v in mem.state_dict().items():
+        assert torch.equal(v, before[k]), k

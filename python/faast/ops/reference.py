@@ -3,9 +3,9 @@
 It runs on any device, is the CPU path, and is the oracle the Triton and CUDA backends are tested against. Inputs
 arrive validated and flattened to one leading batch dim by faast.ops; nothing here checks arguments.
 
-Accumulation streams the rows through one reusable buffer X = [K | s*V] (upcast to float64) and adds
-X[:, block]^T X[:, block:] for column blocks of K, which yields the upper triangle of S = K^T K and all of
-T = K^T diag(s) V with ~3/4 of the flops of two full GEMMs, at close to the float64 GEMM peak. benchmarks/results/
+Accumulation streams the rows through one reusable buffer X = [K | s*V] (upcast to float64), adds K^T (sV) into T
+and K[:, block]^T K[:, block:] into S for column blocks of K: the blocks on and above S's diagonal, mirrored at the
+end, with ~13/16 of the flops of two full GEMMs, at close to the float64 GEMM peak. benchmarks/results/
 learn_cpu.md has the measured cost against the authors' float32 pinv of K; docs/numerics.md §3 has the cost model.
 """
 
@@ -40,7 +40,9 @@ def chunk_rows(batch: int, width: int, dtype: torch.dtype, rows: int, device: to
     target = max(64, budget // max(1, batch * width * itemsize))
     if dtype == torch.float32:
         target = min(target, FLOAT32_MAX_CHUNK_ROWS)
-    return max(1, min(rows, target))
+    target = max(1, min(rows, target))
+    # Equal chunks within the budget: 4,096 rows in 1,365-row chunks left a 1-row chunk of small, slow GEMMs.
+    return -(-rows // -(-rows // target)) if rows else target
 
 
 def _masked_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -102,13 +104,16 @@ def accumulate_gram_streaming(
     dv = values.shape[-1]
     width = dk + dv
     device = keys.device
-    # [S | T] side by side: one GEMM per column block fills its rows of both.
-    acc = torch.zeros((batch, dk, width), dtype=torch.float64, device=device)
-    dyy = torch.zeros((batch,), dtype=torch.float64, device=device)
+    f64 = torch.float64
+    # S and T are written in place by column block, so nothing is copied or symmetrised through temporaries at the
+    # end (those copies were ~4% of a 64k x 768 learn on 2 cores).
+    gram = torch.zeros((batch, dk, dk), dtype=f64, device=device)
+    cross = torch.zeros((batch, dk, dv), dtype=f64, device=device)
+    dyy = torch.zeros((batch,), dtype=f64, device=device)
     step = chunk_rows(batch, width, compute_dtype, rows, device)
     buf = torch.empty((batch, step, width), dtype=compute_dtype, device=device)
     blocks = triangle_blocks(dk)
-    exact = compute_dtype == torch.float64
+    exact = compute_dtype == f64
     for start in range(0, rows, step):
         n = min(step, rows - start)
         x = buf[:, :n]
@@ -122,17 +127,38 @@ def accumulate_gram_streaming(
                 x[..., dk:].mul_(w)
         if mask is not None:
             x.masked_fill_(~mask[:, start : start + n].unsqueeze(-1), 0)
-        # A float64 reduction without materialising the squares (a temporary as large as the chunk).
-        dyy += torch.linalg.vector_norm(x[..., dk:], dim=(-2, -1), dtype=torch.float64).square()
+        k, v = x[..., :dk], x[..., dk:]
+        # Exact float64 squares and a float64 sum (a norm's square root and re-squaring would round twice).
+        dyy += v.square().sum((-2, -1)) if exact else _float64_sqnorm(v)
+        _add_product(cross, k.mT, v, exact)
         for a0, a1 in blocks:
-            if exact:
-                acc[:, a0:a1, a0:].baddbmm_(x[..., a0:a1].mT, x[..., a0:])
-            else:
-                acc[:, a0:a1, a0:] += torch.bmm(x[..., a0:a1].mT, x[..., a0:])
-    upper = acc[..., :dk]
-    gram = upper.triu() + upper.triu(1).mT
-    # T is copied out compactly so that callers do not keep the whole [S | T] work buffer alive.
-    return gram, acc[..., dk:].contiguous(), dyy
+            _add_product(gram[:, a0:a1, a0:], k[..., a0:a1].mT, k[..., a0:], exact)
+    _mirror_upper(gram, blocks)
+    return gram, cross, dyy
+
+
+def _float64_sqnorm(v: torch.Tensor) -> torch.Tensor:
+    """Σ v² per leading index [B] of a [B, n, d] tensor, accumulated in float64."""
+    return torch.linalg.vector_norm(v, dim=(-2, -1), dtype=torch.float64).square()
+
+
+def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:
+    """out += a @ b for [B, m, k] @ [B, k, n]: in place when exact (float64 throughout), else a float32 product
+    added into the float64 out."""
+    if exact:
+        out.baddbmm_(a, b)
+    else:
+        out += torch.bmm(a, b)
+
+
+def _mirror_upper(gram: torch.Tensor, blocks: list[tuple[int, int]]) -> None:
+    """Make [B, d, d] symmetric in place from the blocks at and above the diagonal: each diagonal block takes its
+    upper triangle's transpose, each block below the diagonal its mirror's (disjoint memory: no temporaries)."""
+    for i, (a0, a1) in enumerate(blocks):
+        diag = gram[:, a0:a1, a0:a1]
+        diag.copy_(diag.triu() + diag.triu(1).mT)
+        for b0, b1 in blocks[i + 1 :]:
+            gram[:, b0:b1, a0:a1].copy_(gram[:, a0:a1, b0:b1].mT)
 
 
 def eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
