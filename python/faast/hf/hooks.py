@@ -223,6 +223,7 @@ class ModelHooks:
             wide = m is not None and m.shape[0] > layer.hidden_size
         extra = self.extra_keys(hidden, final) if wide else None
         self._key_states = [None] * len(self.key_blocks)  # used by this pass or not at all
+        # The head's output is this pass's own: the read may write the mixture into it.
         if self._rows is not None:
-            return self._rows.read_logits(layer, hidden, output, extra)
-        return layer.read_logits(hidden, output, extra)
+            return self._rows.read_logits(layer, hidden, output, extra, overwrite=True)
+        return layer.read_logits(hidden, output, extra, overwrite=True)

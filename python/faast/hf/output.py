@@ -523,7 +523,7 @@ class ResidualOutputLayer(nn.Module):
         return hidden + (self.keys(hidden, extra).to(m.dtype) @ m).to(hidden.dtype)
 
     def read_logits(
-        self, hidden: torch.Tensor, logits: torch.Tensor, extra: torch.Tensor | None = None
+        self, hidden: torch.Tensor, logits: torch.Tensor, extra: torch.Tensor | None = None, *, overwrite: bool = False
     ) -> torch.Tensor:
         """Probability space: the head's output logits [..., V] for its input hidden [..., d] (the final norm's
         output) -> log((1 − λ)·softmax(z) + λ·softmax(z + (key·M)Hᵀ)) with z the logits the model reads (the
@@ -531,7 +531,7 @@ class ResidualOutputLayer(nn.Module):
         restores it; key = [hidden; extra] (extra [..., extra_key_size], as in `learn`) when M reads the full keys,
         else hidden. Same shape and dtype; computed in float32 (float64 for float64 logits), differentiable in hidden
         and logits (a readout trained through the model sees it). Unchanged while the memory is empty or in logit
-        space."""
+        space. overwrite: `logits` is the caller's to reuse (the head's fresh output; see mixture.read_blocks)."""
         if self.space != "probability":
             return logits
         m, lam = self.solution(hidden.device, hidden.dtype)
@@ -550,7 +550,8 @@ class ResidualOutputLayer(nn.Module):
         block = READ_CHUNK if hidden.device.type == "cuda" else MIX_ROWS
         odds, rest = (0.0, 0.0) if lam >= 1.0 else (math.log(lam / (1.0 - lam)), math.log1p(-lam))
         out = read_blocks(rows_h.to(m.dtype) @ m, rows_z, weight, compute=compute, scale=scale, log_odds=odds,
-                          log_rest=rest, full=lam >= 1.0, chunk=READ_CHUNK, block=block)  # fmt: skip
+                          log_rest=rest, full=lam >= 1.0, chunk=READ_CHUNK, block=block,
+                          overwrite=overwrite)  # fmt: skip
         return out.reshape(logits.shape)
 
     def tail_capacity_bytes(self) -> int:

@@ -137,10 +137,17 @@ class RowMemories:
         return hidden + torch.bmm(keys.to(m.dtype), m).to(hidden.dtype)
 
     def read_logits(
-        self, layer: ResidualOutputLayer, hidden: torch.Tensor, logits: torch.Tensor, extra: torch.Tensor | None
+        self,
+        layer: ResidualOutputLayer,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        extra: torch.Tensor | None,
+        *,
+        overwrite: bool = False,
     ) -> torch.Tensor:
         """Probability space, as ResidualOutputLayer.read_logits with each row's M and λ: hidden [B, T, d] and the
-        head's logits [B, T, V] -> the log of each row's mixture; rows reading nothing keep their logits exactly."""
+        head's logits [B, T, V] -> the log of each row's mixture; rows reading nothing keep their logits exactly.
+        overwrite: `logits` is the caller's to reuse (mixture.read_blocks)."""
         solved = self._residual(hidden.device, hidden.dtype)
         if solved is None:
             return logits
@@ -154,13 +161,13 @@ class RowMemories:
         per_row = lambda t: t[index].repeat_interleave(positions)  # noqa: E731 - a per-position gather
         compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
         head_dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16) else compute
-        full_p = per_row(full)
+        full_p, keep = per_row(full), per_row(none)
         out = read_blocks(
             projected.reshape(-1, projected.shape[-1]), logits.reshape(-1, logits.shape[-1]),
             layer.head.weight.to(head_dtype), compute=compute, scale=float(getattr(layer.head, "scale", 1.0)),
             log_odds=per_row(odds).to(compute)[:, None], log_rest=per_row(rest).to(compute)[:, None],
-            full=full_p if bool(full_p.any()) else False, keep=per_row(none),
-            chunk=READ_CHUNK, block=READ_CHUNK if hidden.device.type == "cuda" else MIX_ROWS,
+            full=full_p if bool(full_p.any()) else False, keep=keep if bool(keep.any()) else None,
+            chunk=READ_CHUNK, block=READ_CHUNK if hidden.device.type == "cuda" else MIX_ROWS, overwrite=overwrite,
         )  # fmt: skip
         return out.reshape(logits.shape)
 

@@ -1,0 +1,66 @@
+"""The CPU probability-space read writing its mixture into the head's own output (faast/hf/mixture.py read_blocks,
+overwrite=True): the same numbers as into a fresh result, bit for bit, for every weight form, kept rows, a logit
+scale and ragged blocks; in place exactly when it may be (float32 contiguous logits, no gradient), else the caller's
+logits are left as they were."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from faast.hf import mixture as hf_mixture
+from tolerances import assert_close
+
+
+def _case(weights: str, *, n: int = 13, d: int = 8, v: int = 101, seed: int = 0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    projected, weight = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g)
+    logits = 2 * torch.randn(n, v, generator=g)
+    logits[1, 5] = float("-inf")
+    keep = None
+    if weights == "one":
+        odds, rest, full = math.log(0.3 / 0.7), math.log(0.7), False
+    elif weights == "full":
+        odds, rest, full = 0.0, 0.0, True
+    else:
+        lam = torch.rand(n, generator=g).clamp(0.05, 0.95)
+        odds, rest = torch.log(lam / (1 - lam))[:, None], torch.log1p(-lam)[:, None]
+        full, keep = torch.arange(n) % 4 == 1, torch.arange(n) % 5 == 2
+    options = dict(compute=torch.float32, scale=1.25, log_odds=odds, log_rest=rest, full=full, keep=keep)
+    return projected, logits, weight, options
+
+
+@pytest.mark.parametrize("weights", ["one", "full", "per-row"])
+@pytest.mark.parametrize(("chunk", "block"), [(4, 3), (13, 13), (5, 2), (64, 32)])
+def test_in_place_read_equals_the_fresh_result_bit_for_bit(weights, chunk, block):
+    projected, logits, weight, options = _case(weights)
+    fresh = hf_mixture.read_blocks(projected, logits, weight, chunk=chunk, block=block, **options)
+    mine = logits.clone()
+    got = hf_mixture.read_blocks(projected, mine, weight, chunk=chunk, block=block, overwrite=True, **options)
+    assert got.data_ptr() == mine.data_ptr()  # written into the head's output, not a new [n, V] tensor
+    assert torch.equal(got, fresh)
+    assert not torch.equal(mine, logits)  # the mixture did change it (else this test proves nothing)
+    if options["keep"] is not None:
+        assert torch.equal(got[options["keep"]], logits[options["keep"]])
+
+
+@pytest.mark.parametrize("form", ["bfloat16", "strided", "grad"])
+def test_a_read_that_may_not_overwrite_leaves_the_logits_alone(form):
+    projected, logits, weight, options = _case("per-row", seed=1)
+    if form == "bfloat16":
+        logits = logits.bfloat16()
+    elif form == "strided":
+        logits = logits.T.contiguous().T
+    given = logits.detach().clone()
+    if form == "grad":
+        logits.requires_grad_(True)
+    got = hf_mixture.read_blocks(projected, logits, weight, chunk=4, block=3, overwrite=True, **options)
+    assert got.data_ptr() != logits.data_ptr()
+    assert torch.equal(logits.detach(), given)
+    fresh = hf_mixture.read_blocks(projected, given, weight, chunk=4, block=3, **options)
+    if form == "grad":  # the differentiable composition: the same mixture, rounded in another order
+        assert_close(got.detach(), fresh, torch.float32)
+    else:
+        assert torch.equal(got, fresh)
