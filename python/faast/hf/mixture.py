@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..ops.mixture import Workspace, mixture_logits
+from ..ops.mixture import Workspace, mixture_from_sum, mixture_logits
 
 
 def read_blocks(
@@ -41,46 +41,100 @@ def read_blocks(
     the compute dtype and is contiguous (each block is copied before it is overwritten): a fresh [n, V] float32 result
     is page-faulted in on every read (0.13 s for 2,048 × 49,152 on 2 AMD EPYC cores), the head's output already is.
     """
-    n = logits.shape[0]
     grad = torch.is_grad_enabled() and (projected.requires_grad or logits.requires_grad)
-    if not grad and logits.device.type != "cpu":
-        return _read_chunks(projected, logits, weight, scale=scale, log_odds=log_odds, log_rest=log_rest, full=full,
-                            keep=keep, chunk=chunk)  # fmt: skip
-    parts, result, workspace, products, saved = [], None, None, None, None
-    if not grad:
-        in_place = overwrite and logits.dtype == compute and logits.is_contiguous()
-        result = logits if in_place else torch.empty(logits.shape, dtype=compute, device=logits.device)
-        workspace = Workspace(min(block, n), result)
-        # Each block's logits, kept while the block is mixed into their place.
-        saved = torch.empty_like(result[: min(block, n)]) if in_place else None
-        if weight.dtype == compute:
-            products = torch.empty((min(chunk, n), weight.shape[0]), dtype=compute, device=logits.device)
-    for i in range(0, n, chunk):
-        rows_p = projected[i : i + chunk].to(weight.dtype)
-        if products is not None:
-            dz = torch.mm(rows_p, weight.T, out=products[: rows_p.shape[0]])
-        else:
-            dz = (rows_p @ weight.T).to(compute)
+    options = {"scale": scale, "log_odds": log_odds, "log_rest": log_rest, "full": full, "keep": keep, "chunk": chunk}
+    if grad:
+        return _read_differentiable(projected, logits, weight, compute=compute, block=block, **options)
+    if logits.device.type != "cpu":
+        return _read_chunks(projected, logits, weight, **options)
+    return _read_cpu(projected, logits, weight, compute=compute, block=block, overwrite=overwrite, **options)
+
+
+def _read_differentiable(
+    projected: torch.Tensor,
+    logits: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    compute: torch.dtype,
+    scale: float,
+    log_odds: float | torch.Tensor,
+    log_rest: float | torch.Tensor,
+    full: bool | torch.Tensor,
+    keep: torch.Tensor | None,
+    chunk: int,
+    block: int,
+) -> torch.Tensor:
+    """read_blocks with autograd: out-of-place blocks, concatenated."""
+    parts = []
+    for i in range(0, logits.shape[0], chunk):
+        dz = (projected[i : i + chunk].to(weight.dtype) @ weight.T).to(compute)
         for j in range(i, i + dz.shape[0], block):
             rows = slice(j, min(j + block, i + dz.shape[0]))
             d = dz[rows.start - i : rows.stop - i]
             given = logits[rows].to(compute)
-            given = saved[: given.shape[0]].copy_(given) if saved is not None else given
             z = given * scale if scale != 1.0 else given
             pick = [t[rows] if isinstance(t, torch.Tensor) and t.dim() else t for t in (log_odds, log_rest)]
-            out = None if grad else result[rows]
-            mixed = (torch.log_softmax(z + d, -1) if full is True
-                     else mixture_logits(z, d, *pick, out=out, workspace=workspace))  # fmt: skip
+            mixed = torch.log_softmax(z + d, -1) if full is True else mixture_logits(z, d, *pick)
             if isinstance(full, torch.Tensor):
                 mixed = torch.where(full[rows][:, None], torch.log_softmax(z + d, -1), mixed)
             mixed = mixed / scale if scale != 1.0 else mixed
             if keep is not None:
                 mixed = torch.where(keep[rows][:, None], given, mixed)
-            if grad:
-                parts.append(mixed.to(logits.dtype))
-            elif mixed is not out:
-                out.copy_(mixed)
-    return torch.cat(parts) if grad else result.to(logits.dtype)
+            parts.append(mixed.to(logits.dtype))
+    return torch.cat(parts)
+
+
+def _read_cpu(
+    projected: torch.Tensor,
+    logits: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    compute: torch.dtype,
+    scale: float,
+    log_odds: float | torch.Tensor,
+    log_rest: float | torch.Tensor,
+    full: bool | torch.Tensor,
+    keep: torch.Tensor | None,
+    chunk: int,
+    block: int,
+    overwrite: bool,
+) -> torch.Tensor:
+    """read_blocks without a gradient on a CPU. Per `chunk` rows one GEMM adds the head's product onto the scaled
+    logits (z·s + dz, no separate add pass); per `block` rows the mixture, written into the result (the logits
+    themselves when `overwrite` allows: each block's logits are read before they are overwritten, and rows to keep
+    are mixed into scratch first)."""
+    n = logits.shape[0]
+    in_place = overwrite and logits.dtype == compute and logits.is_contiguous()
+    result = logits if in_place else torch.empty(logits.shape, dtype=compute, device=logits.device)
+    workspace = Workspace(min(block, n), result)
+    held = torch.empty_like(result[: min(block, n)]) if in_place and keep is not None else None
+    fused = weight.dtype == compute
+    products = torch.empty((min(chunk, n), weight.shape[0]), dtype=compute) if fused else None
+    for i in range(0, n, chunk):
+        rows_p = projected[i : i + chunk].to(weight.dtype)
+        rows_z = logits[i : i + rows_p.shape[0]].to(compute)
+        if products is not None:
+            summed = torch.addmm(rows_z, rows_p, weight.T, beta=scale, out=products[: rows_p.shape[0]])
+        else:
+            summed = (rows_p @ weight.T).to(compute).add_(rows_z, alpha=scale)
+        for j in range(i, i + summed.shape[0], block):
+            rows = slice(j, min(j + block, i + summed.shape[0]))
+            zz = summed[rows.start - i : rows.stop - i]
+            given = logits[rows].to(compute)
+            z = given * scale if scale != 1.0 else given
+            pick = [t[rows] if isinstance(t, torch.Tensor) and t.dim() else t for t in (log_odds, log_rest)]
+            target = held[: zz.shape[0]] if held is not None else result[rows]
+            if full is True:
+                mixed = torch.ops.aten._log_softmax.out(zz, -1, False, out=target)
+            else:
+                mixed = mixture_from_sum(z, zz, *pick, out=target, workspace=workspace)
+            if isinstance(full, torch.Tensor):
+                mixed = torch.where(full[rows][:, None], torch.log_softmax(zz, -1), mixed, out=target)
+            if scale != 1.0:
+                mixed.div_(scale)
+            if keep is not None:  # else the mixture was written in its place already
+                torch.where(keep[rows][:, None], given, mixed, out=result[rows])
+    return result.to(logits.dtype)
 
 
 def _per_row(value: float | torch.Tensor, n: int, like: torch.Tensor) -> torch.Tensor:

@@ -54,12 +54,30 @@ def mixture_logits(
         lse0 = torch.logsumexp(z, -1, keepdim=True)
         shift = torch.logsumexp(z + dz, -1, keepdim=True) - lse0 - log_odds
         return torch.nn.functional.softplus(dz - shift) + (z - lse0) + log_rest
+    out = torch.empty_like(z) if out is None else out
+    return mixture_from_sum(z, torch.add(z, dz, out=out), log_odds, log_rest, out=out, workspace=workspace)
+
+
+def mixture_from_sum(
+    z: torch.Tensor,
+    summed: torch.Tensor,
+    log_odds: float | torch.Tensor,
+    log_rest: float | torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
+    """mixture_logits without a gradient, given summed = z + dz [n, V] (e.g. from one GEMM that adds the head's
+    product onto the logits) instead of dz: log((1 − λ)·softmax(z) + λ·softmax(summed)) [n, V].
+
+    out may be z or summed themselves (each is read once, before anything is written); workspace: reused scratch.
+    """
     first, second = (workspace or Workspace(z.shape[0], z)).take_pair(z.shape[0])
     out = torch.empty_like(z) if out is None else out
     log_softmax = torch.ops.aten._log_softmax.out
-    log_softmax(torch.add(z, dz, out=second), -1, False, out=out)  # log p1
     log_softmax(z, -1, False, out=first)  # log p0
-    return torch.logaddexp(first, out.add_(log_odds), out=out).add_(log_rest)
+    log_softmax(summed, -1, False, out=second)  # log p1
+    return torch.logaddexp(first, second.add_(log_odds), out=out).add_(log_rest)
 
 
 def mix_probabilities_torch(
