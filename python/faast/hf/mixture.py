@@ -8,6 +8,8 @@ faast.ops.mix_probabilities, whose dispatch times the torch composition against 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from .. import ops
@@ -38,8 +40,9 @@ def read_blocks(
     per `chunk` positions, the elementwise mixture per `block` positions (small blocks stay in a CPU's cache).
     Differentiable when the inputs require grad; otherwise it writes into buffers allocated once. overwrite: the
     caller owns `logits` (a head's fresh output) and lets a no-grad CPU read write the mixture into it when it has
-    the compute dtype and is contiguous (each block is copied before it is overwritten): a fresh [n, V] float32 result
-    is page-faulted in on every read (0.13 s for 2,048 × 49,152 on 2 AMD EPYC cores), the head's output already is.
+    the compute dtype and is contiguous (each block's logits are read before they are overwritten): a fresh [n, V]
+    float32 result is page-faulted in on every read (0.13 s for 2,048 × 49,152 on 2 AMD EPYC cores), the head's
+    output already is.
     """
     grad = torch.is_grad_enabled() and (projected.requires_grad or logits.requires_grad)
     options = {"scale": scale, "log_odds": log_odds, "log_rest": log_rest, "full": full, "keep": keep, "chunk": chunk}
@@ -48,6 +51,31 @@ def read_blocks(
     if logits.device.type != "cpu":
         return _read_chunks(projected, logits, weight, **options)
     return _read_cpu(projected, logits, weight, compute=compute, block=block, overwrite=overwrite, **options)
+
+
+def _blocks(
+    logits: torch.Tensor,
+    chunk_values: torch.Tensor,
+    start: int,
+    block: int,
+    compute: torch.dtype,
+    scale: float,
+    weights: tuple[float | torch.Tensor, float | torch.Tensor],
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor, list]]:
+    """The blocks of `block` rows of the chunk that starts at row `start` (chunk_values: its [m, V] dz, or z·s + dz):
+    (their rows, their rows of chunk_values, their logits in the compute dtype, z = those logits·scale, (log-odds,
+    log(1 − λ)) picked for their rows where they are per-row tensors)."""
+    for j in range(start, start + chunk_values.shape[0], block):
+        rows = slice(j, min(j + block, start + chunk_values.shape[0]))
+        given = logits[rows].to(compute)
+        pick = [t[rows] if isinstance(t, torch.Tensor) and t.dim() else t for t in weights]
+        yield (
+            rows,
+            chunk_values[rows.start - start : rows.stop - start],
+            given,
+            given * scale if scale != 1.0 else given,
+            pick,
+        )
 
 
 def _read_differentiable(
@@ -68,12 +96,7 @@ def _read_differentiable(
     parts = []
     for i in range(0, logits.shape[0], chunk):
         dz = (projected[i : i + chunk].to(weight.dtype) @ weight.T).to(compute)
-        for j in range(i, i + dz.shape[0], block):
-            rows = slice(j, min(j + block, i + dz.shape[0]))
-            d = dz[rows.start - i : rows.stop - i]
-            given = logits[rows].to(compute)
-            z = given * scale if scale != 1.0 else given
-            pick = [t[rows] if isinstance(t, torch.Tensor) and t.dim() else t for t in (log_odds, log_rest)]
+        for rows, d, given, z, pick in _blocks(logits, dz, i, block, compute, scale, (log_odds, log_rest)):
             mixed = torch.log_softmax(z + d, -1) if full is True else mixture_logits(z, d, *pick)
             if isinstance(full, torch.Tensor):
                 mixed = torch.where(full[rows][:, None], torch.log_softmax(z + d, -1), mixed)
@@ -117,12 +140,7 @@ def _read_cpu(
             summed = torch.addmm(rows_z, rows_p, weight.T, beta=scale, out=products[: rows_p.shape[0]])
         else:
             summed = (rows_p @ weight.T).to(compute).add_(rows_z, alpha=scale)
-        for j in range(i, i + summed.shape[0], block):
-            rows = slice(j, min(j + block, i + summed.shape[0]))
-            zz = summed[rows.start - i : rows.stop - i]
-            given = logits[rows].to(compute)
-            z = given * scale if scale != 1.0 else given
-            pick = [t[rows] if isinstance(t, torch.Tensor) and t.dim() else t for t in (log_odds, log_rest)]
+        for rows, zz, given, z, pick in _blocks(logits, summed, i, block, compute, scale, (log_odds, log_rest)):
             target = held[: zz.shape[0]] if held is not None else result[rows]
             if full is True:
                 mixed = torch.ops.aten._log_softmax.out(zz, -1, False, out=target)
