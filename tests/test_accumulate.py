@@ -211,3 +211,14 @@ def test_unchecked_entry_allocates_or_adds_in_place(masked):
         assert rel(acc, first + part) < REORDER_REL
     with pytest.raises(ValueError, match="pass all three accumulators, or none"):
         ops.accumulate_gram_unchecked(keys, values, scores, mask, gram=held[0])
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["whole-chunk", "row-by-row"])
+def test_squared_targets_both_ways_against_float64(rowwise):
+    # The CPU squares a chunk whole, a GPU reduces it row by row (no chunk-sized temporary): both are the float64 sum
+    # of exact squares, on a strided view like the streaming buffer's value columns.
+    x = torch.randn(3, 41, 20, dtype=torch.float64)
+    v = x[..., 7:]
+    got = reference._float64_sqsum(v, rowwise=rowwise)
+    want = torch.tensor([sum(float(e) ** 2 for e in row.flatten()) for row in v], dtype=torch.float64)
+    assert_close(got, want, torch.float64)

@@ -128,13 +128,19 @@ def accumulate_gram_streaming(
         if mask is not None:
             x.masked_fill_(~mask[:, start : start + n].unsqueeze(-1), 0)
         k, v = x[..., :dk], x[..., dk:]
-        # Exact float64 squares and a float64 sum (a norm's square root and re-squaring would round twice).
-        dyy += v.square().sum((-2, -1)) if exact else _float64_sqnorm(v)
+        dyy += _float64_sqsum(v, rowwise=device.type != "cpu") if exact else _float64_sqnorm(v)
         _add_product(cross, k.mT, v, exact)
         for a0, a1 in blocks:
             _add_product(gram[:, a0:a1, a0:], k[..., a0:a1].mT, k[..., a0:], exact)
     _mirror_upper(gram, blocks)
     return gram, cross, dyy
+
+
+def _float64_sqsum(v: torch.Tensor, *, rowwise: bool) -> torch.Tensor:
+    """Σ v² per leading index [B] of a float64 [B, n, d] tensor: exact squares and a float64 sum (a norm's square root
+    and re-squaring would round twice). A CPU chunk is small and squaring it whole is fastest; a GPU chunk can be a GB,
+    so there (rowwise) the squares are reduced row by row instead of materialised."""
+    return torch.linalg.vecdot(v, v).sum(-1) if rowwise else v.square().sum((-2, -1))
 
 
 def _float64_sqnorm(v: torch.Tensor) -> torch.Tensor:
