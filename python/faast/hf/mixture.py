@@ -135,10 +135,10 @@ def _read_cpu(
     products = torch.empty((min(chunk, n), weight.shape[0]), dtype=compute) if fused else None
     for i in range(0, n, chunk):
         rows_p = projected[i : i + chunk].to(weight.dtype)
-        rows_z = logits[i : i + rows_p.shape[0]].to(compute)
+        rows_z = logits[i : i + rows_p.shape[0]]
         if products is not None:
-            summed = torch.addmm(rows_z, rows_p, weight.T, beta=scale, out=products[: rows_p.shape[0]])
-        else:
+            summed = torch.addmm(rows_z.to(compute), rows_p, weight.T, beta=scale, out=products[: rows_p.shape[0]])
+        else:  # a 16-bit head: its product upcast, then the logits added in their own dtype (no chunk-sized copy)
             summed = (rows_p @ weight.T).to(compute).add_(rows_z, alpha=scale)
         for rows, zz, given, z, pick in _blocks(logits, summed, i, block, compute, scale, (log_odds, log_rest)):
             target = held[: zz.shape[0]] if held is not None else result[rows]
