@@ -15,6 +15,7 @@ from faast import ops
 from faast.hf import mixture as hf_mixture
 from faast.ops import _dispatch, _triton_backend
 from faast.ops.mixture import mix_probabilities_torch
+from read_cases import read_case
 from tolerances import ELEMENTWISE
 
 triton = pytest.importorskip("triton")
@@ -176,20 +177,9 @@ def test_the_gpu_read_path_equals_the_cpu_block_path(monkeypatch, backend, weigh
     # hf/mixture.py sends a GPU's rows through ops.mix_probabilities a chunk at a time; called directly here, on the
     # CPU, it must give what the CPU's cache-sized blocks give (the same arithmetic, in another order of blocks).
     monkeypatch.setenv("FAAST_BACKEND", backend)
-    g = torch.Generator().manual_seed(3)
-    n, d, v = 11, 8, 97
-    projected, weight = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g)
-    logits = 2 * torch.randn(n, v, generator=g)
-    keep = None
-    if weights == "one":
-        odds, rest, full = math.log(0.3 / 0.7), math.log(0.7), False
-    elif weights == "full":
-        odds, rest, full = 0.0, 0.0, True
-    else:
-        lam = torch.rand(n, generator=g).clamp(0.05, 0.95)
-        odds, rest = torch.log(lam / (1 - lam))[:, None], torch.log1p(-lam)[:, None]
-        full, keep = torch.arange(n) % 4 == 1, torch.arange(n) % 5 == 2
-    options = dict(scale=1.25, log_odds=odds, log_rest=rest, full=full, keep=keep, chunk=4)
+    projected, logits, weight, options = read_case(weights, n=11, d=8, v=97, seed=3)
+    keep = options["keep"]
+    options["chunk"] = 4
     cpu = hf_mixture.read_blocks(projected, logits, weight, compute=torch.float32, block=3, **options)
     on = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
     gpu = hf_mixture._read_chunks(projected.to(DEVICE), logits.to(DEVICE), weight.to(DEVICE), **on)

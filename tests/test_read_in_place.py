@@ -11,25 +11,13 @@ import pytest
 import torch
 
 from faast.hf import mixture as hf_mixture
+from read_cases import read_case
 from tolerances import assert_close
 
 
-def _case(weights: str, *, n: int = 13, d: int = 8, v: int = 101, seed: int = 0) -> tuple:
-    g = torch.Generator().manual_seed(seed)
-    projected, weight = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g)
-    logits = 2 * torch.randn(n, v, generator=g)
-    logits[1, 5] = float("-inf")
-    keep = None
-    if weights == "one":
-        odds, rest, full = math.log(0.3 / 0.7), math.log(0.7), False
-    elif weights == "full":
-        odds, rest, full = 0.0, 0.0, True
-    else:
-        lam = torch.rand(n, generator=g).clamp(0.05, 0.95)
-        odds, rest = torch.log(lam / (1 - lam))[:, None], torch.log1p(-lam)[:, None]
-        full, keep = torch.arange(n) % 4 == 1, torch.arange(n) % 5 == 2
-    options = dict(compute=torch.float32, scale=1.25, log_odds=odds, log_rest=rest, full=full, keep=keep)
-    return projected, logits, weight, options
+def _case(weights: str, *, seed: int = 0) -> tuple:
+    projected, logits, weight, options = read_case(weights, n=13, d=8, v=101, seed=seed, masked_entry=True)
+    return projected, logits, weight, {"compute": torch.float32, **options}
 
 
 @pytest.mark.parametrize("weights", ["one", "full", "per-row"])
