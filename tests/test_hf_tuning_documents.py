@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from faast.hf import FaastConfig, MemoryOffWarning, ResidualOutput, apply_faast
+from faast.hf import output_diagnosis as diagnosis_module
 from faast.hf import output_tuning as tuning_module
 from faast.hf.output_tuning import tail_plan
 from hf_models import VOCAB, tiny_model
@@ -90,7 +91,7 @@ def test_a_last_text_unlike_the_others_does_not_switch_the_memory_off():
     base, adapted = base_and_memory_nll(model, noisy_phrase(300, seed=1)[11:])
     assert adapted < base - 0.05
     alone = learned([phrase]).output_memory_layer.last_tuning["step"]
-    assert tuning["step"] > alone / tuning_module.PART_STEP_RATIO  # no warning: the step serves the phrase too
+    assert tuning["step"] > alone / diagnosis_module.PART_STEP_RATIO  # no warning: the step serves the phrase too
 
 
 def disagreeing_logits(right: int, wrong: int, seed: int = 0):
@@ -126,12 +127,12 @@ def test_a_memory_whose_texts_disagree_says_its_step_is_far_below_what_one_would
     # estimates its own step.
     logits, documents = disagreeing_logits(right, wrong)
     eta, _ = tuning_module.tune_step(logits, 1.0)
-    diagnosis = tuning_module.diagnose(logits, documents, eta, 1.0, eta)
+    diagnosis = diagnosis_module.diagnose(logits, documents, eta, 1.0, eta)
     parts = {p["document"]: p for p in diagnosis["parts"]}
     assert sorted(parts) == [0, 1] and parts[0]["positions"] == right and parts[1]["positions"] == wrong
     own = min(torch.linspace(0, 4, 401).tolist(), key=lambda e: nll_at(logits, documents == 0, e, 1.0))
-    assert own > tuning_module.PART_STEP_RATIO * eta
-    assert parts[0]["step"] > tuning_module.PART_STEP_RATIO * eta and parts[1]["step"] <= eta
+    assert own > diagnosis_module.PART_STEP_RATIO * eta
+    assert parts[0]["step"] > diagnosis_module.PART_STEP_RATIO * eta and parts[1]["step"] <= eta
     # Document 0's step is confirmed on its own rows (it gains there, significantly); document 1's is not checked.
     assert parts[0]["confirmed"] is True and parts[1]["confirmed"] is None
     assert nll_at(logits, documents == 0, parts[0]["step"], 1.0) < nll_at(logits, documents == 0, eta, 1.0)

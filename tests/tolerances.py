@@ -77,3 +77,10 @@ LM_LAYOUT_ABS = 1e-4
 # path drops them, Cholesky divides T's rounding there by μ; relative difference in units of 2^-52·λmax/μ (measured
 # at most 2.2 over 48 cases, tests/test_cholesky_solve.py).
 CHOLESKY_NULL_DIRECTIONS = 8.0
+
+# The step's 1-D search (faast.hf.output_tuning.tune_step_rows) against a brute-force grid of the same float64 NLL:
+# it stops once the next point moves η by under STEP_TOL (1%), where the NLL is quadratic, so its η lies within a few
+# STEP_TOL of the grid's best and its NLL just above the best's (measured at most 0.6% and 1.3e-5 nats on the
+# synthetic held-out rows of tests/test_step_search.py).
+STEP_SEARCH_REL = 0.03
+STEP_SEARCH_NLL_ABS = 1e-4

@@ -49,7 +49,8 @@ from . import output_tuning as tuning
 from .config import FaastConfig, ResidualOutput
 from .head import READ_CHUNK, head_gradients, head_logits, products_dtype
 from .mixture import read_blocks
-from .output_tuning import HeldOutTail, Logits, MemoryOffWarning
+from .output_diagnosis import MemoryOffWarning, diagnose
+from .output_tuning import HeldOutTail, Logits
 
 _log = logging.getLogger("faast.hf")
 
@@ -421,7 +422,7 @@ class ResidualOutputLayer(nn.Module):
         _, eta, lam, trace, logits, rows = results[width]
         check_weight = lam if lam > 0 else (fixed_weight if fixed_weight is not None else self.default_weight)
         candidate = min(trace, key=lambda t: t[-1])[0]  # the search's best step, before the significance test
-        diagnosis = tuning.diagnose(logits, docs, eta, check_weight, candidate, rows, log_base)
+        diagnosis = diagnose(logits, docs, eta, check_weight, candidate, rows, log_base)
         self.last_tuning = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held,
                             "held_out_documents": self.held_out.documents(int(memory.count), self._min_fit()),
                             "document_gap_tokens": gap, "fitted_tokens": fitted, "key_width": width,

@@ -32,6 +32,11 @@ MIN_FIT_TOKENS = 256
 # suits other files and doubled their perplexity, while three validation domains lost at most 2.4% by not stepping
 # (docs/design.md §6.3).
 FIT_PER_KEY_DIM = 4
+# The step's search first runs on every SEARCH_SAMPLE_STRIDE-th held-out row when there are at least
+# SEARCH_SAMPLE_MIN_ROWS, and its best point starts the search on all rows: on SmolLM2's held-out logits (2,048 rows ×
+# 49,152) the whole search then read the [n, V] logits about 4 times instead of 8–9 (docs/design.md §6.3).
+SEARCH_SAMPLE_STRIDE = 4
+SEARCH_SAMPLE_MIN_ROWS = 1024
 # With ResidualOutput.tune_tokens above TUNE_SAMPLE, the held-out NLL is evaluated on TUNE_SAMPLE positions spread
 # evenly over the held-out span (the fit still leaves out all of it): bounds the cost of the [n, V] logits. A longer
 # span is not better by default: 8192 chose a better step than 2048 on one domain and a worse one on another
@@ -141,27 +146,51 @@ def tune_step_rows(
     log_base: log softmax(z0) at the targets [n] float64 (`base_log_targets`), when already computed. start: the
     first point of the search (e.g. the step the narrower keys took: the wider keys' is near it, so the search takes
     fewer passes); from a start above 0 a minimum at 0 is approached by the bracket and cut by the significance
-    test."""
+    test. With SEARCH_SAMPLE_MIN_ROWS rows or more the search first runs on every SEARCH_SAMPLE_STRIDE-th row, and
+    its best point starts the search on all of them: that one then ends in 1–3 passes over the [n, V] logits, and
+    the result is the full rows' minimum as before (within STEP_TOL). The trace is the full rows' search."""
     if log_base is None:
         log_base = base_log_targets(logits)
+    if logits[0].shape[0] >= SEARCH_SAMPLE_MIN_ROWS:
+        pick = slice(None, None, SEARCH_SAMPLE_STRIDE)
+        _, sampled, _ = _search(tuple(part[pick] for part in logits), weight, log_base[pick], start)
+        start = min(sampled, key=lambda point: point[1])[0]
+    eta, trace, rows = _search(logits, weight, log_base, start)
+    if weight < 1.0 and eta > 0.0 and not significant(log_base, rows.log_memory, weight):
+        eta = 0.0
+    return eta, trace, rows
+
+
+def _search(
+    logits: Logits, weight: float, log_base: torch.Tensor, start: float
+) -> tuple[float, list[tuple[float, float]], StepRows]:
+    """The safeguarded 1-D Newton search of `tune_step_rows` on these rows, from `start`: (the last point η, [(η_i,
+    NLL_i)], the rows at η), with no significance test.
+
+    Each pass gives the NLL and its first two derivatives in η. The derivative's sign brackets the minimum. A Newton
+    step that leaves the bracket (the mixture's curvature in η can be tiny, even negative, far from the minimum: from
+    η = 0 its step overshot to the top of the range and then halved its way down, 8–9 passes on SmolLM2's held-out
+    logits) is replaced by the step of the Gauss-Newton part of the curvature (λ·p_y/mixture · Var_p(z1), never
+    below the full curvature, so a shorter step), else by bisection: geometric once the bracket's low end is above
+    0 (the step's scale is unknown). In logit space (λ = 1) both curvatures are Var_p(z1)."""
     eta, low, high, trace = min(max(float(start), 0.0), MAX_STEP), 0.0, MAX_STEP, []
     rows = None
     for _ in range(STEP_ITERATIONS):
-        rows = _rows(logits, eta)
+        rows = step_rows(logits, eta)
         log_memory, gap, spread = rows.log_memory, rows.gap, rows.spread
         if weight >= 1.0:
             nll, grad, curv = float(-log_memory.mean()), float(-gap.mean()), float(spread.mean())
+            gauss_newton = curv
         else:
             log_mix = log_mixture(log_base, log_memory, weight)
             share = (log_memory - log_mix).exp() * weight  # λ·p_y / mixture, in [0, 1]
             nll = float(-log_mix.mean())
             grad = float(-(share * gap).mean())
-            curv = float((share * spread + (share * share - share) * gap * gap).mean())
+            gauss_newton = float((share * spread).mean())
+            curv = gauss_newton + float(((share * share - share) * gap * gap).mean())
         trace.append((eta, nll))
         if eta == 0.0 and grad >= 0:  # convex and rising from 0: no step helps
             break
-        # The derivative's sign brackets the minimum; a Newton step that leaves the bracket is replaced by
-        # bisection (far from the minimum the curvature in η can be tiny and the step wild).
         if grad > 0:
             high = eta
         else:
@@ -170,16 +199,22 @@ def tune_step_rows(
         if new <= low == 0.0 and not any(point == 0.0 for point, _ in trace):
             new = 0.0  # from a start above 0, a minimum at 0 itself is tested rather than approached
         elif not low < new < high:
-            new = 0.5 * (low + high)
+            new = _fallback_step(eta, grad, gauss_newton, low, high)
         if abs(new - eta) <= STEP_TOL * max(eta, 1e-2) or high - low <= STEP_TOL * max(high, 1e-2):
             break  # converged: η, already evaluated, is within STEP_TOL of the next point
         eta = new
     if rows.eta != eta:  # the iterations ran out before converging: evaluate the last point
-        rows = _rows(logits, eta)
+        rows = step_rows(logits, eta)
         trace.append((eta, float(-log_mixture(log_base, rows.log_memory, weight).mean())))
-    if weight < 1.0 and eta > 0.0 and not significant(log_base, rows.log_memory, weight):
-        eta = 0.0
     return eta, trace, rows
+
+
+def _fallback_step(eta: float, grad: float, gauss_newton: float, low: float, high: float) -> float:
+    """The next point when the Newton step leaves the bracket (low, high): the Gauss-Newton step where it lies inside
+    it, else bisection of the bracket (geometric when its low end is above 0)."""
+    if gauss_newton > 0 and low < eta - grad / gauss_newton < high:
+        return eta - grad / gauss_newton
+    return math.sqrt(low * high) if low > 0 else 0.5 * (low + high)
 
 
 class StepRows(NamedTuple):
@@ -192,7 +227,8 @@ class StepRows(NamedTuple):
     spread: torch.Tensor
 
 
-def _rows(logits: Logits, eta: float) -> StepRows:
+def step_rows(logits: Logits, eta: float) -> StepRows:
+    """The rows' state at step η (`StepRows`): one pass over the [n, V] logits."""
     z0, z1, target0, target1 = logits
     lse, m1, m2 = _moments(z0, z1, eta)
     return StepRows(eta, (target0 + eta * target1 - lse).double(), (target1 - m1).double(), (m2 - m1 * m1).double())
@@ -258,103 +294,6 @@ def tune_mixture(logits: Logits, step: float | None = None) -> tuple[float, floa
     if lam <= 0.0 or not significant(log_base, log_memory(eta), lam):
         return 0.0, 0.0, trace
     return eta, lam, trace
-
-
-# A held-out document takes part in the diagnosis of a tuned step (`diagnose`) when at least PART_MIN_POSITIONS of its
-# positions are in the tuning sample; its own step is "much larger" beyond PART_STEP_RATIO times the chosen one.
-PART_MIN_POSITIONS = MIN_HELD_OUT
-PART_STEP_RATIO = 4.0
-
-
-class MemoryOffWarning(UserWarning):
-    """A solve left the residual output memory off (step or weight 0) although it had text to tune on, or at a step
-    much smaller than some of its texts would get alone: the reason is in the message and in last_tuning."""
-
-
-def diagnose(
-    logits: Logits,
-    documents: torch.Tensor,
-    eta: float,
-    lam: float,
-    candidate: float,
-    rows: StepRows | None = None,
-    log_base: torch.Tensor | None = None,
-) -> dict:
-    """Why a tuned (η, λ) is what it is, from the held-out logits (`Logits`, m rows) and each row's document [m]:
-
-    - off: η or λ is 0; held_out_gain / held_out_gain_se: the mean gain in log-likelihood per held-out position,
-      and its standard error, at (η, λ) or, when off, at `candidate` (the best step the search found);
-    - parts: for every document with PART_MIN_POSITIONS or more rows, the step it alone would take, estimated by
-      one Newton step on its rows' mean NLL from η (their gradient and curvature in η at weight λ), and, where that
-      step is over PART_STEP_RATIO times η, whether its rows gain there significantly over η (`confirmed`: one pass
-      over those rows; None where not checked);
-    - warning: a message when the memory is off, or when a confirmed part's step is over PART_STEP_RATIO times η
-      (else None).
-
-    rows, log_base: what `tune_step_rows` and `base_log_targets` computed (rows at η or at `candidate`), reused.
-    """
-    if log_base is None:
-        log_base = base_log_targets(logits)
-    off = eta <= 0.0 or lam <= 0.0
-    at = candidate if off else eta
-    if rows is None or rows.eta != at:
-        rows = _rows(logits, at)
-    gain = log_mixture(log_base, rows.log_memory, lam) - log_base if at > 0 else log_base * 0
-    mean, se = float(gain.mean()), float(gain.std()) / math.sqrt(max(gain.numel(), 1))
-    if rows.eta != eta:  # the parts' derivatives are taken where the memory is: at η
-        rows = _rows(logits, eta)
-    log_mix = log_mixture(log_base, rows.log_memory, lam)
-    share = (rows.log_memory - log_mix).exp() * lam
-    gap, spread = rows.gap, rows.spread
-    grad, curv = -share * gap, share * spread + (share * share - share) * gap * gap
-    parts = []
-    ids, counts = torch.unique(documents, return_counts=True)
-    if ids.numel() > 1:
-        for doc, n in zip(ids.tolist(), counts.tolist(), strict=True):
-            if n < PART_MIN_POSITIONS:
-                continue
-            rows = documents == doc
-            g, c = float(grad[rows].mean()), float(curv[rows].mean())
-            if c > 0:
-                step = min(MAX_STEP, max(0.0, eta - g / c))
-            else:  # not convex here: only the direction is known
-                step = MAX_STEP if g < 0 else 0.0
-            # A step far from η is a one-step extrapolation: it counts only if the part's rows really gain there,
-            # significantly, over what they read at η (one pass over those rows alone).
-            confirmed = None
-            if step > PART_STEP_RATIO * eta:
-                part_logits = tuple(v[rows] for v in logits)
-                there = log_mixture(log_base[rows], log_targets(*part_logits, step), lam)
-                better = there - log_mix[rows]
-                confirmed = float(better.mean()) > MIN_GAIN_SE * float(better.std()) / math.sqrt(n)
-            parts.append({"document": doc, "positions": n, "step": step, "confirmed": confirmed})
-    n, docs = int(documents.numel()), int(ids.numel())
-    warning = None
-    if off:
-        found = ("the loss rose with any step" if at <= 0 else
-                 f"best step {at:.3g}: mean gain {mean:+.4f} ± {se:.4f} nats per position, needs over "
-                 f"{MIN_GAIN_SE:g} standard errors")  # fmt: skip
-        wanting = [p for p in parts if p["step"] > 0 and p["confirmed"]]
-        alone = ""
-        if wanting:
-            top = max(wanting, key=lambda p: p["step"])
-            alone = (f" {len(wanting)} of its {len(parts)} largest held-out texts would take a step alone (document "
-                     f"{top['document']}: about {top['step']:.3g}): learn them into a memory of their own "
-                     f"(learn(memory=...)).")  # fmt: skip
-        warning = (f"faast: the residual output memory is off: no step raised the likelihood of its held-out text "
-                   f"significantly ({n} positions from {docs} document(s); {found}), so the model reads as the base "
-                   f"model.{alone} Learn more text like what it will read, or set ResidualOutput(step=...) to force "
-                   f"a step.")  # fmt: skip
-    else:
-        larger = [p for p in parts if p["step"] > PART_STEP_RATIO * eta and p["confirmed"]]
-        if larger:
-            top = max(larger, key=lambda p: p["step"])
-            warning = (f"faast: the residual output memory's step {eta:.3g} is much smaller than {len(larger)} of "
-                       f"its {len(parts)} largest held-out texts would take alone (document {top['document']}: "
-                       f"about {top['step']:.3g}): its texts disagree on how far to step, and the step serves them "
-                       f"all. Learn them into separate memories (learn(memory=...)) to give each its "
-                       f"own.")  # fmt: skip
-    return {"off": off, "held_out_gain": mean, "held_out_gain_se": se, "parts": parts, "warning": warning}
 
 
 def tail_plan(

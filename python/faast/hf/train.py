@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .model import FaastModel
-from .output_tuning import MemoryOffWarning
+from .output_diagnosis import MemoryOffWarning
 
 _log = logging.getLogger("faast.hf.train")
 
