@@ -34,7 +34,7 @@ MIN_FIT_TOKENS = 256
 FIT_PER_KEY_DIM = 4
 # The step's search first runs on every SEARCH_SAMPLE_STRIDE-th held-out row when there are at least
 # SEARCH_SAMPLE_MIN_ROWS, and its best point starts the search on all rows: on SmolLM2's held-out logits (2,048 rows ×
-# 49,152) the whole search then read the [n, V] logits about 4 times instead of 8–9 (docs/design.md §6.3).
+# 49,152) the whole search then read the [n, V] logits 3–4.25 times instead of 7–8 (docs/design.md §6.3).
 SEARCH_SAMPLE_STRIDE = 4
 SEARCH_SAMPLE_MIN_ROWS = 1024
 # With ResidualOutput.tune_tokens above TUNE_SAMPLE, the held-out NLL is evaluated on TUNE_SAMPLE positions spread
