@@ -169,7 +169,7 @@ def _search(
 
     Each pass gives the NLL and its first two derivatives in η. The derivative's sign brackets the minimum. A Newton
     step that leaves the bracket (the mixture's curvature in η can be tiny, even negative, far from the minimum: from
-    η = 0 its step overshot to the top of the range and then halved its way down, 8–9 passes on SmolLM2's held-out
+    η = 0 its step overshot to the top of the range and then halved its way down, 7–8 passes on SmolLM2's held-out
     logits) is replaced by the step of the Gauss-Newton part of the curvature (λ·p_y/mixture · Var_p(z1), never
     below the full curvature, so a shorter step), else by bisection: geometric once the bracket's low end is above
     0 (the step's scale is unknown). In logit space (λ = 1) both curvatures are Var_p(z1)."""
