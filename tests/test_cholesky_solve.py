@@ -1,6 +1,7 @@
-"""A fixed ridge μ > 0 solved by a batched Cholesky factorisation of S + μI (faast.ops.solve.solve_fixed_ridge),
-against the eigendecomposition path it replaces (solve_from_eigh on torch.linalg.eigh, float64) and the normal
-equations; its fallback to that path; and SolveInfo.method."""
+"""A fixed ridge μ > 0 solved by a batched Cholesky factorisation of S + μI (faast.ops.solve.solve_fixed_ridge), and a
+truncation proven to cut nothing solved as S⁻¹T (solve_uncut), against the eigendecomposition path they replace
+(solve_from_eigh on torch.linalg.eigh, float64) and the normal equations; their fallback to that path; and
+SolveInfo.method."""
 
 from __future__ import annotations
 
@@ -111,9 +112,10 @@ def test_solve_fixed_ridge_reports_failure_as_none():
 @pytest.mark.parametrize(
     ("options", "method"),
     [
-        ({}, "eigh"),
-        ({"alpha": 0.5}, "eigh"),
-        ({"rtol": 1e-3}, "eigh"),
+        ({}, "cholesky"),  # 60 random rows of 7 keys: nothing near the cut N^-2 (solve_uncut)
+        ({"rtol": 1e-3}, "cholesky"),
+        ({"alpha": 0.0}, "eigh"),  # eps = 1 cuts every direction
+        ({"rtol": 0.9}, "eigh"),
         ({"ridge": 0.0}, "eigh"),  # μ = 0 is the pseudo-inverse: it needs the spectrum's noise floor
         ({"ridge": 0}, "eigh"),
         ({"ridge": "auto"}, "eigh"),
@@ -196,3 +198,100 @@ def test_fast_weights_with_a_fixed_ridge_solve_by_cholesky_and_match_the_eigh_pa
     fast.ridge = "auto"
     _, auto = fast.solve(return_info=True)
     assert auto.method == "eigh"
+
+
+def _spectrum(batch: int, d: int, smallest: list[float], seed: int = 4) -> torch.Tensor:
+    """S [batch, d, d] with eigenvalues logspace(-1, 2) except the smallest, set to smallest[i]·λmax per element."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(batch, d, d, generator=g, dtype=torch.float64))
+    lam = torch.logspace(-1, 2, d, dtype=torch.float64).expand(batch, d).clone()
+    lam[:, 0] = torch.tensor(smallest, dtype=torch.float64) * lam[:, -1]
+    return (q * lam.unsqueeze(-2)) @ q.mT
+
+
+def _eigh_truncation(gram, cross, count, alpha=1.0, rtol=None):  # noqa: ANN001, ANN202
+    """The reference: the truncation branch of solve_from_eigh on torch.linalg.eigh."""
+    dk, dv = gram.shape[-1], cross.shape[-1]
+    lam, vecs = torch.linalg.eigh(gram.reshape(-1, dk, dk))
+    counts = torch.full((lam.shape[0],), float(count), dtype=torch.float64)
+    weights, info = solve.solve_from_eigh(
+        lam, vecs, cross.reshape(-1, dk, dv), counts, alpha=alpha, rtol=rtol, ridge=None, target_sqnorm=None
+    )
+    return weights.reshape(cross.shape), info
+
+
+@pytest.mark.parametrize(("batch", "dk", "dv"), [((), 16, 16), ((4,), 13, 5), ((2, 3), 9, 20)])
+@pytest.mark.parametrize(("alpha", "rtol"), [(1.0, None), (0.5, None), (1.0, 1e-4)])
+def test_a_truncation_that_cuts_nothing_is_a_cholesky_solve_equal_to_the_eigh_path(batch, dk, dv, alpha, rtol):
+    gram, cross = _statistics(batch, 500, dk, dv)
+    weights, info = ops.solve_fast_weights_ex(gram, cross, count=500, alpha=alpha, rtol=rtol)
+    reference, reference_info = _eigh_truncation(gram, cross, 500, alpha, rtol)
+    assert info.method == "cholesky" and reference_info.method == "eigh"
+    assert bool((reference_info.rank == dk).all())  # the spectrum keeps every direction too
+    assert weights.shape == (*batch, dk, dv) and weights.dtype == torch.float64
+    assert_close(weights, reference, torch.float64)
+    assert_close(weights, torch.linalg.solve(gram, cross), torch.float64)
+    assert bool((info.rank == dk).all()) and info.rank.shape == batch and info.ridge is None and info.gcv is None
+    assert_close(info.rtol, reference_info.rtol.reshape(batch), torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("smallest", "kept"),
+    [
+        ([1e-2, 1e-12], [8, 7]),  # element 1 has a direction below the cut N^-2 = 1e-8: the spectrum drops it
+        ([1e-2, 2e-8], [8, 8]),  # above the cut, within the margin: not proven, so the spectrum decides (keeps it)
+    ],
+)
+def test_a_truncation_near_or_below_the_cut_is_decided_by_the_spectrum_for_the_whole_call(smallest, kept):
+    gram = _spectrum(2, 8, smallest)
+    cross = torch.randn(2, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    weights, info = ops.solve_fast_weights_ex(gram, cross, count=1e4, alpha=1.0)
+    reference, reference_info = _eigh_truncation(gram, cross, 1e4)
+    assert info.method == "eigh" and info.rank.tolist() == reference_info.rank.tolist() == kept
+    assert torch.equal(weights, reference)
+    counts = torch.full((2,), 1e4, dtype=torch.float64)
+    assert solve.solve_uncut(gram, cross, counts, 1.0, None) is None
+    assert solve.solve_uncut(gram[:1], cross[:1], counts[:1], 1.0, None) is not None  # the well-conditioned one
+
+
+def test_an_empty_memory_is_never_solved_by_the_uncut_path():
+    gram, cross = _statistics((3,), 40, 5, 2)
+    gram[2], cross[2] = 0, 0
+    counts = torch.tensor([40.0, 0.0, 40.0], dtype=torch.float64)
+    weights, info = ops.solve_fast_weights_ex(gram, cross, count=counts)
+    assert info.method == "eigh" and info.rank.tolist() == [5, 0, 0]
+    assert torch.equal(weights[1:], torch.zeros_like(weights[1:]))
+
+
+def test_the_uncut_path_reads_the_lower_triangle_and_passes_the_gradient_through_cross_only():
+    gram, cross = _statistics((2,), 100, 8, 3)
+    garbage = gram + torch.randn(2, 8, 8, dtype=torch.float64).triu(1)
+    cross.requires_grad_(True)
+    weights, info = ops.solve_fast_weights_ex(garbage.requires_grad_(True), cross, count=100)
+    assert info.method == "cholesky"
+    assert_close(weights.detach(), torch.linalg.solve(gram, cross.detach()), torch.float64)
+    probe = torch.randn(2, 8, 3, dtype=torch.float64)
+    grad_gram, grad_cross = torch.autograd.grad((weights * probe).sum(), [garbage, cross], allow_unused=True)
+    assert grad_gram is None
+    assert_close(grad_cross, torch.linalg.solve(gram, probe), torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("setting", "method"),
+    [
+        (None, "cholesky"),
+        ("auto", "cholesky"),
+        ("torch", "eigh"),
+        ("eigh=torch", "eigh"),
+        ("accumulate_gram=torch", "cholesky"),
+    ],
+)
+def test_an_eigensolver_named_in_faast_backend_is_used_for_a_cut_that_cuts_nothing(setting, method, monkeypatch):
+    if setting is None:
+        monkeypatch.delenv("FAAST_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("FAAST_BACKEND", setting)
+    gram, cross = _statistics((2,), 200, 6, 3)
+    weights, info = ops.solve_fast_weights_ex(gram, cross, count=200)
+    assert info.method == method
+    assert_close(weights, _eigh_truncation(gram, cross, 200)[0], torch.float64)

@@ -25,6 +25,13 @@ def head_logits(head: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | No
     return logits if bias is None else logits + bias.float()
 
 
+def change_logits(head: nn.Module, change: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The change [n, V] float32 of the head's logits for a change [n, d] of its input: change·Hᵀ, without the head's
+    bias (it cancels). out: a [n, V] float32 tensor to write it into (rows of a larger buffer: two calls on
+    complementary rows fill one)."""
+    return torch.matmul(change.float(), head.weight.float().T, out=out)
+
+
 def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
     """The dtype of the head products learning takes for keys [.., d] under ResidualOutput.head_dtype `setting`:
     'auto' is bfloat16 on a CUDA device or CPU that multiplies it natively and float32 otherwise, and float32 for

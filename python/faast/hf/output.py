@@ -47,7 +47,7 @@ from ..accumulator import Accumulator
 from ..memory import FastWeights
 from . import output_tuning as tuning
 from .config import FaastConfig, ResidualOutput
-from .head import READ_CHUNK, head_gradients, head_logits, products_dtype
+from .head import READ_CHUNK, change_logits, head_gradients, head_logits, products_dtype
 from .mixture import read_blocks
 from .output_diagnosis import MemoryOffWarning, diagnose
 from .output_tuning import HeldOutTail, Logits
@@ -333,18 +333,30 @@ class ResidualOutputLayer(nn.Module):
         count = torch.tensor(float(held + gap), dtype=torch.float64, device=out_k.device)
         return keys, ys, docs, (k32.T @ k32).double(), (k32.T @ out_v.float()).double(), count, held, gap
 
-    def tail_logits(self, keys: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, base: tuple | None = None) -> Logits:
-        """(z0, z1 [n, V] float32: the logits of the keys' h̃ and their change per unit step, keys·w through the head
-        without its bias; their entries at the targets ys [n]). base: (z0, its entries) of an earlier call on the
-        same keys, reused."""
+    def tail_logits(
+        self,
+        keys: torch.Tensor,
+        ys: torch.Tensor,
+        w: torch.Tensor,
+        base: tuple | None = None,
+        rows: slice = slice(None),
+        out: torch.Tensor | None = None,
+    ) -> Logits:
+        """(z0, z1 [m, V] float32: the logits of the keys' h̃ and their change per unit step, keys·w through the head
+        without its bias; their entries at the targets ys [n]) for the keys [n, d_key] at `rows` (default all m = n).
+        base: (z0 [n, V], its entries [n]) of an earlier call on the same keys (`tail_base`), reused. out: a [n, V]
+        float32 buffer z1 is written into at `rows` (two calls on complementary rows fill one)."""
         if base is None:
-            z0 = head_logits(self.head, keys[:, : self.hidden_size])
-            base = (z0, z0.gather(-1, ys[:, None]).squeeze(-1))
-        z1 = head_logits(self.head, keys @ w.float())
-        bias = getattr(self.head, "bias", None)
-        if bias is not None:
-            z1 -= bias.float()
-        return base[0], z1, base[1], z1.gather(-1, ys[:, None]).squeeze(-1)
+            base = self.tail_base(keys, ys)
+        if out is None:
+            out = torch.empty((keys.shape[0], base[0].shape[-1]), dtype=torch.float32, device=keys.device)
+        z1 = change_logits(self.head, keys[rows] @ w.float(), out=out[rows])
+        return base[0][rows], z1, base[1][rows], z1.gather(-1, ys[rows, None]).squeeze(-1)
+
+    def tail_base(self, keys: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z0 [n, V] float32, its entries at the targets ys [n]): the base logits of the keys' h̃ [n, d_key]."""
+        z0 = head_logits(self.head, keys[:, : self.hidden_size])
+        return z0, z0.gather(-1, ys[:, None]).squeeze(-1)
 
     def _min_fit(self) -> int:
         """Fewest positions the step's tuning fit may have: MIN_FIT_TOKENS, and FIT_PER_KEY_DIM per key dimension."""
@@ -395,31 +407,35 @@ class ResidualOutputLayer(nn.Module):
         memory = self.memory
         dt = memory.gram.dtype
         fitted = int(memory.count) - held - gap
-        results, base, log_base, widths = {}, None, None, self._widths(fitted)
+        widths = self._widths(fitted)
+        # With two widths and many held-out rows, the width is chosen on a sample (its rows first), and only the chosen
+        # width's change is formed for the rest: the [n, V] head products are most of the solve's time.
+        sampled = keys.shape[0]
+        if len(widths) > 1 and keys.shape[0] >= tuning.WIDTH_SAMPLE_MIN_ROWS:
+            order, sampled = tuning.sample_first(keys.shape[0], keys.device)
+            keys, ys, docs = keys[order], ys[order], docs[order]
+        base = self.tail_base(keys, ys)  # the base logits are the same for every width
+        log_base = tuning.base_log_targets((base[0], None, base[1], None))
+        head, results = slice(0, sampled), {}
         for width in widths:
             # Fitted without the held-out positions: their statistics subtract exactly. The curvature keeps them: it
             # depends on the model's predictions only, not on the tokens that followed.
             w = self.newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
                              curvature, width)  # fmt: skip
-            logits = self.tail_logits(keys, ys, w, base)
-            base = (logits[0], logits[2])  # the base logits are the same for every width
-            if log_base is None:
-                log_base = tuning.base_log_targets(logits)
-            rows = None
-            if fixed_weight is None:  # 'auto': η and λ together
-                eta, lam, trace = tuning.tune_mixture(logits, fixed_step)
-                best = tuning.held_out_nll(logits, eta, lam) if len(widths) > 1 else 0.0
-            else:
-                start = max((r[1] for r in results.values()), default=0.0)  # the narrower keys' step
-                eta, trace, rows = tuning.tune_step_rows(logits, fixed_weight, log_base, start)
-                lam = fixed_weight
-                # The held-out NLL of what this width would read (the width's choice), from the search's own rows.
-                best = float(-log_base.mean()) if eta <= 0 else float(-tuning.log_mixture(log_base, rows.log_memory,
-                                                                                            lam).mean())  # fmt: skip
-            results[width] = (best, eta, lam, trace, logits, rows)
+            out = torch.empty_like(base[0])  # z1 [n, V]: the sample's rows now, the rest if this width is chosen
+            logits = self.tail_logits(keys, ys, w, base, head, out)
+            start = max((r[1] for r in results.values()), default=0.0)  # the narrower keys' step
+            tuned = tuning.tune_width(logits, log_base[head], fixed_step, fixed_weight, start, len(widths) > 1)
+            results[width] = (*tuned, logits, w, out)
         # The narrower keys win ties: a wider W fitted on the same text is the noisier one.
         width = min(results, key=lambda k: (results[k][0], k))
-        _, eta, lam, trace, logits, rows = results[width]
+        _, eta, lam, trace, rows, logits, w, out = results[width]
+        if sampled < keys.shape[0]:  # the chosen width on every held-out row, from the sample's step
+            rest = self.tail_logits(keys, ys, w, base, slice(sampled, None), out)
+            logits = (base[0], out, base[1], torch.cat([logits[3], rest[3]]))
+            start = min(trace, key=lambda t: t[-1])[0]  # the sample's best step, before its significance test
+            tuned = tuning.tune_width(logits, log_base, fixed_step, fixed_weight, start, compare=False, sampled=True)
+            _, eta, lam, trace, rows = tuned
         check_weight = lam if lam > 0 else (fixed_weight if fixed_weight is not None else self.default_weight)
         candidate = min(trace, key=lambda t: t[-1])[0]  # the search's best step, before the significance test
         diagnosis = diagnose(logits, docs, eta, check_weight, candidate, rows, log_base)
@@ -427,7 +443,7 @@ class ResidualOutputLayer(nn.Module):
                             "held_out_documents": self.held_out.documents(int(memory.count), self._min_fit()),
                             "document_gap_tokens": gap, "fitted_tokens": fitted, "key_width": width,
                             "held_out_nll": trace, **diagnosis,
-                            "by_key_width": {k: {"held_out_nll": v[0], "step": v[1], "weight": v[2]}
+                            "by_key_width": {k: {"held_out_nll": v[0], "step": v[1], "weight": v[2], "rows": sampled}
                                              for k, v in results.items() if len(results) > 1}}  # fmt: skip
         if diagnosis["warning"] is not None:
             warnings.warn(diagnosis["warning"], MemoryOffWarning, stacklevel=2)

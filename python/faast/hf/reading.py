@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import output_tuning as tuning
-from .head import head_logits
+from .head import change_logits, head_logits
 from .memory_store import DEFAULT, check_name
 from .output import ResidualOutputLayer
 
@@ -173,10 +173,7 @@ class _Reading:
         logits, nll = None, -log_base
         if self.w is not None:
             keys = layer.keys(hidden, extra)[0, :-1, : self.width]
-            z1 = head_logits(layer.head, keys @ self.w[: self.width].to(keys.dtype))
-            bias = getattr(layer.head, "bias", None)
-            if bias is not None:
-                z1 -= bias.float()
+            z1 = change_logits(layer.head, keys @ self.w[: self.width].to(keys.dtype))
             logits = (z0, z1, target0, z1.gather(-1, ys[:, None]).squeeze(-1))
             if self.eta > 0 and self.lam > 0:
                 log_memory = tuning.log_targets(*logits, self.eta)

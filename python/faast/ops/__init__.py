@@ -32,7 +32,7 @@ from ._validate import (
     check_solve_options,
     explain_nonfinite,
 )
-from .solve import SolveInfo, solve_fixed_ridge, solve_from_eigh
+from .solve import SolveInfo, solve_fixed_ridge, solve_from_eigh, solve_uncut
 
 __all__ = [
     "BACKEND_ENV_VAR",
@@ -319,8 +319,10 @@ def solve_fast_weights_ex(
 
     A fixed ridge μ > 0 is solved without a spectrum, by one batched float64 Cholesky solve of S + μI (SolveInfo.method
     'cholesky'; solve.solve_fixed_ridge says how its rank and rtol read); when S + μI is not numerically positive
-    definite for some element, the whole call takes the eigendecomposition path instead, logged once. Every other
-    filter (alpha, rtol, ridge=0, ridge='auto') needs the spectrum: method 'eigh'.
+    definite for some element, the whole call takes the eigendecomposition path instead, logged once. A truncation
+    (alpha a number, or rtol) proven to cut nothing in every element is S⁻¹T, also by Cholesky (solve.solve_uncut:
+    two factorisations, one of them the proof) unless FAAST_BACKEND names a backend for eigh; otherwise, and for
+    ridge=0, ridge='auto' and alpha='auto', the spectrum decides: method 'eigh'.
     """
     _validate.require_tensor("gram", gram, dtypes=_validate.ACCUMULATOR_DTYPES)
     _validate.require_ndim("gram", gram, 2, "[*, dim_key, dim_key]")
@@ -348,6 +350,9 @@ def solve_fast_weights_ex(
     solved = None
     if ridge is not None and ridge != "auto" and ridge > 0:
         solved = solve_fixed_ridge(gram.detach().reshape(-1, dk, dk), flat_cross, counts, float(ridge))
+    elif ridge is None and alpha != "auto" and _dispatch.requested_backend("eigh") == "auto":
+        # An eigensolver named in FAAST_BACKEND is a request for the spectrum (to use or measure it): honoured.
+        solved = solve_uncut(gram.detach().reshape(-1, dk, dk), flat_cross, counts, float(alpha), rtol)
     if solved is None:
         lam, vecs = eigh_gram(gram.detach())
         lam, vecs = lam.reshape(-1, dk), vecs.reshape(-1, dk, dk)

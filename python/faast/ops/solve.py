@@ -28,6 +28,10 @@ _logged: set[str] = set()
 
 # Eigenvalues at or below d·2^-52·λmax are rounding noise of a float64 eigensolver: never invert them.
 MACHINE_FLOOR = 2.0**-52
+# A truncated solve that would cut nothing is S⁻¹T, taken by Cholesky once a factorisation of S − c·I succeeds with
+# c = CERTIFY_MARGIN·cut·trace(S): every eigenvalue then lies above the cut (trace(S) >= λmax) with room for the
+# factorisation's own rounding (about d·2^-52·λmax, at most the floor of the cut).
+CERTIFY_MARGIN = 4.0
 # GCV ridge search: a log grid over μ/λmax, then two zoom rounds around the best point.
 _RIDGE_GRID = torch.linspace(-12.0, 2.0, 141, dtype=torch.float64)
 _RIDGE_ZOOM_POINTS = 41
@@ -37,16 +41,17 @@ _RIDGE_ZOOM_ROUNDS = 2
 class SolveInfo(NamedTuple):
     """What a solve kept. Every tensor field has the batch shape of the solve.
 
-    rank:   int64, eigen-directions used (for ridge: those above the float64 noise floor). The Cholesky path
-            (method 'cholesky') inverts S + μI on every direction: d, and 0 for an empty memory (count 0 or S = 0).
+    rank:   int64, eigen-directions used (for ridge: those above the float64 noise floor). The Cholesky paths
+            (method 'cholesky') invert on every direction: d, and for a fixed ridge 0 for an empty memory (count 0
+            or S = 0).
     rtol:   float64, relative singular-value cut: directions with σ > rtol·σmax are kept. For alpha='auto' it is
             σ_(k+1)/σmax of the first dropped direction; for ridge, the noise floor sqrt(d·2^-52); 0 on the
-            Cholesky path, which cuts nothing.
+            fixed ridge's Cholesky path, which cuts nothing; the cut itself on the uncut truncation's.
     ridge:  float64 penalty μ in units of S (W = (S + μI)^+ T), or None for a truncated solve.
     gcv:    float64 GCV score of the returned solution, or None when it was not computed (it is computed only when
             alpha='auto' or ridge='auto' chose by it; never for a fixed ridge, on either path).
-    method: 'eigh' (from an eigendecomposition of S) or 'cholesky' (fixed ridge μ > 0: a Cholesky solve of S + μI,
-            no spectrum; solve_fixed_ridge).
+    method: 'eigh' (from an eigendecomposition of S) or 'cholesky' (no spectrum: a fixed ridge μ > 0, a Cholesky
+            solve of S + μI, solve_fixed_ridge; or a truncation proven to cut nothing, S⁻¹T, solve_uncut).
     """
 
     rank: torch.Tensor
@@ -249,4 +254,40 @@ def solve_fixed_ridge(
         gcv=None,
         method="cholesky",
     )
+    return weights, info_out
+
+
+def solve_uncut(
+    gram: torch.Tensor, cross: torch.Tensor, count: torch.Tensor, alpha: float, rtol: float | None
+) -> tuple[torch.Tensor, SolveInfo] | None:
+    """W = S⁻¹T [B, d, dv] float64 by a batched Cholesky solve, for a truncated solve (alpha a number, or rtol) that
+    keeps every direction of every batch element: then the truncated pseudo-inverse is the inverse, and no spectrum
+    is needed. gram S [B, d, d] (lower triangle read), cross T [B, d, dv], count [B] float64.
+
+    The truncation keeps λ_i > cut·λmax (cut = max(eps², d·2^-52), solve_from_eigh). A successful factorisation of
+    S − CERTIFY_MARGIN·cut·trace(S)·I proves λ_min above it, since trace(S) >= λmax for S positive semi-definite.
+    Returns None when that cannot be proven for some element (a direction at or near the cut, an empty memory, S
+    not positive definite): the caller takes the eigh path for the whole call, which decides direction by
+    direction. That is the usual case with few rows per key dimension, so it is not logged. Differentiable in T (S
+    is a constant, as on the eigh path). Both paths give Σ_i E_i E_i^T T / λ_i over every direction: they differ
+    by rounding, about κ(S)·2^-52 relative.
+    """
+    dim = gram.shape[-1]
+    system = gram.to(torch.float64).tril()
+    system += system.tril(-1).mT
+    trace = system.diagonal(dim1=-2, dim2=-1).sum(-1)
+    if not bool(((count > 0) & (trace > 0)).all()):
+        return None
+    cut = _truncation_cut(count, alpha, rtol, dim * MACHINE_FLOOR)
+    shift = CERTIFY_MARGIN * cut * trace
+    eye = torch.eye(dim, dtype=torch.float64, device=gram.device)
+    _, proof = torch.linalg.cholesky_ex(system - shift.view(-1, 1, 1) * eye)
+    if bool((proof > 0).any()):
+        return None
+    factor, info = torch.linalg.cholesky_ex(system)
+    if bool((info > 0).any()):  # cannot follow from the proof above except by rounding; decide by the spectrum
+        return None
+    weights = torch.cholesky_solve(cross.to(torch.float64), factor)
+    info_out = SolveInfo(rank=torch.full_like(count, dim, dtype=torch.int64), rtol=cut.sqrt(), ridge=None, gcv=None,
+                         method="cholesky")  # fmt: skip
     return weights, info_out

@@ -1,0 +1,88 @@
+"""The residual output layer's key width chosen on a sample of the held-out rows (faast.hf.output._choose_step with
+WIDTH_SAMPLE_MIN_ROWS rows or more): each width's recorded NLL against a float64 hand computation on the sampled
+rows, and the chosen width then tuned on every row exactly as a layer offered that width alone would tune it; and
+the blocked logsumexp the tuning reads its rows with."""
+
+import pytest
+import torch
+
+from faast.hf import FaastConfig, ResidualOutput, apply_faast
+from faast.hf import output as output_module
+from faast.hf import output_tuning as tuning
+from hf_models import tiny_model
+from test_hf_residual import fit_without, held_keys, newton, noisy_phrase, reference_statistics, tail_split
+from tolerances import HELD_OUT_NLL_REL, REORDER_REL, STEP_SEARCH_REL, assert_close, rel
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (63, 50), (64, 96), (130, 33)])
+@pytest.mark.parametrize("eta", [None, 0.0, 0.37])
+def test_row_logsumexp_equals_a_float64_reference_on_odd_shapes(shape, eta):
+    g = torch.Generator().manual_seed(shape[0])
+    z0, z1 = torch.randn(*shape, generator=g) * 4, torch.randn(*shape, generator=g)
+    got = tuning.row_logsumexp(z0) if eta is None else tuning.row_logsumexp(z0, z1, eta)
+    want = torch.logsumexp(z0.double() + (0.0 if eta is None else eta) * z1.double(), -1)
+    assert got.shape == (shape[0],) and got.dtype == torch.float32
+    assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("n", [1, 4, 5, 161])
+def test_sample_first_puts_every_stride_th_row_first_and_keeps_every_row_once(n):
+    order, m = tuning.sample_first(n, CPU)
+    stride = tuning.SEARCH_SAMPLE_STRIDE
+    assert m == len(range(0, n, stride))
+    assert order[:m].tolist() == list(range(0, n, stride))
+    assert sorted(order.tolist()) == list(range(n))
+
+
+@pytest.mark.parametrize("weight", ["auto", 0.5])
+def test_the_key_width_is_chosen_on_a_sample_and_the_chosen_width_is_then_tuned_on_every_row(weight, monkeypatch):
+    # noisy_phrase: 792 positions, 160 held out (all in the tuning sample), 312 fitted: enough for both widths (32,
+    # 64). With WIDTH_SAMPLE_MIN_ROWS at 64 the widths are compared on every 4th held-out row (40 rows).
+    monkeypatch.setattr(tuning, "WIDTH_SAMPLE_MIN_ROWS", 64)
+    x = noisy_phrase()
+    output = ResidualOutput(tune_tokens=4096, head_dtype="float32", weight=weight)
+    config = FaastConfig(output=output, learn_dtype="model")
+    model = apply_faast(tiny_model("llama"), config)
+    model.learn(x)
+    layer = model.output_memory_layer
+    m, _ = layer.solution(CPU, torch.float64)
+    tuning_info = layer.last_tuning
+    by_width = tuning_info["by_key_width"]
+    assert sorted(by_width) == [32, 64]
+    k, y, _, _, mu_gram, mass = reference_statistics(model, x, torch.ones_like(x, dtype=torch.bool))
+    held, out = tail_split([99] * 8, 4096)
+    assert tuning_info["held_out_tokens"] == held.numel() == 160
+    sampled = held[:: tuning.SEARCH_SAMPLE_STRIDE]
+    head = model.base_model.get_output_embeddings().weight.double()
+    s_fit, t_fit, n_fit = fit_without(k, y, head, out)
+    kh = held_keys(k, sampled)
+    for width, chosen in by_width.items():
+        assert chosen["rows"] == sampled.numel() == 40
+        w = newton(s_fit[:width, :width], t_fit[:width], n_fit, mu_gram, mass, head, damping=1.0,
+                   n_curvature=k.shape[0])  # fmt: skip
+        z0 = kh[:, :32] @ head.T
+        z = z0 + chosen["step"] * (kh[:, :width] @ w) @ head.T
+        lam = chosen["weight"]
+        mixture = (1 - lam) * torch.softmax(z0, -1) + lam * torch.softmax(z, -1)
+        nll = float(-mixture.gather(-1, y[sampled, None]).log().mean())
+        assert abs(nll - chosen["held_out_nll"]) < HELD_OUT_NLL_REL * nll, width
+    width = min(by_width, key=lambda v: (by_width[v]["held_out_nll"], v))
+    assert tuning_info["key_width"] == width == layer.chosen_key_width()
+    # The chosen width on all 160 rows: what a layer offered that width alone, with no sample, tunes.
+    monkeypatch.setattr(tuning, "WIDTH_SAMPLE_MIN_ROWS", 10**6)
+    monkeypatch.setattr(output_module.ResidualOutputLayer, "_widths", lambda self, fitted: [width])
+    alone = apply_faast(tiny_model("llama"), config)
+    alone.learn(x)
+    m_alone, _ = alone.output_memory_layer.solution(CPU, torch.float64)
+    want = alone.output_memory_layer.last_tuning
+    assert want["key_width"] == width and want["by_key_width"] == {}
+    if weight == "auto":  # a grid and golden section: the same points whatever the start
+        assert (tuning_info["step"], tuning_info["weight"]) == (want["step"], want["weight"])
+    else:
+        assert tuning_info["weight"] == want["weight"] == 0.5
+        assert abs(tuning_info["step"] - want["step"]) <= STEP_SEARCH_REL * want["step"]
+    assert tuning_info["held_out_gain"] == pytest.approx(want["held_out_gain"], rel=STEP_SEARCH_REL)
+    assert m is not None and m.shape == (width, 32)
+    assert rel(m / tuning_info["step"], m_alone / want["step"]) < REORDER_REL
