@@ -416,16 +416,16 @@ class ResidualOutputLayer(nn.Module):
             keys, ys, docs = keys[order], ys[order], docs[order]
         base = self.tail_base(keys, ys)  # the base logits are the same for every width
         log_base = tuning.base_log_targets((base[0], None, base[1], None))
-        head, results = slice(0, sampled), {}
+        sample_rows, results = slice(0, sampled), {}
         for width in widths:
             # Fitted without the held-out positions: their statistics subtract exactly. The curvature keeps them: it
             # depends on the model's predictions only, not on the tokens that followed.
             w = self.newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
                              curvature, width)  # fmt: skip
             out = torch.empty_like(base[0])  # z1 [n, V]: the sample's rows now, the rest if this width is chosen
-            logits = self.tail_logits(keys, ys, w, base, head, out)
+            logits = self.tail_logits(keys, ys, w, base, sample_rows, out)
             start = max((r[1] for r in results.values()), default=0.0)  # the narrower keys' step
-            tuned = tuning.tune_width(logits, log_base[head], fixed_step, fixed_weight, start, len(widths) > 1)
+            tuned = tuning.tune_width(logits, log_base[sample_rows], fixed_step, fixed_weight, start, len(widths) > 1)
             results[width] = (*tuned, logits, w, out)
         # The narrower keys win ties: a wider W fitted on the same text is the noisier one.
         width = min(results, key=lambda k: (results[k][0], k))

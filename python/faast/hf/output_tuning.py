@@ -178,8 +178,8 @@ def tune_step_rows(
         log_base = base_log_targets(logits)
     if logits[0].shape[0] >= SEARCH_SAMPLE_MIN_ROWS and not sampled:
         pick = slice(None, None, SEARCH_SAMPLE_STRIDE)
-        _, sampled, _ = _search(tuple(part[pick] for part in logits), weight, log_base[pick], start)
-        start = min(sampled, key=lambda point: point[1])[0]
+        _, sample_trace, _ = _search(tuple(part[pick] for part in logits), weight, log_base[pick], start)
+        start = min(sample_trace, key=lambda point: point[1])[0]
     eta, trace, rows = _search(logits, weight, log_base, start)
     if weight < 1.0 and eta > 0.0 and not significant(log_base, rows.log_memory, weight):
         eta = 0.0

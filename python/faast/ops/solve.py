@@ -212,6 +212,14 @@ def solve_from_eigh(
     return weights, info
 
 
+def _lower_symmetric(gram: torch.Tensor) -> torch.Tensor:
+    """A float64 copy of S [B, d, d] built from its lower triangle alone, as the eigh path reads it; the Cholesky
+    solves never see the caller's tensor."""
+    system = gram.to(torch.float64).tril()
+    system += system.tril(-1).mT
+    return system
+
+
 def solve_fixed_ridge(
     gram: torch.Tensor, cross: torch.Tensor, count: torch.Tensor, ridge: float
 ) -> tuple[torch.Tensor, SolveInfo] | None:
@@ -229,9 +237,7 @@ def solve_fixed_ridge(
     differ by about 2^-52·λmax/μ relative, and by rounding alone (~1e-15) when S has no such directions.
     """
     dim = gram.shape[-1]
-    # Only the lower triangle is read, as on the eigh path; the solve itself never sees the caller's tensor.
-    system = gram.to(torch.float64).tril()
-    system += system.tril(-1).mT
+    system = _lower_symmetric(gram)
     system.diagonal(dim1=-2, dim2=-1).add_(ridge)
     factor, info = torch.linalg.cholesky_ex(system)
     # For a symmetric positive semi-definite S, a positive diagonal entry is equivalent to λmax > 0.
@@ -273,8 +279,7 @@ def solve_uncut(
     by rounding, about κ(S)·2^-52 relative.
     """
     dim = gram.shape[-1]
-    system = gram.to(torch.float64).tril()
-    system += system.tril(-1).mT
+    system = _lower_symmetric(gram)
     trace = system.diagonal(dim1=-2, dim2=-1).sum(-1)
     if not bool(((count > 0) & (trace > 0)).all()):
         return None
