@@ -748,6 +748,20 @@ def test_probability_space_mixes_the_rows_the_model_keeps_and_leaves_an_empty_me
     assert not torch.allclose(full.log_softmax(-1), base.log_softmax(-1), atol=1e-3)
 
 
+def width_nll(k, y, rows, out, fisher, head, width, chosen):
+    """Float64 hand computation of the held-out NLL at `rows` of the correction fitted on the first `width` key
+    columns without the `out` positions, read at chosen["step"] and chosen["weight"]; keys h̃ are the first 32
+    columns of k. fisher: (Σ μμᵀ, Σ p) over all positions."""
+    s_fit, t_fit, n_fit = fit_without(k, y, head, out)
+    w = newton(s_fit[:width, :width], t_fit[:width], n_fit, *fisher, head, damping=1.0, n_curvature=k.shape[0])
+    kh = held_keys(k, rows)
+    z0 = kh[:, :32] @ head.T
+    z = z0 + chosen["step"] * (kh[:, :width] @ w) @ head.T
+    lam = chosen["weight"]
+    mixture = (1 - lam) * torch.softmax(z0, -1) + lam * torch.softmax(z, -1)
+    return float(-mixture.gather(-1, y[rows, None]).log().mean())
+
+
 def noisy_phrase():
     """8 rows of 100 tokens: a repeated phrase with a fifth of its tokens replaced at random."""
     x, noise = ids(batch=8, seq=100, period=23), ids(batch=8, seq=100, seed=7)
@@ -773,16 +787,8 @@ def test_the_key_width_is_the_one_whose_tuned_correction_predicts_the_held_out_t
     held, out = tail_split([99] * 8, 4096)
     assert tuning["held_out_tokens"] == held.numel() and tuning["fitted_tokens"] == k.shape[0] - out.numel()
     head = model.base_model.get_output_embeddings().weight.double()
-    s_fit, t_fit, n_fit = fit_without(k, y, head, out)
-    kh = held_keys(k, held)
     for width, chosen in by_width.items():
-        w = newton(s_fit[:width, :width], t_fit[:width], n_fit, mu_gram, mass, head, damping=1.0,
-                   n_curvature=k.shape[0])  # fmt: skip
-        z0 = kh[:, :32] @ head.T
-        z = z0 + chosen["step"] * (kh[:, :width] @ w) @ head.T
-        lam = chosen["weight"]
-        mixture = (1 - lam) * torch.softmax(z0, -1) + lam * torch.softmax(z, -1)
-        nll = float(-mixture.gather(-1, y[held, None]).log().mean())
+        nll = width_nll(k, y, held, out, (mu_gram, mass), head, width, chosen)
         assert abs(nll - chosen["held_out_nll"]) < HELD_OUT_NLL_REL * nll, width
     width = min(by_width, key=lambda v: (by_width[v]["held_out_nll"], v))
     assert tuning["key_width"] == width == layer.chosen_key_width()

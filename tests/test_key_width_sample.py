@@ -10,7 +10,7 @@ from faast.hf import FaastConfig, ResidualOutput, apply_faast
 from faast.hf import output as output_module
 from faast.hf import output_tuning as tuning
 from hf_models import tiny_model
-from test_hf_residual import fit_without, held_keys, newton, noisy_phrase, reference_statistics, tail_split
+from test_hf_residual import noisy_phrase, reference_statistics, tail_split, width_nll
 from tolerances import HELD_OUT_NLL_REL, REORDER_REL, STEP_SEARCH_REL, assert_close, rel
 
 CPU = torch.device("cpu")
@@ -56,17 +56,9 @@ def test_the_key_width_is_chosen_on_a_sample_and_the_chosen_width_is_then_tuned_
     assert tuning_info["held_out_tokens"] == held.numel() == 160
     sampled = held[:: tuning.SEARCH_SAMPLE_STRIDE]
     head = model.base_model.get_output_embeddings().weight.double()
-    s_fit, t_fit, n_fit = fit_without(k, y, head, out)
-    kh = held_keys(k, sampled)
     for width, chosen in by_width.items():
         assert chosen["rows"] == sampled.numel() == 40
-        w = newton(s_fit[:width, :width], t_fit[:width], n_fit, mu_gram, mass, head, damping=1.0,
-                   n_curvature=k.shape[0])  # fmt: skip
-        z0 = kh[:, :32] @ head.T
-        z = z0 + chosen["step"] * (kh[:, :width] @ w) @ head.T
-        lam = chosen["weight"]
-        mixture = (1 - lam) * torch.softmax(z0, -1) + lam * torch.softmax(z, -1)
-        nll = float(-mixture.gather(-1, y[sampled, None]).log().mean())
+        nll = width_nll(k, y, sampled, out, (mu_gram, mass), head, width, chosen)
         assert abs(nll - chosen["held_out_nll"]) < HELD_OUT_NLL_REL * nll, width
     width = min(by_width, key=lambda v: (by_width[v]["held_out_nll"], v))
     assert tuning_info["key_width"] == width == layer.chosen_key_width()
