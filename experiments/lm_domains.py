@@ -568,17 +568,27 @@ def main(argv: list[str] | None = None) -> dict:
     path = args.results_dir / f"{args.out}.json"
     if args.resume and path.is_file():
         earlier = json.loads(path.read_text(encoding="utf-8"))
-        payload["domains"] = [d for d in earlier["domains"] if d["domain"] in args.domains]
-        payload["earlier_runs"] = [*earlier.get("earlier_runs", []), earlier.get("provenance", earlier.get("header"))]
+        earlier_record = earlier.get("provenance", earlier.get("header")) or {}
+        # A domain kept from an earlier run keeps that run's machine: times are comparable only within a domain.
+        payload["domains"] = [{"measured_by": measured_by(earlier_record), **d} for d in earlier["domains"]
+                              if d["domain"] in args.domains]  # fmt: skip
+        payload["earlier_runs"] = [*earlier.get("earlier_runs", []), earlier_record]
     done = {d["domain"] for d in payload["domains"]}
     for name in [n for n in args.domains if n not in done]:
-        payload["domains"].append(run_domain(name, base, tokenizer, DEFAULT_READOUT, layers, args))
+        result = run_domain(name, base, tokenizer, DEFAULT_READOUT, layers, args)
+        payload["domains"].append({**result, "measured_by": measured_by(record)})
         provenance.finish(record)
         write_json(path, payload)
     from lm_domains_report import write_report
 
     write_report(payload, args.results_dir / args.out)
     return payload
+
+
+def measured_by(record: dict) -> dict:
+    """Which run and machine measured a domain: a resumed run may continue on another CPU, and its times (not its
+    perplexities) then compare only within a domain."""
+    return {k: record.get(k) for k in ("date", "git_sha", "git_dirty", "cpu_model", "cpu_native_bf16")}
 
 
 def write_json(path: Path, payload: dict) -> None:

@@ -3,6 +3,7 @@ adaptation work judged against the same run's baselines."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from _common import table
@@ -210,6 +211,20 @@ def _averages_sections(payload: dict, mean: list[dict]) -> list[str]:
     return lines
 
 
+def _measured_line(domain: dict, payload: dict) -> list[str]:
+    """Names the run and CPU of a domain when the domains were not all measured by one run (a resumed run)."""
+    runs = {json.dumps(d.get("measured_by"), sort_keys=True) for d in payload["domains"]}
+    by = domain.get("measured_by")
+    if len(runs) < 2 or not by:
+        return []
+    bf16 = {True: "native bfloat16", False: "no native bfloat16"}.get(by.get("cpu_native_bf16"), "bfloat16 unknown")
+    return [
+        f"Measured by the run of {by.get('date')} at {str(by.get('git_sha'))[:7]} on {by.get('cpu_model')}"
+        f" ({bf16}); its times compare with this domain's rows only.",
+        "",
+    ]
+
+
 def report(payload: dict) -> list[str]:
     mean = averages(payload)
     record = payload.get("provenance")
@@ -230,7 +245,7 @@ def report(payload: dict) -> list[str]:
     lines = [x.replace("| nan |", "| – |") for x in lines]
     for d in payload["domains"]:
         lines += ["", f"## {d['domain']}: learned {d['learned_tokens']:,} tokens, scored {d['scored_tokens']:,}", "",
-                  *_method_table(d["rows"])]  # fmt: skip
+                  *_measured_line(d, payload), *_method_table(d["rows"])]  # fmt: skip
         for key, name in [*payload["variants"].items(), ("knn", "kNN-LM")]:
             c = d["curve"].get(key)
             if c:

@@ -462,6 +462,37 @@ def test_the_multi_domain_report_judges_every_goal_from_the_rows_and_can_fail(tm
     assert "## Averages over the extra domains (chosen after the settings): changelog" in text
 
 
+def test_a_resumed_multi_domain_run_keeps_each_domains_machine_and_the_report_names_it(tmp_path, monkeypatch):
+    """--resume on another CPU: the kept domain carries the earlier run's machine, a domain run now carries this
+    run's, and the report names both (times compare within a domain only); one machine for all: no such line."""
+    import faast.hf.default
+
+    module = load_script("lm_domains")
+    monkeypatch.setattr(faast.hf.default, "load_base_model", lambda name: (tiny_model("llama"), CharTokenizer(), "t"))
+    monkeypatch.setattr(module, "run_domain", lambda name, *rest: _domain(name, 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8],
+                                                                          [5] * 3))  # fmt: skip
+    earlier = {"model": "t", "provenance": {"date": "d0", "git_sha": "abcdef0123", "git_dirty": False,
+                                            "cpu_model": "AMD EPYC", "cpu_native_bf16": False},
+               "variants": {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only"},
+               "default_variant": "output",
+               "domains": [_domain("asyncio", 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8], [5] * 3)]}  # fmt: skip
+    (tmp_path / "d.json").write_text(json.dumps(earlier), encoding="utf-8")
+    payload = module.main(["--domains", "asyncio", "info", "--methods", "default", "--resume", "--results-dir",
+                           str(tmp_path), "--out", "d"])  # fmt: skip
+    kept, new = payload["domains"]
+    assert kept["domain"] == "asyncio" and kept["measured_by"]["cpu_model"] == "AMD EPYC"
+    assert kept["measured_by"]["git_sha"] == "abcdef0123" and kept["measured_by"]["cpu_native_bf16"] is False
+    assert new["domain"] == "info" and new["measured_by"]["git_sha"] == payload["provenance"]["git_sha"]
+    assert new["measured_by"]["cpu_model"] == payload["provenance"]["cpu_model"]
+    assert json.loads((tmp_path / "d.json").read_text(encoding="utf-8"))["domains"][0]["measured_by"]["date"] == "d0"
+    text = (tmp_path / "d.md").read_text(encoding="utf-8")
+    assert "Measured by the run of d0 at abcdef0 on AMD EPYC (no native bfloat16)" in text
+    assert text.count("Measured by the run of") == 2
+    report = sys.modules["lm_domains_report"]
+    same = {**payload, "domains": [{**d, "measured_by": kept["measured_by"]} for d in payload["domains"]]}
+    assert not any(line.startswith("Measured by") for line in report.report(same))
+
+
 def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_to_end(tmp_path, monkeypatch):
     """lm_domains.main on a tiny Llama and made-up text (the base model loader and the domain's files patched): every
     method but the linear projection (its layers are SmolLM2's), with the tuned peers on FAAST's own held-out tail."""
