@@ -15,7 +15,9 @@ evaluation (Krause et al., 2018) of LoRA adapters (rank --lora-rank) or of the l
 norm; the neural cache (Grave et al., 2017); the kNN-LM whose datastore grows chunk by chunk. The baselines' settings
 are chosen on the validation streams (`email`: the stdlib package; `licenses`: /usr/share/common-licenses), never in
 the table, by prequential perplexity averaged over them (--settings: a JSON of chosen settings, or an earlier result,
-skips the search). The cache and kNN grids reuse one base forward pass per window.
+skips the search). The cache and kNN grids reuse one base forward pass per window. --resume keeps the streams the
+result already holds with every method, with its settings, and runs the rest; each stream records the run and CPU
+that measured it (`measured_by`), and the report names them when they differ.
 
 Perplexity is prequential: exp of the mean NLL of every token predicted in the chunks after the first. Results
 (--results-dir/--out): JSON (rows per stream and method, per-chunk NLL and times, the grids and the choices),
@@ -117,6 +119,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--validation-streams", default=",".join(VALIDATION), help="comma list the settings are chosen on")
     p.add_argument("--validation-limit", type=int, default=8192, help="tokens read per validation stream")
     p.add_argument("--settings", type=Path, default=None, help="JSON of chosen settings (or an earlier result)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the streams the result JSON already holds with every method (and its settings), run"
+                        " the rest")  # fmt: skip
     p.add_argument("--lora-rank", type=int, default=8, help="dynamic evaluation's LoRA rank (fixed)")
     p.add_argument("--blocks", type=int, default=2, help="blocks dynamic evaluation trains (plus the final norm)")
     p.add_argument("--lora-lrs", default="1e-4,3e-4,1e-3,3e-3")
@@ -373,6 +378,15 @@ def report_lines(payload: dict) -> list[str]:
              "tokens each. Perplexity is prequential: every token of the chunks after the first, scored before its "
              "chunk is learned. Reduction: (ppl zero-shot − ppl) / ppl zero-shot, positive = better; the mean row "
              "averages it over the streams (its perplexity is the geometric mean).", ""]  # fmt: skip
+    runs = {json.dumps(v.get("measured_by"), sort_keys=True) for v in payload["streams"].values()}
+    if len(runs) > 1:  # a resumed run: times compare within a stream only
+        lines += ["Streams measured by different runs (--resume); times compare within a stream only:", ""]
+        for name, v in payload["streams"].items():
+            by_run = v.get("measured_by") or {}
+            bf16 = {True: "native bfloat16", False: "no native bfloat16"}.get(by_run.get("cpu_native_bf16"), "?")
+            lines.append(f"- {name}: the run of {by_run.get('date')} at {str(by_run.get('git_sha'))[:7]} on "
+                         f"{by_run.get('cpu_model')} ({bf16})")  # fmt: skip
+        lines.append("")
     head = ["stream", "tokens scored", *methods]
     body = []
     for s in [*streams, "mean"]:
@@ -476,19 +490,24 @@ def main(argv: list[str] | None = None) -> dict:
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if context and args.chunk + 1 > context:
         raise SystemExit(f"--chunk: {args.chunk} + 1 tokens exceed the model's context of {context}")
-    chosen, search = validate(model, tokenizer, args, load_settings(args.settings))
     stem = args.out or f"lm_stream_{args.model.replace('/', '_')}"
+    earlier = resumed(Path(args.results_dir) / f"{stem}.json", args) if args.resume else None
+    fixed = earlier["chosen_settings"] if earlier else load_settings(args.settings)
+    chosen, search = validate(model, tokenizer, args, fixed)
     payload = {"model": description, "chunk": args.chunk, "limit": args.limit, "methods": args.methods,
                "lora_rank": args.lora_rank, "blocks": args.blocks,
                "settings": {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()},
-               "chosen_settings": chosen, "validation": search, "streams": {}, "rows": [],
-               "chunks": {}, "goals": [], "faast_latency": None}  # fmt: skip
-    for name in args.streams:
+               "chosen_settings": chosen, "validation": earlier["validation"] if earlier else search, "streams": {},
+               "rows": [], "chunks": {}, "goals": [], "faast_latency": None}  # fmt: skip
+    if earlier:
+        payload["earlier_runs"] = [*earlier.get("earlier_runs", []), earlier.get("provenance")]
+        keep(payload, earlier, args)
+    for name in [s for s in args.streams if s not in payload["streams"]]:
         paths = expand(args.text_files) if name == TEXT_FILES else stream_files(name)
         ids, files = stream_ids(paths, tokenizer, args.limit)
         if len(ids) < args.chunk + 1:
             raise SystemExit(f"stream {name!r}: {len(ids)} tokens, fewer than two chunks of {args.chunk}")
-        payload["streams"][name] = {"tokens": len(ids), "files": files}
+        payload["streams"][name] = {"tokens": len(ids), "files": files, "measured_by": measured_by(record)}
         print(f"{name}: {len(ids):,} tokens from {files} files, {math.ceil(len(ids) / args.chunk)} chunks", flush=True)
         chunks, zero = payload["chunks"].setdefault(name, {}), None
         for method in args.methods:
@@ -511,10 +530,48 @@ def main(argv: list[str] | None = None) -> dict:
     return payload
 
 
+def measured_by(record: dict) -> dict:
+    """Which run and machine measured a stream: a resumed run may go on on another CPU, and its times then compare
+    only within a stream."""
+    return {k: record.get(k) for k in ("date", "git_sha", "git_dirty", "cpu_model", "cpu_native_bf16")}
+
+
+def resumed(path: Path, args: argparse.Namespace) -> dict | None:
+    """--resume: the earlier result at `path` (None when there is none), after checking that it measured what this
+    run measures: the same chunk, limit, methods and model; its chosen settings are this run's."""
+    if not path.is_file():
+        return None
+    earlier = json.loads(path.read_text(encoding="utf-8"))
+    for key in ("chunk", "limit", "methods", "lora_rank", "blocks"):
+        if earlier.get(key) != getattr(args, key):
+            raise SystemExit(f"--resume: {path} was run with {key}={earlier.get(key)!r}, this run asks for "
+                             f"{getattr(args, key)!r}; use another --out")  # fmt: skip
+    if args.settings is not None:
+        raise SystemExit("--resume takes its settings from the earlier result; drop --settings")
+    return earlier
+
+
+def keep(payload: dict, earlier: dict, args: argparse.Namespace) -> None:
+    """Copies into `payload` each stream of `earlier` that this run asks for and that holds a row of every method;
+    a stream cut short is run again whole (every method of a stream in one run)."""
+    record = earlier.get("provenance") or {}
+    for name, info in earlier["streams"].items():
+        rows = [r for r in earlier["rows"] if r["stream"] == name]
+        if name not in args.streams or {r["method"] for r in rows} != set(args.methods):
+            continue
+        payload["streams"][name] = {"measured_by": measured_by(record), **info}
+        payload["rows"] += rows
+        payload["chunks"][name] = earlier["chunks"][name]
+        print(f"{name}: kept from {earlier.get('provenance', {}).get('date')} (--resume)", flush=True)
+
+
 def finish(payload: dict, args: argparse.Namespace) -> None:
     """The mean rows (after the streams' rows, replacing earlier ones), FAAST's latency over the streams' mean update
     per chunk index, and the goals."""
-    rows = [r for r in payload["rows"] if r["stream"] != "mean"]
+    order = [n for n in args.streams if n in payload["streams"]]  # kept streams come first; the table keeps --streams
+    payload["streams"] = {n: payload["streams"][n] for n in order}
+    payload["chunks"] = {n: payload["chunks"][n] for n in order if n in payload["chunks"]}
+    rows = sorted((r for r in payload["rows"] if r["stream"] != "mean"), key=lambda r: order.index(r["stream"]))
     payload["rows"] = rows + mean_rows(rows, args.methods)
     runs = [c["faast"]["update_s"] for c in payload["chunks"].values() if "faast" in c]
     if runs:

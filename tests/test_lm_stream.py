@@ -248,7 +248,9 @@ def test_the_stream_experiment_runs_end_to_end(tmp_path):
     assert [(r["stream"], r["method"]) for r in payload["rows"]] == [(s, m) for s in ("text-files", "mean")
                                                                      for m in methods]  # fmt: skip
     # a.txt then the glob's a.txt (a duplicate, skipped), b.txt, c.txt (empty, skipped): two files read.
-    assert payload["streams"]["text-files"] == {"tokens": 96, "files": 2}
+    stream = payload["streams"]["text-files"]
+    assert {k: stream[k] for k in ("tokens", "files")} == {"tokens": 96, "files": 2}
+    assert stream["measured_by"]["git_sha"] == json.loads((tmp_path / "r.json").read_text())["provenance"]["git_sha"]
     for r in payload["rows"]:
         assert ROW_FIELDS <= set(r) and r["tokens"] == 95 and math.isfinite(r["ppl"])
     faast = payload["rows"][1]
@@ -279,3 +281,46 @@ def test_the_stream_experiment_runs_end_to_end(tmp_path):
     assert [r["ppl"] for r in again["rows"]] == [r["ppl"] for r in payload["rows"] if r["method"] in again["methods"]]
     lines = (tmp_path / "s.md").read_text(encoding="utf-8").splitlines()
     assert sum("**not run**" in line for line in lines) == 4
+
+
+def test_a_resumed_stream_run_keeps_the_finished_streams_and_their_machine_and_runs_the_rest(tmp_path):
+    """--resume: a stream the JSON holds with every method is kept as measured (its rows, chunks and machine), its
+    settings are the run's, a stream cut short or missing is run; a resume that would measure something else stops."""
+    checkpoint = save_tiny_checkpoint("llama", tmp_path / "tiny")
+    module = load_script("lm_stream")
+    settings = tmp_path / "settings.json"
+    settings.write_text(json.dumps({"cache": {"theta": 3.0, "lam": 0.1}}), encoding="utf-8")
+    common = ["--model", checkpoint, "--limit", "96", "--chunk", "32", "--methods", "cache", "--results-dir",
+              str(tmp_path), "--out", "r"]  # fmt: skip
+    module.main([*common, "--streams", "stdlib", "--settings", str(settings)])
+    earlier = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    # Marks that only a kept stream can carry: another machine, and a perplexity no run would measure.
+    earlier["provenance"].update(date="d0", git_sha="abcdef0123", cpu_model="AMD EPYC", cpu_native_bf16=False)
+    del earlier["streams"]["stdlib"]["measured_by"]  # a result written before streams recorded their machine
+    kept = next(r for r in earlier["rows"] if r["stream"] == "stdlib" and r["method"] == "cache")
+    kept["ppl"] = 123.0
+    (tmp_path / "r.json").write_text(json.dumps(earlier), encoding="utf-8")
+    payload = module.main([*common, "--streams", "longfile,stdlib", "--resume"])
+    assert list(payload["streams"]) == ["longfile", "stdlib"]  # --streams order, not the order run
+    rows = {(r["stream"], r["method"]): r for r in payload["rows"]}
+    assert rows["stdlib", "cache"]["ppl"] == 123.0 and ("longfile", "cache") in rows
+    assert payload["chosen_settings"]["cache"] == {"theta": 3.0, "lam": 0.1}
+    stdlib, longfile = payload["streams"]["stdlib"]["measured_by"], payload["streams"]["longfile"]["measured_by"]
+    assert stdlib["cpu_model"] == "AMD EPYC" and stdlib["git_sha"] == "abcdef0123" and stdlib["date"] == "d0"
+    assert longfile["git_sha"] == json.loads((tmp_path / "r.json").read_text())["provenance"]["git_sha"]
+    assert payload["earlier_runs"][-1]["date"] == "d0" and payload["chunks"]["stdlib"] == earlier["chunks"]["stdlib"]
+    md = (tmp_path / "r.md").read_text(encoding="utf-8")
+    assert "- stdlib: the run of d0 at abcdef0 on AMD EPYC (no native bfloat16)" in md
+    # A stream cut short (a method missing) is run again whole, with the kept settings.
+    cut = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    cut["rows"] = [r for r in cut["rows"] if (r["stream"], r["method"]) != ("longfile", "cache")]
+    (tmp_path / "r.json").write_text(json.dumps(cut), encoding="utf-8")
+    again = module.main([*common, "--streams", "longfile,stdlib", "--resume"])
+    assert {(r["stream"], r["method"]) for r in again["rows"]} >= {("longfile", "cache"), ("longfile", "zero-shot")}
+    assert again["streams"]["longfile"]["measured_by"]["date"] != "d0"
+    for flag, value in (("--chunk", "48"), ("--limit", "128")):
+        with pytest.raises(SystemExit, match=flag.strip("-")):
+            module.main([*[c if c != common[common.index(flag) + 1] else value for c in common], "--streams", "stdlib",
+                         "--resume"])  # fmt: skip
+    with pytest.raises(SystemExit, match="drop --settings"):
+        module.main([*common, "--streams", "stdlib", "--resume", "--settings", str(settings)])
