@@ -491,6 +491,18 @@ def test_a_resumed_multi_domain_run_keeps_each_domains_machine_and_the_report_na
     report = sys.modules["lm_domains_report"]
     same = {**payload, "domains": [{**d, "measured_by": kept["measured_by"]} for d in payload["domains"]]}
     assert not any(line.startswith("Measured by") for line in report.report(same))
+    # Seconds from two CPUs do not add up: the time goals take the per-domain ratios (FAAST 10 s against LoRA 30 s
+    # in the kept domain, 20 s against 100 s in the new one: 0.27× on the mean, not 30 / 130 = 0.23×).
+    slow = _domain("info", 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8], [5] * 3, faast_s=20.0, lora_s=100.0)
+    mixed = {**payload, "domains": [kept, {**slow, "measured_by": new["measured_by"]}]}
+    goals = {g[0]: g for g in report.goals(mixed, report.averages(mixed))}
+    assert goals["learn time ≤ ½ LoRA's"][1].startswith("0.27× (mean of the per-domain ratios")
+    assert "largest 0.33×, asyncio on AMD EPYC" in goals["learn time ≤ ½ LoRA's"][1]
+    assert goals["last solve ≤ 5 s"][1] == "max 1.00 s (asyncio, on AMD EPYC)"
+    assert "The domains were measured on different CPUs (asyncio on AMD EPYC" in "\n".join(report.report(mixed))
+    one = {**mixed, "domains": [{k: v for k, v in kept.items() if k != "measured_by"}, slow]}
+    goals = {g[0]: g for g in report.goals(one, report.averages(one))}
+    assert goals["learn time ≤ ½ LoRA's"][1] == "0.23× (15 s vs 65 s)"  # one run (no record): the ratio of means
 
 
 def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_to_end(tmp_path, monkeypatch):
