@@ -59,6 +59,19 @@ def write_results(
     return folder
 
 
+def measured_by(record: dict) -> dict:
+    """Which run and machine measured a part of a result (a domain, a stream): a resumed run may go on on another CPU,
+    and its times then compare only within that part."""
+    return {k: record.get(k) for k in ("date", "git_sha", "git_dirty", "cpu_model", "cpu_native_bf16")}
+
+
+def measured_by_words(by: dict | None) -> str:
+    """'the run of DATE at SHA7 on CPU (native bfloat16 | no native bfloat16 | bfloat16 unknown)'."""
+    by = by or {}
+    bf16 = {True: "native bfloat16", False: "no native bfloat16"}.get(by.get("cpu_native_bf16"), "bfloat16 unknown")
+    return f"the run of {by.get('date')} at {str(by.get('git_sha'))[:7]} on {by.get('cpu_model')} ({bf16})"
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
     """A Markdown table."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

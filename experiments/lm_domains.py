@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, ROOT  # noqa: E402
+from _common import RESULTS, ROOT, measured_by  # noqa: E402
 from domains import DOMAINS, EXTRA, VALIDATION, domain_texts  # noqa: E402
 
 from faast import provenance  # noqa: E402
@@ -583,12 +583,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     write_report(payload, args.results_dir / args.out)
     return payload
-
-
-def measured_by(record: dict) -> dict:
-    """Which run and machine measured a domain: a resumed run may continue on another CPU, and its times (not its
-    perplexities) then compare only within a domain."""
-    return {k: record.get(k) for k in ("date", "git_sha", "git_dirty", "cpu_model", "cpu_native_bf16")}
 
 
 def write_json(path: Path, payload: dict) -> None:

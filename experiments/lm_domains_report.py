@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from _common import table
+from _common import measured_by_words, table
 from domains import DOMAINS, EXTRA
 
 from faast.provenance import markdown
@@ -242,15 +242,10 @@ def _averages_sections(payload: dict, mean: list[dict]) -> list[str]:
 def _measured_line(domain: dict, payload: dict) -> list[str]:
     """Names the run and CPU of a domain when the domains were not all measured by one run (a resumed run)."""
     runs = {json.dumps(d.get("measured_by"), sort_keys=True) for d in payload["domains"]}
-    by = domain.get("measured_by")
-    if len(runs) < 2 or not by:
+    if len(runs) < 2 or not domain.get("measured_by"):
         return []
-    bf16 = {True: "native bfloat16", False: "no native bfloat16"}.get(by.get("cpu_native_bf16"), "bfloat16 unknown")
-    return [
-        f"Measured by the run of {by.get('date')} at {str(by.get('git_sha'))[:7]} on {by.get('cpu_model')}"
-        f" ({bf16}); its times compare with this domain's rows only.",
-        "",
-    ]
+    words = measured_by_words(domain["measured_by"])
+    return [f"Measured by {words}; its times compare with this domain's rows only.", ""]
 
 
 def report(payload: dict) -> list[str]:

@@ -40,7 +40,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ROOT, add_model_arguments, load_model, start_record, table, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    ROOT,
+    add_model_arguments,
+    load_model,
+    measured_by,
+    measured_by_words,
+    start_record,
+    table,
+    write_results,
+)
 
 METHODS = ("zero-shot", "faast", "dynamic-eval-lora", "dynamic-eval-blocks", "cache", "knn")
 ALIASES = {"dynamic-eval": ("dynamic-eval-lora", "dynamic-eval-blocks")}
@@ -381,11 +390,7 @@ def report_lines(payload: dict) -> list[str]:
     runs = {json.dumps(v.get("measured_by"), sort_keys=True) for v in payload["streams"].values()}
     if len(runs) > 1:  # a resumed run: times compare within a stream only
         lines += ["Streams measured by different runs (--resume); times compare within a stream only:", ""]
-        for name, v in payload["streams"].items():
-            by_run = v.get("measured_by") or {}
-            bf16 = {True: "native bfloat16", False: "no native bfloat16"}.get(by_run.get("cpu_native_bf16"), "?")
-            lines.append(f"- {name}: the run of {by_run.get('date')} at {str(by_run.get('git_sha'))[:7]} on "
-                         f"{by_run.get('cpu_model')} ({bf16})")  # fmt: skip
+        lines += [f"- {name}: {measured_by_words(v.get('measured_by'))}" for name, v in payload["streams"].items()]
         lines.append("")
     head = ["stream", "tokens scored", *methods]
     body = []
@@ -528,12 +533,6 @@ def main(argv: list[str] | None = None) -> dict:
     folder = write_results(args, "lm_stream", record, payload, title(payload), report_lines(payload))
     plot(payload, folder / f"{stem}.png")
     return payload
-
-
-def measured_by(record: dict) -> dict:
-    """Which run and machine measured a stream: a resumed run may go on on another CPU, and its times then compare
-    only within a stream."""
-    return {k: record.get(k) for k in ("date", "git_sha", "git_dirty", "cpu_model", "cpu_native_bf16")}
 
 
 def resumed(path: Path, args: argparse.Namespace) -> dict | None:
