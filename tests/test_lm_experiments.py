@@ -252,6 +252,9 @@ def test_the_shipped_evaluation_data_is_balanced_and_split():
     assert all(p["en"] and p["de"] and p["fr"] for p in pairs)
 
 
+# Whether the tiny model's memory ends up off after 12 rows (and says so) differs between a float32 and a bfloat16
+# learning pass (learn_dtype='auto' follows the CPU): this test is about reading the data.
+@pytest.mark.filterwarnings("ignore::faast.hf.MemoryOffWarning")
 def test_the_experiments_read_datasets_through_the_datasets_library(tmp_path):
     """The --dataset path (hub names such as wikitext, sst2, imdb, iwslt2017) on a local folder of JSON splits."""
     pytest.importorskip("datasets")
