@@ -228,8 +228,10 @@ class StreamReader:
     ) -> ReadReport:
         """Read a long text or token stream in order, in chunks of `chunk` tokens: score each chunk with the memory
         learned from everything before it, then learn it (module docstring). After the call the memory holds every
-        chunk's statistics (what `learn` gives on the same windows, `chunk_windows`) and reads with the last tuned
-        step, so generation uses what was read.
+        chunk's statistics (what `learn` gives on the same windows, `chunk_windows`, with learn_dtype='model' and
+        head_dtype='float32': the statistics come from the scoring pass, at the model's precision, where `learn`'s
+        'auto' runs bfloat16 on a CPU that multiplies it natively) and reads with the last tuned step, so generation
+        uses what was read.
 
         Args:
             stream: a text (tokenised with `tokenizer`, no special tokens), or token ids: a 1-D int64 tensor ([1, N]
