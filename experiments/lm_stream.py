@@ -561,7 +561,7 @@ def keep(payload: dict, earlier: dict, args: argparse.Namespace) -> None:
         payload["streams"][name] = {"measured_by": measured_by(record), **info}
         payload["rows"] += rows
         payload["chunks"][name] = earlier["chunks"][name]
-        print(f"{name}: kept from {earlier.get('provenance', {}).get('date')} (--resume)", flush=True)
+        print(f"{name}: kept from {payload['streams'][name]['measured_by'].get('date')} (--resume)", flush=True)
 
 
 def finish(payload: dict, args: argparse.Namespace) -> None:
