@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -63,6 +64,11 @@ def measured_by(record: dict) -> dict:
     """Which run and machine measured a part of a result (a domain, a stream): a resumed run may go on on another CPU,
     and its times then compare only within that part."""
     return {k: record.get(k) for k in ("date", "git_sha", "git_dirty", "cpu_model", "cpu_native_bf16")}
+
+
+def several_runs(parts: Iterable[dict]) -> bool:
+    """Whether the parts of a result (domains, streams) were measured by more than one run (their `measured_by`)."""
+    return len({json.dumps(p.get("measured_by"), sort_keys=True) for p in parts}) > 1
 
 
 def measured_by_words(by: dict | None) -> str:

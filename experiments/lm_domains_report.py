@@ -3,10 +3,9 @@ adaptation work judged against the same run's baselines."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from _common import measured_by_words, table
+from _common import measured_by_words, several_runs, table
 from domains import DOMAINS, EXTRA
 
 from faast.provenance import markdown
@@ -79,8 +78,7 @@ def _per_domain(payload: dict, *keys: str) -> tuple[list[tuple[dict, list[dict]]
 def _cpus(payload: dict) -> dict[str, str] | None:
     """{domain: the CPU that measured it} when the domains were measured by more than one run (a resumed run),
     else None: then seconds from different domains do not add up, and time goals compare within each domain."""
-    runs = {json.dumps(d.get("measured_by"), sort_keys=True) for d in payload["domains"]}
-    if len(runs) < 2:
+    if not several_runs(payload["domains"]):
         return None
     return {d["domain"]: str((d.get("measured_by") or {}).get("cpu_model", "?")) for d in payload["domains"]}
 
@@ -241,8 +239,7 @@ def _averages_sections(payload: dict, mean: list[dict]) -> list[str]:
 
 def _measured_line(domain: dict, payload: dict) -> list[str]:
     """Names the run and CPU of a domain when the domains were not all measured by one run (a resumed run)."""
-    runs = {json.dumps(d.get("measured_by"), sort_keys=True) for d in payload["domains"]}
-    if len(runs) < 2 or not domain.get("measured_by"):
+    if not several_runs(payload["domains"]) or not domain.get("measured_by"):
         return []
     words = measured_by_words(domain["measured_by"])
     return [f"Measured by {words}; its times compare with this domain's rows only.", ""]

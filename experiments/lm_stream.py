@@ -46,6 +46,7 @@ from _common import (  # noqa: E402
     load_model,
     measured_by,
     measured_by_words,
+    several_runs,
     start_record,
     table,
     write_results,
@@ -387,8 +388,7 @@ def report_lines(payload: dict) -> list[str]:
              "tokens each. Perplexity is prequential: every token of the chunks after the first, scored before its "
              "chunk is learned. Reduction: (ppl zero-shot − ppl) / ppl zero-shot, positive = better; the mean row "
              "averages it over the streams (its perplexity is the geometric mean).", ""]  # fmt: skip
-    runs = {json.dumps(v.get("measured_by"), sort_keys=True) for v in payload["streams"].values()}
-    if len(runs) > 1:  # a resumed run: times compare within a stream only
+    if several_runs(payload["streams"].values()):  # a resumed run: times compare within a stream only
         lines += ["Streams measured by different runs (--resume); times compare within a stream only:", ""]
         lines += [f"- {name}: {measured_by_words(v.get('measured_by'))}" for name, v in payload["streams"].items()]
         lines.append("")
@@ -505,6 +505,8 @@ def main(argv: list[str] | None = None) -> dict:
                "chosen_settings": chosen, "validation": earlier["validation"] if earlier else search, "streams": {},
                "rows": [], "chunks": {}, "goals": [], "faast_latency": None}  # fmt: skip
     if earlier:
+        if earlier.get("model") != description:
+            raise SystemExit(f"--resume: the earlier result measured {earlier.get('model')!r}, not {description!r}")
         payload["earlier_runs"] = [*earlier.get("earlier_runs", []), earlier.get("provenance")]
         keep(payload, earlier, args)
     for name in [s for s in args.streams if s not in payload["streams"]]:
@@ -537,7 +539,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def resumed(path: Path, args: argparse.Namespace) -> dict | None:
     """--resume: the earlier result at `path` (None when there is none), after checking that it measured what this
-    run measures: the same chunk, limit, methods and model; its chosen settings are this run's."""
+    run measures: the same chunk, limit, methods, LoRA rank and blocks (main checks the model); its chosen settings
+    are this run's."""
     if not path.is_file():
         return None
     earlier = json.loads(path.read_text(encoding="utf-8"))

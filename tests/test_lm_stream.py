@@ -322,5 +322,9 @@ def test_a_resumed_stream_run_keeps_the_finished_streams_and_their_machine_and_r
         with pytest.raises(SystemExit, match=flag.strip("-")):
             module.main([*[c if c != common[common.index(flag) + 1] else value for c in common], "--streams", "stdlib",
                          "--resume"])  # fmt: skip
+    other = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    (tmp_path / "r.json").write_text(json.dumps({**other, "model": "another model"}), encoding="utf-8")
+    with pytest.raises(SystemExit, match="measured 'another model'"):
+        module.main([*common, "--streams", "stdlib", "--resume"])
     with pytest.raises(SystemExit, match="drop --settings"):
         module.main([*common, "--streams", "stdlib", "--resume", "--settings", str(settings)])
