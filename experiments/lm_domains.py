@@ -43,7 +43,8 @@ from faast import provenance  # noqa: E402
 METHODS = ("default", "narrow", "fp32learn", "logit", "faast", "output", "paper", "knn", "knn_tuned", "lora",
            "lora_bf16", "linear", "lora_best", "lora_time")  # fmt: skip
 # "lora_bf16": LoRA with its forward pass under bfloat16 autocast, the precision FAAST's learning pass uses.
-# "fp32learn": the default with its learning pass in float32 (learn_dtype='model': the default before bfloat16).
+# "fp32learn": the default as a CPU without native bfloat16 runs it: the learning pass in float32 (learn_dtype='model')
+# and the head's products in float32 (head_dtype='float32'; 'auto' takes them in bfloat16 where it is native).
 # "narrow": the default with the output layer's keys h̃ alone (output_key_layers=[]: the default before wider keys).
 # "logit": the residual output layer read in logit space (the default before probability space), along the curve.
 # "faast" (the shipped middle layers + the residual output layer, both variants along the curve) and "paper" (the
@@ -185,10 +186,13 @@ class Domain:
                 "rows": self.rows, "curve": self.curve}  # fmt: skip
 
 
+# The float32 row's name. Runs before 2026-11-27 named it "..., float32 learning pass", with the head's products at
+# head_dtype='auto' (bfloat16 on a CPU that multiplies it natively): their variants map records which.
+FP32_LEARN = "FAAST: residual output only, float32 learning pass and head products"
 VARIANTS = {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only",
             "logit": "FAAST: logit-space residual output (earlier default)",
             "narrow": "FAAST: residual output, keys h̃ only (previous default)",
-            "fp32learn": "FAAST: residual output only, float32 learning pass"}  # fmt: skip
+            "fp32learn": FP32_LEARN}  # fmt: skip
 
 
 def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> None:  # noqa: ANN001
@@ -275,9 +279,29 @@ def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "outp
         report = solve_report(solved, model)
         extra = {"solve_report": report} if report is not None else {}
         domain.add(VARIANTS[key], result, learn_s + solves[-1], model.fast_weight_bytes(), tuning=tuning,
-                   curve_solve_s=sum(solves[:-1]), **extra)  # fmt: skip
+                   curve_solve_s=sum(solves[:-1]), precision=precision(model), **extra)  # fmt: skip
     finally:
         model.remove_faast()
+
+
+def precision(model) -> dict:  # noqa: ANN001 - a FaastModel
+    """The dtypes FAAST's learning ran at on this machine: its decoder pass ('bfloat16' under autocast, else the
+    model's) and the head's products, as learn_dtype and head_dtype resolve them here ('auto' follows the CPU)."""
+    import torch
+
+    from faast.hardware import native_bf16
+    from faast.hf.head import products_dtype
+
+    weights = model.base_model.get_input_embeddings().weight
+    native = native_bf16(weights.device)
+    learn_dtype = model.faast_config.learn_dtype
+    autocast = learn_dtype == "bfloat16" or (learn_dtype == "auto" and weights.dtype == torch.float32 and native)
+    head = products_dtype(model.output_memory_layer.head_dtype, weights)
+    return {
+        "learn_pass": "bfloat16" if autocast else str(weights.dtype).removeprefix("torch."),
+        "head_products": str(head).removeprefix("torch."),
+        "native_bf16": native,
+    }
 
 
 def solve_report(solved: object, model: object) -> object:
@@ -489,7 +513,7 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
     if "narrow" in args.methods:
         run_default(domain, base, args, "narrow", residual={"key_layers": []})
     if "fp32learn" in args.methods:
-        run_default(domain, base, args, "fp32learn", learn_dtype="model")
+        run_default(domain, base, args, "fp32learn", residual={"head_dtype": "float32"}, learn_dtype="model")
     if "logit" in args.methods:
         run_default(domain, base, args, "logit", residual={"space": "logit"})
     if "faast" in args.methods:

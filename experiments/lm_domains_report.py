@@ -17,7 +17,8 @@ LAST_SOLVE_S = 5.0
 NOT_RUN = "not run"
 # Row names (before " (") of the peers the goals compare against.
 LORA, LORA_BEST, LORA_TIME, KNN = "LoRA", "LoRA-best", "LoRA at FAAST's time", "kNN-LM"
-FP32_LEARN = "FAAST: residual output only, float32 learning pass"  # VARIANTS["fp32learn"] of lm_domains.py
+# The float32 row of a result whose variants map lacks it (lm_domains.py's VARIANTS["fp32learn"] names it now).
+FP32_LEARN = "FAAST: residual output only, float32 learning pass"
 
 
 def default_label(payload: dict) -> str:
