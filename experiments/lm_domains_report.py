@@ -120,7 +120,9 @@ def goals(payload: dict, mean: list[dict]) -> list[list[str]]:
     is not met. `mean`: `averages` over all the run's domains."""
     by = {method_key(m["method"]): m for m in mean}
     label = default_label(payload)
-    faast = by.get(label) or next((m for name, m in by.items() if name.startswith(label)), None)
+    # A default row named with more after its label (older runs), never another variant's row (e.g. the float32 one).
+    others = set(payload["variants"].values()) - {label}
+    faast = by.get(label) or next((m for n, m in by.items() if n.startswith(label) and n not in others), None)
     lora, lora_best, knn = by.get(LORA), by.get(LORA_BEST), by.get(KNN)
     fp32 = by.get(payload["variants"].get("fp32learn", FP32_LEARN))
     key = payload["default_variant"]

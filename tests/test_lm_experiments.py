@@ -465,6 +465,29 @@ def test_the_multi_domain_report_judges_every_goal_from_the_rows_and_can_fail(tm
     assert "## Averages over the extra domains (chosen after the settings): changelog" in text
 
 
+def test_a_run_of_the_float32_row_alone_judges_it_and_not_as_the_default():
+    """--methods fp32learn,lora: the float32 row is judged against LoRA, and the default's goals are "not run" (its
+    name extends the default's: it must not stand in for it)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        report = load_script("lm_domains_report")
+    finally:
+        sys.path.pop(0)
+    fp32 = "FAAST: residual output only, float32 learning pass"
+    variants = {"output": "FAAST: residual output only", "fp32learn": fp32}
+    domains = [_domain(n, 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8], [5] * 3, fp32_s=12.0, lora_s=30.0) for n in "ab"]
+    for d in domains:
+        d["rows"] = [r for r in d["rows"] if r["method"] in ("zero-shot", fp32) or r["method"].startswith("LoRA (")]
+        del d["curve"]["output"]
+    payload = {"model": "m", "header": {}, "variants": variants, "default_variant": "output", "domains": domains}
+    goals = {g[0]: g for g in report.goals(payload, report.averages(payload))}
+    assert goals["float32-learn learn time ≤ ½ the 1-epoch LoRA's"][1:] == ["0.40× (12 s vs 30 s)", "yes"]
+    assert goals["≥ 60% of LoRA's mean perplexity reduction"][2] == "not run"
+    assert goals["learn time ≤ ½ LoRA's"][2] == "not run"
+
+
 def test_a_resumed_multi_domain_run_keeps_each_domains_machine_and_the_report_names_it(tmp_path, monkeypatch):
     """--resume on another CPU: the kept domain carries the earlier run's machine, a domain run now carries this
     run's, and the report names both (times compare within a domain only); one machine for all: no such line."""
