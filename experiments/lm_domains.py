@@ -287,20 +287,15 @@ def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "outp
 def precision(model) -> dict:  # noqa: ANN001 - a FaastModel
     """The dtypes FAAST's learning ran at on this machine: its decoder pass ('bfloat16' under autocast, else the
     model's) and the head's products, as learn_dtype and head_dtype resolve them here ('auto' follows the CPU)."""
-    import torch
-
     from faast.hardware import native_bf16
     from faast.hf.head import products_dtype
 
     weights = model.base_model.get_input_embeddings().weight
-    native = native_bf16(weights.device)
-    learn_dtype = model.faast_config.learn_dtype
-    autocast = learn_dtype == "bfloat16" or (learn_dtype == "auto" and weights.dtype == torch.float32 and native)
     head = products_dtype(model.output_memory_layer.head_dtype, weights)
     return {
-        "learn_pass": "bfloat16" if autocast else str(weights.dtype).removeprefix("torch."),
-        "head_products": str(head).removeprefix("torch."),
-        "native_bf16": native,
+        "learn_pass": "bfloat16" if model.learner.autocasts(weights.device) else str(weights.dtype).split(".")[-1],
+        "head_products": str(head).split(".")[-1],
+        "native_bf16": native_bf16(weights.device),
     }
 
 

@@ -492,6 +492,10 @@ def test_learning_under_bfloat16_autocast_learns_the_autocast_states_and_auto_pi
         if expected is None:  # float64 weights learn exactly what the float64 model computes
             _, expected = learned_gram(torch.float64, "model")
         assert torch.equal(auto, expected), (native, model_dtype)
+        # What the learner says it runs (lm_domains records it) is what it learned.
+        assert auto_model.learner.autocasts(torch.device("cpu")) == (native and model_dtype == torch.float32)
+    plain_model, _ = learned_gram(torch.float32, "model")
+    assert model.learner.autocasts(torch.device("cpu")) and not plain_model.learner.autocasts(torch.device("cpu"))
     with pytest.raises(ValueError, match="learn_dtype: expected 'auto', 'model' or 'bfloat16'"):
         FaastConfig(learn_dtype="float16")
     saved_before = {k: v for k, v in V1_DEFAULT.items() if k != "learn_dtype"}  # written before the field existed

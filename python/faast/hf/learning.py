@@ -184,17 +184,23 @@ class Learner:
         tokens, pairs = torch.stack([mask.sum(), pair_mask.sum()]).tolist()
         return LearnStats(tokens=tokens, pairs=pairs, batches=1, seconds=time.perf_counter() - started)
 
-    def _autocast(self, device: torch.device, own_dtype: bool) -> contextlib.AbstractContextManager:
-        """bfloat16 autocast for the pass where learn_dtype asks for it; never with own_dtype (while training the
-        readout, whose gradients keep the model's precision, or while a stream scores the pass). The captured states
-        stay float32: the residual stream and the norms' outputs are float32 under autocast, only the matrix products
-        inside the blocks round."""
-        if own_dtype or self.learn_dtype == "model":
-            return contextlib.nullcontext()
+    def autocasts(self, device: torch.device) -> bool:
+        """Whether learn() runs the pass on `device` under bfloat16 autocast: learn_dtype 'bfloat16', or 'auto' with
+        float32 weights on a device that multiplies bfloat16 natively (else the pass keeps the model's dtype)."""
+        if self.learn_dtype == "model":
+            return False
         if self.learn_dtype == "auto":
             weights = self.base_model.get_input_embeddings().weight
-            if weights.dtype != torch.float32 or not native_bf16(device):
-                return contextlib.nullcontext()
+            return weights.dtype == torch.float32 and native_bf16(device)
+        return True
+
+    def _autocast(self, device: torch.device, own_dtype: bool) -> contextlib.AbstractContextManager:
+        """bfloat16 autocast for the pass where learn_dtype asks for it (`autocasts`); never with own_dtype (while
+        training the readout, whose gradients keep the model's precision, or while a stream scores the pass). The
+        captured states stay float32: the residual stream and the norms' outputs are float32 under autocast, only the
+        matrix products inside the blocks round."""
+        if own_dtype or not self.autocasts(device):
+            return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=torch.bfloat16)
 
     def learn_tensor(
