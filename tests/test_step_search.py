@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from faast.hf import output_tuning as tuning
-from tolerances import STEP_SEARCH_NLL_ABS, STEP_SEARCH_REL
+from tolerances import STEP_SEARCH_NLL_ABS, STEP_SEARCH_REL, assert_close
 
 
 def held_out_logits(n: int, vocab: int = 96, signal: float = 2.0, noise: float = 1.5, seed: int = 0):
@@ -129,3 +129,20 @@ def test_the_experiments_previous_search_reads_every_row_and_finds_the_same_mini
     assert set(previous_passes) == {1100} and rows.eta == eta_previous
     assert sum(passes) < sum(previous_passes)
     assert abs(eta_previous - eta_shipped) <= STEP_SEARCH_REL * eta_shipped
+
+
+@pytest.mark.parametrize("rows", [1, 64, 130], ids=lambda n: f"{n}-rows")
+def test_moments_match_float64(rows):
+    # Per row of z = z0 + η·z1: logsumexp z, E_p[z1] and E_p[z1²] under p = softmax(z), against float64; 130 rows
+    # leave a ragged last block of `_moments`' 64-row blocks, and a vocabulary of 1,001 no vector-width multiple.
+    g = torch.Generator().manual_seed(rows)
+    z0 = torch.randn(rows, 1001, generator=g) * 3.0
+    z1 = torch.randn(rows, 1001, generator=g) * 2.0
+    eta = 0.37
+    lse, m1, m2 = tuning._moments(z0, z1, eta)
+    z = z0.double() + eta * z1.double()
+    p = torch.softmax(z, -1)
+    expected = (torch.logsumexp(z, -1), (p * z1.double()).sum(-1), (p * z1.double() ** 2).sum(-1))
+    for got, want in zip((lse, m1, m2), expected, strict=True):
+        assert got.shape == (rows,) and got.dtype == torch.float32
+        assert_close(got, want, torch.float32)
