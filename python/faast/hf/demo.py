@@ -71,9 +71,24 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         help="a saved adapter folder with middle layers ('shipped': faast's; default: none, only the"
                              " residual output layer)")  # fmt: skip
     parser.add_argument("--alpha", default=None, help="override the spectral filter: a number or 'auto'")
+    parser.add_argument(
+        "--float32",
+        action="store_true",
+        help="learn as a CPU without native bfloat16 does, whatever this one does: the decoder pass"
+        " and the head's products in float32 (learn_dtype='model', head_dtype='float32')",
+    )
     parser.add_argument("--generate", type=int, default=40, help="new tokens of the before/after generation")
     parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     return parser.parse_args(argv)
+
+
+def float32_config() -> object:
+    """The default FaastConfig as a CPU without native bfloat16 runs it: the learning pass in the model's float32
+    (learn_dtype='model') and the head's products in float32 (head_dtype='float32')."""
+    from .config import FaastConfig
+    from .config_groups import ResidualOutput
+
+    return FaastConfig(output=ResidualOutput(head_dtype="float32"), learn_dtype="model")
 
 
 def _load_model(args: argparse.Namespace) -> tuple[object, object]:
@@ -81,7 +96,12 @@ def _load_model(args: argparse.Namespace) -> tuple[object, object]:
     from .default import DEFAULT_READOUT, load_default_model
 
     started = time.perf_counter()
-    model, tokenizer = load_default_model(readout=DEFAULT_READOUT if args.readout == "shipped" else args.readout)
+    readout = DEFAULT_READOUT if args.readout == "shipped" else args.readout
+    if args.float32 and readout is not None:
+        raise SystemExit("faast demo: --float32 sets the default configuration's precision; it does not apply with"
+                         " --readout, whose folder holds its own configuration")  # fmt: skip
+    config = float32_config() if args.float32 else None
+    model, tokenizer = load_default_model(readout=readout, config=config)
     if args.alpha is not None:
         alpha = args.alpha if args.alpha == "auto" else float(args.alpha)
         for layer in model.faast_layers():
@@ -155,6 +175,7 @@ def _learn_and_score(model: object, args: argparse.Namespace, learn_ids: list[li
         "stored_keys_bytes_bf16": keys_bf16,
         "layers": [] if cfg.middle is None else cfg.middle.layers,
         "alpha": args.alpha or cfg.regulariser.alpha,
+        "precision": model.learner.precision(),
     }
 
 
