@@ -19,8 +19,12 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .config import FaastConfig
 
 __all__ = ["domain_files", "generate", "main", "tokens_of"]
 
@@ -82,7 +86,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def float32_config() -> object:
+def float32_config() -> FaastConfig:
     """The default FaastConfig as a CPU without native bfloat16 runs it: the learning pass in the model's float32
     (learn_dtype='model') and the head's products in float32 (head_dtype='float32')."""
     from .config import FaastConfig
