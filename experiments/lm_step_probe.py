@@ -1,0 +1,202 @@
+"""How far the default's tuned step is from the best step for the held-out files, at every curve point.
+
+    python experiments/lm_step_probe.py --domains email multiprocessing licenses tkinter info
+
+For each domain the default model (FaastConfig(), as experiments/lm_domains.py runs it: the benchmark's 256-token
+learning windows) learns the curve's amounts of text and solves. Its held-out files are then read once, with the
+memory's own read path, and the final-norm states and the wider keys it reads are kept. From them the base logits z0
+and the memory's logit change per unit step z1 (keys·W·Hᵀ, W = M/η) are formed, so the held-out perplexity of the
+mixture (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1) costs no model pass for any η and λ.
+
+Reported per point: the perplexity the model read (the check that the reconstruction is the read path), the tuned
+step and what the tuning saw (how many documents the held-out tail came from, how many positions were fitted), the
+held-out perplexity at multiples of the tuned step, and the oracle: η (λ held at the shipped weight) and (η, λ) both
+chosen on the held-out files themselves. The oracle is not a method: it is the headroom of any step rule, and the
+ratio oracle η / tuned η says in which direction and by how much the tail misleads (docs/design.md §6.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import RESULTS, ROOT  # noqa: E402
+from domains import DOMAINS, EXTRA, VALIDATION  # noqa: E402
+
+from faast import provenance  # noqa: E402
+
+CURVE = (2048, 8192, 32768)
+FACTORS = (0.25, 0.5, 0.71, 1.0, 1.41, 2.0)
+GOLDEN = 12  # golden-section steps on log η for the oracle step (λ fixed)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    every = [*VALIDATION, *DOMAINS, *EXTRA]
+    p.add_argument("--domains", nargs="+", choices=every, default=every)
+    p.add_argument("--curve", default=",".join(map(str, CURVE)))
+    p.add_argument("--learn-tokens", type=int, default=32768)
+    p.add_argument("--score-tokens", type=int, default=8192)
+    p.add_argument("--window", type=int, default=1024, help="scoring window (tokens)")
+    p.add_argument("--learn-window", type=int, default=256)
+    p.add_argument("--learn-batch-size", type=int, default=8)
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument("--out", default="lm_step_probe_cpu")
+    return p.parse_args(argv)
+
+
+def read_states(model, windows: list[list[int]]):  # noqa: ANN001, ANN201
+    """One pass over the held-out windows (one at a time) through the model's own read: (hidden [n, d] float32, extra
+    [n, e] float32 or None, targets [n] int64, the model's perplexity) over every predicted position."""
+    import torch
+
+    layer = model.output_memory_layer
+    kept: list[tuple] = []
+    read = layer.read_logits
+
+    def spy(hidden, logits, extra=None, *, overwrite=False):  # noqa: ANN001, ANN202
+        h = hidden.detach().reshape(-1, hidden.shape[-1]).float().clone()
+        e = None if extra is None else extra.detach().reshape(-1, extra.shape[-1]).float().clone()
+        kept.append((h, e))
+        return read(hidden, logits, extra, overwrite=overwrite)
+
+    device = model.get_input_embeddings().weight.device
+    hidden, extra, targets, nll = [], [], [], 0.0
+    layer.read_logits = spy
+    try:
+        with torch.no_grad():
+            for w in windows:
+                ids = torch.tensor([w], device=device)
+                logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+                y = ids[0, 1:]
+                nll -= float(torch.log_softmax(logits, -1).gather(-1, y[:, None]).sum())
+                h, e = kept.pop()
+                hidden.append(h[:-1])
+                extra.append(None if e is None else e[:-1])
+                targets.append(y.cpu())
+    finally:
+        del layer.read_logits
+    n = sum(len(t) for t in targets)
+    wide = extra[0] is not None
+    return torch.cat(hidden), (torch.cat(extra) if wide else None), torch.cat(targets), math.exp(nll / n)
+
+
+def probe(model, windows: list[list[int]]) -> dict:  # noqa: ANN001
+    import torch
+
+    from faast.hf import output_tuning as tuning
+
+    layer = model.output_memory_layer
+    last = dict(layer.last_tuning or {})
+    eta, lam = layer.chosen_step(), layer.chosen_weight()
+    started = time.perf_counter()
+    hidden, extra, ys, ppl_read = read_states(model, windows)
+    head = layer.head.weight.float()
+    if float(getattr(layer.head, "scale", 1.0)) != 1.0:
+        raise SystemExit("the probe forms logits as h·Hᵀ: a head with a logit scale is not supported")
+    m, _ = layer.solution(head.device, torch.float32)
+    row = {"tuned_step": eta, "tuned_weight": lam, "ppl_read": ppl_read,
+           **{k: last.get(k) for k in ("tuned", "held_out_tokens", "held_out_documents", "document_gap_tokens",
+                                       "fitted_tokens", "key_width")}}  # fmt: skip
+    z0 = hidden @ head.T
+    idx = ys[:, None]
+    base = float((torch.logsumexp(z0, -1) - z0.gather(-1, idx)[:, 0]).double().mean())
+    row["ppl_base"] = math.exp(base)
+    if m is None:  # the memory is off: its direction is the h̃-only solve at the default step's width
+        row.update(ppl_reconstructed=math.exp(base), grid={}, oracle_step=None, oracle_ppl=None)
+        row["probe_s"] = time.perf_counter() - started
+        return row
+    keys = hidden if m.shape[0] == layer.hidden_size else layer.keys(hidden, extra)
+    z1 = (keys @ (m / eta)) @ head.T
+    logits = (z0, z1, z0.gather(-1, idx)[:, 0], z1.gather(-1, idx)[:, 0])
+    del keys
+    ppl = lambda e, w: math.exp(tuning.held_out_nll(logits, e, w))  # noqa: E731
+    row["ppl_reconstructed"] = ppl(eta, lam)
+    row["grid"] = {f"{f:g}": ppl(f * eta, lam) for f in FACTORS}
+    # the oracle step at the shipped weight: golden section on log η over [η/8, 8η]
+    lo, hi = math.log(eta / 8), math.log(eta * 8)
+    g = (math.sqrt(5) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = ppl(math.exp(a), lam), ppl(math.exp(b), lam)
+    for _ in range(GOLDEN):
+        if fa < fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = ppl(math.exp(a), lam)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = ppl(math.exp(b), lam)
+    best = math.exp(a if fa < fb else b)
+    row["oracle_step"], row["oracle_ppl"] = best, min(fa, fb)
+    row["probe_s"] = time.perf_counter() - started
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import torch
+    from domains import domain_texts
+
+    from faast.hf import FaastConfig, apply_faast
+    from faast.hf.default import load_base_model
+    from faast.hf.evaluate import token_windows
+    from faast.hf.tokens import split_by_tokens, token_lists
+
+    args = parse_args(argv)
+    record = provenance.start(ROOT)
+    torch.manual_seed(0)
+    base, tokenizer, description = load_base_model("smollm2")
+    curve = [int(x) for x in args.curve.split(",")]
+    rows: list[dict] = []
+    for name in args.domains:
+        learn_texts, score_texts = domain_texts(name)
+        learn = token_lists(learn_texts, tokenizer, args.learn_tokens)
+        windows = [w for ids in token_lists(score_texts, tokenizer, args.score_tokens)
+                   for w in token_windows(ids, args.window)]  # fmt: skip
+        learned = sum(map(len, learn))
+        amounts = sorted({p for p in curve if p < learned} | {learned})
+        model = apply_faast(base, FaastConfig())
+        try:
+            done = 0
+            for amount, part in zip(amounts, split_by_tokens(learn, amounts), strict=True):
+                if part:
+                    model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size)
+                    model.solve()
+                done = amount
+                row = {"domain": name, "tokens": done, "documents": len(learn), **probe(model, windows)}
+                rows.append(row)
+                grid = " ".join(f"{k}:{v:.3f}" for k, v in row["grid"].items())
+                print(f"{name:>15} {done:>6}: η {row['tuned_step']:.4g} read {row['ppl_read']:.3f} (rebuilt "
+                      f"{row['ppl_reconstructed']:.3f}) base {row['ppl_base']:.3f} | {grid} | oracle η "
+                      f"{row['oracle_step'] or 0:.4g} → {row['oracle_ppl'] or 0:.3f} | tail docs "
+                      f"{row['held_out_documents']} fitted {row['fitted_tokens']}", flush=True)  # fmt: skip
+        finally:
+            model.remove_faast()
+    lines = ["Perplexity on the held-out files. `read`: the model's own read; `rebuilt`: the probe's reconstruction at"
+             " the same step and weight (they must agree). Columns ×f: the tuned step times f, λ at the shipped"
+             " weight. Oracle: the step chosen on the held-out files themselves (λ fixed); ratio = oracle step /"
+             " tuned step. Tail docs: how many learned documents the tuning's held-out rows came from.", "",
+             "| domain | tokens | base | tuned η | read | rebuilt | " + " | ".join(f"×{f:g}" for f in FACTORS)
+             + " | oracle η | oracle | ratio | tail docs | fitted |",
+             "|---|---|---|---|---|---|" + "---|" * len(FACTORS) + "---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        grid = " | ".join(f"{r['grid'][f'{f:g}']:.3f}" if r["grid"] else "–" for f in FACTORS)
+        ratio = f"{r['oracle_step'] / r['tuned_step']:.2f}" if r["oracle_step"] else "–"
+        oracle = f"{r['oracle_step']:.4g} | {r['oracle_ppl']:.3f}" if r["oracle_step"] else "– | –"
+        lines.append(f"| {r['domain']} | {r['tokens']:,} | {r['ppl_base']:.3f} | {r['tuned_step']:.4g} | "
+                     f"{r['ppl_read']:.3f} | {r['ppl_reconstructed']:.3f} | {grid} | {oracle} | {ratio} | "
+                     f"{r['held_out_documents']} | {r['fitted_tokens']} |")  # fmt: skip
+    settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
+    payload = {"model": description, "settings": settings, "rows": rows}
+    provenance.write(args.results_dir / args.out, record, payload,
+                     "The tuned step against the best step for the held-out files", lines)  # fmt: skip
+    return payload
+
+
+if __name__ == "__main__":
+    main()
