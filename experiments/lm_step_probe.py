@@ -31,8 +31,11 @@ from domains import DOMAINS, EXTRA, VALIDATION  # noqa: E402
 from faast import provenance  # noqa: E402
 
 CURVE = (2048, 8192, 32768)
-FACTORS = (0.25, 0.5, 0.71, 1.0, 1.41, 2.0)
-GOLDEN = 12  # golden-section steps on log η for the oracle step (λ fixed)
+FACTORS = (0.25, 0.5, 0.71, 1.0, 1.41, 2.0)  # the report's columns
+# the held-out perplexity is kept at the tuned step times 2^(k/4), k = -8..8 (any rule's step can be read off it),
+# and the oracle step refined by GOLDEN golden-section steps on log η between the best point's neighbours
+CURVE_STEPS = tuple(2 ** (k / 4) for k in range(-8, 9))
+GOLDEN = 8
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -108,7 +111,7 @@ def probe(model, windows: list[list[int]]) -> dict:  # noqa: ANN001
     base = float((torch.logsumexp(z0, -1) - z0.gather(-1, idx)[:, 0]).double().mean())
     row["ppl_base"] = math.exp(base)
     if m is None:  # the memory is off: its direction is the h̃-only solve at the default step's width
-        row.update(ppl_reconstructed=math.exp(base), grid={}, oracle_step=None, oracle_ppl=None)
+        row.update(ppl_reconstructed=math.exp(base), grid={}, curve=[], oracle_step=None, oracle_ppl=None)
         row["probe_s"] = time.perf_counter() - started
         return row
     keys = hidden if m.shape[0] == layer.hidden_size else layer.keys(hidden, extra)
@@ -117,9 +120,12 @@ def probe(model, windows: list[list[int]]) -> dict:  # noqa: ANN001
     del keys
     ppl = lambda e, w: math.exp(tuning.held_out_nll(logits, e, w))  # noqa: E731
     row["ppl_reconstructed"] = ppl(eta, lam)
+    row["curve"] = [(f * eta, ppl(f * eta, lam)) for f in CURVE_STEPS]
     row["grid"] = {f"{f:g}": ppl(f * eta, lam) for f in FACTORS}
-    # the oracle step at the shipped weight: golden section on log η over [η/8, 8η]
-    lo, hi = math.log(eta / 8), math.log(eta * 8)
+    # the oracle step at the shipped weight: golden section on log η between the best curve point's neighbours
+    k = min(range(len(CURVE_STEPS)), key=lambda i: row["curve"][i][1])
+    lo = math.log(eta * CURVE_STEPS[k] / 2**0.25) if k > 0 else math.log(eta / 64)
+    hi = math.log(eta * CURVE_STEPS[k] * 2**0.25) if k < len(CURVE_STEPS) - 1 else math.log(eta * 64)
     g = (math.sqrt(5) - 1) / 2
     a, b = hi - g * (hi - lo), lo + g * (hi - lo)
     fa, fb = ppl(math.exp(a), lam), ppl(math.exp(b), lam)
