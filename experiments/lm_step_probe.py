@@ -144,6 +144,25 @@ def probe(model, windows: list[list[int]]) -> dict:  # noqa: ANN001
     return row
 
 
+def gap_steps(layer) -> dict:  # noqa: ANN001
+    """The step (and key width) the layer tunes with the fit leaving out GAP_MULTIPLE × the held-out rows of each
+    document before them, for GAP_MULTIPLE 0, 1 and 2 (the shipped 2); the layer is left as shipped."""
+    from faast.hf import output_tuning as tuning
+
+    shipped, out = tuning.GAP_MULTIPLE, {}
+    try:
+        for gap in (0, 1, 2):
+            tuning.GAP_MULTIPLE = gap
+            layer.restore_step(None)
+            out[str(gap)] = {"step": layer.chosen_step(), "key_width": layer.chosen_key_width(),
+                             "fitted_tokens": (layer.last_tuning or {}).get("fitted_tokens")}  # fmt: skip
+    finally:
+        tuning.GAP_MULTIPLE = shipped
+        layer.restore_step(None)
+        layer.chosen_step()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     import torch
     from domains import domain_texts
@@ -175,12 +194,14 @@ def main(argv: list[str] | None = None) -> dict:
                     model.solve()
                 done = amount
                 row = {"domain": name, "tokens": done, "documents": len(learn), **probe(model, windows)}
+                row["gap_steps"] = gap_steps(model.output_memory_layer)
                 rows.append(row)
                 grid = " ".join(f"{k}:{v:.3f}" for k, v in row["grid"].items())
                 print(f"{name:>15} {done:>6}: η {row['tuned_step']:.4g} read {row['ppl_read']:.3f} (rebuilt "
                       f"{row['ppl_reconstructed']:.3f}) base {row['ppl_base']:.3f} | {grid} | oracle η "
                       f"{row['oracle_step'] or 0:.4g} → {row['oracle_ppl'] or 0:.3f} | tail docs "
-                      f"{row['held_out_documents']} fitted {row['fitted_tokens']}", flush=True)  # fmt: skip
+                      f"{row['held_out_documents']} fitted {row['fitted_tokens']} | gaps "
+                      f"{ {k: round(v['step'], 4) for k, v in row['gap_steps'].items()} }", flush=True)  # fmt: skip
         finally:
             model.remove_faast()
     lines = ["Perplexity on the held-out files. `read`: the model's own read; `rebuilt`: the probe's reconstruction at"
