@@ -111,7 +111,16 @@ def probe(model, windows: list[list[int]]) -> dict:  # noqa: ANN001
     base = float((torch.logsumexp(z0, -1) - z0.gather(-1, idx)[:, 0]).double().mean())
     row["ppl_base"] = math.exp(base)
     if m is None:  # the memory is off: its direction is the h̃-only solve at the default step's width
-        row.update(ppl_reconstructed=math.exp(base), grid={}, curve=[], oracle_step=None, oracle_ppl=None)
+        row.update(
+            ppl_reconstructed=math.exp(base),
+            grid={},
+            curve=[],
+            oracle_step=None,
+            oracle_ppl=None,
+            joint_step=None,
+            joint_weight=None,
+            joint_ppl=None,
+        )
         row["probe_s"] = time.perf_counter() - started
         return row
     keys = hidden if m.shape[0] == layer.hidden_size else layer.keys(hidden, extra)
@@ -140,6 +149,10 @@ def probe(model, windows: list[list[int]]) -> dict:  # noqa: ANN001
             fb = ppl(math.exp(b), lam)
     best = math.exp(a if fa < fb else b)
     row["oracle_step"], row["oracle_ppl"] = best, min(fa, fb)
+    # the oracle step and weight together: the layer's own search (tune_mixture), run on the held-out files
+    _, _, trace = tuning.tune_mixture(logits)
+    joint = min(trace, key=lambda t: t[2])  # the best point, whether or not it passes the significance test
+    row["joint_step"], row["joint_weight"], row["joint_ppl"] = joint[0], joint[1], math.exp(joint[2])
     row["probe_s"] = time.perf_counter() - started
     return row
 
@@ -160,6 +173,32 @@ def gap_steps(layer) -> dict:  # noqa: ANN001
         tuning.GAP_MULTIPLE = shipped
         layer.restore_step(None)
         layer.chosen_step()
+    return out
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Per domain: the perplexity change against the base model at each point as read, with the oracle step and with
+    the oracle step and weight; whether each falls at every point; the worst point against the base."""
+    out = [
+        "",
+        "## Against the base model (perplexity change), by domain",
+        "",
+        "Each cell: as read (tuned) / oracle η / oracle η and λ, at each point in order.",
+        "",
+        "| domain | points | as read | oracle η | oracle η, λ | falls: read, η, η+λ |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in dict.fromkeys(r["domain"] for r in rows):
+        mine = [r for r in rows if r["domain"] == name]
+        cols = []
+        for key in ("ppl_read", "oracle_ppl", "joint_ppl"):
+            values = [r[key] if r[key] is not None else r["ppl_read"] for r in mine]
+            change = [f"{100 * (v / r['ppl_base'] - 1):+.1f}%" for v, r in zip(values, mine, strict=True)]
+            cols.append((values, change))
+        falls = ["yes" if all(b < a for a, b in zip(v, v[1:], strict=False)) else "no" for v, _ in cols]
+        tokens = ", ".join(f"{r['tokens']:,}" for r in mine)
+        out.append(f"| {name} | {tokens} | "
+                   + " | ".join(", ".join(c) for _, c in cols) + f" | {', '.join(falls)} |")  # fmt: skip
     return out
 
 
@@ -199,7 +238,9 @@ def main(argv: list[str] | None = None) -> dict:
                 grid = " ".join(f"{k}:{v:.3f}" for k, v in row["grid"].items())
                 print(f"{name:>15} {done:>6}: η {row['tuned_step']:.4g} read {row['ppl_read']:.3f} (rebuilt "
                       f"{row['ppl_reconstructed']:.3f}) base {row['ppl_base']:.3f} | {grid} | oracle η "
-                      f"{row['oracle_step'] or 0:.4g} → {row['oracle_ppl'] or 0:.3f} | tail docs "
+                      f"{row['oracle_step'] or 0:.4g} → {row['oracle_ppl'] or 0:.3f} | joint η "
+                      f"{row['joint_step'] or 0:.4g} λ {row['joint_weight'] or 0:.3f} → {row['joint_ppl'] or 0:.3f}"
+                      f" | tail docs "
                       f"{row['held_out_documents']} fitted {row['fitted_tokens']} | gaps "
                       f"{ {k: round(v['step'], 4) for k, v in row['gap_steps'].items()} }", flush=True)  # fmt: skip
         finally:
@@ -209,15 +250,18 @@ def main(argv: list[str] | None = None) -> dict:
              " weight. Oracle: the step chosen on the held-out files themselves (λ fixed); ratio = oracle step /"
              " tuned step. Tail docs: how many learned documents the tuning's held-out rows came from.", "",
              "| domain | tokens | base | tuned η | read | rebuilt | " + " | ".join(f"×{f:g}" for f in FACTORS)
-             + " | oracle η | oracle | ratio | tail docs | fitted |",
-             "|---|---|---|---|---|---|" + "---|" * len(FACTORS) + "---|---|---|---|---|"]  # fmt: skip
+             + " | oracle η | oracle | ratio | joint η, λ | joint | tail docs | fitted |",
+             "|---|---|---|---|---|---|" + "---|" * len(FACTORS) + "---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         grid = " | ".join(f"{r['grid'][f'{f:g}']:.3f}" if r["grid"] else "–" for f in FACTORS)
         ratio = f"{r['oracle_step'] / r['tuned_step']:.2f}" if r["oracle_step"] else "–"
         oracle = f"{r['oracle_step']:.4g} | {r['oracle_ppl']:.3f}" if r["oracle_step"] else "– | –"
+        joint = (f"{r['joint_step']:.4g}, {r['joint_weight']:.2f} | {r['joint_ppl']:.3f}" if r["joint_ppl"]
+                 else "– | –")  # fmt: skip
         lines.append(f"| {r['domain']} | {r['tokens']:,} | {r['ppl_base']:.3f} | {r['tuned_step']:.4g} | "
-                     f"{r['ppl_read']:.3f} | {r['ppl_reconstructed']:.3f} | {grid} | {oracle} | {ratio} | "
+                     f"{r['ppl_read']:.3f} | {r['ppl_reconstructed']:.3f} | {grid} | {oracle} | {ratio} | {joint} | "
                      f"{r['held_out_documents']} | {r['fitted_tokens']} |")  # fmt: skip
+    lines += summary(rows)
     settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
     payload = {"model": description, "settings": settings, "rows": rows}
     provenance.write(args.results_dir / args.out, record, payload,
