@@ -36,6 +36,10 @@ FACTORS = (0.25, 0.5, 0.71, 1.0, 1.41, 2.0)  # the report's columns
 # and the oracle step refined by GOLDEN golden-section steps on log η between the best point's neighbours
 CURVE_STEPS = tuple(2 ** (k / 4) for k in range(-8, 9))
 GOLDEN = 8
+# --pairs: at the points where the step is not tuned (the default step and weight apply), the held-out perplexity on
+# this grid of (η, λ): which default pair suits text the step cannot be tuned on
+PAIR_STEPS = (0.02, 0.03, 0.045, 0.06, 0.09, 0.12)
+PAIR_WEIGHTS = (0.1, 0.2, 0.3, 0.5)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,6 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=1024, help="scoring window (tokens)")
     p.add_argument("--learn-window", type=int, default=256)
     p.add_argument("--learn-batch-size", type=int, default=8)
+    p.add_argument("--pairs", action="store_true", help="at untuned points, the grid PAIR_STEPS × PAIR_WEIGHTS")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--out", default="lm_step_probe_cpu")
     return p.parse_args(argv)
@@ -89,7 +94,7 @@ def read_states(model, windows: list[list[int]]):  # noqa: ANN001, ANN201
     return torch.cat(hidden), (torch.cat(extra) if wide else None), torch.cat(targets), math.exp(nll / n)
 
 
-def probe(model, windows: list[list[int]]) -> dict:  # noqa: ANN001
+def probe(model, windows: list[list[int]], pairs: bool = False) -> dict:  # noqa: ANN001
     import torch
 
     from faast.hf import output_tuning as tuning
@@ -153,6 +158,8 @@ def probe(model, windows: list[list[int]]) -> dict:  # noqa: ANN001
     _, _, trace = tuning.tune_mixture(logits)
     joint = min(trace, key=lambda t: t[2])  # the best point, whether or not it passes the significance test
     row["joint_step"], row["joint_weight"], row["joint_ppl"] = joint[0], joint[1], math.exp(joint[2])
+    if pairs and not last.get("tuned"):
+        row["pairs"] = [(e, w, ppl(e, w)) for e in PAIR_STEPS for w in PAIR_WEIGHTS]
     row["probe_s"] = time.perf_counter() - started
     return row
 
@@ -202,6 +209,28 @@ def summary(rows: list[dict]) -> list[str]:
     return out
 
 
+def pair_table(rows: list[dict]) -> list[str]:
+    """The (η, λ) grid at untuned points: perplexity change against the base model per domain, and the mean over
+    the validation domains, the benchmark's five and the extra two."""
+    from domains import DOMAINS, EXTRA, VALIDATION
+
+    out = []
+    for tokens in sorted({r["tokens"] for r in rows if r.get("pairs")}):
+        mine = {r["domain"]: r for r in rows if r["tokens"] == tokens and r.get("pairs")}
+        groups = [(g, [n for n in group if n in mine]) for g, group in
+                  (("validation", VALIDATION), ("benchmark", DOMAINS), ("extra", EXTRA))]  # fmt: skip
+        groups = [(g, names) for g, names in groups if names]
+        out += ["", f"## Untuned ({tokens:,} tokens learned): held-out perplexity change by default step and weight",
+                "", "| η | λ | " + " | ".join(mine) + " | " + " | ".join(f"mean, {g}" for g, _ in groups) + " |",
+                "|---|---|" + "---|" * (len(mine) + len(groups))]  # fmt: skip
+        for i, (eta, lam, _) in enumerate(next(iter(mine.values()))["pairs"]):
+            change = {n: 100 * (r["pairs"][i][2] / r["ppl_base"] - 1) for n, r in mine.items()}
+            means = [sum(change[n] for n in names) / len(names) for _, names in groups]
+            out.append(f"| {eta:g} | {lam:g} | " + " | ".join(f"{change[n]:+.1f}%" for n in mine) + " | "
+                       + " | ".join(f"{m:+.2f}%" for m in means) + " |")  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     import torch
     from domains import domain_texts
@@ -232,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
                     model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size)
                     model.solve()
                 done = amount
-                row = {"domain": name, "tokens": done, "documents": len(learn), **probe(model, windows)}
+                row = {"domain": name, "tokens": done, "documents": len(learn), **probe(model, windows, args.pairs)}
                 row["gap_steps"] = gap_steps(model.output_memory_layer)
                 rows.append(row)
                 grid = " ".join(f"{k}:{v:.3f}" for k, v in row["grid"].items())
@@ -262,6 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{r['ppl_read']:.3f} | {r['ppl_reconstructed']:.3f} | {grid} | {oracle} | {ratio} | {joint} | "
                      f"{r['held_out_documents']} | {r['fitted_tokens']} |")  # fmt: skip
     lines += summary(rows)
+    if args.pairs:
+        lines += pair_table(rows)
     settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
     payload = {"model": description, "settings": settings, "rows": rows}
     provenance.write(args.results_dir / args.out, record, payload,
