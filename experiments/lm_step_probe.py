@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS, ROOT  # noqa: E402
-from domains import DOMAINS, EXTRA, VALIDATION  # noqa: E402
+from domains import DOMAINS, EXTRA, VALIDATION, domain_texts  # noqa: E402
 
 from faast import provenance  # noqa: E402
 
@@ -212,8 +212,6 @@ def summary(rows: list[dict]) -> list[str]:
 def pair_table(rows: list[dict]) -> list[str]:
     """The (η, λ) grid at untuned points: perplexity change against the base model per domain, and the mean over
     the validation domains, the benchmark's five and the extra two."""
-    from domains import DOMAINS, EXTRA, VALIDATION
-
     out = []
     for tokens in sorted({r["tokens"] for r in rows if r.get("pairs")}):
         mine = {r["domain"]: r for r in rows if r["tokens"] == tokens and r.get("pairs")}
@@ -233,7 +231,6 @@ def pair_table(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     import torch
-    from domains import domain_texts
 
     from faast.hf import FaastConfig, apply_faast
     from faast.hf.default import load_base_model

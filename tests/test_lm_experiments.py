@@ -643,3 +643,55 @@ def test_output_variants_leverage_is_the_float64_hand_computation_and_gates_per_
     assert [b[2] for b in bins] == [3, 2, 2] and bins[0][0] <= bins[1][0] <= bins[2][0]
     gain = scorer.base_tokens.double() - scorer.token_nll(m_shipped, lam)
     assert sum(b[1] * b[2] for b in bins) == pytest.approx(float(gain.sum()), rel=1e-9, abs=1e-12)
+
+
+def test_the_step_probe_rebuilds_the_models_read_and_leaves_the_layer_as_shipped(tmp_path, monkeypatch):
+    """lm_step_probe.main on a tiny Llama and made-up text: at every point the perplexity rebuilt from the kept states
+    equals the model's own read (and evaluate.perplexity), the curve's ×1 point and the untuned default pair are that
+    read, the oracle is no worse than any step on the curve; gap_steps restores the shipped gap and step."""
+    import faast.hf.default
+    from faast.hf import FaastConfig, apply_faast
+    from faast.hf import output_tuning as tuning
+    from faast.hf.evaluate import token_windows
+    from faast.hf.tokens import split_by_tokens, token_lists
+
+    module = load_script("lm_step_probe")
+    base = tiny_model("llama")
+    monkeypatch.setattr(faast.hf.default, "load_base_model", lambda name: (base, CharTokenizer(), "t"))
+    words = random.Random(1)
+
+    def make(n: int) -> str:
+        return " ".join(words.choice(["alpha", "beta = gamma", "delta", "omega"]) for _ in range(n))
+
+    learn, score = [make(150) for _ in range(5)], [make(60) for _ in range(2)]
+    monkeypatch.setattr(module, "domain_texts", lambda name: (learn, score))
+    payload = module.main(["--domains", "info", "--curve", "300,3000", "--learn-tokens", "3000", "--score-tokens",
+                           "400", "--window", "64", "--learn-window", "32", "--pairs", "--results-dir", str(tmp_path),
+                           "--out", "p"])  # fmt: skip
+    rows = payload["rows"]
+    assert [r["tokens"] for r in rows] == [300, 3000] and not rows[0]["tuned"] and rows[1]["tuned"]
+    for r in rows:
+        assert r["ppl_reconstructed"] == pytest.approx(r["ppl_read"], rel=1e-5)
+        factor_one = module.CURVE_STEPS.index(1.0)
+        assert r["curve"][factor_one][1] == pytest.approx(r["ppl_read"], rel=1e-5)
+        assert r["oracle_ppl"] <= min(p for _, p in r["curve"]) + 1e-9
+        assert r["gap_steps"]["2"]["step"] == pytest.approx(r["tuned_step"], rel=1e-9)
+    default = [p for e, w, p in rows[0]["pairs"] if e == 0.03 and w == 0.5]
+    assert default == [pytest.approx(rows[0]["ppl_read"], rel=1e-5)] and "pairs" not in rows[1]
+    assert "## Untuned (300 tokens learned)" in (tmp_path / "p.md").read_text(encoding="utf-8")
+    # The read is the model's: evaluate.perplexity over the windows the probe read gives the same number.
+    model = apply_faast(base, FaastConfig())
+    try:
+        texts = token_lists(learn, CharTokenizer(), 3000)
+        for part in split_by_tokens(texts, [300, 3000]):
+            model.learn(part, max_length=32, batch_size=8)
+            model.solve()
+        scored = [w for t in token_lists(score, CharTokenizer(), 400) for w in token_windows(t, 64)]
+        assert perplexity(model, scored, batch_size=1).ppl == pytest.approx(rows[1]["ppl_read"], rel=1e-5)
+        layer = model.output_memory_layer
+        shipped = layer.chosen_step()
+        steps = module.gap_steps(layer)
+        assert tuning.GAP_MULTIPLE == 2 and layer.chosen_step() == shipped == steps["2"]["step"]
+        assert steps["0"]["fitted_tokens"] > steps["2"]["fitted_tokens"]  # no gap: more of the text is fitted
+    finally:
+        model.remove_faast()
