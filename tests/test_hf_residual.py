@@ -425,8 +425,9 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
     # Forgetting drops the saved step and weight and the held-out buffer: a little new text gets the defaults again.
     fresh.reset_fast_weights()
     assert fresh.output_memory_layer.chosen_step() is None and fresh.output_memory_layer.chosen_weight() is None
-    fresh.learn(ids(batch=1, seq=30))
-    assert fresh.output_memory_layer.chosen_step() == config.output.default_step
+    fresh.learn(ids(batch=1, seq=30))  # 29 positions: the default step scaled to them
+    full = output_module.DEFAULT_STEP_PER_DIM * fresh.output_memory_layer.hidden_size
+    assert fresh.output_memory_layer.chosen_step() == pytest.approx(config.output.default_step * 29 / full, rel=1e-12)
     assert fresh.output_memory_layer.chosen_weight() == output_module.DEFAULT_WEIGHT
     assert not fresh.output_memory_layer.last_tuning["saved_step"]
     # A fixed step is the configuration's: nothing extra is saved.
@@ -515,7 +516,9 @@ def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tu
     with torch.no_grad(), model.disable_faast():
         base = model(x).logits
     assert torch.equal(model(x).logits, base)
-    # Too little text to hold any out: the configured default step and weight, else the space's own defaults.
+    # Too little text to hold any out: the configured default step and weight, else the space's own defaults; the
+    # step scaled by the positions learned below DEFAULT_STEP_PER_DIM per hidden dimension (29 of 3.5 × 32 here).
+    scale = 29 / (output_module.DEFAULT_STEP_PER_DIM * 32)
     for space, kwargs, expected in (
         (
             "probability",
@@ -534,8 +537,9 @@ def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tu
         few.learn(ids(batch=1, seq=30))
         few.output_memory_layer.folded(torch.device("cpu"), torch.float32)
         step, weight = expected
-        assert few.output_memory_layer.last_tuning == {"step": step, "weight": weight, "tuned": False,
-                                                       "saved_step": False, "key_width": 32}  # fmt: skip
+        assert few.output_memory_layer.last_tuning == {"step": pytest.approx(step * scale, rel=1e-12),
+                                                       "weight": weight, "tuned": False, "saved_step": False,
+                                                       "key_width": 32}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -852,3 +856,31 @@ def test_output_key_layers_auto_resolves_to_an_early_block_and_old_configuration
         apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(key_layers=[4])))
     with pytest.raises(TypeError, match="key_layers does not apply to EmbeddingOutput .* a field of ResidualOutput"):
         EmbeddingOutput(key_layers=[1])
+
+
+def test_the_untuned_step_grows_with_the_positions_learned_up_to_the_default():
+    """Below DEFAULT_STEP_PER_DIM positions per hidden dimension the untuned step is default_step × positions /
+    (DEFAULT_STEP_PER_DIM · d), and default_step from there on; a fixed step and a saved step are used as they are."""
+    layer_of = lambda m: m.output_memory_layer  # noqa: E731
+    full = output_module.DEFAULT_STEP_PER_DIM * 32  # the tiny Qwen2's hidden size is 32
+    steps = {}
+    for positions in (29, 59, 111, 199, 399):  # all too few to tune on (the tail needs a 256-position fit)
+        model = apply_faast(tiny_model("qwen2"), FaastConfig(output=ResidualOutput(default_step=0.04)))
+        model.learn(ids(batch=1, seq=positions + 1, seed=positions))
+        assert int(layer_of(model).memory.count) == positions and not layer_of(model).held_out_positions()
+        steps[positions] = layer_of(model).chosen_step()
+        assert steps[positions] == pytest.approx(0.04 * min(1.0, positions / full), rel=1e-12)
+        assert layer_of(model).last_tuning["step"] == steps[positions] and not layer_of(model).last_tuning["tuned"]
+    assert steps[29] < steps[59] < steps[111] < steps[199] == steps[399] == 0.04
+    # The read uses the scaled step: M = η·W with η the scaled one.
+    model = apply_faast(tiny_model("qwen2"), FaastConfig(output=ResidualOutput(default_step=0.04)))
+    model.learn(ids(batch=1, seq=30, seed=29))
+    scaled = layer_of(model).folded(torch.device("cpu"), torch.float64)
+    fixed = apply_faast(tiny_model("qwen2"), FaastConfig(output=ResidualOutput(step=0.04)))
+    fixed.learn(ids(batch=1, seq=30, seed=29))
+    assert layer_of(fixed).chosen_step() == 0.04  # a fixed step is not scaled
+    unscaled = layer_of(fixed).folded(torch.device("cpu"), torch.float64)
+    torch.testing.assert_close(scaled, unscaled * (29 / full), rtol=1e-12, atol=0)
+    # A step restored from a file is the step in use when it was saved: not scaled again.
+    layer_of(model).restore_step(0.04, 0.5)
+    assert layer_of(model).chosen_step() == 0.04 and layer_of(model).last_tuning["saved_step"]

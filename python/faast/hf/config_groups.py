@@ -113,7 +113,8 @@ class ResidualOutput(_Group):
         tune_tokens: learned positions held out to tune the step (0: no tuning, use default_step).
         default_step: η when the step cannot be tuned: too little text learned (fewer than about 5 positions per
             hidden dimension), and no step saved with loaded statistics. None: the space's own, chosen after 2K
-            tokens on three validation domains (faast.hf.output.DEFAULT_STEP).
+            tokens on three validation domains (faast.hf.output.DEFAULT_STEP). Below DEFAULT_STEP_PER_DIM (3.5)
+            learned positions per hidden dimension it is scaled by the positions learned over that many.
         default_weight: λ when it cannot be tuned (probability space); None: faast.hf.output.DEFAULT_WEIGHT.
         key_layers: what else the keys hold besides h̃: block indices ℓ whose input hidden state (RMS-normalised, no
             learned scale) is concatenated to h̃, so the correction reads [h̃; x_ℓ]W with W of shape

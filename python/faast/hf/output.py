@@ -58,6 +58,12 @@ _log = logging.getLogger("faast.hf")
 # tuned: chosen on the validation domains after 2K tokens, for probability space at the default weight 0.5 (docs/
 # design.md §6.3). ResidualOutput.default_step / default_weight override them.
 DEFAULT_STEP = {"logit": 0.015, "probability": 0.03}
+# ... chosen at 2K tokens, about DEFAULT_STEP_PER_DIM positions per hidden dimension of SmolLM2 (d = 576). A W fitted
+# on fewer positions holds more noise, and the step that suits other text falls with the positions: after 1K tokens
+# it was 0.012-0.016 on the three validation domains, where 0.03 made two of them worse than the base model. Below
+# DEFAULT_STEP_PER_DIM·d learned positions the default step is scaled by positions / (DEFAULT_STEP_PER_DIM·d)
+# (docs/design.md §6.3).
+DEFAULT_STEP_PER_DIM = 3.5
 DEFAULT_WEIGHT = 0.5
 KEY_STATE_EPS = 1e-6  # key_state's guard against an all-zero state
 MIX_ROWS = 32  # positions per block of the reading mixture's elementwise passes ([32, V] float32: 6 MB for V = 49K)
@@ -368,6 +374,13 @@ class ResidualOutputLayer(nn.Module):
         after a load (the tail is learning state of this process)."""
         return self.held_out.held_positions(int(self.memory.count), self._min_fit())
 
+    def untuned_step(self) -> float:
+        """The step used when none can be tuned or was saved: default_step, scaled by positions /
+        (DEFAULT_STEP_PER_DIM·d) while fewer positions than that are learned (d: the hidden size, the width an
+        untuned correction reads)."""
+        full = DEFAULT_STEP_PER_DIM * self.hidden_size
+        return self.default_step * min(1.0, float(self.memory.count) / full)
+
     def _fixed_weight(self) -> float | None:
         """λ when it is not tuned: 1 in logit space (the correction replaces the base logits), else the configured
         number; None for 'auto'."""
@@ -394,7 +407,7 @@ class ResidualOutputLayer(nn.Module):
         if not held:
             restored = self._restored_step is not None or self._restored_weight is not None
             step = fixed_step if fixed_step is not None else self._restored_step
-            step = self.default_step if step is None else step
+            step = self.untuned_step() if step is None else step
             weight = fixed_weight if fixed_weight is not None else self._restored_weight
             weight = self.default_weight if weight is None else weight
             width = self.hidden_size if self._restored_width is None else self._restored_width
