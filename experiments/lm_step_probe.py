@@ -185,7 +185,7 @@ def gap_steps(layer) -> dict:  # noqa: ANN001
 
 def summary(rows: list[dict]) -> list[str]:
     """Per domain: the perplexity change against the base model at each point as read, with the oracle step and with
-    the oracle step and weight; whether each falls at every point; the worst point against the base."""
+    the oracle step and weight; and whether each falls at every point."""
     out = [
         "",
         "## Against the base model (perplexity change), by domain",
