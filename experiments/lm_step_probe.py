@@ -40,6 +40,10 @@ GOLDEN = 8
 # this grid of (η, λ): which default pair suits text the step cannot be tuned on
 PAIR_STEPS = (0.02, 0.03, 0.045, 0.06, 0.09, 0.12)
 PAIR_WEIGHTS = (0.1, 0.2, 0.3, 0.5)
+# --w-grid: at tuned points, W under these curvature dampings δ and spectral cuts α (keep σ > N^-α·σmax), each with
+# the step the tail tunes for it and the oracle step: whether a differently regularised W, not the step, is missing
+W_DAMPINGS = (0.25, 1.0, 4.0)
+W_ALPHAS = (1.0, 0.5, 0.25)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,9 +57,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--learn-window", type=int, default=256)
     p.add_argument("--learn-batch-size", type=int, default=8)
     p.add_argument("--pairs", action="store_true", help="at untuned points, the grid PAIR_STEPS × PAIR_WEIGHTS")
+    p.add_argument("--w-grid", action="store_true", help="at tuned points, W_DAMPINGS × W_ALPHAS (w_variants)")
+    p.add_argument(
+        "--longest",
+        type=int,
+        default=None,
+        help="learn only the domain's N longest learn files (in their order): few-document streams",
+    )
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--out", default="lm_step_probe_cpu")
     return p.parse_args(argv)
+
+
+def longest_texts(texts: list[str], n: int) -> list[str]:
+    """The n longest of texts (the earlier one of equal lengths), in their order."""
+    longest = sorted(range(len(texts)), key=lambda i: (-len(texts[i]), i))[:n]
+    return [texts[i] for i in sorted(longest)]
 
 
 def read_states(model, windows: list[list[int]]):  # noqa: ANN001, ANN201
@@ -94,66 +111,73 @@ def read_states(model, windows: list[list[int]]):  # noqa: ANN001, ANN201
     return torch.cat(hidden), (torch.cat(extra) if wide else None), torch.cat(targets), math.exp(nll / n)
 
 
-def probe(model, windows: list[list[int]], pairs: bool = False) -> dict:  # noqa: ANN001
+def held_out_logits(layer, states: tuple):  # noqa: ANN001, ANN201
+    """(z0, z1, their entries at the targets) over the held-out positions for the layer's current solution, as
+    output_tuning.Logits (z1: the change per unit step, keys·W·Hᵀ with W = M/η), or None when the memory is off;
+    states: read_states' (hidden, extra, targets, ...)."""
     import torch
 
+    hidden, extra, ys = states[:3]
+    head = layer.head.weight.float()
+    if float(getattr(layer.head, "scale", 1.0)) != 1.0:
+        raise SystemExit("the probe forms logits as h·Hᵀ: a head with a logit scale is not supported")
+    z0 = hidden @ head.T
+    idx = ys[:, None]
+    m, _ = layer.solution(head.device, torch.float32)
+    if m is None:
+        return (z0, None, z0.gather(-1, idx)[:, 0], None)
+    keys = hidden if m.shape[0] == layer.hidden_size else layer.keys(hidden, extra)
+    z1 = (keys @ (m / layer.chosen_step())) @ head.T
+    return (z0, z1, z0.gather(-1, idx)[:, 0], z1.gather(-1, idx)[:, 0])
+
+
+def oracle_step(ppl, eta: float, curve: list[tuple[float, float]] | None = None) -> tuple[float, float]:  # noqa: ANN001
+    """(η, perplexity) minimising ppl(η) (λ fixed): golden section on log η between the neighbours of the best point of
+    the curve [(η, ppl)] (by default eta × CURVE_STEPS)."""
+    curve = curve or [(f * eta, ppl(f * eta)) for f in CURVE_STEPS]
+    k = min(range(len(curve)), key=lambda i: curve[i][1])
+    lo = math.log(curve[k - 1][0]) if k > 0 else math.log(curve[0][0] / 64)
+    hi = math.log(curve[k + 1][0]) if k < len(curve) - 1 else math.log(curve[-1][0] * 64)
+    g = (math.sqrt(5) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = ppl(math.exp(a)), ppl(math.exp(b))
+    for _ in range(GOLDEN):
+        if fa < fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = ppl(math.exp(a))
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = ppl(math.exp(b))
+    return (math.exp(a), fa) if fa < fb else (math.exp(b), fb)
+
+
+def probe(model, windows: list[list[int]], pairs: bool = False) -> tuple[dict, tuple]:  # noqa: ANN001
+    """(the row of one curve point, read_states' states: kept for `w_variants`)."""
     from faast.hf import output_tuning as tuning
 
     layer = model.output_memory_layer
     last = dict(layer.last_tuning or {})
     eta, lam = layer.chosen_step(), layer.chosen_weight()
     started = time.perf_counter()
-    hidden, extra, ys, ppl_read = read_states(model, windows)
-    head = layer.head.weight.float()
-    if float(getattr(layer.head, "scale", 1.0)) != 1.0:
-        raise SystemExit("the probe forms logits as h·Hᵀ: a head with a logit scale is not supported")
-    m, _ = layer.solution(head.device, torch.float32)
-    row = {"tuned_step": eta, "tuned_weight": lam, "ppl_read": ppl_read,
+    states = read_states(model, windows)
+    row = {"tuned_step": eta, "tuned_weight": lam, "ppl_read": states[3],
            **{k: last.get(k) for k in ("tuned", "held_out_tokens", "held_out_documents", "document_gap_tokens",
                                        "fitted_tokens", "key_width")}}  # fmt: skip
-    z0 = hidden @ head.T
-    idx = ys[:, None]
-    base = float((torch.logsumexp(z0, -1) - z0.gather(-1, idx)[:, 0]).double().mean())
+    logits = held_out_logits(layer, states)
+    base = tuning.held_out_nll(logits, 0.0, 0.0)
     row["ppl_base"] = math.exp(base)
-    if m is None:  # the memory is off: its direction is the h̃-only solve at the default step's width
-        row.update(
-            ppl_reconstructed=math.exp(base),
-            grid={},
-            curve=[],
-            oracle_step=None,
-            oracle_ppl=None,
-            joint_step=None,
-            joint_weight=None,
-            joint_ppl=None,
-        )
-        row["probe_s"] = time.perf_counter() - started
-        return row
-    keys = hidden if m.shape[0] == layer.hidden_size else layer.keys(hidden, extra)
-    z1 = (keys @ (m / eta)) @ head.T
-    logits = (z0, z1, z0.gather(-1, idx)[:, 0], z1.gather(-1, idx)[:, 0])
-    del keys
+    if logits[1] is None:  # the memory is off
+        none = dict.fromkeys(("oracle_step", "oracle_ppl", "joint_step", "joint_weight", "joint_ppl"))
+        row.update(ppl_reconstructed=math.exp(base), grid={}, curve=[], **none, probe_s=time.perf_counter() - started)
+        return row, states
     ppl = lambda e, w: math.exp(tuning.held_out_nll(logits, e, w))  # noqa: E731
     row["ppl_reconstructed"] = ppl(eta, lam)
     row["curve"] = [(f * eta, ppl(f * eta, lam)) for f in CURVE_STEPS]
     row["grid"] = {f"{f:g}": ppl(f * eta, lam) for f in FACTORS}
-    # the oracle step at the shipped weight: golden section on log η between the best curve point's neighbours
-    k = min(range(len(CURVE_STEPS)), key=lambda i: row["curve"][i][1])
-    lo = math.log(eta * CURVE_STEPS[k] / 2**0.25) if k > 0 else math.log(eta / 64)
-    hi = math.log(eta * CURVE_STEPS[k] * 2**0.25) if k < len(CURVE_STEPS) - 1 else math.log(eta * 64)
-    g = (math.sqrt(5) - 1) / 2
-    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
-    fa, fb = ppl(math.exp(a), lam), ppl(math.exp(b), lam)
-    for _ in range(GOLDEN):
-        if fa < fb:
-            hi, b, fb = b, a, fa
-            a = hi - g * (hi - lo)
-            fa = ppl(math.exp(a), lam)
-        else:
-            lo, a, fa = a, b, fb
-            b = lo + g * (hi - lo)
-            fb = ppl(math.exp(b), lam)
-    best = math.exp(a if fa < fb else b)
-    row["oracle_step"], row["oracle_ppl"] = best, min(fa, fb)
+    # the oracle step at the shipped weight
+    row["oracle_step"], row["oracle_ppl"] = oracle_step(lambda e: ppl(e, lam), eta, row["curve"])
     # the oracle step and weight together: the layer's own search (tune_mixture), run on the held-out files
     _, _, trace = tuning.tune_mixture(logits)
     joint = min(trace, key=lambda t: t[2])  # the best point, whether or not it passes the significance test
@@ -161,7 +185,41 @@ def probe(model, windows: list[list[int]], pairs: bool = False) -> dict:  # noqa
     if pairs and not last.get("tuned"):
         row["pairs"] = [(e, w, ppl(e, w)) for e in PAIR_STEPS for w in PAIR_WEIGHTS]
     row["probe_s"] = time.perf_counter() - started
-    return row
+    return row, states
+
+
+def w_variants(layer, states: tuple) -> list[dict]:  # noqa: ANN001
+    """At a tuned point: for each damping δ in W_DAMPINGS and spectral cut α in W_ALPHAS (the layer's own solve and
+    tuning, its settings patched and then put back), the step the tail tunes, the held-out perplexity at it, and the
+    oracle step (λ at the tuned weight) with its perplexity. Says whether any W the layer's regularisers make, rather
+    than the step, is what the held-out files lack."""
+    from faast.hf import output_tuning as tuning
+
+    shipped = layer.damping, layer.memory.alpha
+    out = []
+    try:
+        for damping in W_DAMPINGS:
+            for alpha in W_ALPHAS:
+                layer.damping, layer.memory.alpha = damping, alpha
+                layer.restore_step(None)
+                eta, lam = layer.chosen_step(), layer.chosen_weight()
+                row = {"damping": damping, "alpha": alpha, "step": eta, "weight": lam,
+                       "key_width": layer.chosen_key_width()}  # fmt: skip
+                logits = held_out_logits(layer, states)
+                if logits[1] is None:
+                    row.update(ppl=math.exp(tuning.held_out_nll(logits, 0.0, 0.0)), oracle_step=None, oracle_ppl=None)
+                else:
+                    weight = lam or layer.default_weight
+                    ppl = lambda e, w=weight, lg=logits: math.exp(tuning.held_out_nll(lg, e, w))  # noqa: E731
+                    row["ppl"] = ppl(eta) if lam else ppl(0.0)
+                    row["oracle_step"], row["oracle_ppl"] = oracle_step(ppl, eta or layer.default_step)
+                del logits
+                out.append(row)
+    finally:
+        layer.damping, layer.memory.alpha = shipped
+        layer.restore_step(None)
+        layer.chosen_step()
+    return out
 
 
 def gap_steps(layer) -> dict:  # noqa: ANN001
@@ -209,6 +267,23 @@ def summary(rows: list[dict]) -> list[str]:
     return out
 
 
+def variant_table(rows: list[dict]) -> list[str]:
+    """--w-grid: per tuned point and W (damping δ, cut α), the tail's step and the held-out perplexity change at it,
+    and the oracle step's."""
+    out = ["", "## Differently regularised W (--w-grid)", "",
+           "Each W is the layer's own solve with its curvature damping δ and spectral cut α (keep σ > N^-α·σmax) "
+           "changed, its step tuned on the tail as shipped. Cells: tail η → change as read / oracle η → change.", "",
+           "| domain | tokens | δ | α | width | tail η | read | oracle η | oracle |",
+           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        for v in r.get("w_variants", []):
+            oracle = (f"{v['oracle_step']:.4g} | {100 * (v['oracle_ppl'] / r['ppl_base'] - 1):+.1f}%"
+                      if v["oracle_step"] else "– | –")  # fmt: skip
+            out.append(f"| {r['domain']} | {r['tokens']:,} | {v['damping']:g} | {v['alpha']:g} | {v['key_width']} | "
+                       f"{v['step']:.4g} | {100 * (v['ppl'] / r['ppl_base'] - 1):+.1f}% | {oracle} |")  # fmt: skip
+    return out
+
+
 def pair_table(rows: list[dict]) -> list[str]:
     """The (η, λ) grid at untuned points: perplexity change against the base model per domain, and the mean over
     the validation domains, the benchmark's five and the extra two."""
@@ -245,6 +320,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows: list[dict] = []
     for name in args.domains:
         learn_texts, score_texts = domain_texts(name)
+        if args.longest:
+            learn_texts = longest_texts(learn_texts, args.longest)
         learn = token_lists(learn_texts, tokenizer, args.learn_tokens)
         windows = [w for ids in token_lists(score_texts, tokenizer, args.score_tokens)
                    for w in token_windows(ids, args.window)]  # fmt: skip
@@ -258,8 +335,12 @@ def main(argv: list[str] | None = None) -> dict:
                     model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size)
                     model.solve()
                 done = amount
-                row = {"domain": name, "tokens": done, "documents": len(learn), **probe(model, windows, args.pairs)}
+                point, states = probe(model, windows, args.pairs)
+                row = {"domain": name, "tokens": done, "documents": len(learn), **point}
                 row["gap_steps"] = gap_steps(model.output_memory_layer)
+                if args.w_grid and row.get("tuned"):
+                    row["w_variants"] = w_variants(model.output_memory_layer, states)
+                del states
                 rows.append(row)
                 grid = " ".join(f"{k}:{v:.3f}" for k, v in row["grid"].items())
                 print(f"{name:>15} {done:>6}: η {row['tuned_step']:.4g} read {row['ppl_read']:.3f} (rebuilt "
@@ -288,6 +369,8 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{r['ppl_read']:.3f} | {r['ppl_reconstructed']:.3f} | {grid} | {oracle} | {ratio} | {joint} | "
                      f"{r['held_out_documents']} | {r['fitted_tokens']} |")  # fmt: skip
     lines += summary(rows)
+    if args.w_grid:
+        lines += variant_table(rows)
     if args.pairs:
         lines += pair_table(rows)
     settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}

@@ -645,6 +645,13 @@ def test_output_variants_leverage_is_the_float64_hand_computation_and_gates_per_
     assert sum(b[1] * b[2] for b in bins) == pytest.approx(float(gain.sum()), rel=1e-9, abs=1e-12)
 
 
+def test_the_step_probe_learns_the_longest_files_in_their_order_with_longest():
+    module = load_script("lm_step_probe")
+    assert module.longest_texts(["aa", "b", "cccc", "dd", "eee"], 3) == ["aa", "cccc", "eee"]  # ties: the earlier
+    assert module.longest_texts(["aa", "b", "cccc", "dd", "eee"], 2) == ["cccc", "eee"]
+    assert module.longest_texts(["a", "b"], 5) == ["a", "b"]
+
+
 def test_the_step_probe_rebuilds_the_models_read_and_leaves_the_layer_as_shipped(tmp_path, monkeypatch):
     """lm_step_probe.main on a tiny Llama and made-up text: at every point the perplexity rebuilt from the kept states
     equals the model's own read (and evaluate.perplexity), the curve's ×1 point and the untuned default pair are that
@@ -666,8 +673,8 @@ def test_the_step_probe_rebuilds_the_models_read_and_leaves_the_layer_as_shipped
     learn, score = [make(150) for _ in range(5)], [make(60) for _ in range(2)]
     monkeypatch.setattr(module, "domain_texts", lambda name: (learn, score))
     payload = module.main(["--domains", "info", "--curve", "300,3000", "--learn-tokens", "3000", "--score-tokens",
-                           "400", "--window", "64", "--learn-window", "32", "--pairs", "--results-dir", str(tmp_path),
-                           "--out", "p"])  # fmt: skip
+                           "400", "--window", "64", "--learn-window", "32", "--pairs", "--w-grid", "--results-dir",
+                           str(tmp_path), "--out", "p"])  # fmt: skip
     rows = payload["rows"]
     assert [r["tokens"] for r in rows] == [300, 3000] and not rows[0]["tuned"] and rows[1]["tuned"]
     for r in rows:
@@ -676,6 +683,15 @@ def test_the_step_probe_rebuilds_the_models_read_and_leaves_the_layer_as_shipped
         assert r["curve"][factor_one][1] == pytest.approx(r["ppl_read"], rel=1e-5)
         assert r["oracle_ppl"] <= min(p for _, p in r["curve"]) + 1e-9
         assert r["gap_steps"]["2"]["step"] == pytest.approx(r["tuned_step"], rel=1e-9)
+    # --w-grid: the shipped W (δ 1, α 1) is the layer's own tuning and read; the others are solved and tuned apart
+    assert "w_variants" not in rows[0]
+    variants = {(v["damping"], v["alpha"]): v for v in rows[1]["w_variants"]}
+    assert len(variants) == len(module.W_DAMPINGS) * len(module.W_ALPHAS)
+    assert variants[1.0, 1.0]["step"] == pytest.approx(rows[1]["tuned_step"], rel=1e-9)
+    assert variants[1.0, 1.0]["ppl"] == pytest.approx(rows[1]["ppl_read"], rel=1e-5)
+    assert len({round(variants[d, 1.0]["step"], 9) for d in module.W_DAMPINGS}) == len(module.W_DAMPINGS)
+    assert all(v["oracle_ppl"] <= v["ppl"] + 1e-9 for v in variants.values() if v["oracle_ppl"] is not None)
+    assert "## Differently regularised W" in (tmp_path / "p.md").read_text(encoding="utf-8")
     default = [p for e, w, p in rows[0]["pairs"] if e == 0.03 and w == 0.5]
     assert default == [pytest.approx(rows[0]["ppl_read"], rel=1e-5)] and "pairs" not in rows[1]
     assert "## Untuned (300 tokens learned)" in (tmp_path / "p.md").read_text(encoding="utf-8")
@@ -693,5 +709,8 @@ def test_the_step_probe_rebuilds_the_models_read_and_leaves_the_layer_as_shipped
         steps = module.gap_steps(layer)
         assert tuning.GAP_MULTIPLE == 2 and layer.chosen_step() == shipped == steps["2"]["step"]
         assert steps["0"]["fitted_tokens"] > steps["2"]["fitted_tokens"]  # no gap: more of the text is fitted
+        memory_alpha, damping = layer.memory.alpha, layer.damping
+        module.w_variants(layer, module.read_states(model, scored[:1]))
+        assert (layer.memory.alpha, layer.damping) == (memory_alpha, damping) and layer.chosen_step() == shipped
     finally:
         model.remove_faast()
