@@ -26,7 +26,8 @@ bracketed 1-D Newton search); in probability space it is convex in λ for each �
 geometric grid refined by golden section. A mixture bounds what a wrong correction can cost a token (at most
 −log(1 − λ)), which lets the tuned step be larger where the memory is right. When the
 learned stream is several documents, the fit also leaves out the held-out tail's document just before it (up to
-GAP_MULTIPLE times as many positions as the tail), so that η is tuned on text unlike what was fitted. All state has a
+GAP_MULTIPLE times as many positions as the tail), so that η is tuned on text unlike what was fitted; where each
+held-out document has much fitted text of its own, η is shrunk (output_diagnosis.document_shrink). All state has a
 fixed size: a d_key×d_key, a d_key×d and a d×d sum, a V-vector and a (1 + GAP_MULTIPLE)·`tune_tokens`-position
 buffer.
 
@@ -49,7 +50,7 @@ from . import output_tuning as tuning
 from .config import FaastConfig, ResidualOutput
 from .head import READ_CHUNK, change_logits, head_gradients, head_logits, products_dtype
 from .mixture import read_blocks
-from .output_diagnosis import MemoryOffWarning, diagnose
+from .output_diagnosis import MemoryOffWarning, diagnose, document_shrink
 from .output_tuning import HeldOutTail, Logits
 
 _log = logging.getLogger("faast.hf")
@@ -452,8 +453,11 @@ class ResidualOutputLayer(nn.Module):
         check_weight = lam if lam > 0 else (fixed_weight if fixed_weight is not None else self.default_weight)
         candidate = min(trace, key=lambda t: t[-1])[0]  # the search's best step, before the significance test
         diagnosis = diagnose(logits, docs, eta, check_weight, candidate, rows, log_base)
+        documents = self.held_out.documents(int(memory.count), self._min_fit())
+        shrink = document_shrink(fitted, documents, self.hidden_size) if fixed_step is None else 1.0
+        tail_step, eta = eta, eta * shrink
         self.last_tuning = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held,
-                            "held_out_documents": self.held_out.documents(int(memory.count), self._min_fit()),
+                            "held_out_documents": documents, "tail_step": tail_step, "document_shrink": shrink,
                             "document_gap_tokens": gap, "fitted_tokens": fitted, "key_width": width,
                             "held_out_nll": trace, **diagnosis,
                             "by_key_width": {k: {"held_out_nll": v[0], "step": v[1], "weight": v[2], "rows": sampled}

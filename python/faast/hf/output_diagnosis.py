@@ -1,5 +1,6 @@
 """Why a tuned step is what it is: the residual output layer's diagnosis of its held-out tail (docs/design.md §6.3),
-and the warning it gives when the memory ends up off or far below what one of its texts would take alone."""
+the warning it gives when the memory ends up off or far below what one of its texts would take alone, and how far the
+tail's step is shrunk when its documents each have much fitted text of their own."""
 
 from __future__ import annotations
 
@@ -23,6 +24,23 @@ from .output_tuning import (
 # positions are in the tuning sample; its own step is "much larger" beyond PART_STEP_RATIO times the chosen one.
 PART_MIN_POSITIONS = MIN_HELD_OUT
 PART_STEP_RATIO = 4.0
+# The tail's step is multiplied by min(1, (DOCUMENT_POSITIONS_PER_DIM·d / L)^DOCUMENT_SHRINK_POWER), L the positions
+# fitted per held-out document and d the hidden size (`document_shrink`). Where each held-out document has much fitted
+# text of its own (one long file), the tail rewards what is particular to that text, and its step overshoots on
+# other files: 0.39× to 0.77× of the tail's step was best for them on 32K tokens of tkinter, info, copyright and email.
+# Chosen on the validation domains (docs/design.md §6.3): 6 and 0.5 were best of 2,500-8,000 positions × 0.25-1.5.
+DOCUMENT_POSITIONS_PER_DIM = 6
+DOCUMENT_SHRINK_POWER = 0.5
+
+
+def document_shrink(fitted: int, documents: int, hidden_size: int) -> float:
+    """The factor (0, 1] on the tail's tuned step when `fitted` positions were fitted and the held-out rows come from
+    `documents` documents (see DOCUMENT_POSITIONS_PER_DIM): 1 while at most DOCUMENT_POSITIONS_PER_DIM·hidden_size
+    positions are fitted per held-out document."""
+    per_document = fitted / max(documents, 1)
+    if per_document <= DOCUMENT_POSITIONS_PER_DIM * hidden_size:
+        return 1.0
+    return (DOCUMENT_POSITIONS_PER_DIM * hidden_size / per_document) ** DOCUMENT_SHRINK_POWER
 
 
 class MemoryOffWarning(UserWarning):
