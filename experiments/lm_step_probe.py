@@ -13,6 +13,11 @@ step and what the tuning saw (how many documents the held-out tail came from, ho
 held-out perplexity at multiples of the tuned step, and the oracle: η (λ held at the shipped weight) and (η, λ) both
 chosen on the held-out files themselves. The oracle is not a method: it is the headroom of any step rule, and the
 ratio oracle η / tuned η says in which direction and by how much the tail misleads (docs/design.md §6.3).
+
+--w-grid asks whether a differently regularised W, rather than the step, is what the held-out files lack: at each
+tuned point the layer's own solve and tuning run again under other curvature dampings and spectral cuts. --longest N
+learns only a domain's N longest files, so that few-document streams (one long file, as tkinter's) can be studied on
+the validation domains.
 """
 
 from __future__ import annotations
