@@ -4,6 +4,8 @@ the memory off, and a memory that ends up off, or far below what one of its text
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -183,9 +185,14 @@ def test_the_document_shrink_is_one_up_to_six_positions_per_dimension_then_their
     assert shrink(24 * d, 0, d) == shrink(24 * d, 1, d)  # no held-out document counts as one
 
 
-def test_one_long_text_reads_at_the_tails_step_times_the_document_shrink_and_many_short_ones_at_the_tails(monkeypatch):
+def test_one_long_text_reads_at_the_tails_step_times_the_document_shrink_and_many_short_ones_at_the_tails(
+    monkeypatch, caplog
+):
     text = noisy_phrase(3000, seed=3)
-    layer = learned([text]).output_memory_layer
+    with caplog.at_level(logging.INFO, logger="faast.hf"):
+        layer = learned([text]).output_memory_layer
+    said = [r.getMessage() for r in caplog.records if "shrunk" in r.getMessage()]
+    assert len(said) == 1 and f"shrunk ×{layer.last_tuning['document_shrink']:.2f}" in said[0]
     tuned = layer.last_tuning
     per_document = tuned["fitted_tokens"] / tuned["held_out_documents"]
     expected = (6 * 32 / per_document) ** 0.5
@@ -201,6 +208,9 @@ def test_one_long_text_reads_at_the_tails_step_times_the_document_shrink_and_man
     torch.testing.assert_close(m, expected * unshrunk.folded(torch.device("cpu"), torch.float32), rtol=1e-5, atol=1e-7)
     monkeypatch.undo()
     # The same amount of text as 12 documents: each held-out one has under 6·d fitted positions of its own.
-    parts = learned([noisy_phrase(250, seed=3 + i) for i in range(12)]).output_memory_layer.last_tuning
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="faast.hf"):
+        parts = learned([noisy_phrase(250, seed=3 + i) for i in range(12)]).output_memory_layer.last_tuning
+    assert not [r for r in caplog.records if "shrunk" in r.getMessage()]
     assert parts["fitted_tokens"] / parts["held_out_documents"] <= 6 * 32 and parts["held_out_documents"] == 12
     assert parts["document_shrink"] == 1.0 and parts["step"] == parts["tail_step"] > 0

@@ -294,9 +294,10 @@ class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
 
         Returns {memory name: its residual output layer's tuning, or None without one}: a copy of last_tuning with
         step, weight, tuned, key_width and, when tuned, held_out_tokens / held_out_documents / document_gap_tokens /
-        fitted_tokens, off (the step or weight is 0: the memory reads as the base model), held_out_gain and its
-        standard error, parts (the step each large held-out text would take alone) and warning (why the memory is
-        off or far below one of its texts' steps; also issued once as a MemoryOffWarning)."""
+        fitted_tokens, tail_step and document_shrink (step = tail_step × document_shrink, < 1 where each held-out text
+        has much fitted text of its own), off (the step or weight is 0: the memory reads as the base model),
+        held_out_gain and its standard error, parts (the step each large held-out text would take alone) and warning
+        (why the memory is off or far below one of its texts' steps; also issued once as a MemoryOffWarning)."""
         if memories is not None and not isinstance(memories, (list, tuple)):
             raise TypeError(f"memories: expected a list of memory names or None, got {memories!r}")
         names = self.memories if memories is None else [self.memory_store.require(n, "memories") for n in memories]

@@ -456,6 +456,9 @@ class ResidualOutputLayer(nn.Module):
         documents = self.held_out.documents(int(memory.count), self._min_fit())
         shrink = document_shrink(fitted, documents, self.hidden_size) if fixed_step is None else 1.0
         tail_step, eta = eta, eta * shrink
+        if shrink < 1.0:
+            _log.info("faast: output layer: %.0f fitted positions per held-out text, so the tail's step %.3g is "
+                      "shrunk ×%.2f", fitted / max(documents, 1), tail_step, shrink)  # fmt: skip
         self.last_tuning = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held,
                             "held_out_documents": documents, "tail_step": tail_step, "document_shrink": shrink,
                             "document_gap_tokens": gap, "fitted_tokens": fitted, "key_width": width,
