@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from faast.hf import ResidualOutput
+from tolerances import STEP_SEARCH_REL
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +136,9 @@ def test_two_texts_learned_in_either_order_gain_the_same_on_both():
             adapted.remove_faast()
     (first, ppl_a), (second, ppl_b) = results
     assert first["tuned"] and not first["off"] and first["warning"] is None and first["held_out_documents"] == 5
-    assert first["step"] == pytest.approx(second["step"], rel=1e-6) and first["step"] > 0.05
+    # The same step up to the search's own tolerance: the search starts from a sample of every 4th held-out row, and
+    # the rows come in stream order, so the two orders start it from different samples (measured 3.6e-4 apart).
+    assert first["step"] == pytest.approx(second["step"], rel=STEP_SEARCH_REL) and first["step"] > 0.05
     for name in scored:
         assert ppl_a[name] == pytest.approx(ppl_b[name], rel=1e-4)
         assert ppl_a[name] < 0.95 * zero[name]
