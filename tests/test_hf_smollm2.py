@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from faast.hf import ResidualOutput
-from tolerances import STEP_SEARCH_REL
+from tolerances import ORDER_STEP_REL
 
 pytestmark = pytest.mark.slow
 
@@ -136,9 +136,9 @@ def test_two_texts_learned_in_either_order_gain_the_same_on_both():
             adapted.remove_faast()
     (first, ppl_a), (second, ppl_b) = results
     assert first["tuned"] and not first["off"] and first["warning"] is None and first["held_out_documents"] == 5
-    # The same step up to the search's own tolerance: the search starts from a sample of every 4th held-out row, and
-    # the rows come in stream order, so the two orders start it from different samples (measured 3.6e-4 apart).
-    assert first["step"] == pytest.approx(second["step"], rel=STEP_SEARCH_REL) and first["step"] > 0.05
+    # The search starts from a sample of every 4th held-out row, drawn with the texts in an order of their own content
+    # (not the order learned), so both orders tune on the same rows and the steps agree to rounding.
+    assert first["step"] == pytest.approx(second["step"], rel=ORDER_STEP_REL) and first["step"] > 0.05
     for name in scored:
         assert ppl_a[name] == pytest.approx(ppl_b[name], rel=1e-4)
         assert ppl_a[name] < 0.95 * zero[name]

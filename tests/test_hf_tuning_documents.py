@@ -14,6 +14,7 @@ from faast.hf import output_diagnosis as diagnosis_module
 from faast.hf import output_tuning as tuning_module
 from faast.hf.output_tuning import tail_plan
 from hf_models import VOCAB, tiny_model
+from tolerances import ORDER_STEP_REL
 
 CONFIG = FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=4096))
 WINDOW = 100  # the tiny models take 128 positions
@@ -80,6 +81,18 @@ def test_two_texts_learned_in_either_order_or_together_tune_the_same_step():
     for text in (noisy_phrase(300, seed=1)[7:], noisy_phrase(300, seed=2)[7:]):
         nll = [base_and_memory_nll(model, text)[1] for model in runs.values()]
         assert max(nll) - min(nll) < 1e-4 * max(nll)
+
+
+def test_the_sampled_step_search_tunes_the_same_step_in_either_order(monkeypatch):
+    # With many held-out rows the step is tuned on a spread of TUNE_SAMPLE of them and its search starts from every
+    # SEARCH_SAMPLE_STRIDE-th of those. Both samples are drawn with the documents in an order of their own content,
+    # so the two orders pick the same rows, and the steps agree to rounding, not merely to the search's tolerance.
+    monkeypatch.setattr(tuning_module, "TUNE_SAMPLE", 150)
+    monkeypatch.setattr(tuning_module, "SEARCH_SAMPLE_MIN_ROWS", 64)
+    a, b = noisy_phrase(700, seed=1), noisy_phrase(400, seed=2)
+    first, second = (learned(*calls).output_memory_layer.last_tuning for calls in (([a], [b]), ([b], [a])))
+    assert first["tuned"] and first["held_out_tokens"] > 150 and first["step"] > 0.05
+    assert second["step"] == pytest.approx(first["step"], rel=ORDER_STEP_REL)
 
 
 def test_a_last_text_unlike_the_others_does_not_switch_the_memory_off():

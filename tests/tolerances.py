@@ -85,6 +85,10 @@ CHOLESKY_NULL_DIRECTIONS = 8.0
 STEP_SEARCH_REL = 0.03
 STEP_SEARCH_NLL_ABS = 1e-4
 
+# The tuned step when the same texts are learned in another order: the same held-out rows and float64 statistics,
+# summed in another order (float32 products of the tail's rows), so the steps differ by rounding alone.
+ORDER_STEP_REL = 1e-6
+
 # The residual output layer's held-out NLL at a tuned (η, λ) (float32 logits of float16-stored keys, summed in float64)
 # against a float64 hand computation from the same stored keys, on the tiny test models.
 HELD_OUT_NLL_REL = 1e-5

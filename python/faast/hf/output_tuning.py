@@ -11,6 +11,7 @@ geometric grid refined by golden section (`tune_mixture`). A mixture is used onl
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -64,11 +65,9 @@ _MOMENT_ROWS = 64  # rows per block of `_moments` (64 × 49,152 float32: 12.6 MB
 
 def _moments(z0: torch.Tensor, z1: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of logits z = z0 + η·z1 [n, V]: (logsumexp z, E_p[z1], E_p[z1²]) [n] with p = softmax(z). One
-    exponential per entry (the softmax's unnormalised weights give the logsumexp too), the two expectations as row dot
-    products, and blocks of _MOMENT_ROWS rows written into one reused buffer that stays in cache: 0.37 s instead
-    of 0.97 s (logsumexp, then softmax, in blocks of 512) for 2048 × 49,152 logits on 2 AMD EPYC cores. The dot
-    products are vecdot's fused reductions: bmm's [1, V] × [V, 1] products took 3.3× as long on 2 Intel Xeon cores
-    (a 32K-token solve 2.8 s → 2.1 s there), and strayed further from float64."""
+    exponential per entry (the softmax's unnormalised weights give the logsumexp too), the expectations as vecdot's
+    fused row products, in blocks of _MOMENT_ROWS rows in one reused buffer that stays in cache (timings: docs/
+    design.md §6.3)."""
     out = []
     buffer = torch.empty((min(_MOMENT_ROWS, z0.shape[0]), z0.shape[1]), dtype=z0.dtype, device=z0.device)
     for a, b in zip(z0.split(_MOMENT_ROWS), z1.split(_MOMENT_ROWS), strict=True):
@@ -83,9 +82,8 @@ def _moments(z0: torch.Tensor, z1: torch.Tensor, eta: float) -> tuple[torch.Tens
 
 
 def row_logsumexp(z0: torch.Tensor, z1: torch.Tensor | None = None, eta: float = 0.0) -> torch.Tensor:
-    """logsumexp of each row of z0 + η·z1 [n, V] (z0 alone when z1 is None): [n], in z0's dtype. Blocks of
-    _MOMENT_ROWS rows in one reused buffer that stays in cache, one exponential per entry: 1.5–2.7× faster than
-    torch.logsumexp over blocks of 512 rows for 2048 × 49,152 logits on 2 AMD EPYC cores."""
+    """logsumexp of each row of z0 + η·z1 [n, V] (z0 alone when z1 is None): [n], in z0's dtype, as `_moments` takes
+    it: 1.5–2.7× faster than torch.logsumexp over blocks of 512 rows (2048 × 49,152 logits, 2 AMD EPYC cores)."""
     out = []
     buffer = torch.empty((min(_MOMENT_ROWS, z0.shape[0]), z0.shape[1]), dtype=z0.dtype, device=z0.device)
     for i, a in enumerate(z0.split(_MOMENT_ROWS)):
@@ -402,6 +400,19 @@ def _per_position(values: list[int], runs: list[int], device: torch.device) -> t
     return torch.repeat_interleave(torch.tensor(values, dtype=torch.long, device=device), lengths)
 
 
+def _canonical_order(index: torch.Tensor, keys: torch.Tensor, ys: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    """The held-out rows `index` [h] (stream order, each document's rows contiguous) with the documents ordered by
+    their own content (length, targets, then the sum of their keys), not by when they were learned: the step is tuned
+    on a sample of these rows, and learning A then B must sample what B then A does (docs/design.md §6.3)."""
+    counts = torch.unique_consecutive(docs[index], return_counts=True)[1].tolist()
+    runs = list(zip(itertools.accumulate([0, *counts[:-1]]), itertools.accumulate(counts), strict=True))
+    targets = ys[index].tolist()
+    order = sorted(
+        runs, key=lambda r: (r[1] - r[0], targets[r[0] : r[1]], float(keys[index[r[0] : r[1]]].double().sum()))
+    )
+    return index if order == runs else torch.cat([index[a:b] for a, b in order])
+
+
 # The tail buffer keeps keys in float16 (half the bytes of float32: the buffer stays smaller than the statistics it
 # tunes); a key outside float16's range switches the buffer to float32. The rounding (2⁻¹¹ relative) moves the fit's
 # statistics by far less than the held-out noise the step is tuned against.
@@ -570,7 +581,7 @@ class HeldOutTail:
         out_mask = from_end < _per_position([h + g for h, g in plan], runs, device)
         held = int(held_mask.sum())
         gap = int(out_mask.sum()) - held
-        held_index = held_mask.nonzero().squeeze(-1)
+        held_index = _canonical_order(held_mask.nonzero().squeeze(-1), keys, ys, docs)
         sample = held_index[torch.linspace(0, held - 1, min(held, TUNE_SAMPLE), device=device).round().long()]
         return (keys[sample].float(), ys[sample], docs[sample], keys[out_mask], values[out_mask], held, gap)
 
