@@ -17,7 +17,9 @@ ratio oracle η / tuned η says in which direction and by how much the tail misl
 --w-grid asks whether a differently regularised W, rather than the step, is what the held-out files lack: at each
 tuned point the layer's own solve and tuning run again under other curvature dampings and spectral cuts. --longest N
 learns only a domain's N longest files, so that few-document streams (one long file, as tkinter's) can be studied on
-the validation domains.
+the validation domains. --bias asks whether a bias in the correction (an intercept: what every position shares, e.g.
+the domain's vocabulary) would reach what the held-out files lack: oracle steps for the shipped W, a bias alone, the
+intercept regression, and the shipped W plus a bias with a step of its own (`bias_variants`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ PAIR_WEIGHTS = (0.1, 0.2, 0.3, 0.5)
 # the step the tail tunes for it and the oracle step: whether a differently regularised W, not the step, is missing
 W_DAMPINGS = (0.25, 1.0, 4.0)
 W_ALPHAS = (1.0, 0.5, 0.25)
+# --bias: the shipped W plus the bias b with step κ·η, on this grid of κ and of η as a multiple of W's oracle step
+BIAS_KAPPAS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+BIAS_ETA_FACTORS = (0.5, 0.71, 1.0, 1.41)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,6 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--learn-batch-size", type=int, default=8)
     p.add_argument("--pairs", action="store_true", help="at untuned points, the grid PAIR_STEPS × PAIR_WEIGHTS")
     p.add_argument("--w-grid", action="store_true", help="at tuned points, W_DAMPINGS × W_ALPHAS (w_variants)")
+    p.add_argument("--bias", action="store_true", help="at tuned points, a bias in the correction (bias_variants)")
     p.add_argument(
         "--longest",
         type=int,
@@ -227,6 +233,86 @@ def w_variants(layer, states: tuple) -> list[dict]:  # noqa: ANN001
     return out
 
 
+def learned_sums(layer) -> dict:  # noqa: ANN001
+    """Wrap the layer's learn so that it also sums, over the learned positions, the keys ("keys" [d_key] float64) and
+    the targets' one-hot vectors ("targets" [V] float64): what a bias in the correction needs and the layer's
+    statistics do not keep. `del layer.learn` unwraps it."""
+    import torch
+
+    sums = {"keys": 0.0, "targets": torch.zeros(layer.head.weight.shape[0], dtype=torch.float64)}
+    learn = layer.learn
+
+    def spy(hidden, targets, pair_mask, documents=None, extra=None, logits=None, hold_out=True):  # noqa: ANN001, ANN202
+        keys = layer.keys(hidden, extra)[:, :-1].double()
+        sums["keys"] = sums["keys"] + (keys * pair_mask[..., None]).sum((0, 1))
+        sums["targets"] += torch.bincount(targets[pair_mask].cpu(), minlength=sums["targets"].numel()).double()
+        return learn(hidden, targets, pair_mask, documents, extra, logits=logits, hold_out=hold_out)
+
+    layer.learn = spy
+    return sums
+
+
+def bias_corrections(layer, sums: dict) -> tuple:  # noqa: ANN001
+    """(b [d], W_c [width, d], c [d]) float64 for the layer's statistics at its chosen key width. b = curvature⁻¹·r̄:
+    the Newton step on the mean learned gradient r̄ = Hᵀ(Σ e_y − Σ p)/N alone. W_c and c: the regression with a
+    constant key, W_c fitted on centred keys (S − N·k̄k̄ᵀ, T − N·k̄r̄ᵀ, the layer's cut) then the curvature, and its
+    bias c = b − k̄·W_c. sums: `learned_sums`."""
+    import torch
+
+    from faast import ops
+
+    head, memory, width = layer.head.weight.double(), layer.memory, layer.chosen_key_width()
+    n = float(memory.count)
+    curvature = layer.damped_curvature()
+    mean_gradient = head.T @ (sums["targets"] - layer.token_mass.probability.double()) / n
+    b = torch.linalg.solve(curvature, mean_gradient)
+    k_mean = (sums["keys"] / n)[:width]
+    gram = memory.gram[:width, :width] - n * torch.outer(k_mean, k_mean)
+    cross = memory.cross[:width] - n * torch.outer(k_mean, mean_gradient)
+    w = ops.solve_fast_weights(gram, cross, count=memory.count, alpha=memory.alpha)
+    w = torch.linalg.solve(curvature, w.T).T
+    return b, w, b - k_mean @ w
+
+
+def bias_variants(layer, states: tuple, sums: dict) -> dict:  # noqa: ANN001
+    """At a tuned point, the oracle step (λ at the tuned weight) and its held-out perplexity for four corrections:
+    'shipped' (W as solved); 'bias' (b = curvature⁻¹·r̄ alone, r̄ = Hᵀ(Σ e_y − Σ p)/N the mean learned gradient: the
+    same change for every position); 'intercept' (the regression with a constant key: W_c fitted on centred keys,
+    S − N·k̄k̄ᵀ and T − N·k̄r̄ᵀ, then the curvature, plus the bias b − k̄·W_c, at the chosen width); and 'w_plus_bias'
+    (the shipped W at η plus b at κ·η, best on the BIAS_ETA_FACTORS × BIAS_KAPPAS grid). sums: `learned_sums`."""
+    import torch
+
+    from faast.hf import output_tuning as tuning
+
+    logits = held_out_logits(layer, states)
+    z0, z1, t0, _ = logits
+    hidden, extra, ys = states[:3]
+    head, weight = layer.head.weight.double(), layer.chosen_weight() or layer.default_weight
+    b, w, c = bias_corrections(layer, sums)
+    zb = (b @ head.T).float()
+
+    def oracle(lg: tuple) -> dict:
+        step, ppl = oracle_step(lambda e: math.exp(tuning.held_out_nll(lg, e, weight)), layer.chosen_step())
+        return {"step": step, "ppl": ppl}
+
+    out = {"shipped": oracle(logits), "bias": oracle((z0, zb.expand_as(z0), t0, zb[ys]))}
+    keys = hidden if w.shape[0] == layer.hidden_size else layer.keys(hidden, extra)
+    zc = ((keys.double() @ w + c).float()) @ head.T.float()
+    out["intercept"] = oracle((z0, zc, t0, zc.gather(-1, ys[:, None])[:, 0]))
+    del zc
+    best = None
+    for f in BIAS_ETA_FACTORS:
+        eta = f * out["shipped"]["step"]
+        for kappa in BIAS_KAPPAS:
+            z = torch.add(z1 * eta, zb, alpha=kappa * eta)
+            ppl = math.exp(tuning.held_out_nll((z0, z, t0, z.gather(-1, ys[:, None])[:, 0]), 1.0, weight))
+            if best is None or ppl < best["ppl"]:
+                best = {"step": eta, "kappa": kappa, "ppl": ppl}
+            del z
+    out["w_plus_bias"] = best
+    return out
+
+
 def gap_steps(layer) -> dict:  # noqa: ANN001
     """The step (and key width) the layer tunes with the fit leaving out GAP_MULTIPLE × the held-out rows of each
     document before them, for GAP_MULTIPLE 0, 1 and 2 (the shipped 2); the layer is left as shipped."""
@@ -289,6 +375,25 @@ def variant_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def bias_table(rows: list[dict]) -> list[str]:
+    """--bias: per tuned point, each correction's oracle step and held-out perplexity change (`bias_variants`)."""
+    out = ["", "## A bias in the correction (--bias)", "",
+           "Oracle steps on the held-out files (λ at the tuned weight), so an upper bound for each correction: the "
+           "shipped W; a bias alone (the Newton step on the mean learned gradient); the regression with a constant "
+           "key (centred keys plus a bias); the shipped W plus the bias at κ·η. Cells: η → change.", "",
+           "| domain | tokens | shipped | bias alone | intercept | W + κ·bias |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        v = r.get("bias_variants")
+        if not v:
+            continue
+        cell = lambda x, base=r["ppl_base"]: f"{x['step']:.4g} → {100 * (x['ppl'] / base - 1):+.2f}%"  # noqa: E731
+        out.append(f"| {r['domain']} | {r['tokens']:,} | {cell(v['shipped'])} | {cell(v['bias'])} | "
+                   f"{cell(v['intercept'])} | {cell(v['w_plus_bias'])}, κ {v['w_plus_bias']['kappa']:g} |"
+                   )  # fmt: skip
+    return out
+
+
 def pair_table(rows: list[dict]) -> list[str]:
     """The (η, λ) grid at untuned points: perplexity change against the base model per domain, and the mean over
     the validation domains, the benchmark's five and the extra two."""
@@ -333,6 +438,7 @@ def main(argv: list[str] | None = None) -> dict:
         learned = sum(map(len, learn))
         amounts = sorted({p for p in curve if p < learned} | {learned})
         model = apply_faast(base, FaastConfig())
+        sums = learned_sums(model.output_memory_layer) if args.bias else None
         try:
             done = 0
             for amount, part in zip(amounts, split_by_tokens(learn, amounts), strict=True):
@@ -345,6 +451,8 @@ def main(argv: list[str] | None = None) -> dict:
                 row["gap_steps"] = gap_steps(model.output_memory_layer)
                 if args.w_grid and row.get("tuned"):
                     row["w_variants"] = w_variants(model.output_memory_layer, states)
+                if args.bias and row.get("tuned"):
+                    row["bias_variants"] = bias_variants(model.output_memory_layer, states, sums)
                 del states
                 rows.append(row)
                 grid = " ".join(f"{k}:{v:.3f}" for k, v in row["grid"].items())
@@ -356,6 +464,8 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{row['held_out_documents']} fitted {row['fitted_tokens']} | gaps "
                       f"{ {k: round(v['step'], 4) for k, v in row['gap_steps'].items()} }", flush=True)  # fmt: skip
         finally:
+            if sums is not None:
+                del model.output_memory_layer.learn
             model.remove_faast()
     lines = ["Perplexity on the held-out files. `read`: the model's own read; `rebuilt`: the probe's reconstruction at"
              " the same step and weight (they must agree). Columns ×f: the tuned step times f, λ at the shipped"
@@ -378,6 +488,8 @@ def main(argv: list[str] | None = None) -> dict:
         lines += variant_table(rows)
     if args.pairs:
         lines += pair_table(rows)
+    if args.bias:
+        lines += bias_table(rows)
     settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
     payload = {"model": description, "settings": settings, "rows": rows}
     provenance.write(args.results_dir / args.out, record, payload,

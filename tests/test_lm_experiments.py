@@ -714,3 +714,51 @@ def test_the_step_probe_rebuilds_the_models_read_and_leaves_the_layer_as_shipped
         assert (layer.memory.alpha, layer.damping) == (memory_alpha, damping) and layer.chosen_step() == shipped
     finally:
         model.remove_faast()
+
+
+def test_the_step_probes_bias_corrections_are_the_float64_hand_computation():
+    """lm_step_probe --bias on a tiny Llama: learned_sums adds up the learned keys and targets; the bias alone is the
+    Newton step on the mean gradient, and the intercept regression is the fit on centred keys with its bias, both
+    against float64 from the final states; bias_variants' oracles are no worse than the read at the tuned step."""
+    from faast.hf import FaastConfig, ResidualOutput, apply_faast
+    from faast.hf import output_tuning as tuning
+    from test_hf_residual import ids, newton, reference_statistics
+    from tolerances import TRUTH_REL_W, assert_close, rel
+
+    module = load_script("lm_step_probe")
+    # float32 throughout (not bfloat16 where the CPU multiplies it natively): the hand computation's precision
+    output = ResidualOutput(key_layers=[], tune_tokens=4096, head_dtype="float32")
+    model = apply_faast(tiny_model("llama"), FaastConfig(output=output, learn_dtype="model"))
+    layer = model.output_memory_layer
+    sums = module.learned_sums(layer)
+    try:
+        x = ids(batch=8, seq=100, period=23)
+        model.learn(x)
+        assert layer.chosen_step() > 0 and layer.chosen_key_width() == layer.hidden_size
+        k, y, s, t, mu_gram, mass = reference_statistics(model, x, torch.ones_like(x, dtype=torch.bool))
+        assert_close(sums["keys"], k.sum(0), torch.float32)
+        assert torch.equal(sums["targets"], torch.bincount(y, minlength=VOCAB).double())
+        b, w, c = module.bias_corrections(layer, sums)
+        head = model.base_model.get_output_embeddings().weight.double()
+        n = k.shape[0]
+        curvature = (head.T * mass) @ head - mu_gram
+        curvature = curvature / n + layer.damping * (curvature / n).diagonal().mean() * torch.eye(head.shape[1])
+        r_mean = (head[y] - torch.softmax(k @ head.T, -1) @ head).mean(0)
+        assert_close(b, torch.linalg.solve(curvature.double(), r_mean), torch.float32)
+        k_mean = k.mean(0)
+        w_ref = newton(s - n * torch.outer(k_mean, k_mean), t - n * torch.outer(k_mean, r_mean), n, mu_gram, mass,
+                       head, damping=layer.damping)  # fmt: skip
+        # the centred statistics cancel: a solution's tolerance against the float64 truth, not an elementwise one
+        assert rel(w, w_ref) < TRUTH_REL_W and rel(c, b - k_mean @ w_ref) < TRUTH_REL_W
+        # The oracles: each no worse than its correction read at the step the probe starts from.
+        states = module.read_states(model, [x[0].tolist(), x[1].tolist()])
+        variants = module.bias_variants(layer, states, sums)
+        shipped = module.held_out_logits(layer, states)
+        read = math.exp(tuning.held_out_nll(shipped, layer.chosen_step(), layer.chosen_weight()))
+        assert variants["shipped"]["ppl"] <= read + 1e-9
+        # the W + κ·bias grid holds κ = 0 at the shipped oracle step
+        assert variants["w_plus_bias"]["ppl"] <= variants["shipped"]["ppl"] * (1 + 1e-6)
+        assert {"bias", "intercept"} <= set(variants)
+    finally:
+        del layer.learn
+        model.remove_faast()
