@@ -52,7 +52,7 @@ PAIR_WEIGHTS = (0.1, 0.2, 0.3, 0.5)
 W_DAMPINGS = (0.25, 1.0, 4.0)
 W_ALPHAS = (1.0, 0.5, 0.25)
 # --bias: the shipped W plus the bias b with step κ·η, on this grid of κ and of η as a multiple of W's oracle step
-BIAS_KAPPAS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+BIAS_KAPPAS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 BIAS_ETA_FACTORS = (0.5, 0.71, 1.0, 1.41)
 
 
@@ -310,7 +310,50 @@ def bias_variants(layer, states: tuple, sums: dict) -> dict:  # noqa: ANN001
                 best = {"step": eta, "kappa": kappa, "ppl": ppl}
             del z
     out["w_plus_bias"] = best
+    # the bias's κ and the step as the tail would tune them (then the layer's document shrink), read on the held-out
+    tail = tail_bias_step(layer, sums)
+    eta, kappa = tail["step"] * tail["document_shrink"], tail["kappa"]
+    z = torch.add(z1 * eta, zb, alpha=kappa * eta)
+    tail["ppl"] = math.exp(tuning.held_out_nll((z0, z, t0, z.gather(-1, ys[:, None])[:, 0]), 1.0, weight))
+    out["tail_tuned"] = tail
     return out
+
+
+def tail_bias_step(layer, sums: dict) -> dict:  # noqa: ANN001
+    """The (η, κ) the layer's own tail would choose for W plus κ·b: W and b fitted without the left-out positions
+    (their statistics, and their gradients' sum, subtract exactly), η tuned on the held-out rows at the tuned weight
+    (`tune_step_rows`) for each κ in BIAS_KAPPAS, the κ of the lowest held-out NLL; with the layer's document shrink
+    of η as it applies it (`last_tuning`). The chosen key width is kept."""
+    import torch
+    from lm_baselines import faast_min_fit
+
+    from faast.hf import output_tuning as tuning
+
+    layer.chosen_step()
+    shrink = (layer.last_tuning or {}).get("document_shrink", 1.0)
+    memory, width, weight = layer.memory, layer.chosen_key_width(), layer.chosen_weight() or layer.default_weight
+    keys, ys, _, s_out, t_out, n_out, _, _ = layer.tail_statistics()
+    out_values = layer.held_out.split(int(memory.count), faast_min_fit(layer.hidden_size))[4]
+    head = layer.head.weight.double()
+    curvature = layer.damped_curvature()
+    gradient_sum = head.T @ (sums["targets"] - layer.token_mass.probability.double()) - out_values.double().sum(0)
+    n_fit = memory.count - n_out
+    dt = memory.gram.dtype
+    w = layer.newton(memory.gram - s_out.to(dt), memory.cross - t_out.to(dt), n_fit, curvature, width)
+    b = torch.linalg.solve(curvature, gradient_sum / float(n_fit))
+    base = layer.tail_base(keys, ys)
+    z1 = layer.tail_logits(keys, ys, w, base)[1]
+    zb = (b @ head.T).float()
+    best = None
+    for kappa in BIAS_KAPPAS:
+        z = torch.add(z1, zb, alpha=kappa)
+        logits = (base[0], z, base[1], z.gather(-1, ys[:, None])[:, 0])
+        eta, trace, _ = tuning.tune_step_rows(logits, weight)
+        nll = min(t[1] for t in trace) if eta > 0 else float(-tuning.base_log_targets(logits).mean())
+        if best is None or nll < best["tail_nll"]:
+            best = {"kappa": kappa, "step": eta, "tail_nll": nll, "document_shrink": shrink}
+        del z, logits
+    return best
 
 
 def gap_steps(layer) -> dict:  # noqa: ANN001
@@ -381,15 +424,17 @@ def bias_table(rows: list[dict]) -> list[str]:
            "Oracle steps on the held-out files (λ at the tuned weight), so an upper bound for each correction: the "
            "shipped W; a bias alone (the Newton step on the mean learned gradient); the regression with a constant "
            "key (centred keys plus a bias); the shipped W plus the bias at κ·η. Cells: η → change.", "",
-           "| domain | tokens | shipped | bias alone | intercept | W + κ·bias |",
-           "|---|---|---|---|---|---|"]  # fmt: skip
+           "| domain | tokens | shipped | bias alone | intercept | W + κ·bias | tail-tuned W + κ·bias |",
+           "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         v = r.get("bias_variants")
         if not v:
             continue
         cell = lambda x, base=r["ppl_base"]: f"{x['step']:.4g} → {100 * (x['ppl'] / base - 1):+.2f}%"  # noqa: E731
         out.append(f"| {r['domain']} | {r['tokens']:,} | {cell(v['shipped'])} | {cell(v['bias'])} | "
-                   f"{cell(v['intercept'])} | {cell(v['w_plus_bias'])}, κ {v['w_plus_bias']['kappa']:g} |"
+                   f"{cell(v['intercept'])} | {cell(v['w_plus_bias'])}, κ {v['w_plus_bias']['kappa']:g} | "
+                   f"{v['tail_tuned']['step'] * v['tail_tuned']['document_shrink']:.4g} → "
+                   f"{100 * (v['tail_tuned']['ppl'] / r['ppl_base'] - 1):+.2f}%, κ {v['tail_tuned']['kappa']:g} |"
                    )  # fmt: skip
     return out
 

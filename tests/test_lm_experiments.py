@@ -759,6 +759,13 @@ def test_the_step_probes_bias_corrections_are_the_float64_hand_computation():
         # the W + κ·bias grid holds κ = 0 at the shipped oracle step
         assert variants["w_plus_bias"]["ppl"] <= variants["shipped"]["ppl"] * (1 + 1e-6)
         assert {"bias", "intercept"} <= set(variants)
+        # The tail's own choice: at κ = 0 it is the layer's tuned step (before the shrink); the κ chosen is no worse.
+        tail = variants["tail_tuned"]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(module, "BIAS_KAPPAS", (0.0,))
+            alone = module.tail_bias_step(layer, sums)
+        assert alone["step"] == pytest.approx(layer.last_tuning["tail_step"], rel=1e-9)
+        assert tail["tail_nll"] <= alone["tail_nll"] and tail["kappa"] in module.BIAS_KAPPAS
     finally:
         del layer.learn
         model.remove_faast()
