@@ -252,6 +252,16 @@ def learned_sums(layer) -> dict:  # noqa: ANN001
     return sums
 
 
+def learned_gradient_sum(layer, sums: dict):  # noqa: ANN001, ANN201
+    """Σ r = Hᵀ(Σ e_y − Σ p) [d] float64 over the learned positions (`learned_sums`' targets, the layer's Σ p)."""
+    return layer.head.weight.double().T @ (sums["targets"] - layer.token_mass.probability.double())
+
+
+def with_targets(z0, target0, z, ys):  # noqa: ANN001, ANN201
+    """output_tuning.Logits for base logits z0 [n, V] (their entries at the targets target0 [n]) and the change z."""
+    return (z0, z, target0, z.gather(-1, ys[:, None])[:, 0])
+
+
 def bias_corrections(layer, sums: dict) -> tuple:  # noqa: ANN001
     """(b [d], W_c [width, d], c [d]) float64 for the layer's statistics at its chosen key width. b = curvature⁻¹·r̄:
     the Newton step on the mean learned gradient r̄ = Hᵀ(Σ e_y − Σ p)/N alone. W_c and c: the regression with a
@@ -261,10 +271,10 @@ def bias_corrections(layer, sums: dict) -> tuple:  # noqa: ANN001
 
     from faast import ops
 
-    head, memory, width = layer.head.weight.double(), layer.memory, layer.chosen_key_width()
+    memory, width = layer.memory, layer.chosen_key_width()
     n = float(memory.count)
     curvature = layer.damped_curvature()
-    mean_gradient = head.T @ (sums["targets"] - layer.token_mass.probability.double()) / n
+    mean_gradient = learned_gradient_sum(layer, sums) / n
     b = torch.linalg.solve(curvature, mean_gradient)
     k_mean = (sums["keys"] / n)[:width]
     gram = memory.gram[:width, :width] - n * torch.outer(k_mean, k_mean)
@@ -298,14 +308,14 @@ def bias_variants(layer, states: tuple, sums: dict) -> dict:  # noqa: ANN001
     out = {"shipped": oracle(logits), "bias": oracle((z0, zb.expand_as(z0), t0, zb[ys]))}
     keys = hidden if w.shape[0] == layer.hidden_size else layer.keys(hidden, extra)
     zc = ((keys.double() @ w + c).float()) @ head.T.float()
-    out["intercept"] = oracle((z0, zc, t0, zc.gather(-1, ys[:, None])[:, 0]))
+    out["intercept"] = oracle(with_targets(z0, t0, zc, ys))
     del zc
     best = None
     for f in BIAS_ETA_FACTORS:
         eta = f * out["shipped"]["step"]
         for kappa in BIAS_KAPPAS:
             z = torch.add(z1 * eta, zb, alpha=kappa * eta)
-            ppl = math.exp(tuning.held_out_nll((z0, z, t0, z.gather(-1, ys[:, None])[:, 0]), 1.0, weight))
+            ppl = math.exp(tuning.held_out_nll(with_targets(z0, t0, z, ys), 1.0, weight))
             if best is None or ppl < best["ppl"]:
                 best = {"step": eta, "kappa": kappa, "ppl": ppl}
             del z
@@ -314,7 +324,7 @@ def bias_variants(layer, states: tuple, sums: dict) -> dict:  # noqa: ANN001
     tail = tail_bias_step(layer, sums)
     eta, kappa = tail["step"] * tail["document_shrink"], tail["kappa"]
     z = torch.add(z1 * eta, zb, alpha=kappa * eta)
-    tail["ppl"] = math.exp(tuning.held_out_nll((z0, z, t0, z.gather(-1, ys[:, None])[:, 0]), 1.0, weight))
+    tail["ppl"] = math.exp(tuning.held_out_nll(with_targets(z0, t0, z, ys), 1.0, weight))
     out["tail_tuned"] = tail
     return out
 
@@ -336,7 +346,7 @@ def tail_bias_step(layer, sums: dict) -> dict:  # noqa: ANN001
     out_values = layer.held_out.split(int(memory.count), faast_min_fit(layer.hidden_size))[4]
     head = layer.head.weight.double()
     curvature = layer.damped_curvature()
-    gradient_sum = head.T @ (sums["targets"] - layer.token_mass.probability.double()) - out_values.double().sum(0)
+    gradient_sum = learned_gradient_sum(layer, sums) - out_values.double().sum(0)
     n_fit = memory.count - n_out
     dt = memory.gram.dtype
     w = layer.newton(memory.gram - s_out.to(dt), memory.cross - t_out.to(dt), n_fit, curvature, width)
@@ -347,7 +357,7 @@ def tail_bias_step(layer, sums: dict) -> dict:  # noqa: ANN001
     best = None
     for kappa in BIAS_KAPPAS:
         z = torch.add(z1, zb, alpha=kappa)
-        logits = (base[0], z, base[1], z.gather(-1, ys[:, None])[:, 0])
+        logits = with_targets(base[0], base[1], z, ys)
         eta, trace, _ = tuning.tune_step_rows(logits, weight)
         nll = min(t[1] for t in trace) if eta > 0 else float(-tuning.base_log_targets(logits).mean())
         if best is None or nll < best["tail_nll"]:
