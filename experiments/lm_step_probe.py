@@ -28,6 +28,7 @@ import argparse
 import math
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,6 +55,9 @@ W_ALPHAS = (1.0, 0.5, 0.25)
 # --bias: the shipped W plus the bias b with step κ·η, on this grid of κ and of η as a multiple of W's oracle step
 BIAS_KAPPAS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 BIAS_ETA_FACTORS = (0.5, 0.71, 1.0, 1.41)
+# --fixed-bias: the shipped W plus the bias b at a fixed absolute step β (a prior chosen on validation domains, not on
+# the tail), with W's step as shipped and as the tail re-tunes it with β·b in place (then the document shrink)
+FIXED_BETAS = (0.25, 0.5, 0.75, 1.0)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -69,6 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pairs", action="store_true", help="at untuned points, the grid PAIR_STEPS × PAIR_WEIGHTS")
     p.add_argument("--w-grid", action="store_true", help="at tuned points, W_DAMPINGS × W_ALPHAS (w_variants)")
     p.add_argument("--bias", action="store_true", help="at tuned points, a bias in the correction (bias_variants)")
+    p.add_argument("--fixed-bias", action="store_true", help="at every point, the bias at FIXED_BETAS (fixed_bias)")
     p.add_argument(
         "--longest",
         type=int,
@@ -366,6 +371,60 @@ def tail_bias_step(layer, sums: dict) -> dict:  # noqa: ANN001
     return best
 
 
+def fixed_bias(layer, states: tuple, sums: dict, tuned: bool) -> dict:  # noqa: ANN001
+    """For each β in FIXED_BETAS, the held-out perplexity of the memory component softmax(z0 + η·z1 + β·b·Hᵀ) at the
+    layer's weight: 'shipped' with η the layer's chosen step; at tuned points also 'tail' with η re-tuned on the
+    layer's tail rows (W and b fitted without them, β·b in place, golden section from the tail's own step) times the
+    document shrink. b: the Newton step on the mean learned gradient (`bias_corrections`). Keys: str(β)."""
+    import torch
+
+    from faast.hf import output_tuning as tuning
+
+    z0, z1, t0, _ = held_out_logits(layer, states)
+    ys = states[2]
+    head, weight = layer.head.weight.double(), layer.chosen_weight() or layer.default_weight
+    eta = layer.chosen_step()
+    zb = (bias_corrections(layer, sums)[0] @ head.T).float()
+    tail = tail_rows(layer, sums) if tuned else None
+
+    def read(logits: tuple, step: float, bias, beta: float, targets) -> float:  # noqa: ANN001
+        z = torch.add(logits[1] * step, bias, alpha=beta)
+        return tuning.held_out_nll(with_targets(logits[0], logits[2], z, targets), 1.0, weight)
+
+    out = {}
+    for beta in FIXED_BETAS:
+        row = {"shipped": {"step": eta, "ppl": math.exp(read((z0, z1, t0), eta, zb, beta, ys))}}
+        if tail is not None:
+            base, tz1, tzb, tys, start, shrink = tail
+            step = oracle_step(partial(read, (base[0], tz1, base[1]), bias=tzb, beta=beta, targets=tys), start)[0]
+            row["tail"] = {"step": step * shrink, "ppl": math.exp(read((z0, z1, t0), step * shrink, zb, beta, ys))}
+        out[f"{beta:g}"] = row
+    return out
+
+
+def tail_rows(layer, sums: dict) -> tuple:  # noqa: ANN001
+    """(base logits and their target entries, z1 per unit step, b·Hᵀ, targets, the tail's own step, the document
+    shrink) on the layer's tail rows, with W and b fitted without them (as `tail_bias_step`)."""
+    import torch
+    from lm_baselines import faast_min_fit
+
+    layer.chosen_step()
+    tuning = layer.last_tuning or {}
+    memory, width = layer.memory, layer.chosen_key_width()
+    keys, ys, _, s_out, t_out, n_out, _, _ = layer.tail_statistics()
+    out_values = layer.held_out.split(int(memory.count), faast_min_fit(layer.hidden_size))[4]
+    curvature = layer.damped_curvature()
+    n_fit = memory.count - n_out
+    dt = memory.gram.dtype
+    w = layer.newton(memory.gram - s_out.to(dt), memory.cross - t_out.to(dt), n_fit, curvature, width)
+    b = torch.linalg.solve(curvature, (learned_gradient_sum(layer, sums) - out_values.double().sum(0)) / float(n_fit))
+    base = layer.tail_base(keys, ys)
+    z1 = layer.tail_logits(keys, ys, w, base)[1]
+    zb = (b @ layer.head.weight.double().T).float()
+    start = tuning.get("tail_step") or layer.chosen_step()
+    return base, z1, zb, ys, start, tuning.get("document_shrink", 1.0)
+
+
 def gap_steps(layer) -> dict:  # noqa: ANN001
     """The step (and key width) the layer tunes with the fit leaving out GAP_MULTIPLE × the held-out rows of each
     document before them, for GAP_MULTIPLE 0, 1 and 2 (the shipped 2); the layer is left as shipped."""
@@ -449,6 +508,38 @@ def bias_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def fixed_bias_table(rows: list[dict]) -> list[str]:
+    """--fixed-bias: per point, the change against the base model at β = 0 (as read) and at each β, with W's step as
+    shipped / as the tail re-tunes it; and per β the mean change over the points."""
+    out = ["", "## A bias at a fixed step β (--fixed-bias)", "",
+           "The shipped W plus β·b, b the Newton step on the mean learned gradient. Cells: change against the base "
+           "model with W's step as shipped / as the tail re-tunes it with β·b in place (– where the step is not "
+           "tuned).", "",
+           "| domain | tokens | β = 0 | " + " | ".join(f"β = {b:g}" for b in FIXED_BETAS) + " |",
+           "|---|---|---|" + "---|" * len(FIXED_BETAS)]  # fmt: skip
+    means: dict[str, list[float]] = {}
+
+    def change(r: dict, ppl: float) -> float:
+        return 100 * (ppl / r["ppl_base"] - 1)
+
+    for r in rows:
+        if "fixed_bias" not in r:
+            continue
+        cells = []
+        for beta in FIXED_BETAS:
+            v = r["fixed_bias"][f"{beta:g}"]
+            shipped = change(r, v["shipped"]["ppl"])
+            tail = change(r, v["tail"]["ppl"]) if "tail" in v else None
+            means.setdefault(f"{beta:g}", []).append(shipped if tail is None else tail)
+            cells.append(f"{shipped:+.2f}% / " + (f"{tail:+.2f}%" if tail is not None else "–"))
+        means.setdefault("0", []).append(change(r, r["ppl_read"]))
+        out.append(f"| {r['domain']} | {r['tokens']:,} | {change(r, r['ppl_read']):+.2f}% | {' | '.join(cells)} |")
+    if means:
+        out += ["", "Mean over these points (the tail's step where tuned): "
+                + ", ".join(f"β = {k}: {sum(v) / len(v):+.2f}%" for k, v in means.items())]  # fmt: skip
+    return out
+
+
 def pair_table(rows: list[dict]) -> list[str]:
     """The (η, λ) grid at untuned points: perplexity change against the base model per domain, and the mean over
     the validation domains, the benchmark's five and the extra two."""
@@ -493,7 +584,7 @@ def main(argv: list[str] | None = None) -> dict:
         learned = sum(map(len, learn))
         amounts = sorted({p for p in curve if p < learned} | {learned})
         model = apply_faast(base, FaastConfig())
-        sums = learned_sums(model.output_memory_layer) if args.bias else None
+        sums = learned_sums(model.output_memory_layer) if args.bias or args.fixed_bias else None
         try:
             done = 0
             for amount, part in zip(amounts, split_by_tokens(learn, amounts), strict=True):
@@ -508,6 +599,8 @@ def main(argv: list[str] | None = None) -> dict:
                     row["w_variants"] = w_variants(model.output_memory_layer, states)
                 if args.bias and row.get("tuned"):
                     row["bias_variants"] = bias_variants(model.output_memory_layer, states, sums)
+                if args.fixed_bias and row["grid"]:  # the memory is on
+                    row["fixed_bias"] = fixed_bias(model.output_memory_layer, states, sums, bool(row.get("tuned")))
                 del states
                 rows.append(row)
                 grid = " ".join(f"{k}:{v:.3f}" for k, v in row["grid"].items())
@@ -545,6 +638,8 @@ def main(argv: list[str] | None = None) -> dict:
         lines += pair_table(rows)
     if args.bias:
         lines += bias_table(rows)
+    if args.fixed_bias:
+        lines += fixed_bias_table(rows)
     settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
     payload = {"model": description, "settings": settings, "rows": rows}
     provenance.write(args.results_dir / args.out, record, payload,

@@ -723,7 +723,7 @@ def test_the_step_probes_bias_corrections_are_the_float64_hand_computation():
     from faast.hf import FaastConfig, ResidualOutput, apply_faast
     from faast.hf import output_tuning as tuning
     from test_hf_residual import ids, newton, reference_statistics
-    from tolerances import TRUTH_REL_W, assert_close, rel
+    from tolerances import STEP_SEARCH_REL, TRUTH_REL_W, assert_close, rel
 
     module = load_script("lm_step_probe")
     # float32 throughout (not bfloat16 where the CPU multiplies it natively): the hand computation's precision
@@ -766,6 +766,21 @@ def test_the_step_probes_bias_corrections_are_the_float64_hand_computation():
             alone = module.tail_bias_step(layer, sums)
         assert alone["step"] == pytest.approx(layer.last_tuning["tail_step"], rel=1e-9)
         assert tail["tail_nll"] <= alone["tail_nll"] and tail["kappa"] in module.BIAS_KAPPAS
+        # --fixed-bias: β·b added to the shipped correction, read against the hand-made logits; the tail's step at
+        # β = 0 is the layer's own tuned step (a golden section against its search: their tolerance).
+        fixed = module.fixed_bias(layer, states, sums, tuned=True)
+        z0, z1, t0, _ = shipped
+        zb = (b @ head.T).float()
+        for beta in module.FIXED_BETAS:
+            z = z1 * layer.chosen_step() + beta * zb
+            hand = math.exp(tuning.held_out_nll((z0, z, t0, z.gather(-1, states[2][:, None])[:, 0]), 1.0,
+                                                layer.chosen_weight()))  # fmt: skip
+            assert fixed[f"{beta:g}"]["shipped"]["ppl"] == pytest.approx(hand, rel=1e-6)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(module, "FIXED_BETAS", (0.0,))
+            zero = module.fixed_bias(layer, states, sums, tuned=True)["0"]
+        assert zero["tail"]["step"] == pytest.approx(layer.chosen_step(), rel=STEP_SEARCH_REL)
+        assert zero["shipped"]["ppl"] == pytest.approx(read, rel=1e-6)
     finally:
         del layer.learn
         model.remove_faast()
