@@ -129,8 +129,8 @@ def read_states(model, windows: list[list[int]]):  # noqa: ANN001, ANN201
 
 def held_out_logits(layer, states: tuple):  # noqa: ANN001, ANN201
     """(z0, z1, their entries at the targets) over the held-out positions for the layer's current solution, as
-    output_tuning.Logits (z1: the change per unit step, keys·W·Hᵀ with W = M/η), or None when the memory is off;
-    states: read_states' (hidden, extra, targets, ...)."""
+    output_tuning.Logits (z1: the change per unit step, (keys·M + bias)·Hᵀ/η: the layer's bias, if any, scales with
+    the step here), or None when the memory is off; states: read_states' (hidden, extra, targets, ...)."""
     import torch
 
     hidden, extra, ys = states[:3]
@@ -143,7 +143,9 @@ def held_out_logits(layer, states: tuple):  # noqa: ANN001, ANN201
     if m is None:
         return (z0, None, z0.gather(-1, idx)[:, 0], None)
     keys = hidden if m.shape[0] == layer.hidden_size else layer.keys(hidden, extra)
-    z1 = (keys @ (m / layer.chosen_step())) @ head.T
+    change = keys @ m
+    bias = layer.folded_bias(head.device, torch.float32)
+    z1 = ((change if bias is None else change + bias) / layer.chosen_step()) @ head.T
     return (z0, z1, z0.gather(-1, idx)[:, 0], z1.gather(-1, idx)[:, 0])
 
 
@@ -563,7 +565,7 @@ def pair_table(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
-    from faast.hf import FaastConfig, apply_faast
+    from faast.hf import FaastConfig, ResidualOutput, apply_faast
     from faast.hf.default import load_base_model
     from faast.hf.evaluate import token_windows
     from faast.hf.tokens import split_by_tokens, token_lists
@@ -583,7 +585,9 @@ def main(argv: list[str] | None = None) -> dict:
                    for w in token_windows(ids, args.window)]  # fmt: skip
         learned = sum(map(len, learn))
         amounts = sorted({p for p in curve if p < learned} | {learned})
-        model = apply_faast(base, FaastConfig())
+        # --bias and --fixed-bias study a bias added to the correction: the layer's own (ResidualOutput.bias) is off
+        bias = {"bias": 0.0} if args.bias or args.fixed_bias else {}
+        model = apply_faast(base, FaastConfig(output=ResidualOutput(**bias)))
         sums = learned_sums(model.output_memory_layer) if args.bias or args.fixed_bias else None
         try:
             done = 0

@@ -132,6 +132,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="keep the streams the result JSON already holds with every method (and its settings), run"
                         " the rest")  # fmt: skip
+    p.add_argument("--faast-bias", type=float, default=None,
+                   help="FAAST's ResidualOutput.bias (default: the configuration's)")  # fmt: skip
     p.add_argument("--lora-rank", type=int, default=8, help="dynamic evaluation's LoRA rank (fixed)")
     p.add_argument("--blocks", type=int, default=2, help="blocks dynamic evaluation trains (plus the final norm)")
     p.add_argument("--lora-lrs", default="1e-4,3e-4,1e-3,3e-3")
@@ -492,6 +494,10 @@ def main(argv: list[str] | None = None) -> dict:
     record = start_record()
     torch.manual_seed(0)
     model, tokenizer, description = load_model(args)
+    if args.faast_bias is not None:
+        if not (math.isfinite(args.faast_bias) and args.faast_bias >= 0):
+            raise SystemExit(f"--faast-bias: expected a finite number >= 0, got {args.faast_bias}")
+        model.output_memory_layer.bias = args.faast_bias
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if context and args.chunk + 1 > context:
         raise SystemExit(f"--chunk: {args.chunk} + 1 tokens exceed the model's context of {context}")

@@ -102,6 +102,17 @@ def newton(s, t, n, mu_gram, mass, head, damping, alpha=1.0, n_curvature=None):
     return w @ torch.linalg.inv(c)
 
 
+def mean_gradient_bias(y, mass, mu_gram, head, n, damping, beta):
+    """β'·C⁻¹·r̄ [d] float64: the residual output layer's bias for the learned targets y [n] (Σp = mass, Σμμᵀ =
+    mu_gram), r̄ = (Σ H[y] − Σ pH)/n, C damped as in `newton`, β' = β scaled like the untuned step below
+    DEFAULT_STEP_PER_DIM positions per hidden dimension."""
+    d = head.shape[1]
+    c = ((head.T * mass) @ head - mu_gram) / n
+    c = c + damping * c.diagonal().mean() * torch.eye(d, dtype=torch.float64)
+    r_mean = (head[y].sum(0) - mass @ head) / n
+    return beta * min(1.0, n / (output_module.DEFAULT_STEP_PER_DIM * d)) * torch.linalg.solve(c, r_mean)
+
+
 def tail_split(lengths, tune_tokens, gap_multiple=2, min_fit=256, share=HELD_OUT_SHARE):
     """A hand reference of the step's held-out choice for documents of `lengths` learned positions in stream order:
     (held-out indices, left-out indices) into the flattened positions. Each document holds out its last
@@ -165,27 +176,30 @@ def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(
     # width: the key columns the correction reads. With the keys widened by block 0's input ('auto' on 4 blocks), the
     # full keys (64) once FIT_PER_KEY_DIM positions per key dimension were learned (8 × 39 = 312 >= 4 × 64), else the
     # leading h̃ block of the same statistics alone (4 × 39 = 156).
+    # and the bias β·C⁻¹·r̄ (β = 0.8) is added to every corrected position in both spaces
     output = ResidualOutput(
-        step=0.37, damping=0.5, head_dtype="float32", space=space, weight=0.4, key_layers=key_layers
+        step=0.37, damping=0.5, head_dtype="float32", space=space, weight=0.4, key_layers=key_layers, bias=0.8
     )
     config = FaastConfig(output=output, learn_dtype="model")
     model = apply_faast(tiny_model("llama"), config)
     x = ids(batch=batch, seq=40)
     mask = torch.ones_like(x, dtype=torch.bool)
     model.learn(x, mask)
-    _, _, s, t, mu_gram, mass = reference_statistics(model, x, mask)
+    _, y, s, t, mu_gram, mass = reference_statistics(model, x, mask)
     head = model.base_model.get_output_embeddings().weight.double()
     n = float(mask[:, 1:].sum())
     expected = 0.37 * newton(s[:width, :width], t[:width], n, mu_gram, mass, head, damping=0.5)
+    expected_bias = mean_gradient_bias(y, mass, mu_gram, head, n, 0.5, 0.8)
     layer = model.output_memory_layer
     m = layer.folded(torch.device("cpu"), torch.float64)
+    bias = layer.folded_bias(torch.device("cpu"), torch.float64)
     assert layer.chosen_key_width() == width and m.shape == (width, 32)
-    assert rel(m, expected) < 1e-6
+    assert rel(m, expected) < 1e-6 and rel(bias, expected_bias) < 1e-6
     probe = ids(batch=1, seq=9, seed=3)
     keys = full_keys(model, probe, torch.ones_like(probe, dtype=torch.bool))
     h = keys[..., :32]
     logits = model(probe).logits.double()
-    corrected = h + keys[..., :width] @ m
+    corrected = h + keys[..., :width] @ m + bias
     if space == "logit":  # the model reads h̃ + key·M after the final norm
         assert rel(logits, corrected @ head.T) < 1e-5
     else:  # the log of 0.6·softmax(h̃Hᵀ) + 0.4·softmax((h̃ + key·M)Hᵀ)
@@ -391,7 +405,7 @@ def test_the_step_is_tuned_only_on_a_fit_of_at_least_fit_per_key_dim_positions_p
         assert layer.last_tuning["document_gap_tokens"] == 0 and layer.last_tuning["step"] > 0.05
     else:
         default = {"step": 0.03, "weight": output_module.DEFAULT_WEIGHT, "tuned": False, "saved_step": False,
-                   "key_width": 32}  # fmt: skip
+                   "key_width": 32, "bias_step": 0.5, "bias_off": None}  # fmt: skip
         assert layer.last_tuning == default
 
 
@@ -412,7 +426,8 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
     probe = ids(batch=2, seq=15, seed=9)
     with torch.no_grad():
         assert torch.equal(fresh(probe).logits, model(probe).logits)
-    saved = {"step": step, "weight": weight, "tuned": False, "saved_step": True, "key_width": 32}
+    saved = {"step": step, "weight": weight, "tuned": False, "saved_step": True, "key_width": 32, "bias_step": 0.5,
+             "bias_off": None}  # fmt: skip
     assert fresh.output_memory_layer.last_tuning == saved
     # A file whose step is not a finite number >= 0, or whose weight is not in [0, 1], is refused before anything is
     # copied.
@@ -540,9 +555,11 @@ def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tu
         few.learn(ids(batch=1, seq=30))
         few.output_memory_layer.folded(torch.device("cpu"), torch.float32)
         step, weight = expected
+        # the bias's step is scaled as the step is
         assert few.output_memory_layer.last_tuning == {"step": pytest.approx(step * scale, rel=1e-12),
                                                        "weight": weight, "tuned": False, "saved_step": False,
-                                                       "key_width": 32}  # fmt: skip
+                                                       "key_width": 32, "bias_off": None,
+                                                       "bias_step": pytest.approx(0.5 * scale, rel=1e-12)}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -581,7 +598,7 @@ def test_state_size_is_fixed_and_save_load_round_trips_exactly(tmp_path):
     assert model.fast_weight_bytes() == small
     names = [n for n, _ in model.learned_state()]
     assert names == ["memory_bank", "output_memory_layer.memory", "output_memory_layer.curvature",
-                     "output_memory_layer.token_mass"]  # fmt: skip
+                     "output_memory_layer.token_mass", "output_memory_layer.gradient_sum"]  # fmt: skip
     # fast_weights() lists the memories only: the curvature and token mass are sums, not fast weights.
     states = dict(model.learned_state())
     assert model.fast_weights() == [states["memory_bank"], states["output_memory_layer.memory"]]
@@ -598,9 +615,14 @@ def test_state_size_is_fixed_and_save_load_round_trips_exactly(tmp_path):
             assert torch.equal(a.state_dict()[name], tensor), name
 
 
-def test_a_file_saved_when_the_output_sums_were_fast_weights_loads_exactly(tmp_path):
+@pytest.mark.parametrize("layout", ["fast_weights", "no_gradient_sum"])
+def test_a_file_saved_before_the_current_output_sums_loads_exactly_and_reads_without_the_bias(
+    tmp_path, layout, caplog
+):
     # Before faast.Accumulator, the curvature Σμμᵀ lived in a FastWeights(d, 1)'s gram and the token mass Σp in a
-    # FastWeights(1, V)'s cross; such files must keep loading, to the same state and the same logits.
+    # FastWeights(1, V)'s cross; before ResidualOutput.bias there was no gradient sum. Such files must keep loading,
+    # to the same statistics, with an empty gradient sum: the layer then reads without the bias, says why, and reads
+    # exactly like the saved model with the bias turned off.
     from torch import nn
 
     from faast.checkpoint import save_state
@@ -609,14 +631,16 @@ def test_a_file_saved_when_the_output_sums_were_fast_weights_loads_exactly(tmp_p
     model = apply_faast(tiny_model("llama"), config)
     model.learn(ids(batch=2, seq=40, seed=3))
     layer = model.output_memory_layer
-    d, vocab = layer.curvature.gram.shape[0], layer.token_mass.probability.shape[0]
-    curvature, token_mass = FastWeights(d, 1), FastWeights(1, vocab)
-    with torch.no_grad():  # what the old layer wrote: the sums in these tensors, the position count in both
-        curvature.gram.copy_(layer.curvature.gram)
-        token_mass.cross[0].copy_(layer.token_mass.probability)
-        token_mass.gram.fill_(float(layer.token_mass.count))
-        for old, new in ((curvature, layer.curvature), (token_mass, layer.token_mass)):
-            old.count.copy_(new.count)
+    curvature, token_mass = layer.curvature, layer.token_mass
+    if layout == "fast_weights":
+        d, vocab = layer.curvature.gram.shape[0], layer.token_mass.probability.shape[0]
+        curvature, token_mass = FastWeights(d, 1), FastWeights(1, vocab)
+        with torch.no_grad():  # what the old layer wrote: the sums in these tensors, the position count in both
+            curvature.gram.copy_(layer.curvature.gram)
+            token_mass.cross[0].copy_(layer.token_mass.probability)
+            token_mass.gram.fill_(float(layer.token_mass.count))
+            for old, new in ((curvature, layer.curvature), (token_mass, layer.token_mass)):
+                old.count.copy_(new.count)
     old_layer = nn.Module()
     old_layer.memory, old_layer.curvature, old_layer.token_mass = layer.memory, curvature, token_mass
     holder = per_layer_holder(model, copy=True)
@@ -627,10 +651,17 @@ def test_a_file_saved_when_the_output_sums_were_fast_weights_loads_exactly(tmp_p
     for (name, a), (_, b) in zip(fresh.learned_state(), model.learned_state(), strict=True):
         assert type(a) is type(b), name
         for key, tensor in b.state_dict().items():
-            assert torch.equal(a.state_dict()[key], tensor), (name, key)
+            expected = torch.zeros_like(tensor) if name == "output_memory_layer.gradient_sum" else tensor
+            assert torch.equal(a.state_dict()[key], expected), (name, key)
     probe = ids(batch=2, seq=15, seed=9)
-    with torch.no_grad():
-        assert torch.equal(fresh(probe).logits, model(probe).logits)
+    with torch.no_grad(), caplog.at_level("INFO", logger="faast.hf"):
+        read = fresh(probe).logits
+        assert not torch.equal(read, model(probe).logits)  # the saved model reads with its bias
+        layer.bias = 0.0
+        assert torch.equal(read, model(probe).logits)
+    off = fresh.output_memory_layer.last_tuning["bias_off"]
+    assert fresh.output_memory_layer.last_tuning["bias_step"] == 0.0 and "covers 0 of 78 positions" in off
+    assert sum("no bias: the gradient sum covers 0" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_merging_two_streams_equals_learning_both():

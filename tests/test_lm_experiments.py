@@ -727,7 +727,7 @@ def test_the_step_probes_bias_corrections_are_the_float64_hand_computation():
 
     module = load_script("lm_step_probe")
     # float32 throughout (not bfloat16 where the CPU multiplies it natively): the hand computation's precision
-    output = ResidualOutput(key_layers=[], tune_tokens=4096, head_dtype="float32")
+    output = ResidualOutput(key_layers=[], tune_tokens=4096, head_dtype="float32", bias=0.0)  # the probe's setting
     model = apply_faast(tiny_model("llama"), FaastConfig(output=output, learn_dtype="model"))
     layer = model.output_memory_layer
     sums = module.learned_sums(layer)

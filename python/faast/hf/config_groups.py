@@ -122,6 +122,10 @@ class ResidualOutput(_Group):
             validation domains, resolved by apply_faast into the saved list; [] keys h̃ alone. The full keys are used
             only once the step can be tuned on enough text and their tuned correction predicts the held-out tail
             better than h̃ alone; else the h̃ block of the statistics is solved alone.
+        bias: β, the step of a bias added to every corrected position: β·curvature⁻¹·r̄, r̄ the mean learned
+            gradient (the Newton step on it alone), with η·h̃W in both spaces; scaled like default_step below
+            DEFAULT_STEP_PER_DIM learned positions per hidden dimension. 0.5 was chosen on three validation domains
+            with η as tuned (docs/design.md §6.3); 0 turns it off.
         head_dtype: dtype of the LM-head products while learning (logits and p·H per position, float32
             accumulation, statistics in float64): 'auto' is bfloat16 on CUDA and on CPUs with native bfloat16
             (AVX512-BF16 or AMX), else float32; 'float32' or 'bfloat16' forces one.
@@ -139,6 +143,7 @@ class ResidualOutput(_Group):
     default_weight: float | None = None
     key_layers: list[int] | Literal["auto"] = "auto"
     head_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    bias: float = 0.5
 
     def __post_init__(self) -> None:
         check_choice("ResidualOutput.space", self.space, ("probability", "logit"))
@@ -152,6 +157,7 @@ class ResidualOutput(_Group):
         check_real("ResidualOutput.default_weight", self.default_weight, low=0, high=1, allow=(None,))
         self.key_layers = check_indices("ResidualOutput.key_layers", self.key_layers, allow=("auto",))
         check_choice("ResidualOutput.head_dtype", self.head_dtype, ("auto", "float32", "bfloat16"))
+        check_real("ResidualOutput.bias", self.bias, low=0)
 
 
 @dataclass

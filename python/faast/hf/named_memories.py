@@ -23,7 +23,8 @@ from torch import nn
 
 from .learning import LearnStats
 from .memory_store import BASE, StoredMemory, check_name, fingerprints
-from .output import OutputState, ResidualOutputLayer
+from .output import ResidualOutputLayer
+from .output_state import OutputState
 
 _SCRATCH = "__scratch__"  # the memory forget() learns the texts into, to subtract them
 
@@ -226,8 +227,7 @@ def _paired_statistics(a: StoredMemory, b: StoredMemory) -> Iterator[tuple[nn.Mo
     if a.bank is not None:
         yield a.bank, b.bank
     if isinstance(a.output, OutputState):
-        yield from ((a.output.memory, b.output.memory), (a.output.curvature, b.output.curvature),
-                    (a.output.token_mass, b.output.token_mass))  # fmt: skip
+        yield from zip(a.output.statistics(), b.output.statistics(), strict=True)
     elif a.output is not None:
         yield a.output, b.output
     mine, theirs = a.module_states(), b.module_states()

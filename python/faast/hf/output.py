@@ -16,8 +16,10 @@ early blocks (`key_state`), k = [h̃; x̂_ℓ], S = Σ k kᵀ and the correction
 exactly the narrower statistics, so the solve uses the full keys only once enough text is fitted and they predict the
 held-out tail better (docs/design.md §6.3). The model reads
 
-    'probability' (the default):  p = (1 − λ)·softmax(z) + λ·softmax(z + η·(h̃W)Hᵀ),   z = h̃Hᵀ the base logits
-    'logit':                      p = softmax((h̃ + η·h̃W)Hᵀ)                          (λ = 1 of the above)
+    'probability' (the default):  p = (1 − λ)·softmax(z) + λ·softmax(z + (η·h̃W + β·b)Hᵀ),   z = h̃Hᵀ
+    'logit':                      p = softmax((h̃ + η·h̃W + β·b)Hᵀ)                          (λ = 1 of the above)
+
+with b = curvature⁻¹·Σr/N the Newton step on the mean learned gradient (β: ResidualOutput.bias, not tuned).
 
 The step η and the weight λ are chosen from the learned stream itself: the last HELD_OUT_SHARE of the learned
 positions (at most `tune_tokens`) are held out, the weights are fitted on the rest (statistics subtract exactly) and
@@ -28,7 +30,7 @@ geometric grid refined by golden section. A mixture bounds what a wrong correcti
 learned stream is several documents, the fit also leaves out the held-out tail's document just before it (up to
 GAP_MULTIPLE times as many positions as the tail), so that η is tuned on text unlike what was fitted; where each
 held-out document has much fitted text of its own, η is shrunk (output_diagnosis.document_shrink). All state has a
-fixed size: a d_key×d_key, a d_key×d and a d×d sum, a V-vector and a (1 + GAP_MULTIPLE)·`tune_tokens`-position
+fixed size: a d_key×d_key, a d_key×d and a d×d sum, a V- and a d-vector and a (1 + GAP_MULTIPLE)·`tune_tokens`-position
 buffer.
 
 Measured on five local domains (benchmarks and choices: experiments/lm_domains.py, docs/design.md §6.3).
@@ -51,6 +53,7 @@ from .config import FaastConfig, ResidualOutput
 from .head import READ_CHUNK, change_logits, head_gradients, head_logits, products_dtype
 from .mixture import read_blocks
 from .output_diagnosis import MemoryOffWarning, diagnose, document_shrink
+from .output_state import OutputState
 from .output_tuning import HeldOutTail, Logits
 
 _log = logging.getLogger("faast.hf")
@@ -78,43 +81,6 @@ def key_state(hidden: torch.Tensor) -> torch.Tensor:
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + KEY_STATE_EPS)).to(hidden.dtype)
 
 
-class OutputState(nn.Module):
-    """Everything one named memory holds for the residual output layer: its statistics (memory, curvature,
-    token_mass), its held-out tail, the step, weight and key width restored from a file, and what was derived from
-    them (the folded correction and the last tuning), so that switching memories solves nothing again.
-
-    Built by ResidualOutputLayer.new_state / swap_state; the layer reads the state bound to it.
-    """
-
-    def __init__(
-        self,
-        memory: FastWeights,
-        curvature: Accumulator,
-        token_mass: Accumulator,
-        held_out: HeldOutTail,
-        restored: tuple[float | None, float | None, int | None] = (None, None, None),
-        folded: tuple | None = None,
-        last_tuning: dict | None = None,
-    ) -> None:
-        super().__init__()
-        self.memory, self.curvature, self.token_mass = memory, curvature, token_mass
-        self.held_out, self.restored, self.folded, self.last_tuning = held_out, restored, folded, last_tuning
-
-    def take_derived(self, other: OutputState) -> None:
-        """Keep what `other` (the same statistics, read while bound) derived and restored: tail, settings, caches."""
-        self.held_out, self.restored, self.folded, self.last_tuning = (
-            other.held_out,
-            other.restored,
-            other.folded,
-            other.last_tuning,
-        )
-
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
-        self.folded = None  # as the layer does on a device move: the tail and caches stay where they were made
-        self.held_out.clear()
-        return super()._apply(fn, recurse)
-
-
 class ResidualOutputLayer(nn.Module):
     """A correction η·h̃·W of the final norm's output h̃, W a Newton step fitted to the head's log-likelihood
     gradients, read in probability space (a mixture with the base prediction, weight λ) or in logit space.
@@ -129,7 +95,7 @@ class ResidualOutputLayer(nn.Module):
         curvature: Accumulator whose `gram` [d, d] sums μ_t μ_tᵀ (μ_t = p_t H) and `count` the positions;
         token_mass: Accumulator whose `probability` [V] sums p_t. Together they give the head's Fisher
             Σ_t Cov_{p_t}(H) = Hᵀ diag(Σ p) H − Σ μ μᵀ; faast.distributed and checkpoints sum and store them like
-            the memory.
+            the memory. gradient_sum: Accumulator whose `gradient` [d] sums r (the bias's mean gradient).
         space: 'probability' or 'logit' (ResidualOutput.space).
         step: 'auto' (tuned on the held-out tail at each solve) or a fixed η.
         weight: the mixture weight λ in probability space: 'auto' (tuned with η) or a fixed number in [0, 1].
@@ -165,6 +131,8 @@ class ResidualOutputLayer(nn.Module):
         # product is formed once per solve.
         self.curvature = Accumulator({"gram": (d, d)}, device=device)
         self.token_mass = Accumulator({"probability": (vocab_size,)}, device=device)
+        self.gradient_sum = Accumulator({"gradient": (d,)}, device=device)
+        self.bias = float(output.bias)
         self.step, self.damping = output.step, float(output.damping)
         self.space, self.weight = output.space, output.weight
         default_step = output.default_step
@@ -183,7 +151,8 @@ class ResidualOutputLayer(nn.Module):
         self._restored_weight: float | None = None
         self._restored_width: int | None = None
         self._head: tuple[nn.Module, ...] = ()  # the model's LM head, held outside the module tree
-        self._folded: tuple[tuple, torch.Tensor | None, float, int] | None = None
+        # (cache key, M, λ, key width, bias [d] or None)
+        self._folded: tuple[tuple, torch.Tensor | None, float, int, torch.Tensor | None] | None = None
         self.last_tuning: dict | None = None
 
     def extra_repr(self) -> str:
@@ -212,11 +181,11 @@ class ResidualOutputLayer(nn.Module):
     def new_state(self) -> OutputState:
         """An empty OutputState of this layer's shapes: another named memory."""
         return OutputState(self.memory.empty_like(), self.curvature.empty_like(), self.token_mass.empty_like(),
-                           HeldOutTail(self.tune_tokens))  # fmt: skip
+                           self.gradient_sum.empty_like(), HeldOutTail(self.tune_tokens))  # fmt: skip
 
     def current_state(self) -> OutputState:
         """The state read now (its objects, not copies), e.g. to merge it into another memory."""
-        return OutputState(self.memory, self.curvature, self.token_mass, self.held_out,
+        return OutputState(self.memory, self.curvature, self.token_mass, self.gradient_sum, self.held_out,
                            (self._restored_step, self._restored_weight, self._restored_width), self._folded,
                            self.last_tuning)  # fmt: skip
 
@@ -230,6 +199,7 @@ class ResidualOutputLayer(nn.Module):
             raise ValueError("state: expected an OutputState of this layer's shapes (from new_state)")
         previous = self.current_state()
         self.memory, self.curvature, self.token_mass = state.memory, state.curvature, state.token_mass
+        self.gradient_sum = state.gradient_sum
         self.held_out, self._folded, self.last_tuning = state.held_out, state.folded, state.last_tuning
         self._restored_step, self._restored_weight, self._restored_width = state.restored
         return previous
@@ -269,6 +239,7 @@ class ResidualOutputLayer(nn.Module):
         positions = pair_mask.sum().to(torch.float64)
         self.curvature.add(count=positions, gram=mean_gram)
         self.token_mass.add(count=positions, probability=prob_sum)
+        self.gradient_sum.add(count=positions, gradient=grads.sum((0, 1), dtype=torch.float64))  # 0 where masked
         if self.tune_tokens and hold_out:
             self.held_out.keep(keys, targets, pair_mask, documents, grads)
 
@@ -475,11 +446,11 @@ class ResidualOutputLayer(nn.Module):
         d when M reads h̃ alone, d + extra_key_size when it reads the full keys. Cached until the statistics or the
         settings change."""
         compute = dtype if dtype in (torch.float64, torch.bfloat16, torch.float16) else torch.float32
-        key = (self.memory.solution_key, self.curvature.state_key, self.token_mass.state_key, self.step,
-               self.weight, self.space, self.damping, self.tune_tokens, self.default_step, self.default_weight,
-               device, compute)  # fmt: skip
+        key = (self.memory.solution_key, self.curvature.state_key, self.token_mass.state_key,
+               self.gradient_sum.state_key, self.step, self.weight, self.space, self.damping, self.tune_tokens,
+               self.default_step, self.default_weight, self.bias, device, compute)  # fmt: skip
         if self._folded is None or self._folded[0] != key:
-            m, lam, width = None, 0.0, self.hidden_size
+            m, lam, width, bias = None, 0.0, self.hidden_size, None
             if float(self.memory.count) > 0:
                 curvature = self.damped_curvature()
                 eta, lam, width = self._choose_step(curvature)
@@ -487,8 +458,32 @@ class ResidualOutputLayer(nn.Module):
                     memory = self.memory
                     w = self.newton(memory.gram, memory.cross, memory.count, curvature, width)
                     m = (eta * w[:width]).to(compute)
-            self._folded = (key, m, lam, width)
+                    bias, beta, off = self.mean_gradient_bias(curvature)
+                    if off and beta > 0:  # said once per solve; last_tuning keeps the reason
+                        _log.info("faast: output layer: no bias: %s", off)
+                    self.last_tuning = {**(self.last_tuning or {}), "bias_step": 0.0 if off else beta, "bias_off": off}
+                    bias = None if bias is None else bias.to(compute)
+            self._folded = (key, m, lam, width, bias)
         return self._folded[1], self._folded[2]
+
+    def mean_gradient_bias(self, curvature: torch.Tensor) -> tuple[torch.Tensor | None, float, str | None]:
+        """(β'·curvature⁻¹·r̄ [d] float64 or None, β', why it is None): r̄ = Σ r / N the mean learned gradient, β' =
+        `bias` scaled like `untuned_step`, curvature the damped one. None when β' is 0 or the gradient sum does not
+        cover every learned position (statistics loaded from a file written before faast kept it)."""
+        count, covered = float(self.memory.count), float(self.gradient_sum.count)
+        beta = self.bias * min(1.0, count / (DEFAULT_STEP_PER_DIM * self.hidden_size))
+        if beta <= 0.0:
+            return None, beta, "ResidualOutput.bias is 0"
+        if abs(covered - count) > 1e-9 * count:
+            why = f"the gradient sum covers {covered:.0f} of {count:.0f} positions (saved before it was kept)"
+            return None, beta, why
+        mean = self.gradient_sum.gradient.to(curvature.device) / count
+        return beta * torch.linalg.solve(curvature, mean), beta, None
+
+    def folded_bias(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """The bias [d] added to every corrected position with M (`solution`'s dtype), None when there is none."""
+        self.solution(device, dtype)
+        return self._folded[4]
 
     def folded(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
         """M = η·W [width, d] of `solution` (None while empty or when η or λ is 0)."""
@@ -540,7 +535,7 @@ class ResidualOutputLayer(nn.Module):
 
     def forget(self) -> None:
         """Drop everything learned: the statistics, the held-out buffer and any saved step and weight."""
-        for memory in (self.memory, self.curvature, self.token_mass):
+        for memory in (self.memory, self.curvature, self.token_mass, self.gradient_sum):
             memory.reset()
         self.held_out.clear()
         self._restored_step, self._restored_weight, self._restored_width = None, None, None
@@ -555,9 +550,12 @@ class ResidualOutputLayer(nn.Module):
         m = self.folded(hidden.device, hidden.dtype)
         if m is None:
             return hidden
+        bias = self._folded[4]
         if m.shape[0] == self.hidden_size:
-            return ops.residual_project(hidden, m)
-        return hidden + (self.keys(hidden, extra).to(m.dtype) @ m).to(hidden.dtype)
+            out = ops.residual_project(hidden, m)
+            return out if bias is None else out + bias.to(out.dtype)
+        change = self.keys(hidden, extra).to(m.dtype) @ m
+        return hidden + (change if bias is None else change + bias).to(hidden.dtype)
 
     def read_logits(
         self, hidden: torch.Tensor, logits: torch.Tensor, extra: torch.Tensor | None = None, *, overwrite: bool = False
@@ -586,7 +584,10 @@ class ResidualOutputLayer(nn.Module):
         # On a CPU the mixture's [rows, V] temporaries should stay in cache; on a GPU small blocks only add launches.
         block = READ_CHUNK if hidden.device.type == "cuda" else MIX_ROWS
         odds, rest = (0.0, 0.0) if lam >= 1.0 else (math.log(lam / (1.0 - lam)), math.log1p(-lam))
-        out = read_blocks(rows_h.to(m.dtype) @ m, rows_z, weight, compute=compute, scale=scale, log_odds=odds,
+        change = rows_h.to(m.dtype) @ m
+        if self._folded[4] is not None:
+            change += self._folded[4]
+        out = read_blocks(change, rows_z, weight, compute=compute, scale=scale, log_odds=odds,
                           log_rest=rest, full=lam >= 1.0, chunk=READ_CHUNK, block=block,
                           overwrite=overwrite)  # fmt: skip
         return out.reshape(logits.shape)

@@ -309,14 +309,14 @@ def held_out_nll(logits: Logits, eta: float, lam: float) -> float:
     return mixture_nll(log_base, log_targets(z0, z1, target0, target1, eta), lam)
 
 
-def tune_mixture(logits: Logits, step: float | None = None) -> tuple[float, float, list[tuple[float, float, float]]]:
+def tune_mixture(logits: Logits, step: float | None = None, log_base: torch.Tensor | None = None) -> tuple:
     """(η, λ) minimising the mean NLL of targets ys [n] under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1), with
     η held at `step` when not None (ResidualOutput.weight='auto'). For each η the NLL is convex in λ (bisection of its
     derivative); η is searched on a geometric grid, then by golden section on log η around the best grid point.
     Returns (η, λ, [(η_i, λ_i, NLL_i)] sorted by η); (0, 0) when no mixture helps (`significant`). logits: the
-    held-out logits (`Logits`)."""
+    held-out logits (`Logits`); log_base: the base component's log-likelihoods when its logits are not z0."""
     z0, z1, target0, target1 = logits
-    log_base = (target0 - row_logsumexp(z0)).double()
+    log_base = (target0 - row_logsumexp(z0)).double() if log_base is None else log_base
     seen: dict[float, tuple[float, float]] = {}
 
     def log_memory(eta: float) -> torch.Tensor:

@@ -262,7 +262,9 @@ def load_fast_weights(model: nn.Module, path: str | Path) -> nn.Module:
     check = partial(_check_output_settings, path)
     saved = _saved_memories(path)
     with tempfile.TemporaryDirectory() as scratch:
-        if saved is not None and _has_legacy_output_sums(saved):
+        if saved is not None and (
+            _has_legacy_output_sums(saved) or _GRADIENT_SUM not in saved and _CURVATURE in saved
+        ):
             path = _upgrade_output_sums(path, Path(scratch) / Path(path).name)
         if saved is not None and sorted(saved) == sorted(name for name, _ in model.learned_state()):
             _restore_output_settings(model, load_checkpoint(path, _bank_holder(model), check))
@@ -335,6 +337,11 @@ _LEGACY_OUTPUT_SUMS = {
 }
 
 
+# Files written before the residual output layer kept its gradient sum (ResidualOutput.bias) load with an empty one:
+# the layer then reads without the bias and says why (ResidualOutputLayer.last_tuning['bias_off']).
+_CURVATURE, _GRADIENT_SUM = "output_memory_layer.curvature", "output_memory_layer.gradient_sum"
+
+
 def _has_legacy_output_sums(saved: dict) -> bool:
     return any(saved.get(name, {}).get("format", FastWeights.FORMAT) == FastWeights.FORMAT
                and name in saved for name in _LEGACY_OUTPUT_SUMS)  # fmt: skip
@@ -342,7 +349,8 @@ def _has_legacy_output_sums(saved: dict) -> bool:
 
 def _upgrade_output_sums(path: str | Path, target: Path) -> Path:
     """Write to `target` the file at `path` with the residual output layer's curvature and token mass in the
-    Accumulator layout (read verified; every other memory as it was); returns `target`."""
+    Accumulator layout, and an empty gradient sum where it has none (read verified; every other memory as it was);
+    returns `target`."""
     tensors, metadata = read_verified(path)
     memories = json.loads(metadata["memories"])
     for name, (old, new) in _LEGACY_OUTPUT_SUMS.items():
@@ -356,6 +364,11 @@ def _upgrade_output_sums(path: str | Path, target: Path) -> Path:
         upgraded = Accumulator({new: tuple(total.shape)})
         tensors[f"{name}.{new}"], tensors[f"{name}.count"] = total, saved["count"]
         memories[name] = {"format": upgraded.FORMAT, "config": upgraded.config(), "has_prior": False}
+    if _GRADIENT_SUM not in memories and f"{_CURVATURE}.gram" in tensors:
+        empty = Accumulator({"gradient": (tensors[f"{_CURVATURE}.gram"].shape[0],)})
+        for key, tensor in empty.state_dict().items():
+            tensors[f"{_GRADIENT_SUM}.{key}"] = tensor
+        memories[_GRADIENT_SUM] = {"format": empty.FORMAT, "config": empty.config(), "has_prior": False}
     write_atomic(target, tensors, {**metadata, "memories": json.dumps(memories, sort_keys=True)})
     return target
 

@@ -141,6 +141,7 @@ class _Reading:
         else:
             self.fixed_weight = None if layer.weight == "auto" else float(layer.weight)
         self.w: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None  # the layer's mean-gradient bias, read with the memory as it is
         self.eta, self.lam, self.width = 0.0, self.fixed_weight or 0.0, layer.hidden_size
         if float(layer.memory.count) > 0:  # what was learned before the stream, read as the model reads it now
             self.eta, self.lam = layer.chosen_step() or 0.0, layer.chosen_weight() or 0.0
@@ -156,7 +157,9 @@ class _Reading:
         full = memory.dim_key
         if full > layer.hidden_size and float(memory.count) >= tuning.FIT_PER_KEY_DIM * full:
             self.width = full
-        self.w = layer.newton(memory.gram, memory.cross, memory.count, layer.damped_curvature(), self.width)
+        curvature = layer.damped_curvature()
+        self.w = layer.newton(memory.gram, memory.cross, memory.count, curvature, self.width)
+        self.bias = layer.mean_gradient_bias(curvature)[0]
 
     def read(self, hidden: torch.Tensor, extra: torch.Tensor | None, targets: torch.Tensor,
              mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -174,7 +177,9 @@ class _Reading:
         if self.w is not None:
             keys = layer.keys(hidden, extra)[0, :-1, : self.width]
             z1 = change_logits(layer.head, keys @ self.w[: self.width].to(keys.dtype))
-            logits = (z0, z1, target0, z1.gather(-1, ys[:, None]).squeeze(-1))
+            # the memory's component reads z0 + b·Hᵀ + η·z1 (the bias at its fixed step, with any η > 0)
+            zm = z0 if self.bias is None else z0 + change_logits(layer.head, self.bias[None].to(keys.dtype))
+            logits = (zm, z1, zm.gather(-1, ys[:, None]).squeeze(-1), z1.gather(-1, ys[:, None]).squeeze(-1))
             if self.eta > 0 and self.lam > 0:
                 log_memory = tuning.log_targets(*logits, self.eta)
                 nll = -tuning.log_mixture(log_base, log_memory, self.lam)
@@ -205,7 +210,7 @@ class _Reading:
         sample = tuple(part[rows] for part in logits)
         base = log_base[rows]
         if self.fixed_weight is None and self.fixed_step is None:
-            self.eta, self.lam, _ = tuning.tune_mixture(sample)
+            self.eta, self.lam, _ = tuning.tune_mixture(sample, log_base=base)
         elif self.fixed_weight is None:
             self.lam = tuning.best_weight(base, tuning.log_targets(*sample, self.fixed_step))
         else:

@@ -54,14 +54,14 @@ class RowMemories:
     # ------------------------------------------------------------------ what each memory reads
 
     def _output_solution(self, name: str, device: torch.device, dtype: torch.dtype) -> tuple:
-        """(M [width, d] or None, λ) of memory `name`'s residual output layer; an unbound memory's state is bound to
-        the layer for the solve and keeps what it derived."""
+        """(M [width, d] or None, λ, bias [d] or None) of memory `name`'s residual output layer; an unbound memory's
+        state is bound to the layer for the solve and keeps what it derived."""
         layer, state = self._output_layer, self._state_of(name)
         if state.output is layer.memory or state.output.memory is layer.memory:
-            return layer.solution(device, dtype)
+            return (*layer.solution(device, dtype), layer.folded_bias(device, dtype))
         previous = layer.swap_state(state.output)
         try:
-            return layer.solution(device, dtype)
+            return (*layer.solution(device, dtype), layer.folded_bias(device, dtype))
         finally:
             state.output.take_derived(layer.swap_state(previous))
 
@@ -74,21 +74,23 @@ class RowMemories:
 
     def _residual(self, device: torch.device, dtype: torch.dtype) -> tuple | None:
         """(M [U + 1, width, d] zero-padded to the widest, log-odds [U + 1], log(1 − λ) [U + 1], λ = 1 [U + 1],
-        reads nothing [U + 1]) or None when no row reads anything."""
+        reads nothing [U + 1], bias [U + 1, d] (zeros for none)) or None when no row reads anything."""
         key = ("residual", device, dtype)
         if key not in self._cache:
             layer = self._output_layer
             solutions = [self._output_solution(n, device, dtype) for n in self.unique]
-            ms = [m for m, _ in solutions]
+            ms = [m for m, _, _ in solutions]
             width = max([layer.hidden_size, *(m.shape[0] for m in ms if m is not None)])
             stacked = _stack(ms, (width, layer.hidden_size), device)
-            lams = [lam if m is not None else 0.0 for m, lam in solutions] + [0.0]
+            lams = [lam if m is not None else 0.0 for m, lam, _ in solutions] + [0.0]
+            biases = _stack([None if b is None else b[None] for _, _, b in solutions], (1, layer.hidden_size), device)
             odds = [math.log(lam / (1.0 - lam)) if 0.0 < lam < 1.0 else 0.0 for lam in lams]
             rest = [math.log1p(-lam) if lam < 1.0 else 0.0 for lam in lams]
             flags = {"full": [lam >= 1.0 for lam in lams], "none": [m is None for m in ms] + [True]}
             self._cache[key] = None if stacked is None else (
                 stacked, torch.tensor(odds, device=device), torch.tensor(rest, device=device),
                 torch.tensor(flags["full"], device=device), torch.tensor(flags["none"], device=device),
+                stacked.new_zeros((len(ms) + 1, 1, layer.hidden_size)) if biases is None else biases,
             )  # fmt: skip
         return self._cache[key]
 
@@ -133,8 +135,9 @@ class RowMemories:
             return hidden
         stacked = solved[0]
         keys = hidden if stacked.shape[1] == layer.hidden_size else layer.keys(hidden, extra)
-        m = stacked[self.rows(hidden.shape[0], hidden.device)]
-        return hidden + torch.bmm(keys.to(m.dtype), m).to(hidden.dtype)
+        index = self.rows(hidden.shape[0], hidden.device)
+        change = torch.bmm(keys.to(stacked.dtype), stacked[index])
+        return hidden + (change + solved[5][index]).to(hidden.dtype)
 
     def read_logits(
         self,
@@ -151,12 +154,13 @@ class RowMemories:
         solved = self._residual(hidden.device, hidden.dtype)
         if solved is None:
             return logits
-        stacked, odds, rest, full, none = solved
+        stacked, odds, rest, full, none, biases = solved
         index = self.rows(hidden.shape[0], hidden.device)
         keys = hidden if stacked.shape[1] == layer.hidden_size else layer.keys(hidden, extra)
         # One batched product for every row's memory; then the head GEMM and the mixture in blocks, as the
         # single-memory read does.
         projected = torch.bmm(keys.to(stacked.dtype), stacked[index])  # [B, T, d]
+        projected += biases[index]
         positions = logits.shape[1] if logits.dim() == 3 else 1
         per_row = lambda t: t[index].repeat_interleave(positions)  # noqa: E731 - a per-position gather
         compute = torch.float64 if logits.dtype == torch.float64 else torch.float32

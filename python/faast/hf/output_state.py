@@ -1,0 +1,52 @@
+"""What one named memory holds for the residual output layer (faast.hf.output.ResidualOutputLayer), apart from it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..accumulator import Accumulator
+from ..memory import FastWeights
+from .output_tuning import HeldOutTail
+
+
+class OutputState(nn.Module):
+    """Everything one named memory holds for the residual output layer: its statistics (memory, curvature,
+    token_mass, gradient_sum), its held-out tail, the step, weight and key width restored from a file, and what was
+    derived from them (the folded correction and the last tuning), so that switching memories solves nothing again.
+
+    Built by ResidualOutputLayer.new_state / swap_state; the layer reads the state bound to it.
+    """
+
+    def __init__(
+        self,
+        memory: FastWeights,
+        curvature: Accumulator,
+        token_mass: Accumulator,
+        gradient_sum: Accumulator,
+        held_out: HeldOutTail,
+        restored: tuple[float | None, float | None, int | None] = (None, None, None),
+        folded: tuple | None = None,
+        last_tuning: dict | None = None,
+    ) -> None:
+        super().__init__()
+        self.memory, self.curvature, self.token_mass = memory, curvature, token_mass
+        self.gradient_sum = gradient_sum
+        self.held_out, self.restored, self.folded, self.last_tuning = held_out, restored, folded, last_tuning
+
+    def statistics(self) -> tuple[nn.Module, ...]:
+        """The summed statistics, in file order: memory, curvature, token_mass, gradient_sum."""
+        return self.memory, self.curvature, self.token_mass, self.gradient_sum
+
+    def take_derived(self, other: OutputState) -> None:
+        """Keep what `other` (the same statistics, read while bound) derived and restored: tail, settings, caches."""
+        self.held_out, self.restored, self.folded, self.last_tuning = (
+            other.held_out,
+            other.restored,
+            other.folded,
+            other.last_tuning,
+        )
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        self.folded = None  # as the layer does on a device move: the tail and caches stay where they were made
+        self.held_out.clear()
+        return super()._apply(fn, recurse)
