@@ -38,7 +38,9 @@ def learned_state(model) -> dict[str, torch.Tensor]:
     layer = model.output_memory_layer
     memory = layer.memory
     return {"gram": memory.gram.clone(), "cross": memory.cross.clone(), "count": memory.count.clone(),
-            "fisher": layer.curvature.gram.clone(), "mass": layer.token_mass.probability.clone()}  # fmt: skip
+            "fisher": layer.curvature.gram.clone(), "mass": layer.token_mass.probability.clone(),
+            "gradient": layer.gradient_sum.gradient.clone(),
+            "gradient count": layer.gradient_sum.count.clone()}  # fmt: skip
 
 
 def window_nll(model, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -105,8 +107,8 @@ def test_state_after_reading_equals_learn_on_the_same_windows(key_layers):
     reader.read_stream(ids, chunk=CHUNK)
     learner.learn([ids[s:e].tolist() for s, e in chunk_windows(ids.numel(), CHUNK)], max_length=CHUNK + 1)
     got, want = learned_state(reader), learned_state(learner)
-    assert float(got["count"]) == float(want["count"]) == ids.numel() - 1
-    for name in ("gram", "cross", "fisher", "mass"):
+    assert float(got["count"]) == float(want["count"]) == float(got["gradient count"]) == ids.numel() - 1
+    for name in ("gram", "cross", "fisher", "mass", "gradient"):
         assert rel(got[name], want[name]) < STATE_REL, name
     assert reader.fast_weight_bytes() == learner.fast_weight_bytes()
 
