@@ -262,9 +262,8 @@ def load_fast_weights(model: nn.Module, path: str | Path) -> nn.Module:
     check = partial(_check_output_settings, path)
     saved = _saved_memories(path)
     with tempfile.TemporaryDirectory() as scratch:
-        if saved is not None and (
-            _has_legacy_output_sums(saved) or _GRADIENT_SUM not in saved and _CURVATURE in saved
-        ):
+        lacks_gradient_sum = saved is not None and _CURVATURE in saved and _GRADIENT_SUM not in saved
+        if saved is not None and (_has_legacy_output_sums(saved) or lacks_gradient_sum):
             path = _upgrade_output_sums(path, Path(scratch) / Path(path).name)
         if saved is not None and sorted(saved) == sorted(name for name, _ in model.learned_state()):
             _restore_output_settings(model, load_checkpoint(path, _bank_holder(model), check))
