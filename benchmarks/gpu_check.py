@@ -9,17 +9,17 @@ device call of 6 minutes holds it with the machine's start and transfers, and a 
 or SIGINT cuts the step in flight. Whatever happens, the report is written and the goals table is printed last.
 
 Step       what it runs                                                                          limit (s)
-  build    python setup.py build_ext --inplace (faast._C, ninja, all cores; 32-47 s on an H100)    55
-  tests    pytest -v: the gpu-marked tests of the other files (the fp64 Triton mode deselected on sm_90+,   50
+  build    python setup.py build_ext --inplace (faast._C, ninja, all cores; 32-61+ s on an H100)   80
+  tests    pytest -v: the gpu-marked tests of the other files (the fp64 Triton mode deselected on sm_90+,   45
            where it does not compile); then tests/test_native.py's gpu tests, restarted past a test that crashes
            the process (the crashed test is named); then the unmarked kernel tests on CUDA tensors, time left
-  fidelity benchmarks/fidelity_triton_modes.py --flush 64 256 (R = 1024 and 4096 fail on an H100)              40
+  fidelity benchmarks/fidelity_triton_modes.py --flush 64 256 (R = 1024 and 4096 fail on an H100)              25
   kernels  benchmarks/bench_kernels.py --budget-s (limit - 25)                                               40
   eigh     benchmarks/bench_eigh.py --budget-s (limit - 12)                                                  25
   learn    benchmarks/bench_learn_stack.py --budget-s (limit - 8): Gram modes, eigh backends, Cholesky,     40
            the authors' algorithm, end to end
   hf       benchmarks/bench_hf_overhead.py --device cuda: SmolLM2- and 1B-shaped models in one process       45
-Together 295 s; time a step leaves unused passes on to the next. A step's benchmark gets its share as --budget-s
+Together 300 s; time a step leaves unused passes on to the next. A step's benchmark gets its share as --budget-s
 and stops starting cases when it is spent.
 
 OUTDIR receives at most 8 files: gpu_check.json (machine, steps, exit codes, times, the autotune choices, the goals),
@@ -67,7 +67,9 @@ from faast.persist import write_text_atomic  # noqa: E402
 
 PY = sys.executable
 STEPS = ("build", "tests", "fidelity", "kernels", "eigh", "learn", "hf")
-LIMITS = {"build": 55, "tests": 50, "fidelity": 40, "kernels": 40, "eigh": 25, "learn": 40, "hf": 45}
+# A fresh H100 machine (run 5) needed 61 s to compile batched_eigh.cu alone; the fidelity step, whose suite has passed
+# on every run since run 2, gives up the time.
+LIMITS = {"build": 80, "tests": 45, "fidelity": 25, "kernels": 40, "eigh": 25, "learn": 40, "hf": 45}
 SMOKE_LIMITS = {"build": 60, "tests": 300, "fidelity": 300, "kernels": 300, "eigh": 60, "learn": 180, "hf": 300}
 BUDGET_S = 320.0  # the whole run; smoke runs take what they need
 REPORT_RESERVE_S = 8.0  # kept for the report after the last step

@@ -12,6 +12,9 @@ wall time of --reps passes and its ratio to the base pass, the operators (aten::
 launches, its host synchronisations (aten::_local_scalar_dense, cudaStreamSynchronize, cudaDeviceSynchronize,
 cudaMemcpy), and the operators with the most self time on the device (CUDA) and on the host. Then the mixture alone
 on one read chunk (min(B·T, 1024) rows of the model's vocabulary): the torch composition against the fused kernel.
+On a GPU (and in --smoke) the probability-space read runs twice more with each mixture backend forced through
+FAAST_BACKEND, and the report gives auto's choice with the seconds it measured (a fresh autotune cache unless
+FAAST_AUTOTUNE_CACHE names one), so that one run says what the dispatch picked and what the other choice costs.
 The memory is learned from --learn-batches batches of random tokens and solved untimed; if the tuned step leaves it
 off (random weights can), step 1 and weight 0.5 are set so that the read does its full work, and the report says so.
 Writes profile_read_<model>_<device>.{json,md} through the results writer.
@@ -20,8 +23,13 @@ Writes profile_read_<model>_<device>.{json,md} through the results writer.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import statistics
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,9 +40,15 @@ import torch  # noqa: E402
 from bench_hf_overhead import SHAPES, load  # noqa: E402
 from faast_kernels import interpreting  # noqa: E402
 
+from faast.ops import BACKEND_ENV_VAR  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SYNC_EVENTS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
 TOP = 12
+_AUTOTUNE_CACHE_ENV = "FAAST_AUTOTUNE_CACHE"
+# The probability-space read again with each mixture backend forced (FAAST_BACKEND): what auto's choice costs.
+MIXTURE_CASES = (("probability, torch mixture", "mix_probabilities=torch"),
+                 ("probability, fused mixture", "mix_probabilities=triton"))  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -119,6 +133,8 @@ def time_mixture(n: int, v: int, dtype: torch.dtype, device: str, reps: int) -> 
 
 
 def run(args: argparse.Namespace) -> dict:
+    # auto measures afresh (a cached choice from another process would hide what it picks) and the report reads it.
+    os.environ.setdefault(_AUTOTUNE_CACHE_ENV, str(Path(tempfile.mkdtemp(prefix="faast-profile-")) / "autotune.json"))
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     model, ids, description = load(args.model, args.device, dtype)
     model = model.to(args.device)
@@ -145,16 +161,23 @@ def run(args: argparse.Namespace) -> dict:
 
         return one
 
+    plan = [("base", None, True, None), ("probability", "probability", False, None)]
+    if args.device.startswith("cuda") or args.smoke:  # a CPU's read does not dispatch the mixture: same as auto there
+        plan += [(name, "probability", False, backend) for name, backend in MIXTURE_CASES]
+    plan.append(("logit", "logit", False, None))
     cases = {}
-    for name, space, disabled in (("base", None, True), ("probability", "probability", False),
-                                  ("logit", "logit", False)):  # fmt: skip
+    for name, space, disabled, backend in plan:
         if space is not None:
             output.space = space
             model.solve()
         one = forward(disabled)
-        one()  # warm-up: kernels compiled and autotuned, the solution cached
-        seconds = [H.time_once(lambda _, fn=one: fn())[0] for _ in range(args.reps)]
-        cases[name] = {"wall_s": seconds, "median_s": statistics.median(seconds), **profile_pass(one, args.device)}
+        with _backend(backend):
+            one()  # warm-up: kernels compiled and autotuned, the solution cached
+            seconds = [H.time_once(lambda _, fn=one: fn())[0] for _ in range(args.reps)]
+            profile = profile_pass(one, args.device)
+        cases[name] = {"wall_s": seconds, "median_s": statistics.median(seconds), **profile}
+        if backend is not None:
+            cases[name]["backend"] = backend
     output.space = shipped_space
     base = cases["base"]["median_s"]
     for case in cases.values():
@@ -163,7 +186,37 @@ def run(args: argparse.Namespace) -> dict:
     mixture = time_mixture(min(b * t, 1024), vocab, getattr(torch, dtype), args.device, args.reps)
     return {"model": description, "batch": [b, t], "reps": args.reps, "forced_step": forced,
             "step": output.chosen_step(), "weight": output.chosen_weight(), "cases": cases,
-            "mixture": mixture}  # fmt: skip
+            "mixture": mixture, "auto_mixture": _auto_mixture_choices()}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _backend(request: str | None) -> Iterator[None]:
+    """FAAST_BACKEND set to `request` (None: left as it is) for the duration, then restored."""
+    if request is None:
+        yield
+        return
+    before = os.environ.get(BACKEND_ENV_VAR)
+    os.environ[BACKEND_ENV_VAR] = request
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(BACKEND_ENV_VAR, None)
+        else:
+            os.environ[BACKEND_ENV_VAR] = before
+
+
+def _auto_mixture_choices() -> dict:
+    """What auto chose for the mixture and the seconds it measured, by shape class, from this run's autotune cache
+    ({} where it timed nothing: a CPU's read does not dispatch the mixture)."""
+    from faast.ops import _autotune
+
+    path = _autotune.cache_path()
+    if not path.exists():
+        return {}
+    entries = json.loads(path.read_text()).get("entries", {})
+    return {key: entry for context in entries.values() for key, entry in context.items()
+            if key.startswith("mix_probabilities ")}  # fmt: skip
 
 
 def report(payload: dict) -> list[str]:
@@ -180,6 +233,17 @@ def report(payload: dict) -> list[str]:
         rows.append([name, H.fmt_s(c["median_s"]), f"{c['vs_base']:.3f}", c["aten_ops"], c["kernels"],
                      f"{c['device_kernel_us'] / 1e3:.2f} ms", syncs])  # fmt: skip
     lines += [H.markdown_table(["case", "wall", "vs base", "aten ops", "kernels", "kernel time", "syncs"], rows), ""]
+    auto = payload.get("auto_mixture") or {}
+    if auto:
+
+        def measured(seconds: dict) -> str:
+            return ", ".join(f"{n} {v:.3g}" if isinstance(v, float) else f"{n} {v}" for n, v in seconds.items())
+
+        lines += ["auto's choice for the mixture, by shape class (seconds it measured): " + "; ".join(
+            f"{key.removeprefix('mix_probabilities ')}: {entry['choice']} ({measured(entry['seconds'])})"
+            for key, entry in auto.items()) + ".", ""]  # fmt: skip
+    else:
+        lines += ["auto timed no mixture in this run (a CPU's read does not dispatch it).", ""]
     mix = payload["mixture"]
     lines += [
         f"The mixture alone, {mix['rows']} x {mix['vocab']:,} {mix['dtype']} (one read chunk): torch composition "

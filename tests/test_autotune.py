@@ -223,3 +223,26 @@ def test_a_backend_whose_only_variants_cannot_run_the_call_raises_when_requested
     monkeypatch.setenv(_dispatch.ENV_VAR, "eigh=cupy")
     with pytest.raises(RuntimeError, match="none of the cupy backend's variants of eigh can run this call"):
         _dispatch.resolve("eigh", CPU)
+
+
+@pytest.mark.parametrize(("rows", "sampled_rows", "size_class"), [(1500, 1024, 1024), (300, 300, 512)])
+def test_the_mixture_is_timed_on_one_whole_read_chunk(world, rows, sampled_rows, size_class):
+    # The fused kernel's time hardly shrinks below a GPU's worth of rows, so a smaller sample than the 1,024-row
+    # chunks a read sends would misjudge it (benchmarks/results/gpu_h100_run5.md): the sample is the call's rows up to
+    # one chunk.
+    seen: list[int] = []
+
+    def fake_mixture(z, dz, log_odds, log_rest, full, scale):
+        seen.append(z.shape[0])
+        return torch.zeros_like(z)
+
+    _dispatch.register_backend(_dispatch.Backend("triton", {"mix_probabilities": fake_mixture}))
+    world.times = {"triton": 0.5, "torch": 1.0}
+    z, dz = torch.randn(rows, 7), torch.randn(rows, 7)
+    odds, rest = torch.zeros(rows), torch.full((rows,), -0.5)
+    out = ops.mix_probabilities(z, dz, odds, rest)
+    assert world.sampled == ["triton", "torch"]
+    assert seen == [sampled_rows, rows]  # the timed sample, then the call itself on the chosen candidate
+    assert torch.equal(out, torch.zeros_like(z))
+    ((key, entry),) = next(iter(json.loads(world.path.read_text())["entries"].values())).items()
+    assert key.startswith(f"mix_probabilities rows{size_class} V7 ") and entry["choice"] == "triton"

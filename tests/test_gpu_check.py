@@ -299,3 +299,38 @@ def test_the_hf_benchmark_runs_several_models_into_one_file_and_stops_at_its_bud
     )
     per_token = (first["median_s"]["generate with fast weights"] - first["median_s"]["generate, base"]) / 4
     assert first["read_overhead_per_token_s"] == pytest.approx(per_token)
+
+
+def test_the_hf_benchmark_reads_with_the_memory_on_and_says_when_it_forced_a_step():
+    # A memory left off by tuning returns the head's logits untouched, so a read case must force a step to time a
+    # read (gpu_h100_run5.md: runs 4 and 5 timed reads of a memory that was off). Here step 0 leaves it off for sure.
+    pytest.importorskip("transformers")
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_hf_overhead as bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    model, ids, _ = bench.load("tiny")
+    batch = torch.tensor(ids[:128]).reshape(2, 64)
+    with torch.no_grad():
+        model.learn(ids[128 : 128 + 8 * 64], max_length=64, batch_size=2)
+    output = model.output_memory_layer
+    output.step = 0.0
+    forced: list[str] = []
+    cases = bench.timed_cases(model, batch, new_tokens=2, forced=forced)
+    setup, _ = cases["forward with fast weights"]
+    setup()
+    assert forced == [output.space] and output.chosen_step() == bench.FORCED_STEP
+    with torch.no_grad():
+        read = model(input_ids=batch).logits
+        with model.disable_faast():
+            base = model(input_ids=batch).logits
+    assert (read - base).abs().max() > 1e-3  # the memory was read
+    relearn, _ = cases["solve after a learned batch"]
+    relearn()
+    assert output.step == 0.0  # the solve case keeps the configured setting
+    setup, _ = cases["forward with fast weights, logit space"]
+    setup()
+    assert forced == ["probability", "logit"] and output.space == "logit"

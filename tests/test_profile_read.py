@@ -27,7 +27,11 @@ def test_the_smoke_profile_reports_every_case_and_the_operators_the_read_adds(tm
     data = json.loads((tmp_path / "profile_read_tiny_smoke.json").read_text())
     assert "git_sha" in data["provenance"]
     cases = data["cases"]
-    assert list(cases) == ["base", "probability", "logit"]
+    assert list(cases) == ["base", "probability", "probability, torch mixture", "probability, fused mixture", "logit"]
+    assert cases["probability, torch mixture"]["backend"] == "mix_probabilities=torch"
+    assert cases["probability, fused mixture"]["backend"] == "mix_probabilities=triton"
+    assert "backend" not in cases["probability"]
+    assert data["auto_mixture"] == {}  # a CPU's read does not dispatch the mixture, so auto timed nothing
     assert cases["base"]["vs_base"] == 1.0
     for name, case in cases.items():
         assert len(case["wall_s"]) == data["reps"] == 2, name
@@ -57,3 +61,30 @@ def test_a_non_positive_size_is_refused_naming_the_argument(flag, tmp_path):
     assert proc.returncode == 2
     assert f"{flag}: expected a positive integer, got 0" in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_auto_choices_for_the_mixture_are_read_from_the_runs_cache_and_the_backend_is_restored(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import profile_read
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from faast.ops import _autotune
+
+    cache = tmp_path / "autotune.json"
+    mix = {"choice": "triton", "seconds": {"torch": 0.0018, "triton": 0.0004}}
+    key = "mix_probabilities rows1024 V49152 torch.bfloat16/torch.bfloat16"
+    entries = {"GPU | torch x": {key: mix, "eigh B64 d1600": {"choice": "cuda", "seconds": {"cuda": 0.4}}}}
+    cache.write_text(json.dumps({"format": _autotune.FORMAT, "entries": entries}))
+    monkeypatch.setenv("FAAST_AUTOTUNE_CACHE", str(cache))
+    assert profile_read._auto_mixture_choices() == {key: mix}
+    monkeypatch.setenv("FAAST_AUTOTUNE_CACHE", str(tmp_path / "none.json"))
+    assert profile_read._auto_mixture_choices() == {}
+    monkeypatch.setenv("FAAST_BACKEND", "eigh=torch")
+    with profile_read._backend("mix_probabilities=triton"):
+        assert os.environ["FAAST_BACKEND"] == "mix_probabilities=triton"
+    assert os.environ["FAAST_BACKEND"] == "eigh=torch"
+    monkeypatch.delenv("FAAST_BACKEND")
+    with profile_read._backend("mix_probabilities=torch"):
+        assert os.environ["FAAST_BACKEND"] == "mix_probabilities=torch"
+    assert "FAAST_BACKEND" not in os.environ

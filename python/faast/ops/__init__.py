@@ -87,7 +87,10 @@ _GRAM_SAMPLE_DEFAULT = 2048
 # Batched eigensolvers gain with the batch, so eigh is timed on the whole batch (up to this many matrices).
 _EIGH_SAMPLE = 64
 _RESIDUAL_SAMPLE = 8192
-_MIXTURE_SAMPLE = 256
+# The fused mixture runs one program per row, so its time hardly shrinks below a GPU's worth of rows while the torch
+# composition's passes shrink with the rows: a 256-row sample tied them on an H100 where 1,024-row read chunks ran
+# the kernel 4.4x faster (benchmarks/results/gpu_h100_run5.md). The sample is one whole read chunk.
+_MIXTURE_SAMPLE = 1024
 
 
 def eigh_call(flat: torch.Tensor) -> _dispatch.Call:
