@@ -664,6 +664,55 @@ def test_a_file_saved_before_the_current_output_sums_loads_exactly_and_reads_wit
     assert sum("no bias: the gradient sum covers 0" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_a_stream_checkpoint_saved_before_the_gradient_sum_resumes_with_the_bias_off(tmp_path, caplog):
+    # faast.checkpoint files of a whole FaastModel written before ResidualOutput.bias lack the gradient sum. Resuming
+    # from one loads every other statistic exactly and the gradient sum empty (the layer lists it in
+    # OPTIONAL_IN_FILES); the bias then stays off, saying why, also after more learning (its sum stays partial).
+    import json
+
+    from faast.checkpoint import Checkpointer, load_checkpoint
+    from faast.persist import read_verified, write_atomic
+
+    config = FaastConfig(output=ResidualOutput(step=0.3, key_layers=[]), middle=MiddleLayers(num_layers=1))
+    model = apply_faast(tiny_model("llama"), config)
+    model.learn(ids(batch=2, seq=40, seed=3))
+    path = Checkpointer(tmp_path).save(model, {"batches": 1, "rows": 78})
+    tensors, metadata = read_verified(path)
+    memories = json.loads(metadata["memories"])
+    del memories["output_memory_layer.gradient_sum"]
+    tensors = {k: t for k, t in tensors.items() if not k.startswith("output_memory_layer.gradient_sum.")}
+    write_atomic(path, tensors, {**metadata, "memories": json.dumps(memories, sort_keys=True)})
+
+    for load in ("restore", "load_checkpoint"):
+        fresh = apply_faast(tiny_model("llama"), config)
+        with caplog.at_level("INFO", logger="faast"):
+            position = Checkpointer(tmp_path).restore(fresh) if load == "restore" else load_checkpoint(path, fresh)
+        assert position["batches"] == 1
+        assert any("has no output_memory_layer.gradient_sum" in r.getMessage() for r in caplog.records)
+        for (name, a), (_, b) in zip(fresh.learned_state(), model.learned_state(), strict=True):
+            for key, tensor in b.state_dict().items():
+                expected = torch.zeros_like(tensor) if name == "output_memory_layer.gradient_sum" else tensor
+                assert torch.equal(a.state_dict()[key], expected), (load, name, key)
+    probe = ids(batch=2, seq=15, seed=9)
+    with torch.no_grad():
+        read = fresh(probe).logits
+        model.output_memory_layer.bias = 0.0
+        assert torch.equal(read, model(probe).logits)  # the saved model without its bias
+    assert "covers 0 of 78 positions" in fresh.output_memory_layer.last_tuning["bias_off"]
+    fresh.learn(ids(batch=2, seq=40, seed=4))
+    fresh.solve()
+    assert "covers 78 of 156 positions" in fresh.output_memory_layer.last_tuning["bias_off"]
+    # A statistic its owner does not list as optional is still required.
+    del memories["output_memory_layer.curvature"]
+    tensors = {k: t for k, t in tensors.items() if not k.startswith("output_memory_layer.curvature.")}
+    write_atomic(path, tensors, {**metadata, "memories": json.dumps(memories, sort_keys=True)})
+    before = [t.clone() for _, m in fresh.learned_state() for t in m.state_dict().values()]
+    with pytest.raises(ValueError, match="holds memories .* the object being restored has"):
+        load_checkpoint(path, fresh)
+    after = [t for _, m in fresh.learned_state() for t in m.state_dict().values()]
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+
+
 def test_merging_two_streams_equals_learning_both():
     config = FaastConfig(output=ResidualOutput(step=0.2))
     a, b, both = (apply_faast(tiny_model("gpt2"), config) for _ in range(3))

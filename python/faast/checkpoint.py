@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch.distributed as dist
+from torch import nn
 
 from ._version import __version__
 from .distributed import find_memories
@@ -124,10 +125,17 @@ class Checkpointer:
                 p.unlink(missing_ok=True)
 
     def _read(
-        self, path: Path, memories: list[tuple[str, SummedStatistics]], *, same_run: bool = True
+        self,
+        path: Path,
+        memories: list[tuple[str, SummedStatistics]],
+        *,
+        same_run: bool = True,
+        optional: frozenset[str] = frozenset(),
     ) -> tuple[dict, list]:
         """Validate a checkpoint against `memories` without touching them. Returns (position, [(memory, tensors,
-        source)]). same_run: also require this checkpointer's world size (needed to resume a sharded stream)."""
+        source)]). same_run: also require this checkpointer's world size (needed to resume a sharded stream).
+        optional: names of `memories` a file may lack (written before their owner kept them; see _optional_in_files):
+        they load empty."""
         tensors, metadata = read_verified(path)
         if metadata.get("format") != FORMAT:
             raise ValueError(f"{path}: not a {FORMAT} file (format={metadata.get('format')!r})")
@@ -146,10 +154,15 @@ class Checkpointer:
                 "shards would differ, so it cannot be resumed exactly"
             )
         names = [name for name, _ in memories]
-        if sorted(saved) != sorted(names):
+        absent = {name for name in names if name not in saved}
+        if sorted(saved) != sorted(set(names) - (absent & optional)):
             raise ValueError(f"{path}: holds memories {sorted(saved)}, the object being restored has {sorted(names)}")
         plan = []
         for name, m in memories:
+            if name in absent:
+                _log.info("faast: %s has no %s (written before faast kept it): it loads empty", path, name)
+                plan.append((m, m.empty_like().state_dict(), f"{path} (memory {name}, absent: empty)"))
+                continue
             # A root module is the only one in its file: every tensor is its own (a blend window's are `blend.*`).
             own = {k[len(name) + 1 :]: t for k, t in tensors.items() if k.startswith(f"{name}.")} if name else tensors
             source = f"{path} (memory {name or '<root>'})"
@@ -170,12 +183,13 @@ class Checkpointer:
         exist but none is intact, or if a file does not match `obj` (different memories or configuration).
         """
         memories = find_memories(obj)
+        optional = _optional_in_files(obj, [name for name, _ in memories])
         self._remove_stale_temporaries()
         candidates = self.checkpoints()
         failures = []
         for path in candidates:
             try:
-                position, plan = self._read(path, memories)
+                position, plan = self._read(path, memories, optional=optional)
             except CorruptFileError as err:
                 _log.warning("faast: skipping unreadable checkpoint %s (%s)", path, err)
                 failures.append(str(err))
@@ -186,6 +200,22 @@ class Checkpointer:
         if failures:
             raise ValueError(f"{self.directory}: no intact checkpoint for rank {self.rank}: " + "; ".join(failures))
         return None
+
+
+def _optional_in_files(obj: object, names: list[str]) -> frozenset[str]:
+    """The names among `names` (of statistics modules inside the nn.Module `obj`, as find_memories gives them) that a
+    checkpoint may lack: those whose owning module lists their attribute name in its class's OPTIONAL_IN_FILES, for
+    statistics it began to keep after files were written without them (such an owner must tell an empty or partial
+    sum from a complete one, e.g. by its count)."""
+    if not isinstance(obj, nn.Module):
+        return frozenset()
+    found = set()
+    for name in names:
+        parent, _, attribute = name.rpartition(".")
+        owner = obj.get_submodule(parent) if parent else obj
+        if attribute in getattr(type(owner), "OPTIONAL_IN_FILES", ()):
+            found.add(name)
+    return frozenset(found)
 
 
 def _write(path: Path, obj: object, position_json: str, rank: int, world_size: int) -> Path:
@@ -334,7 +364,10 @@ def load_checkpoint(path: str | Path, obj: object, check: Callable[[dict], None]
     """Load one specific checkpoint file into the memories of `obj` (all or nothing); returns its position.
     check(position), when given, runs before anything is copied: it raises to refuse the file."""
     path = Path(path)
-    position, plan = Checkpointer(path.parent, rank=0, world_size=1)._read(path, find_memories(obj), same_run=False)
+    memories = find_memories(obj)
+    optional = _optional_in_files(obj, [name for name, _ in memories])
+    reader = Checkpointer(path.parent, rank=0, world_size=1)
+    position, plan = reader._read(path, memories, same_run=False, optional=optional)
     if check is not None:
         check(position)
     for m, own, source in plan:

@@ -95,14 +95,16 @@ class ResidualOutputLayer(nn.Module):
         curvature: Accumulator whose `gram` [d, d] sums μ_t μ_tᵀ (μ_t = p_t H) and `count` the positions;
         token_mass: Accumulator whose `probability` [V] sums p_t. Together they give the head's Fisher
             Σ_t Cov_{p_t}(H) = Hᵀ diag(Σ p) H − Σ μ μᵀ; faast.distributed and checkpoints sum and store them like
-            the memory. gradient_sum: Accumulator whose `gradient` [d] sums r (the bias's mean gradient).
+            the memory. gradient_sum: Accumulator whose `gradient` [d] sums r (the bias's mean gradient; older
+            files lack it, OPTIONAL_IN_FILES: it loads empty there and the bias stays off).
         space: 'probability' or 'logit' (ResidualOutput.space).
         step: 'auto' (tuned on the held-out tail at each solve) or a fixed η.
         weight: the mixture weight λ in probability space: 'auto' (tuned with η) or a fixed number in [0, 1].
         damping: δ, added as δ·mean(diag(C/N))·I before inverting the curvature.
-        last_tuning: dict of the most recent solve: chosen step and weight, held-out loss per step, tokens fitted /
-            held out.
+        last_tuning: dict of the most recent solve: step, weight, held-out loss per step, tokens fitted / held out.
     """
+
+    OPTIONAL_IN_FILES = ("gradient_sum",)  # read by faast.checkpoint; mean_gradient_bias checks its coverage
 
     def __init__(
         self,
