@@ -10,7 +10,9 @@ allows (float64, power-law spectra λ = 10^[0, -10]). Cases, each where it can r
   faast._C <algorithm>                   torch.ops.faast.batched_eigh: auto, syev_batched, syevd_streams, and
                                          syevj_batched for d <= 32 (needs the built extension)
   cupy syevjBatched (faast backend)      faast.ops._cupy_backend.eigh: one batched Jacobi call plus its accuracy check
-                                         (matrices that miss it are recomputed by torch: column "recomputed")
+                                         (matrices that miss it are recomputed by torch: column "recomputed");
+                                         where auto's gate keeps it out (d >= 576, measured to lose on an H100)
+                                         only with --all-cases (it took 11 s at 48 x 1600 in gpu_h100_run5)
   torch eigh + filter: fixed-ridge solve W = (S + μI)^+ T the eigh way: torch.linalg.eigh + solve_from_eigh
   cholesky fixed-ridge solve             faast.ops.solve.solve_fixed_ridge (batched Cholesky of S + μI, no spectrum)
 Reported: time (CUDA events; median of 3 after a warm-up below d = 1152, one timed run from there), speedup over
@@ -86,16 +88,27 @@ def _quality(gram: torch.Tensor, lam: torch.Tensor, vecs: torch.Tensor, referenc
     }
 
 
-def _eigh_cases(gram: torch.Tensor, d: int, native_error: str | None, cupy_error: str | None) -> dict:
+def _eigh_cases(
+    gram: torch.Tensor, d: int, native_error: str | None, cupy_error: str | None, all_cases: bool = False
+) -> tuple[dict, dict]:
+    """({case: fn}, {case: why it is skipped}): cupy's eigh where auto's gate keeps it out (it loses from d = 576 on
+    an H100) is skipped unless all_cases."""
+    from faast import ops
     from faast.ops import _cupy_backend
 
     cases = {"torch.linalg.eigh": lambda: torch.linalg.eigh(gram)}
+    skipped = {}
     algorithms = ["auto", "syev_batched", "syevd_streams"] + (["syevj_batched"] if d <= 32 else [])
     for algorithm in algorithms if native_error is None else []:
         cases[f"faast._C {algorithm}"] = lambda a=algorithm: torch.ops.faast.batched_eigh(gram, a)
     if cupy_error is None:
-        cases["cupy syevjBatched (faast backend)"] = lambda: _cupy_backend.eigh(gram)
-    return cases
+        name = "cupy syevjBatched (faast backend)"
+        reason = None if all_cases else H.gated("eigh", "cupy", ops.eigh_call(gram))
+        if reason is None:
+            cases[name] = lambda: _cupy_backend.eigh(gram)
+        else:
+            skipped[name] = f"auto's gate: {reason} (--all-cases times it)"
+    return cases, skipped
 
 
 def _solve_cases(gram: torch.Tensor, cross: torch.Tensor, spectrum: tuple | None) -> dict:
@@ -128,13 +141,17 @@ def _run(name: str, fn, layers: int, d: int, deadline: float, records: list) -> 
     return entry, out
 
 
-def measure(layers: int, d: int, device: str, errors: tuple, deadline: float, records: list) -> None:
+def measure(
+    layers: int, d: int, device: str, errors: tuple, deadline: float, records: list, all_cases: bool = False
+) -> None:
     """Every case at one size, appended to records."""
     from faast.ops import _cupy_backend
 
     gram, cross = _statistics(layers, d, device)
     base = spectrum = None
-    for name, fn in _eigh_cases(gram, d, *errors).items():
+    cases, skipped = _eigh_cases(gram, d, *errors, all_cases=all_cases)
+    records.extend({"L": layers, "d": d, "case": name, "skipped": why} for name, why in skipped.items())
+    for name, fn in cases.items():
         done = _run(name, fn, layers, d, deadline, records)
         if done is None:
             continue
@@ -203,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; on a CPU the GPU-only cases are skipped")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
+    parser.add_argument("--all-cases", action="store_true", help="also time the cases auto's gates keep out")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
@@ -224,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             records.append({"L": layers, "d": d, "skipped": "time budget spent"})
             continue
         done = len(records)
-        measure(layers, d, device, errors, deadline, records)
+        measure(layers, d, device, errors, deadline, records, args.all_cases)
         for entry in records[done:]:
             print({k: v for k, v in entry.items() if v is not None}, flush=True)
         _report(args.out, record, records, errors, args.smoke, final=False)  # survives a crash in a later size

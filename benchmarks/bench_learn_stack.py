@@ -21,7 +21,10 @@ FAAST_BACKEND (docs/backends.md); a candidate that cannot run here is recorded w
   4. End to end (update + W, synchronised): the fastest float64-statistics mode with the fastest eigh, the fastest
      setting overall, and auto. speedup = authors' time / faast's fastest; speedup_float64 for float64 statistics.
 The extension runs last (a crash inside it must not take the other results with it); the json is rewritten after
-every case and names the case in flight. Cases are skipped once --budget-s is spent (recorded as skipped).
+every case and names the case in flight. Cases are skipped once --budget-s is spent (recorded as skipped), and so
+are those auto's gates keep out on this GPU, measured there to fail or lose (Triton's float64 mode with bf16 inputs
+does not compile on sm_90; cupy's eigh at d = 1600 took 6.3 s against torch's 1.0 s in gpu_h100_run5), unless
+--all-cases.
 """
 
 from __future__ import annotations
@@ -172,10 +175,25 @@ class _Case:
         return True  # a backend that cannot run here is recorded, not fatal
 
 
+def _gated(run: Run, section: str, name: str, op: str, candidate: str, call: object) -> bool:
+    """Record a case auto's gate keeps out on this GPU as skipped (unless --all-cases) and say so."""
+    reason = None if run.args.all_cases else H.gated(op, candidate, call)
+    if reason is not None:
+        run.payload[section][name] = {"skipped": f"auto's gate: {reason} (--all-cases times it)"}
+    return reason is not None
+
+
 def gram_cases(run: Run, batches: list, cases: list, reference: object | None = None) -> object | None:
-    """Section 1; returns the float64 reference memory (the torch base candidate's), or None."""
+    """Section 1; returns the float64 reference memory (the torch base candidate's), or None. A case auto's gate
+    keeps out on this GPU (Triton's float64 mode with 16-bit inputs does not compile on sm_80+) is skipped."""
+    from faast import ops
+
     for setting, compute in cases:
         name = f"{setting}, compute {str(compute).split('.')[-1]}"
+        keys, values, scores = batches[0]
+        call = ops.gram_call(keys, values, scores, compute_dtype=compute)
+        if setting == "triton" and _gated(run, "gram", name, "accumulate_gram", setting, call):
+            continue
         with run.case("gram", name) as result:
             if result is None:
                 continue
@@ -200,6 +218,8 @@ def eigh_case(run: Run, reference: object, setting: str, state: dict) -> None:
     from faast.ops.solve import solve_from_eigh
 
     gram, cross, count = reference.gram, reference.cross, reference.count
+    if setting == "cupy" and _gated(run, "solve", setting, "eigh", setting, ops.eigh_call(gram)):
+        return
     with run.case("solve", setting) as result:
         if result is None:
             return
@@ -425,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--budget-s", type=float, default=120.0, help="start no case after this many seconds")
     parser.add_argument("--authors-budget-s", type=float, default=20.0)
+    parser.add_argument("--all-cases", action="store_true", help="also time the cases auto's gates keep out")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:

@@ -20,7 +20,8 @@ Step       what it runs                                                         
            the authors' algorithm, end to end
   hf       benchmarks/bench_hf_overhead.py --device cuda: SmolLM2- and 1B-shaped models in one process       45
 Together 300 s; time a step leaves unused passes on to the next. A step's benchmark gets its share as --budget-s
-and stops starting cases when it is spent.
+and stops starting cases when it is spent. On a GPU the benchmarks skip the cases auto's gates keep out there
+(measured earlier to fail or lose; their --all-cases times them).
 
 OUTDIR receives at most 8 files: gpu_check.json (machine, steps, exit codes, times, the autotune choices, the goals),
 gpu_check.md (every step's table and the goals against their targets), gpu_check_log.txt.gz (every step's output) and

@@ -334,3 +334,39 @@ def test_the_hf_benchmark_reads_with_the_memory_on_and_says_when_it_forced_a_ste
     setup, _ = cases["forward with fast weights, logit space"]
     setup()
     assert forced == ["probability", "logit"] and output.space == "logit"
+
+
+def test_benchmarks_skip_only_what_autos_gates_keep_out_on_a_gpu(monkeypatch):
+    # On a lent GPU a case auto's gate keeps out (measured there to fail or lose) costs minutes and tells nothing new,
+    # so the benchmarks skip it unless --all-cases; off a GPU nothing is gated, so smoke runs keep every case.
+    import dataclasses
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _harness as H
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from faast.ops import _dispatch
+
+    registry = dict(_dispatch._REGISTRY)
+    for name in ("cupy", "triton"):  # as on the GPU machine, where both load
+        registry[name] = dataclasses.replace(registry[name], unavailable_reason=lambda: None)
+    monkeypatch.setattr(_dispatch, "_REGISTRY", registry)
+    cuda = torch.device("cuda")
+
+    def eigh(d: int, device: torch.device = cuda) -> _dispatch.Call:
+        return _dispatch.Call("eigh", device, (torch.float64,), ((48, d, d),))
+
+    assert "measured slower than torch.linalg.eigh" in H.gated("eigh", "cupy", eigh(1600))
+    assert H.gated("eigh", "cupy", eigh(256)) is None
+    assert H.gated("eigh", "cupy", eigh(1600, torch.device("cpu"))) is None
+    monkeypatch.setattr(_dispatch.Call, "capability", property(lambda self: (9, 0)))
+    bf16 = (torch.bfloat16, torch.bfloat16)
+
+    def gram(compute: torch.dtype) -> _dispatch.Call:
+        return _dispatch.Call("accumulate_gram", cuda, bf16, options={"compute_dtype": compute})
+
+    assert "does not compile on sm_90" in H.gated("accumulate_gram", "triton", gram(torch.float64))
+    assert H.gated("accumulate_gram", "triton", gram(torch.float32)) is None
