@@ -173,13 +173,14 @@ def test_the_op_refuses_bad_arguments_naming_them():
 
 @pytest.mark.parametrize("backend", ["auto", "mix_probabilities=triton"])
 @pytest.mark.parametrize("weights", ["one", "full", "per-row"])
-def test_the_gpu_read_path_equals_the_cpu_block_path(monkeypatch, backend, weights):
+@pytest.mark.parametrize("chunk", [4, 16])  # three chunks, the last ragged; one chunk, whose mixture is the result
+def test_the_gpu_read_path_equals_the_cpu_block_path(monkeypatch, backend, weights, chunk):
     # hf/mixture.py sends a GPU's rows through ops.mix_probabilities a chunk at a time; called directly here, on the
     # CPU, it must give what the CPU's cache-sized blocks give (the same arithmetic, in another order of blocks).
     monkeypatch.setenv("FAAST_BACKEND", backend)
     projected, logits, weight, options = read_case(weights, n=11, d=8, v=97, seed=3)
     keep = options["keep"]
-    options["chunk"] = 4
+    options["chunk"] = chunk
     cpu = hf_mixture.read_blocks(projected, logits, weight, compute=torch.float32, block=3, **options)
     on = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
     gpu = hf_mixture._read_chunks(projected.to(DEVICE), logits.to(DEVICE), weight.to(DEVICE), **on)
