@@ -65,6 +65,7 @@ def test_each_field_of_the_record(checkout, monkeypatch):
     assert 1 <= record["physical_cores"] <= record["logical_cores"] == os.cpu_count()
     assert record["torch_threads"] == torch.get_num_threads()
     assert record["cpu_native_bf16"] is hardware.cpu_has_bf16()
+    assert record["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert record["loadavg_at_start"] == 1.23 and record["loadavg_at_end"] is None
     assert provenance.finish(record)["loadavg_at_end"] == 0.5
     date = dt.datetime.fromisoformat(record["date"])
@@ -119,12 +120,13 @@ def test_write_puts_the_record_in_the_json_and_the_header_in_the_markdown(checko
     text = md_path.read_text(encoding="utf-8").splitlines()
     assert text[:2] == ["# A title", ""]
     header = provenance.markdown(data["provenance"]).splitlines()
-    assert text[2:6] == header and text[6:] == ["", "line one", "", "x"]
+    lines = 4 + bool(record["environment"])
+    assert len(header) == lines and text[2 : 2 + lines] == header and text[2 + lines :] == ["", "line one", "", "x"]
     assert header[0].startswith("- run: ") and f"git {record['git_sha']}" in header[0] and "`python" in header[0]
     assert f"torch {record['torch']}" in header[1] and f"faast {faast.__version__}" in header[1]
     assert record["cpu_model"] in header[2] and "load average (1 min)" in header[3]
     bf16 = "multiplies bfloat16 natively" if record["cpu_native_bf16"] else "no native bfloat16"
-    assert header[2].endswith(bf16) or ("; GPU " in header[2] and bf16 in header[2])
+    assert f"{bf16}, torch CPU kernels {record['cpu_capability']}" in header[2]
     older = {k: v for k, v in data["provenance"].items() if k != "cpu_native_bf16"}  # written before the field
     assert "bfloat16" not in provenance.markdown(older).splitlines()[2]
 
@@ -137,3 +139,21 @@ def test_bad_arguments_are_named(tmp_path):
         provenance.to_json({"provenance": 1}, record)
     with pytest.raises(ValueError, match="title: expected one non-empty line"):
         provenance.write(tmp_path / "r", record, {}, "two\nlines")
+
+
+def test_the_variables_that_change_a_run_are_recorded_and_shown(checkout, monkeypatch):
+    # A run with a forced backend or a limited instruction set must say so (an AVX2-limited run on AVX-512 cores
+    # otherwise reads like one on the full instruction set).
+    for name in [n for n in os.environ if n.startswith("FAAST_") or n in provenance.ENVIRONMENT]:
+        monkeypatch.delenv(name)
+    assert provenance.start(checkout, argv=["x"])["environment"] == {}
+    record = provenance.start(checkout, argv=["x"])
+    assert not any(line.startswith("- environment") for line in provenance.markdown(record).splitlines())
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    monkeypatch.setenv("FAAST_BACKEND", "eigh=torch")
+    monkeypatch.setenv("FAAST_GIT_SHA", "abc")  # recorded as git_sha, not twice
+    monkeypatch.setenv("UNRELATED_VARIABLE", "1")
+    record = provenance.start(checkout, argv=["x"])
+    assert record["environment"] == {"FAAST_BACKEND": "eigh=torch", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    last = provenance.markdown(record).splitlines()[-1]
+    assert last == "- environment: FAAST_BACKEND=eigh=torch MKL_ENABLE_INSTRUCTIONS=AVX2"

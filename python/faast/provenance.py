@@ -17,6 +17,10 @@
   ``logical_cores``, ``memory_gb``, ``torch_threads``, ``blas``, ``mkl``, ``platform``, ``cpu_native_bf16`` (whether
   the CPU multiplies bfloat16 natively, which the language-model speeds depend on); with CUDA also ``gpu``,
   ``gpu_capability``, ``gpu_sms``, ``gpu_memory_gb``, ``torch_cuda``, ``nvidia_smi``, ``nvcc``;
+- ``cpu_capability``: the vector instruction set torch's CPU kernels dispatch to (e.g. ``"AVX512"``, ``"AVX2"``);
+  ``environment``: the variables set for the run that change what it computes or how fast (``FAAST_*``, the
+  instruction-set and thread limits of MKL, oneDNN, ATen and OpenMP, ``TRITON_INTERPRET``, ``CUDA_VISIBLE_DEVICES``;
+  ENVIRONMENT), by name, so that a run made with a forced backend or a limited instruction set says so;
 - ``loadavg_at_start``, ``loadavg_at_end``: the 1-minute load average (None where the OS has none;
   ``loadavg_at_end`` stays None until `finish`);
 - ``command``: this process's command line. Results are committed, so it carries no path of the machine that wrote
@@ -44,10 +48,16 @@ from pathlib import Path
 from .hardware import cpu_has_bf16
 
 __all__ = [
-    "finish", "machine", "markdown", "physical_cores", "relative", "relative_command", "start", "to_json", "write",
+    "environment", "finish", "machine", "markdown", "physical_cores", "relative", "relative_command", "start",
+    "to_json", "write",
 ]  # fmt: skip
 
 VERSIONED = ("faast", "torch", "triton", "transformers")
+# Variables recorded when set: those that choose faast's backends or change the arithmetic or speed of the libraries.
+ENVIRONMENT = (
+    "MKL_ENABLE_INSTRUCTIONS", "MKL_NUM_THREADS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
+    "OMP_NUM_THREADS", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES",
+)  # fmt: skip
 
 
 def start(root: str | os.PathLike | None = None, argv: Sequence[str] | None = None) -> dict:
@@ -79,12 +89,30 @@ def start(root: str | os.PathLike | None = None, argv: Sequence[str] | None = No
         "mkl": bool(torch.backends.mkl.is_available()),
         "platform": platform.platform(),
         "cpu_native_bf16": cpu_has_bf16(),
+        "cpu_capability": _cpu_capability(),
+        "environment": environment(),
         "loadavg_at_start": load_average(),
         "loadavg_at_end": None,
         "command": relative_command(sys.argv if argv is None else argv, root),
         **_gpu(),
     }
     return record
+
+
+def environment() -> dict[str, str]:
+    """{name: value} of the variables in ENVIRONMENT and every FAAST_* variable that is set (FAAST_GIT_SHA aside:
+    git_sha records it), sorted by name."""
+    names = {n for n in os.environ if n.startswith("FAAST_") and n != "FAAST_GIT_SHA"} | set(ENVIRONMENT)
+    return {n: os.environ[n] for n in sorted(names) if n in os.environ}
+
+
+def _cpu_capability() -> str | None:
+    import torch
+
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):  # a torch without the query
+        return None
 
 
 def finish(record: dict) -> dict:
@@ -94,7 +122,8 @@ def finish(record: dict) -> dict:
 
 
 def markdown(record: dict) -> str:
-    """The header block of a Markdown result: four bullet lines (run, versions, device, load)."""
+    """The header block of a Markdown result: bullet lines for the run, versions, device and load, and the
+    environment when a recorded variable was set."""
     flag = record.get("git_dirty")
     dirty = {True: " (working tree differs from it)", False: ""}.get(flag, " (tree state unknown)")
     versions = ", ".join(f"{name} {record.get(name) or 'not installed'}" for name in (*VERSIONED, "python"))
@@ -104,6 +133,8 @@ def markdown(record: dict) -> str:
     bf16 = record.get("cpu_native_bf16")
     if bf16 is not None:  # records written before the field say nothing here
         device += ", multiplies bfloat16 natively" if bf16 else ", no native bfloat16"
+    if record.get("cpu_capability"):
+        device += f", torch CPU kernels {record['cpu_capability']}"
     if record.get("gpu"):
         device += (
             f"; GPU {record['gpu']} (sm {record.get('gpu_capability')}, {record.get('gpu_sms')} SMs, "
@@ -117,6 +148,8 @@ def markdown(record: dict) -> str:
         f"- device: {device}",
         f"- load average (1 min): {_load(record.get('loadavg_at_start'))} at start, "
         f"{_load(record.get('loadavg_at_end'))} at end",
+        *([f"- environment: {' '.join(f'{k}={v}' for k, v in record['environment'].items())}"]
+          if record.get("environment") else []),
     ])  # fmt: skip
 
 
