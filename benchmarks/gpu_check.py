@@ -195,6 +195,9 @@ def run_command(argv: list[str], env: dict, limit: float, console: Console, cwd:
 
     def pump() -> None:
         for line in proc.stdout:
+            # Results are committed: paths in the checkout become relative to it, the home folder ~ (a compiler's
+            # command line and a traceback name the device machine's folders otherwise).
+            line = H.provenance.relative(line, ROOT)
             chunks.append(line)
             console.write(line)
 

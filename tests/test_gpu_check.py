@@ -370,3 +370,16 @@ def test_benchmarks_skip_only_what_autos_gates_keep_out_on_a_gpu(monkeypatch):
 
     assert "does not compile on sm_90" in H.gated("accumulate_gram", "triton", gram(torch.float64))
     assert H.gated("accumulate_gram", "triton", gram(torch.float32)) is None
+
+
+def test_a_steps_output_names_no_folder_of_the_machine_that_ran_it(tmp_path):
+    # The report and the log are committed: paths in the checkout are written relative to it, the home folder as ~.
+    check = runpy.run_path(str(CHECK), run_name="gpu_check")  # defines, no main()
+    console = check["Console"](tmp_path / "log.txt")
+    inside, home = ROOT / "csrc" / "faast_ops.cpp", Path.home() / ".cache" / "x"
+    code, output = check["run_command"](
+        [sys.executable, "-c", f"print({str(inside)!r}); print({str(home)!r})"], dict(os.environ), 60, console
+    )
+    console.close()
+    assert code == 0 and output.splitlines() == ["csrc/faast_ops.cpp", "~/.cache/x"]
+    assert (tmp_path / "log.txt").read_text().splitlines() == output.splitlines()
