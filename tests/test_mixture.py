@@ -188,3 +188,11 @@ def test_the_gpu_read_path_equals_the_cpu_block_path(monkeypatch, backend, weigh
     torch.testing.assert_close(gpu.cpu(), cpu, atol=2e-5, rtol=2e-5)
     if keep is not None:
         assert torch.equal(gpu.cpu()[keep], logits[keep])
+
+
+def test_the_gpu_read_path_of_no_rows_is_an_empty_result():
+    projected, logits, weight = torch.zeros(0, 8), torch.zeros(0, 97, dtype=torch.bfloat16), torch.zeros(97, 8)
+    options = {"scale": 1.0, "log_odds": 0.0, "log_rest": -0.5, "full": False, "keep": None}
+    for chunk in (4, 16):
+        out = hf_mixture._read_chunks(projected, logits, weight, chunk=chunk, **options)
+        assert out.shape == (0, 97) and out.dtype == torch.bfloat16

@@ -90,7 +90,7 @@ def start(root: str | os.PathLike | None = None, argv: Sequence[str] | None = No
         "platform": platform.platform(),
         "cpu_native_bf16": cpu_has_bf16(),
         "cpu_capability": _cpu_capability(),
-        "environment": environment(),
+        "environment": {name: relative(value, root) for name, value in environment().items()},
         "loadavg_at_start": load_average(),
         "loadavg_at_end": None,
         "command": relative_command(sys.argv if argv is None else argv, root),

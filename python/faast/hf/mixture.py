@@ -177,17 +177,15 @@ def _read_chunks(
 ) -> torch.Tensor:
     """read_blocks without a gradient on a GPU: per `chunk` rows one head GEMM in the products' dtype, then the
     mixture through faast.ops.mix_probabilities (its dispatch picks the torch composition or the fused kernel), written
-    straight into the [n, V] result in logits' dtype."""
+    straight into the [n, V] result in logits' dtype; a single chunk's mixture (a generated token, a short prompt) is
+    the result itself, with no [n, V] copy."""
     n = logits.shape[0]
     odds, rest = _per_row(log_odds, n, logits), _per_row(log_rest, n, logits)
     if isinstance(full, torch.Tensor):
         flags: torch.Tensor | None = full.reshape(n)
     else:
         flags = torch.ones(n, dtype=torch.bool, device=logits.device) if full else None
-    if n <= chunk:  # one chunk (a generated token, a short prompt): its mixture is the result, with no [n, V] copy
-        mixed = ops.mix_probabilities(logits, projected.to(weight.dtype) @ weight.T, odds, rest, flags, scale)
-        return mixed if keep is None else torch.where(keep[:, None], logits, mixed)
-    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    out = None if 0 < n <= chunk else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     for i in range(0, n, chunk):
         rows = slice(i, min(i + chunk, n))
         dz = projected[rows].to(weight.dtype) @ weight.T
@@ -195,5 +193,7 @@ def _read_chunks(
         mixed = ops.mix_probabilities(logits[rows], dz, odds[rows], rest[rows], part, scale)
         if keep is not None:
             mixed = torch.where(keep[rows][:, None], logits[rows], mixed)
+        if out is None:
+            return mixed
         out[rows] = mixed
     return out
