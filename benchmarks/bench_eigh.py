@@ -107,7 +107,7 @@ def _eigh_cases(
         if reason is None:
             cases[name] = lambda: _cupy_backend.eigh(gram)
         else:
-            skipped[name] = f"auto's gate: {reason} (--all-cases times it)"
+            skipped[name] = reason
     return cases, skipped
 
 

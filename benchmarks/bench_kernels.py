@@ -162,7 +162,7 @@ def gram_case(  # noqa: ANN001
         reason = None if all_cases else H.gated("accumulate_gram", "triton", call)
         if reason is not None:
             for name in (f"triton_{mode}", f"triton_{mode}_noscores"):
-                row.setdefault("gated", {})[name] = f"auto's gate: {reason} (--all-cases tries it)"
+                row.setdefault("gated", {})[name] = reason
             continue
         cases[f"triton_{mode}"] = lambda p=mode: gram_accumulate(keys, values, scores, gram=gram, cross=cross,
                                                                  sqnorm=sqnorm, precision=p)  # fmt: skip

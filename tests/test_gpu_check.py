@@ -359,7 +359,9 @@ def test_benchmarks_skip_only_what_autos_gates_keep_out_on_a_gpu(monkeypatch):
     def eigh(d: int, device: torch.device = cuda) -> _dispatch.Call:
         return _dispatch.Call("eigh", device, (torch.float64,), ((48, d, d),))
 
-    assert "measured slower than torch.linalg.eigh" in H.gated("eigh", "cupy", eigh(1600))
+    note = H.gated("eigh", "cupy", eigh(1600))
+    assert note.startswith("auto's gate: ") and "measured slower than torch.linalg.eigh" in note
+    assert note.endswith("(--all-cases runs it)")
     assert H.gated("eigh", "cupy", eigh(256)) is None
     assert H.gated("eigh", "cupy", eigh(1600, torch.device("cpu"))) is None
     monkeypatch.setattr(_dispatch.Call, "capability", property(lambda self: (9, 0)))
