@@ -9,17 +9,30 @@ speed.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
 
 __all__ = ["cpu_has_bf16", "native_bf16"]
 
+# oneDNN's instruction-set limits (ONEDNN_MAX_CPU_ISA, or DNNL_MAX_CPU_ISA) that still allow bfloat16 dot products.
+# torch multiplies bfloat16 matrices on a CPU through oneDNN, so a lower limit emulates them even on a CPU that has
+# the instructions (a run limited to AVX2 stands in for a CPU without AVX-512).
+_BF16_ISAS = {
+    "ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2",
+}  # fmt: skip
+
 
 @functools.cache
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), read from /proc/cpuinfo (Linux; False
-    elsewhere, where it cannot be read)."""
+    elsewhere, where it cannot be read), and oneDNN may use those instructions: False when ONEDNN_MAX_CPU_ISA (or
+    DNNL_MAX_CPU_ISA) limits it below them. Read once per process."""
+    limit = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    if limit and limit not in _BF16_ISAS:
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
