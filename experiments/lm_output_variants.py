@@ -41,6 +41,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", "float32", "bfloat16"),
         help="output_head_dtype of the layer: the dtype of its head products while learning",
     )
+    p.add_argument(
+        "--head-pool-below",
+        default="auto",
+        type=lambda v: v if v == "auto" else float(v),
+        help="ResidualOutput.head_pool_below of the layer: p·H pools the columns below this probability ('auto')",
+    )
     p.add_argument("--out", default="lm_output_variants_smollm2")
     return p.parse_args(argv)
 
@@ -475,7 +481,8 @@ def main(argv: list[str] | None = None) -> dict:
         budget = int(data["settings"].get("learn_tokens", 32768))
         starts = doc_starts(name, tokenizer, len(targets), budget)
         scorer = Scorer(head, hidden, ys, learned=(keys, targets, starts))
-        layer = layer_for(head, keys.shape[1], head.weight.shape[0], head_dtype=args.head_dtype)
+        layer = layer_for(head, keys.shape[1], head.weight.shape[0], head_dtype=args.head_dtype,
+                          head_pool_below=args.head_pool_below)  # fmt: skip
         done = 0
         for point in curve:
             amount = min(point, len(targets))

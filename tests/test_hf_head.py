@@ -1,6 +1,6 @@
 """faast.hf.head.head_gradients against a float64 hand computation: r = H[y] − softmax(h̃Hᵀ + b)·H, Σ μμᵀ and Σ p over
 the learned positions, for every path through it (own logits into reused buffers, a head with a bias, logits given by
-a stream, masked positions, several chunks with a ragged last one, bfloat16 products)."""
+a stream, masked positions, several chunks with a ragged last one, bfloat16 products, p·H with pooled columns)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from faast.hf import head as head_module
-from tolerances import BF16_HEAD_PRODUCTS_REL, assert_close, rel
+from tolerances import BF16_HEAD_PRODUCTS_REL, FLOAT32_COMPUTE_REL, assert_close, rel
 
 VOCAB, DIM = 97, 24
 
@@ -89,3 +89,86 @@ def test_head_gradients_of_no_positions():
     )
     assert grads.shape == (2, 0, DIM)
     assert bool((mean_gram == 0).all()) and bool((prob_sum == 0).all())
+
+
+def pooled_reference(head: torch.nn.Linear, keys, targets, mask, pool: float, chunk: int):  # noqa: ANN001, ANN201
+    """The float64 hand computation of pooled p·H: per block of `chunk` flattened positions, the columns whose
+    probability is below `pool` in every learned row are replaced by their mean row of H, weighted by the block's
+    summed probabilities, at each row's pooled mass."""
+    weight = head.weight.double()
+    flat, ys, keep = keys.reshape(-1, DIM).double(), targets.reshape(-1), mask.reshape(-1)
+    p = torch.softmax(flat.masked_fill(~keep[:, None], 0) @ weight.T, -1) * keep[:, None]
+    mus, pooled_columns = [], 0
+    for i in range(0, flat.shape[0], chunk):
+        block = p[i : i + chunk]
+        kept = block.amax(0) >= pool
+        mu = block[:, kept] @ weight[kept]
+        rest = block[:, ~kept]
+        if (~kept).any():
+            mu = mu + rest.sum(1, keepdim=True) * (rest.sum(0) @ weight[~kept] / rest.sum())
+        mus.append(mu)
+        pooled_columns += int((~kept).sum())
+    mu = torch.cat(mus)
+    grads = (weight[ys] - mu) * keep[:, None]
+    return grads.reshape(*keys.shape), mu.T @ mu, p.sum(0), pooled_columns
+
+
+def peaked_case():  # noqa: ANN201
+    """A head whose last 40 tokens are improbable at every position (their logits 7.5 lower), so that they and a few
+    more stay below a pool of 1e-2 in a block (43 of 97 columns over all learned positions)."""
+    head, keys, targets, mask = case(bias=False, masked=True)
+    with torch.no_grad():
+        keys[..., 1] = 3.0
+        head.weight[-40:, 1] -= 2.5
+    return head, keys, targets, mask
+
+
+@pytest.mark.parametrize("chunk", [1024, 8], ids=["one-chunk", "chunks-of-8"])
+def test_head_gradients_with_pooled_columns_match_a_float64_hand_pooling(monkeypatch, chunk):
+    monkeypatch.setattr(head_module, "READ_CHUNK", chunk)
+    monkeypatch.setattr(head_module, "POOL_DENSE_SHARE", 1.0)  # pool however few columns fall below the threshold
+    head, keys, targets, mask = peaked_case()
+    *expected, pooled_columns = pooled_reference(head, keys, targets, mask, 1e-2, chunk)
+    assert pooled_columns > 0
+    got = head_module.head_gradients(head, keys, targets, mask, torch.float32, pool=1e-2)
+    for actual, want in zip(got, expected, strict=True):
+        assert_close(actual, want, torch.float32)
+    assert bool((got[0][~mask] == 0).all())
+    # Pooling moves each row's μ but not their sum: Σ r over the learned positions is the exact one.
+    exact = reference(head, keys.masked_fill(~mask.unsqueeze(-1), 0), targets, mask)
+    assert rel(got[0].sum((0, 1)), exact[0].sum((0, 1))) < FLOAT32_COMPUTE_REL
+    assert rel(got[0], exact[0]) > 10 * FLOAT32_COMPUTE_REL  # and the rows did move: the pooled path was taken
+
+
+def test_pooled_rows_err_by_at_most_their_pooled_mass_times_the_pooled_rows_spread():
+    head, keys, targets, mask = peaked_case()
+    flat = keys.reshape(-1, DIM)[mask.reshape(-1)]
+    weight = head.weight.detach()
+    p = torch.softmax(flat @ weight.T, -1)
+    mu = head_module.pooled_product(p, weight, weight, 1e-2)
+    exact = p.double() @ weight.double()
+    kept = p.amax(0) >= 1e-2
+    assert 0 < int((~kept).sum()) < VOCAB
+    mass = p[:, ~kept].double().sum(1)
+    mean = p[:, ~kept].double().sum(0) @ weight[~kept].double() / p[:, ~kept].double().sum()
+    spread = (weight[~kept].double() - mean).norm(dim=1).max()
+    err = (mu.double() - exact).norm(dim=1)
+    assert bool((err <= mass * spread * (1 + 1e-4) + 1e-5).all())
+    assert float(err.max()) > 0
+
+
+def test_pooling_keeps_the_full_product_when_most_columns_are_kept():
+    head, keys, targets, mask = case(bias=False, masked=False)  # soft predictions: every column above 1e-4 somewhere
+    exact = head_module.head_gradients(head, keys, targets, mask, torch.float32)
+    pooled = head_module.head_gradients(head, keys, targets, mask, torch.float32, pool=1e-4)
+    for a, b in zip(pooled, exact, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_pool_threshold_auto_pools_float32_products_only():
+    keys32, keys64 = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float64)
+    assert head_module.pool_threshold("auto", torch.float32, keys32) == head_module.POOL_AUTO > 0
+    assert head_module.pool_threshold("auto", torch.bfloat16, keys32) == 0.0
+    assert head_module.pool_threshold("auto", torch.float32, keys64) == 0.0
+    assert head_module.pool_threshold(0.0, torch.float32, keys32) == 0.0
+    assert head_module.pool_threshold(3e-4, torch.bfloat16, keys64) == 3e-4

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from faast.hf.evaluate import perplexity, wilson_interval
+from faast.hf.head import POOL_AUTO
 from hf_models import PROSE, VOCAB, CharTokenizer, save_tiny_checkpoint, tiny_model, transformers
 
 # The kNN-LM is experiment code (experiments/lm_baselines), imported as the experiment scripts do.
@@ -566,9 +567,11 @@ def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_
     # The float32 row runs what a CPU without native bfloat16 runs, whatever this CPU does; the default follows it.
     assert rows[fp32]["precision"]["learn_pass"] == rows[fp32]["precision"]["head_products"] == "float32"
     native = rows[fp32]["precision"]["native_bf16"]
+    assert rows[fp32]["precision"]["head_pool_below"] == POOL_AUTO
     assert rows["FAAST: residual output only"]["precision"] == {
         "learn_pass": "bfloat16" if native else "float32",
         "head_products": "bfloat16" if native else "float32",
+        "head_pool_below": 0.0 if native else POOL_AUTO,
         "native_bf16": native,
     }
     # The peers tuned on exactly the positions FAAST tuned its step on, and fitted on what it fitted on.

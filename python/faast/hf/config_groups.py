@@ -129,6 +129,10 @@ class ResidualOutput(_Group):
         head_dtype: dtype of the LM-head products while learning (logits and p·H per position, float32
             accumulation, statistics in float64): 'auto' is bfloat16 on CUDA and on CPUs with native bfloat16
             (AVX512-BF16 or AMX), else float32; 'float32' or 'bfloat16' forces one.
+        head_pool_below: p·H while learning pools the vocabulary columns whose probability stays below this in
+            every position of a 1,024-position block onto their probability-weighted mean row of H (the gradients'
+            sum stays exact): a number in [0, 1], 0 exact; 'auto' (the default) is 1e-4 where the head products are
+            float32 and 0 in bfloat16 (docs/design.md §6.3).
     """
 
     kind: ClassVar[str] = "residual"
@@ -144,6 +148,7 @@ class ResidualOutput(_Group):
     key_layers: list[int] | Literal["auto"] = "auto"
     head_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     bias: float = 0.5
+    head_pool_below: float | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         check_choice("ResidualOutput.space", self.space, ("probability", "logit"))
@@ -158,6 +163,7 @@ class ResidualOutput(_Group):
         self.key_layers = check_indices("ResidualOutput.key_layers", self.key_layers, allow=("auto",))
         check_choice("ResidualOutput.head_dtype", self.head_dtype, ("auto", "float32", "bfloat16"))
         check_real("ResidualOutput.bias", self.bias, low=0)
+        check_real("ResidualOutput.head_pool_below", self.head_pool_below, low=0, high=1, allow=("auto",))
 
 
 @dataclass

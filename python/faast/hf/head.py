@@ -14,6 +14,12 @@ from torch import nn
 from ..hardware import native_bf16
 
 READ_CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
+# ResidualOutput.head_pool_below='auto' where the products are float32: on 4,096 learned positions of a validation
+# domain (email) p·H then kept 35% of SmolLM2's vocabulary per chunk and erred by 0.15% of r, below the 0.2-0.3% of
+# the bfloat16 products the other CPUs use (docs/design.md §6.3).
+POOL_AUTO = 1e-4
+# Past this share of the vocabulary kept, the gathers cost more than the columns they save: the full product.
+POOL_DENSE_SHARE = 0.6
 
 
 def head_logits(head: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,6 +49,36 @@ def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if native_bf16(keys.device) else torch.float32
 
 
+def pool_threshold(setting: float | str, products: torch.dtype, keys: torch.Tensor) -> float:
+    """The probability below which p·H pools a vocabulary column, for ResidualOutput.head_pool_below `setting` with
+    head products of dtype `products` and keys [.., d]: 'auto' is POOL_AUTO for float32 products (a CPU without
+    native bfloat16, where p·H costs most) and 0 (exact) for 16-bit products or float64 keys (kept exact, as the
+    tests' references are)."""
+    if setting != "auto":
+        return float(setting)
+    return POOL_AUTO if products == torch.float32 and keys.dtype != torch.float64 else 0.0
+
+
+def pooled_product(p: torch.Tensor, weight: torch.Tensor, w32: torch.Tensor, pool: float) -> torch.Tensor:
+    """μ ≈ pH [n, d] float32 for probabilities p [n, V] float32 (rows summing to 1, or 0 for a position not learned)
+    and the head's weight [V, d] in the products' dtype (`weight`) and in float32 (`w32`). The columns whose
+    probability stays below `pool` in every row are pooled: each row puts its mass on them, 1 − Σ_kept p, on their
+    mean row of H weighted by the rows' summed probabilities. The rows' sum Σμ is exact, so the learned gradient
+    sum is; each row errs by at most its pooled mass times the spread of those rows of H."""
+    vocab = p.shape[1]
+    kept = (p.amax(0) >= pool).nonzero().squeeze(1)
+    if kept.numel() > POOL_DENSE_SHARE * vocab:
+        return (p.to(weight.dtype) @ weight).float()
+    p_kept = p.index_select(1, kept)
+    mu = (p_kept.to(weight.dtype) @ weight.index_select(0, kept)).float()
+    pooled = p.sum(0)
+    pooled[kept] = 0
+    mass = pooled.sum()
+    if bool(mass > 0):
+        mu.addr_(p.sum(1) - p_kept.sum(1), (pooled @ w32) / mass)
+    return mu
+
+
 @torch.no_grad()
 def head_gradients(
     head: nn.Module,
@@ -51,12 +87,14 @@ def head_gradients(
     mask: torch.Tensor,
     products: torch.dtype,
     logits: torch.Tensor | None = None,
+    pool: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the head's inputs keys [B, T-1, d] (h̃), the next tokens targets [B, T-1] and mask [B, T-1] (bool): (the
     log-likelihood gradients r = H[y] − pH [B, T-1, d] float32, zero where masked; Σ μ μᵀ [d, d] and Σ p [V] float64
     over unmasked positions; μ = pH). products: the dtype of the head products (`products_dtype`). logits: the
     head's logits of the same positions [B, T-1, V] when already computed (a stream scored them), else they are
-    formed here."""
+    formed here. pool: p·H pools the vocabulary columns whose probability stays below it in every row of a
+    READ_CHUNK block (`pooled_product`; `pool_threshold`); 0 forms it exactly."""
     weight = head.weight
     d, vocab = keys.shape[-1], weight.shape[0]
     flat, ys, keep = keys.reshape(-1, d), targets.reshape(-1), mask.reshape(-1)
@@ -97,12 +135,16 @@ def head_gradients(
         else:
             z = head_logits(head, flat[rows], wp) if given is None else given[rows]
         p = torch.softmax(z, -1, dtype=torch.float32, out=p_buf[:n])
-        mu = ((p16_buf[:n].copy_(p) if sixteen else p) @ wp).float()
-        grad = w32[ys[rows]] - mu
         if not every_kept:
             # Masked positions learn nothing: filled, not multiplied, so a NaN in a padding state cannot survive.
             dropped = ~keep[rows, None]
             p.masked_fill_(dropped, 0)
+        if pool > 0:
+            mu = pooled_product(p, wp, w32, pool)
+        else:
+            mu = ((p16_buf[:n].copy_(p) if sixteen else p) @ wp).float()
+        grad = w32[ys[rows]] - mu
+        if not every_kept:
             mu.masked_fill_(dropped, 0)
             grad.masked_fill_(dropped, 0)
         grads[rows] = grad

@@ -22,7 +22,7 @@ from ..hardware import native_bf16
 from .bank import MemoryBank
 from .base import eval_mode
 from .capture import BankCapture
-from .head import products_dtype
+from .head import pool_threshold, products_dtype
 from .hooks import LearnPass, ModelHooks
 from .inputs import Batch, check_batch, check_labels
 from .layers import MemoryLayer, OutputMemoryLayer
@@ -198,14 +198,17 @@ class Learner:
     def precision(self) -> dict[str, object]:
         """What learn() computes in on the model's device, as learn_dtype and head_dtype resolve there ('auto' follows
         the CPU): {'learn_pass': 'bfloat16' under autocast, else the model's dtype; 'head_products': the residual
-        output layer's head products dtype (None without that layer); 'native_bf16': whether the device multiplies
+        output layer's head products dtype and 'head_pool_below' the probability below which its p·H pools a
+        vocabulary column (0: exact; both None without that layer); 'native_bf16': whether the device multiplies
         bfloat16 natively}. Result files record it beside the times it explains."""
         weights = self.base_model.get_input_embeddings().weight
-        head = None
+        head = pool = None
         if isinstance(self.output_layer, ResidualOutputLayer):
-            head = str(products_dtype(self.output_layer.head_dtype, weights)).split(".")[-1]
+            products = products_dtype(self.output_layer.head_dtype, weights)
+            head = str(products).split(".")[-1]
+            pool = pool_threshold(self.output_layer.head_pool_below, products, weights)
         learn_pass = torch.bfloat16 if self.autocasts(weights.device) else weights.dtype
-        return {"learn_pass": str(learn_pass).split(".")[-1], "head_products": head,
+        return {"learn_pass": str(learn_pass).split(".")[-1], "head_products": head, "head_pool_below": pool,
                 "native_bf16": native_bf16(weights.device)}  # fmt: skip
 
     def _autocast(self, device: torch.device, own_dtype: bool) -> contextlib.AbstractContextManager:

@@ -26,12 +26,11 @@ positions (at most `tune_tokens`) are held out, the weights are fitted on the re
 (η, λ) minimise the held-out NLL; then the full statistics are used. In logit space the NLL is convex in η (a
 bracketed 1-D Newton search); in probability space it is convex in λ for each η (bisection), and η is searched on a
 geometric grid refined by golden section. A mixture bounds what a wrong correction can cost a token (at most
-−log(1 − λ)), which lets the tuned step be larger where the memory is right. When the
-learned stream is several documents, the fit also leaves out the held-out tail's document just before it (up to
-GAP_MULTIPLE times as many positions as the tail), so that η is tuned on text unlike what was fitted; where each
-held-out document has much fitted text of its own, η is shrunk (output_diagnosis.document_shrink). All state has a
-fixed size: a d_key×d_key, a d_key×d and a d×d sum, a V- and a d-vector and a (1 + GAP_MULTIPLE)·`tune_tokens`-position
-buffer.
+−log(1−λ)), which lets the tuned step be larger where the memory is right. When the learned stream is several
+documents, the fit also leaves out the held-out tail's document just before it (up to GAP_MULTIPLE times as many
+positions as the tail), so that η is tuned on text unlike what was fitted; where each held-out document has much
+fitted text of its own, η is shrunk (output_diagnosis.document_shrink). All state has a fixed size: a d_key×d_key, a
+d_key×d and a d×d sum, a V- and a d-vector and a (1 + GAP_MULTIPLE)·`tune_tokens`-position buffer.
 
 Measured on five local domains (benchmarks and choices: experiments/lm_domains.py, docs/design.md §6.3).
 """
@@ -50,7 +49,7 @@ from ..accumulator import Accumulator
 from ..memory import FastWeights
 from . import output_tuning as tuning
 from .config import FaastConfig, ResidualOutput
-from .head import READ_CHUNK, change_logits, head_gradients, head_logits, products_dtype
+from .head import READ_CHUNK, change_logits, head_gradients, head_logits, pool_threshold, products_dtype
 from .mixture import read_blocks
 from .output_diagnosis import MemoryOffWarning, diagnose, document_shrink
 from .output_state import OutputState
@@ -118,9 +117,7 @@ class ResidualOutputLayer(nn.Module):
         d = hidden_size
         output = config.output
         if not isinstance(output, ResidualOutput):
-            raise ValueError(
-                f"config: a ResidualOutputLayer needs config.output = ResidualOutput(...), got {output!r}"
-            )
+            raise ValueError(f"config: a ResidualOutputLayer needs output=ResidualOutput(...), got {output!r}")
         if not isinstance(extra_key_size, int) or extra_key_size < 0:
             raise ValueError(f"extra_key_size: expected an int >= 0, got {extra_key_size!r}")
         self.hidden_size, self.extra_key_size = d, extra_key_size
@@ -142,7 +139,7 @@ class ResidualOutputLayer(nn.Module):
         default_weight = output.default_weight
         self.default_weight = float(DEFAULT_WEIGHT if default_weight is None else default_weight)
         self.tune_tokens = output.tune_tokens
-        self.head_dtype = output.head_dtype
+        self.head_dtype, self.head_pool_below = output.head_dtype, output.head_pool_below
         # The held-out tail: the last tune_tokens learned positions (h̃ [n, d] float32, y [n], mask [n]). Learning
         # state of this process (not saved): after a load, step='auto' uses default_step until more text is learned.
         self.held_out = HeldOutTail(self.tune_tokens)
@@ -265,7 +262,9 @@ class ResidualOutputLayer(nn.Module):
         log-likelihood gradients r = H[y] − pH [B, T-1, d] float32, zero where masked; Σ μ μᵀ [d, d] and Σ p [V]
         float64 over unmasked positions); faast/hf/head.py. logits [B, T-1, V]: the head's logits of those positions
         when already computed (a stream scored them)."""
-        return head_gradients(self.head, keys, targets, mask, products_dtype(self.head_dtype, keys), logits)
+        products = products_dtype(self.head_dtype, keys)
+        pool = pool_threshold(self.head_pool_below, products, keys)
+        return head_gradients(self.head, keys, targets, mask, products, logits, pool)
 
     # ------------------------------------------------------------------ solving
 
