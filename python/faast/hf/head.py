@@ -59,24 +59,26 @@ def pool_threshold(setting: float | str, products: torch.dtype, keys: torch.Tens
     return POOL_AUTO if products == torch.float32 and keys.dtype != torch.float64 else 0.0
 
 
-def pooled_product(p: torch.Tensor, weight: torch.Tensor, w32: torch.Tensor, pool: float) -> torch.Tensor:
-    """μ ≈ pH [n, d] float32 for probabilities p [n, V] float32 (rows summing to 1, or 0 for a position not learned)
-    and the head's weight [V, d] in the products' dtype (`weight`) and in float32 (`w32`). The columns whose
-    probability stays below `pool` in every row are pooled: each row puts its mass on them, 1 − Σ_kept p, on their
-    mean row of H weighted by the rows' summed probabilities. The rows' sum Σμ is exact, so the learned gradient
-    sum is; each row errs by at most its pooled mass times the spread of those rows of H."""
+def pooled_product(
+    p: torch.Tensor, weight: torch.Tensor, w32: torch.Tensor, pool: float, column_sum: torch.Tensor | None = None
+) -> torch.Tensor:
+    """μ ≈ pH [n, d] float32 for probabilities p [n, V] float32 (rows summing to 1) and the head's weight [V, d] in
+    the products' dtype (`weight`) and in float32 (`w32`). The columns whose probability stays below `pool` in every
+    row are pooled: each row puts its mass on them, 1 − Σ_kept p, on their mean row of H weighted by the rows' summed
+    probabilities. The rows' sum Σμ is exact, so the learned gradient sum is; each row errs by at most its pooled
+    mass times the spread of those rows of H. column_sum: p.sum(0) [V] float32 when the caller has it. A row of
+    zeros (a position not learned) comes out as the pooled row: head_gradients fills it."""
     vocab = p.shape[1]
     kept = (p.amax(0) >= pool).nonzero().squeeze(1)
     if kept.numel() > POOL_DENSE_SHARE * vocab:
         return (p.to(weight.dtype) @ weight).float()
     p_kept = p.index_select(1, kept)
     mu = (p_kept.to(weight.dtype) @ weight.index_select(0, kept)).float()
-    pooled = p.sum(0)
+    pooled = p.sum(0) if column_sum is None else column_sum.clone()
     pooled[kept] = 0
-    mass = pooled.sum()
-    if bool(mass > 0):
-        mu.addr_(p.sum(1) - p_kept.sum(1), (pooled @ w32) / mass)
-    return mu
+    # Without a device sync: no pooled mass gives a zero row, at zero mass per row.
+    mean = (pooled @ w32) / pooled.sum().clamp_min(torch.finfo(torch.float32).tiny)
+    return mu.addr_(1 - p_kept.sum(1), mean)
 
 
 @torch.no_grad()
@@ -139,8 +141,9 @@ def head_gradients(
             # Masked positions learn nothing: filled, not multiplied, so a NaN in a padding state cannot survive.
             dropped = ~keep[rows, None]
             p.masked_fill_(dropped, 0)
+        column_sum = p.sum(0)
         if pool > 0:
-            mu = pooled_product(p, wp, w32, pool)
+            mu = pooled_product(p, wp, w32, pool, column_sum)
         else:
             mu = ((p16_buf[:n].copy_(p) if sixteen else p) @ wp).float()
         grad = w32[ys[rows]] - mu
@@ -149,6 +152,6 @@ def head_gradients(
             grad.masked_fill_(dropped, 0)
         grads[rows] = grad
         # float32 sums of at most READ_CHUNK probabilities: ample for a curvature, then summed in float64.
-        prob_sum += p.sum(0).double()
+        prob_sum += column_sum.double()
         mean_gram += mu.double().T @ mu.double()
     return grads.reshape(keys.shape), mean_gram, prob_sum
