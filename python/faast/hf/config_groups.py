@@ -131,7 +131,7 @@ class ResidualOutput(_Group):
             (AVX512-BF16 or AMX), else float32; 'float32' or 'bfloat16' forces one.
         head_pool_below: p·H while learning pools the vocabulary columns whose probability stays below this in
             every position of a 1,024-position block onto their probability-weighted mean row of H (the gradients'
-            sum stays exact): a number in [0, 1], 0 exact; 'auto' (the default) is 1e-4 where the head products are
+            sum stays exact): a number in [0, 1], 0 exact; 'auto' (the default) is 3e-4 where the head products are
             float32 and 0 in bfloat16 (docs/design.md §6.3).
     """
 
