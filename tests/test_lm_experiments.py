@@ -787,3 +787,41 @@ def test_the_step_probes_bias_corrections_are_the_float64_hand_computation():
     finally:
         del layer.learn
         model.remove_faast()
+
+
+def test_the_pool_probe_measures_each_threshold_against_float64_products(tmp_path, monkeypatch):
+    """lm_head_pool.main on a tiny Llama's head and made-up states: threshold 0 is the exact products (every column
+    kept, float32-grade errors); a threshold that pools reports the error head_gradients gives at it, with the
+    gradient sum still exact; the kept share is measured on the blocks learning forms."""
+    import faast.hf.default
+    from faast.hf import head as head_module
+
+    module = load_script("lm_head_pool")
+    base = tiny_model("llama")
+    monkeypatch.setattr(faast.hf.default, "load_base_model", lambda name: (base, CharTokenizer(), "t"))
+    monkeypatch.setattr(head_module, "POOL_DENSE_SHARE", 1.0)
+    monkeypatch.setattr(head_module, "READ_CHUNK", 16)
+    head = base.get_output_embeddings()
+    g = torch.Generator().manual_seed(3)
+    keys = 40 * torch.randn(70, head.weight.shape[1], generator=g)  # sharp predictions: many columns pool
+    targets = torch.randint(0, head.weight.shape[0], (70,), generator=g)
+    torch.save({"learn": (keys, targets)}, tmp_path / "d.pt")
+    argv = ["--cache", str(tmp_path), "--domains", "d", "--pools", "0,0.01", "--positions", "60", "--batch", "24",
+            "--repeats", "1", "--results-dir", str(tmp_path), "--out", "p"]  # fmt: skip
+    exact, pooled = module.main(argv)["rows"]
+    assert exact["kept_share"] == 1.0 and exact["r_rel"] < 1e-5 and exact["time_ratio"] == 1.0
+    weight = head.weight.detach().double()
+    kept, got = [], []
+    for i in range(0, 60, 24):  # blocks of 16 within calls of 24 rows: 16, 8, 16, 8, 12
+        for j in range(i, min(i + 24, 60), 16):
+            peak = torch.softmax(keys[j : min(j + 16, i + 24, 60)].double() @ weight.T, -1).amax(0)
+            kept.append(float((peak >= 0.01).double().mean()))
+        y = targets[i : min(i + 24, 60)][None]
+        learned = torch.ones_like(y, dtype=torch.bool)
+        got.append(head_module.head_gradients(head, keys[i : i + y.shape[1]][None], y, learned, torch.float32,
+                                              pool=0.01)[0][0])  # fmt: skip
+    assert pooled["kept_share"] == pytest.approx(sum(kept) / len(kept)) and 0 < pooled["kept_share"] < 1
+    r64 = weight[targets[:60]] - torch.softmax(keys[:60].double() @ weight.T, -1) @ weight
+    assert pooled["r_rel"] == pytest.approx(float((torch.cat(got).double() - r64).norm() / r64.norm()), rel=1e-6)
+    assert pooled["r_rel"] > 10 * exact["r_rel"] and pooled["gradient_sum_rel"] < 1e-5
+    assert "| d | 0.01 |" in (tmp_path / "p.md").read_text(encoding="utf-8")
