@@ -15,9 +15,9 @@ from ..hardware import native_bf16
 
 READ_CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
 # ResidualOutput.head_pool_below='auto' where the products are float32. On the three validation domains (2K, 8K and
-# 32K tokens learned) pooling below 3e-4 moved held-out perplexity by at most 0.012% (1e-3: 0.023%, 1e-2: 0.25%), and
-# it took the float32 head products of 8,160 asyncio positions from 3.81 s to 2.94 s (2 Intel Xeon cores); past it
-# the block's reductions and gathers dominate (docs/design.md §6.3).
+# 32K tokens learned) pooling below 3e-4 moved held-out perplexity by at most 0.012% (1e-3: 0.023%, 1e-2: 0.25%); it
+# erred by 0.3-0.4% of r, the bfloat16 products' order, and took the float32 head products to 0.78-0.87x their time
+# (docs/design.md §6.3).
 POOL_AUTO = 3e-4
 # Past this share of the vocabulary kept, the gathers cost more than the columns they save: the full product.
 POOL_DENSE_SHARE = 0.6
