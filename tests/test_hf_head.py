@@ -97,7 +97,10 @@ def pooled_reference(head: torch.nn.Linear, keys, targets, mask, pool: float, ch
     summed probabilities, at each row's pooled mass."""
     weight = head.weight.double()
     flat, ys, keep = keys.reshape(-1, DIM).double(), targets.reshape(-1), mask.reshape(-1)
-    p = torch.softmax(flat.masked_fill(~keep[:, None], 0) @ weight.T, -1) * keep[:, None]
+    logits = flat.masked_fill(~keep[:, None], 0) @ weight.T
+    if head.bias is not None:
+        logits = logits + head.bias.double()
+    p = torch.softmax(logits, -1) * keep[:, None]
     mus, pooled_columns = [], 0
     for i in range(0, flat.shape[0], chunk):
         block = p[i : i + chunk]
@@ -113,24 +116,28 @@ def pooled_reference(head: torch.nn.Linear, keys, targets, mask, pool: float, ch
     return grads.reshape(*keys.shape), mu.T @ mu, p.sum(0), pooled_columns
 
 
-def peaked_case():  # noqa: ANN201
+def peaked_case(bias: bool = False):  # noqa: ANN201
     """A head whose last 40 tokens are improbable at every position (their logits 7.5 lower), so that they and a few
-    more stay below a pool of 1e-2 in a block (43 of 97 columns over all learned positions)."""
-    head, keys, targets, mask = case(bias=False, masked=True)
+    more stay below a pool of 1e-2 in a block (43 of 97 columns over all learned positions without a bias)."""
+    head, keys, targets, mask = case(bias=bias, masked=True)
     with torch.no_grad():
         keys[..., 1] = 3.0
         head.weight[-40:, 1] -= 2.5
     return head, keys, targets, mask
 
 
+@pytest.mark.parametrize("path", ["own-logits", "bias", "given-logits"])
 @pytest.mark.parametrize("chunk", [1024, 8], ids=["one-chunk", "chunks-of-8"])
-def test_head_gradients_with_pooled_columns_match_a_float64_hand_pooling(monkeypatch, chunk):
+def test_head_gradients_with_pooled_columns_match_a_float64_hand_pooling(monkeypatch, chunk, path):
     monkeypatch.setattr(head_module, "READ_CHUNK", chunk)
     monkeypatch.setattr(head_module, "POOL_DENSE_SHARE", 1.0)  # pool however few columns fall below the threshold
-    head, keys, targets, mask = peaked_case()
+    head, keys, targets, mask = peaked_case(bias=path == "bias")
     *expected, pooled_columns = pooled_reference(head, keys, targets, mask, 1e-2, chunk)
     assert pooled_columns > 0
-    got = head_module.head_gradients(head, keys, targets, mask, torch.float32, pool=1e-2)
+    logits = None
+    if path == "given-logits":  # a stream passes the logits it scored; the keys then only carry the mask's NaN
+        logits = (keys.masked_fill(~mask.unsqueeze(-1), 0).double() @ head.weight.double().T).float()
+    got = head_module.head_gradients(head, keys, targets, mask, torch.float32, logits, pool=1e-2)
     for actual, want in zip(got, expected, strict=True):
         assert_close(actual, want, torch.float32)
     assert bool((got[0][~mask] == 0).all())

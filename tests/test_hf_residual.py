@@ -481,6 +481,33 @@ def test_head_products_in_bfloat16_learn_what_float32_learns_within_the_declared
         FaastConfig(output=ResidualOutput(head_dtype="float16"))
 
 
+@pytest.mark.parametrize(
+    ("setting", "head_dtype", "native", "expected"),
+    [("auto", "auto", False, "POOL_AUTO"), ("auto", "auto", True, 0.0), ("auto", "float32", True, "POOL_AUTO"),
+     ("auto", "bfloat16", False, 0.0), (0.0, "float32", False, 0.0), (0.02, "bfloat16", True, 0.02)],
+)  # fmt: skip
+def test_learning_pools_p_h_at_the_configured_threshold(monkeypatch, setting, head_dtype, native, expected):
+    """ResidualOutput.head_pool_below reaches the head products learn forms: 'auto' pools where they are float32."""
+    from faast.hf import head as head_module
+
+    monkeypatch.setattr(head_module, "native_bf16", lambda device: native)
+    seen = []
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append((args[4], args[6]))
+        return head_module.head_gradients(*args, **kwargs)
+
+    monkeypatch.setattr(output_module, "head_gradients", spy)
+    config = FaastConfig(output=ResidualOutput(step=0.5, head_dtype=head_dtype, head_pool_below=setting),
+                         learn_dtype="model")  # fmt: skip
+    model = apply_faast(tiny_model("llama"), config)
+    model.learn(ids(batch=2, seq=30))
+    pool = head_module.POOL_AUTO if expected == "POOL_AUTO" else expected
+    products = torch.bfloat16 if head_dtype == "bfloat16" or (head_dtype == "auto" and native) else torch.float32
+    assert seen and all(s == (products, pool) for s in seen)
+    assert model.learner.precision()["head_pool_below"] == pool
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_learning_under_bfloat16_autocast_learns_the_autocast_states_and_auto_picks_it_only_where_native(
     kind, monkeypatch
