@@ -179,3 +179,35 @@ def test_pool_threshold_auto_pools_float32_products_only():
     assert head_module.pool_threshold("auto", torch.float32, keys64) == 0.0
     assert head_module.pool_threshold(0.0, torch.float32, keys32) == 0.0
     assert head_module.pool_threshold(3e-4, torch.bfloat16, keys64) == 3e-4
+
+
+def test_kept_head_buffers_are_shared_by_the_calls_inside_and_give_what_fresh_ones_give(monkeypatch):
+    monkeypatch.setattr(head_module, "READ_CHUNK", 8)
+    head, keys, targets, mask = case(bias=False, masked=True)
+    other = torch.randn(2, 3, DIM, generator=torch.Generator().manual_seed(5))
+    fresh = [head_module.head_gradients(head, k, targets[:, : k.shape[1]], mask[:, : k.shape[1]], products)
+             for k, products in ((keys, torch.bfloat16), (other, torch.bfloat16), (keys, torch.float32))]  # fmt: skip
+    buffers = head_module.HeadBuffers()
+    seen = []
+    get = buffers.get
+
+    def spy(name, *args):  # noqa: ANN001, ANN002, ANN202
+        out = get(name, *args)
+        seen.append((name, out.data_ptr()))
+        return out
+
+    monkeypatch.setattr(buffers, "get", spy)
+    with buffers.kept():
+        # 46 rows in chunks of 8, then 6 (a slice of the same buffers, holding the first call's values), then float32.
+        for (k, products), want in zip(((keys, torch.bfloat16), (other, torch.bfloat16), (keys, torch.float32)), fresh,
+                                       strict=True):  # fmt: skip
+            got = head_module.head_gradients(head, k, targets[:, : k.shape[1]], mask[:, : k.shape[1]], products,
+                                             buffers=buffers)  # fmt: skip
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b)
+        assert buffers.held_bytes() == 8 * VOCAB * (4 + 4 + 2 + 2)  # z, p and their 16-bit copies, 8 rows each
+    assert buffers.held_bytes() == 0
+    pointers = {}
+    for name, ptr in seen:
+        pointers.setdefault(name, set()).add(ptr)
+    assert set(pointers) == {"z", "p", "z16", "p16"} and all(len(p) == 1 for p in pointers.values())

@@ -508,6 +508,24 @@ def test_learning_pools_p_h_at_the_configured_threshold(monkeypatch, setting, he
     assert model.learner.precision()["head_pool_below"] == pool
 
 
+def test_a_learn_calls_batches_share_the_head_buffers_and_release_them_after(monkeypatch):
+    model = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(step=0.5, head_dtype="bfloat16")))
+    buffers = model.output_memory_layer.head_buffers
+    seen, get = [], buffers.get
+
+    def spy(name, *args):  # noqa: ANN001, ANN002, ANN202
+        out = get(name, *args)
+        seen.append((name, out.data_ptr(), buffers.held_bytes()))
+        return out
+
+    monkeypatch.setattr(buffers, "get", spy)
+    model.learn([list(range(1, 60)), list(range(3, 50)), list(range(7, 40))], max_length=32, batch_size=1)
+    assert len(seen) >= 4 * 4  # four buffers per batch (z, p and their bfloat16 copies), at least four batches
+    for name in ("z", "p", "z16", "p16"):
+        assert len({ptr for n, ptr, _ in seen if n == name}) == 1  # the first batch's, reused by every other
+    assert all(size > 0 for *_, size in seen) and buffers.held_bytes() == 0  # held while learning, freed after
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_learning_under_bfloat16_autocast_learns_the_autocast_states_and_auto_picks_it_only_where_native(
     kind, monkeypatch

@@ -211,6 +211,12 @@ class Learner:
         return {"learn_pass": str(learn_pass).split(".")[-1], "head_products": head, "head_pool_below": pool,
                 "native_bf16": native_bf16(weights.device)}  # fmt: skip
 
+    def _head_buffers_kept(self) -> contextlib.AbstractContextManager:
+        """The residual output layer's [chunk, V] head buffers, shared by this call's batches (faast/hf/head.py)."""
+        if isinstance(self.output_layer, ResidualOutputLayer):
+            return self.output_layer.head_buffers.kept()
+        return contextlib.nullcontext()
+
     def _autocast(self, device: torch.device, own_dtype: bool) -> contextlib.AbstractContextManager:
         """bfloat16 autocast for the pass where learn_dtype asks for it (`autocasts`); never with own_dtype (while
         training the readout, whose gradients keep the model's precision, or while a stream scores the pass). The
@@ -238,7 +244,7 @@ class Learner:
         # Document numbers continue across learn() calls, so a later call's texts never share one with earlier ones.
         first = self._documents
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._head_buffers_kept():
                 for ids, mask, batch_labels, documents in batches:
                     if documents is not None:  # host ints: numbering them costs no device sync
                         self._documents = first + documents[-1] + 1

@@ -49,7 +49,7 @@ from ..accumulator import Accumulator
 from ..memory import FastWeights
 from . import output_tuning as tuning
 from .config import FaastConfig, ResidualOutput
-from .head import READ_CHUNK, change_logits, head_gradients, head_logits, pool_threshold, products_dtype
+from .head import READ_CHUNK, HeadBuffers, change_logits, head_gradients, head_logits, pool_threshold, products_dtype
 from .mixture import read_blocks
 from .output_diagnosis import MemoryOffWarning, diagnose, document_shrink
 from .output_state import OutputState
@@ -140,6 +140,7 @@ class ResidualOutputLayer(nn.Module):
         self.default_weight = float(DEFAULT_WEIGHT if default_weight is None else default_weight)
         self.tune_tokens = output.tune_tokens
         self.head_dtype, self.head_pool_below = output.head_dtype, output.head_pool_below
+        self.head_buffers = HeadBuffers()  # kept across a learn() call's batches (Learner), empty between calls
         # The held-out tail: the last tune_tokens learned positions (h̃ [n, d] float32, y [n], mask [n]). Learning
         # state of this process (not saved): after a load, step='auto' uses default_step until more text is learned.
         self.held_out = HeldOutTail(self.tune_tokens)
@@ -264,7 +265,7 @@ class ResidualOutputLayer(nn.Module):
         when already computed (a stream scored them)."""
         products = products_dtype(self.head_dtype, keys)
         pool = pool_threshold(self.head_pool_below, products, keys)
-        return head_gradients(self.head, keys, targets, mask, products, logits, pool)
+        return head_gradients(self.head, keys, targets, mask, products, logits, pool, self.head_buffers)
 
     # ------------------------------------------------------------------ solving
 

@@ -271,7 +271,7 @@ class StreamReader:
         report = ReadReport(chunk=chunk)
         created = self._creating(name)
         try:
-            with self._bound(name), self._learning_recorded(), torch.no_grad():
+            with self._bound(name), self._learning_recorded(), torch.no_grad(), layer.head_buffers.kept():
                 state = _Reading(self.output_memory_layer, report)
                 self.output_memory_layer.discard_held_out()
                 for t, (start, end) in enumerate(chunk_windows(int(ids.numel()), chunk)):
