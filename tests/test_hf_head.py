@@ -211,3 +211,19 @@ def test_kept_head_buffers_are_shared_by_the_calls_inside_and_give_what_fresh_on
     for name, ptr in seen:
         pointers.setdefault(name, set()).add(ptr)
     assert set(pointers) == {"z", "p", "z16", "p16"} and all(len(p) == 1 for p in pointers.values())
+
+
+def test_pooling_adds_no_error_to_bfloat16_products_beyond_their_own(monkeypatch):
+    """On sharp predictions the bfloat16 products' own rounding is already above BF16_HEAD_PRODUCTS_REL for Σμμᵀ
+    (6.3e-3): pooled, each output errs against the float64 pooling by at most 10% more than exact bfloat16 products
+    err against the float64 products."""
+    monkeypatch.setattr(head_module, "READ_CHUNK", 8)
+    monkeypatch.setattr(head_module, "POOL_DENSE_SHARE", 1.0)
+    head, keys, targets, mask = peaked_case()
+    *pooled64, pooled_columns = pooled_reference(head, keys, targets, mask, 1e-2, 8)
+    assert pooled_columns > 0
+    exact64 = reference(head, keys.masked_fill(~mask.unsqueeze(-1), 0), targets, mask)
+    exact16 = head_module.head_gradients(head, keys, targets, mask, torch.bfloat16)
+    pooled16 = head_module.head_gradients(head, keys, targets, mask, torch.bfloat16, pool=1e-2)
+    for got, want, own, truth in zip(pooled16, pooled64, exact16, exact64, strict=True):
+        assert rel(got, want) <= 1.1 * rel(own, truth)

@@ -172,7 +172,7 @@ def head_gradients(
     z_buf = buffer("z", torch.float32) if into_buffers else None
     p_buf = buffer("p", torch.float32)
     z16_buf = buffer("z16", products) if into_buffers and sixteen else None
-    p16_buf = buffer("p16", products) if sixteen else None
+    p16_buf = buffer("p16", products) if sixteen and pool <= 0 else None  # the pooled product casts its own slice
     every_kept = bool(keep.all())  # one host sync per call, not one per chunk
     for i in range(0, flat.shape[0], READ_CHUNK):
         rows = slice(i, i + READ_CHUNK)
