@@ -205,7 +205,8 @@ def test_kept_head_buffers_are_shared_by_the_calls_inside_and_give_what_fresh_on
                                              buffers=buffers)  # fmt: skip
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(a, b)
-        assert buffers.held_bytes() == 8 * VOCAB * (4 + 4 + 2 + 2)  # z, p and their 16-bit copies, 8 rows each
+        # z, p and their 16-bit copies, 8 rows each, and H in bfloat16 (the float32 H is the head's own weight).
+        assert buffers.held_bytes() == 8 * VOCAB * (4 + 4 + 2 + 2) + VOCAB * DIM * 2
     assert buffers.held_bytes() == 0
     pointers = {}
     for name, ptr in seen:
@@ -227,3 +228,52 @@ def test_pooling_adds_no_error_to_bfloat16_products_beyond_their_own(monkeypatch
     pooled16 = head_module.head_gradients(head, keys, targets, mask, torch.bfloat16, pool=1e-2)
     for got, want, own, truth in zip(pooled16, pooled64, exact16, exact64, strict=True):
         assert rel(got, want) <= 1.1 * rel(own, truth)
+
+
+@pytest.mark.parametrize("chunk", [1024, 8], ids=["one-chunk", "chunks-of-8"])
+def test_bfloat16_p_h_through_the_transposed_head_matches_float64(monkeypatch, chunk):
+    """From TRANSPOSED_FROM rows a block's 16-bit p·H is (Hᵀ pᵀ)ᵀ: here every block takes it (46 rows in one block,
+    or blocks of 8 and a ragged 6), and the outputs stay as close to float64 as the direct product's. A doubled Hᵀ
+    doubles every μ, so μ does come from it."""
+    monkeypatch.setattr(head_module, "READ_CHUNK", chunk)
+    monkeypatch.setattr(head_module, "TRANSPOSED_FROM", 4)
+    head, keys, targets, mask = case(bias=False, masked=True)
+    clean = keys.masked_fill(~mask.unsqueeze(-1), 0)
+    expected = reference(head, clean, targets, mask)
+    got = head_module.head_gradients(head, clean, targets, mask, torch.bfloat16)
+    for actual, want in zip(got, expected, strict=True):
+        assert rel(actual, want) < BF16_HEAD_PRODUCTS_REL
+    weight = head_module.HeadBuffers.weight
+
+    def doubled(self, w, dtype, transposed=False):  # noqa: ANN001, ANN202
+        out = weight(self, w, dtype, transposed)
+        assert not transposed or (out.shape == (DIM, VOCAB) and out.is_contiguous() and out.dtype == torch.bfloat16)
+        return 2 * out if transposed else out
+
+    monkeypatch.setattr(head_module.HeadBuffers, "weight", doubled)
+    marked = head_module.head_gradients(head, clean, targets, mask, torch.bfloat16)
+    assert rel(marked[1], 4 * expected[1]) < BF16_HEAD_PRODUCTS_REL  # Σ μμᵀ of 2μ
+    assert rel(marked[2], expected[2]) < BF16_HEAD_PRODUCTS_REL  # Σ p does not pass through H
+
+
+def test_kept_buffers_cast_the_head_once_and_again_after_it_changes(monkeypatch):
+    monkeypatch.setattr(head_module, "TRANSPOSED_FROM", 4)
+    head, keys, targets, mask = case(bias=False, masked=True)
+    buffers = head_module.HeadBuffers()
+    assert buffers.weight(head.weight, torch.float32) is head.weight  # already float32: itself, never held
+    with buffers.kept():
+        first = [buffers.weight(head.weight, torch.bfloat16, t) for t in (False, True)]
+        again = [buffers.weight(head.weight, torch.bfloat16, t) for t in (False, True)]
+        assert all(a is b for a, b in zip(first, again, strict=True))
+        assert torch.equal(first[1], head.weight.T.bfloat16())
+        assert buffers.held_bytes() == 2 * VOCAB * DIM * 2
+        with torch.no_grad():
+            head.weight.mul_(0.5)  # changed in place: the casts must follow
+        got = head_module.head_gradients(head, keys, targets, mask, torch.bfloat16, buffers=buffers)
+        fresh = head_module.head_gradients(head, keys, targets, mask, torch.bfloat16)
+        for a, b in zip(got, fresh, strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(buffers.weight(head.weight, torch.bfloat16, True), head.weight.T.bfloat16())
+        casts = buffers.held_bytes() - 46 * VOCAB * (4 + 4 + 2 + 2)
+        assert casts == 2 * VOCAB * DIM * 2  # the old version's casts were dropped, not kept beside the new
+    assert buffers.held_bytes() == 0

@@ -24,6 +24,10 @@ READ_CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporari
 POOL_AUTO = 3e-4
 # Past this share of the vocabulary kept, the gathers cost more than the columns they save: the full product.
 POOL_DENSE_SHARE = 0.6
+# From this many rows in a block, 16-bit p·H runs as (Hᵀ pᵀ)ᵀ against a contiguous Hᵀ [d, V]: for SmolLM2 in bfloat16
+# it took 45 ms instead of 78 ms at 1,016 rows, and 5.4 ms instead of 6.2 ms at 100, but 6.0 ms instead of 2.9 ms at
+# 8 (2 Intel Xeon cores with native bfloat16, oneDNN). Float32 products keep p·H: its pooled form was faster so.
+TRANSPOSED_FROM = 512
 
 
 def head_logits(head: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,14 +48,16 @@ def change_logits(head: nn.Module, change: torch.Tensor, out: torch.Tensor | Non
 
 class HeadBuffers:
     """The [READ_CHUNK, V] buffers head_gradients fills (logits and probabilities, 200 MB each in float32 for
-    SmolLM2), kept across its calls while `kept()` lasts: one learn() call, whose batches each call it. Outside
-    `kept()` every call gets fresh buffers and nothing is held. Fresh pages for every batch cost: kept, the bfloat16
-    head products of 8,160 asyncio positions in 2,040-position batches took 1.57 s instead of 2.03 s (float32: 3.54
-    s instead of 3.66 s), and the default learning of 8K asyncio tokens 5.4-5.5 s instead of 5.7-5.8 s (3
-    interleaved runs; 2 Intel Xeon cores with native bfloat16)."""
+    SmolLM2), and the head's weight cast to the products' dtype (H and Hᵀ), kept across its calls while `kept()`
+    lasts: one learn() call, whose batches each call it. Outside `kept()` every call gets fresh ones and nothing is
+    held. Fresh pages for every batch cost: kept, the bfloat16 head products of 8,160 asyncio positions in
+    2,040-position batches took 1.57 s instead of 2.03 s (float32: 3.54 s instead of 3.66 s), and the default
+    learning of 8K asyncio tokens 5.4-5.5 s instead of 5.7-5.8 s (3 interleaved runs; 2 Intel Xeon cores with native
+    bfloat16)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._casts: dict[tuple, torch.Tensor] = {}
         self._keep = False
 
     @contextlib.contextmanager
@@ -65,10 +71,29 @@ class HeadBuffers:
             self._keep = outer
             if not outer:
                 self._buffers.clear()
+                self._casts.clear()
 
     def held_bytes(self) -> int:
-        """Bytes the buffers hold now (0 outside `kept()`)."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        """Bytes the buffers and weight casts hold now (0 outside `kept()`)."""
+        held = [*self._buffers.values(), *self._casts.values()]
+        return sum(b.numel() * b.element_size() for b in held)
+
+    def weight(self, weight: torch.Tensor, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
+        """The head's weight [V, d] cast to `dtype`, or with transposed=True its transpose [d, V] contiguous; inside
+        `kept()` cast once per weight (a weight changed in place, or another tensor, is cast again). A weight already
+        in `dtype` is itself, never held."""
+        if not transposed and weight.dtype == dtype:
+            return weight
+        if not self._keep:
+            return _cast(weight, dtype, transposed)
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), dtype, transposed)
+        held = self._casts.get(key)
+        if held is None:
+            # One cast per (dtype, layout): an older version of the weight is dropped, not kept beside it.
+            for old in [k for k in self._casts if k[3:] == key[3:]]:
+                del self._casts[old]
+            held = self._casts[key] = _cast(weight, dtype, transposed)
+        return held
 
     def get(self, name: str, rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A [rows, vocab] `dtype` buffer for `name` (its contents are whatever the last call left)."""
@@ -79,6 +104,10 @@ class HeadBuffers:
         if held is None or held.shape[0] < rows or held.shape[1] != vocab:
             held = self._buffers[key] = torch.empty((rows, vocab), dtype=dtype, device=device)
         return held[:rows]
+
+
+def _cast(weight: torch.Tensor, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+    return weight.T.to(dtype, memory_format=torch.contiguous_format) if transposed else weight.to(dtype)
 
 
 def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
@@ -149,11 +178,12 @@ def head_gradients(
     grads = torch.empty((flat.shape[0], d), dtype=torch.float32, device=keys.device)
     prob_sum = torch.zeros(vocab, dtype=torch.float64, device=keys.device)
     mean_gram = torch.zeros((d, d), dtype=torch.float64, device=keys.device)
-    w32 = weight.float()
+    source = HeadBuffers() if buffers is None else buffers
+    w32 = source.weight(weight, torch.float32)
     # The two V×d products per position are most of learning's cost beyond the backbone: in bfloat16 (float32
     # accumulation) they took 0.65× the time, and held-out perplexity moved by at most 0.04 points on three
     # validation domains (docs/design.md §6.3).
-    wp = weight.to(products)
+    wp = source.weight(weight, products)
     # The [chunk, V] logits and probabilities go into buffers allocated once, not fresh tensors per chunk (200 MB each
     # in float32); 16-bit logits are copied into a float32 buffer before the softmax, and the probabilities into a
     # 16-bit buffer for p·H (a softmax that upcasts its 16-bit input, and p.to(bfloat16), each took twice as long);
@@ -163,8 +193,8 @@ def head_gradients(
     into_buffers = given is None and getattr(head, "bias", None) is None
     rows_max = min(READ_CHUNK, flat.shape[0])
     sixteen = products != torch.float32
-
-    source = HeadBuffers() if buffers is None else buffers
+    # Hᵀ [d, V] for the blocks of TRANSPOSED_FROM rows or more (cast once per learn() call inside HeadBuffers.kept()).
+    wp_t = source.weight(weight, products, transposed=True) if sixteen and rows_max >= TRANSPOSED_FROM else None
 
     def buffer(name: str, dtype: torch.dtype) -> torch.Tensor:
         return source.get(name, rows_max, vocab, dtype, keys.device)
@@ -191,6 +221,8 @@ def head_gradients(
         column_sum = p.sum(0)
         if pool > 0:
             mu = pooled_product(p, wp, w32, pool, column_sum)
+        elif wp_t is not None and n >= TRANSPOSED_FROM:
+            mu = (wp_t @ p16_buf[:n].copy_(p).T).T.float()
         else:
             mu = ((p16_buf[:n].copy_(p) if sixteen else p) @ wp).float()
         grad = w32[ys[rows]] - mu
