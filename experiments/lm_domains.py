@@ -15,7 +15,7 @@ For each domain of experiments/domains.py (learn files -> held-out files, no fil
 - LoRA (peft, q/v of every block, 1 epoch) and a linear projection at FAAST's layers (backprop, 1 epoch): the methods
   a user would otherwise pick, trained on the same tokens (experiments/lm_baselines);
 - the peers tuned as FAAST tunes its step, on the same held-out tail of the learned text (lm_baselines.tuning:
-  faast.hf.output_tuning.tail_plan's split): LoRA-best (learning rate and epochs chosen on the tail, then trained on
+  faast.hf.held_out.tail_plan's split): LoRA-best (learning rate and epochs chosen on the tail, then trained on
   all the text), LoRA at FAAST's time (as many steps as fit in FAAST's learn + solve time of this run) and the kNN-LM
   tuned (λ and T chosen on the tail). Their tuning time is recorded apart from their learn time (`tuning_s`).
 Each row records perplexity, learn time, scoring time and the memory the method adds. Results: one JSON (written
@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS, ROOT, measured_by  # noqa: E402
 from domains import DOMAINS, EXTRA, VALIDATION, domain_texts  # noqa: E402
+from lm_domains_peers import run_backprop, run_knn, run_knn_tuned, run_lora_best, run_lora_time  # noqa: E402
 
 from faast import provenance  # noqa: E402
 
@@ -53,10 +54,7 @@ METHODS = ("default", "narrow", "fp32learn", "logit", "faast", "output", "paper"
 # (needs "default", which measures it).
 DEFAULT_METHODS = ("default", "narrow", "fp32learn", "knn", "knn_tuned", "lora", "linear", "lora_best", "lora_time")
 CURVE = (2048, 8192, 32768)
-KNN_CURVE = (32768,)
 RUN_ORDER = ("asyncio", "man", "copyright", "perl", "tkinter")  # code, roff, legal prose, then the rest
-# LoRA for FAAST's time: epochs are only an upper bound (the time budget stops it), high enough never to bind.
-TIME_EPOCHS = 1000
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -73,6 +71,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--score-tokens", type=int, default=8192)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"subset of {','.join(METHODS)}")
     p.add_argument("--ablations", action="store_true", help="also score FAAST's middle layers alone")
+    p.add_argument("--parts-as-documents", action="store_true",
+                   help="learn each curve part as new texts, so a text cut at a curve point is two documents to the "
+                        "step's tuning (the protocol before 2026-11-28); default: the part continues it "
+                        "(learn(continues=True)), as one call over all the text would")  # fmt: skip
     p.add_argument("--resume", action="store_true", help="keep the domains already in the result JSON, run the rest")
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=2)
@@ -162,7 +164,8 @@ class Domain:
     def split(self, base, args: argparse.Namespace):  # noqa: ANN001, ANN201 - lm_baselines.TuningSplit
         """The held-out tail FAAST's default tunes its step on, which the tuned baselines tune on: tail_plan with
         FAAST's tune_tokens and min_fit (lm_baselines.tuning_split) over the documents as FAAST's default learns
-        them, the curve's parts (a text cut at a curve point is two documents to it, so it is here)."""
+        them: the texts, each one document across the curve's parts (with --parts-as-documents a text cut at a curve
+        point is two, so it is here)."""
         if self._split is None:
             from lm_baselines import faast_min_fit, tuning_split
 
@@ -170,7 +173,9 @@ class Domain:
             from faast.hf.tokens import split_by_tokens
 
             tune_tokens = output_overrides(args).get("tune_tokens", ResidualOutput().tune_tokens)
-            pieces = [p for part in split_by_tokens(self.learn, points(self.learned, CURVE)) for p in part]
+            pieces = self.learn
+            if args.parts_as_documents:
+                pieces = [p for part in split_by_tokens(self.learn, points(self.learned, CURVE)) for p in part]
             self._split = tuning_split(pieces, tune_tokens, faast_min_fit(base.config.hidden_size))
         return self._split
 
@@ -195,12 +200,20 @@ VARIANTS = {"full": "FAAST: middle layers + residual output", "output": "FAAST: 
             "fp32learn": FP32_LEARN}  # fmt: skip
 
 
+def curve_parts(domain: Domain, amounts: list[int], args: argparse.Namespace) -> list[tuple[list[list[int]], bool]]:
+    """The learned text in the curve's parts, each with whether FAAST learns it with continues=True: where it begins
+    with the rest of a text cut at the curve point before it (never with --parts-as-documents)."""
+    from faast.hf.tokens import split_continuing
+
+    return [(part, continues and not args.parts_as_documents)
+            for part, continues in split_continuing(domain.learn, amounts)]  # fmt: skip
+
+
 def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> None:  # noqa: ANN001
     """One learning pass of the shipped middle layers + the residual output layer, scored along the curve as it is
     and with the middle layers disabled (the residual output layer alone: its statistics do not depend on them)."""
     from faast.hf import FaastConfig, ResidualOutput, from_pretrained
     from faast.hf.evaluate import perplexity
-    from faast.hf.tokens import split_by_tokens
 
     # The residual output layer as the readout's configuration sets it (its own if it has one), overrides applied.
     saved = FaastConfig.load(readout / "faast_config.json").output
@@ -215,10 +228,10 @@ def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
         curves = {key: {"tokens": amounts, "ppl": [], "bytes": [], "step": []} for key in keys}
         learn_s, results = 0.0, {}
         bank_bytes = sum(b.numel() * b.element_size() for b in model.memory_bank.buffers())
-        for part in split_by_tokens(domain.learn, amounts):
+        for part, continues in curve_parts(domain, amounts, args):
             started = time.perf_counter()
             if part:
-                model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size)
+                model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size, continues=continues)
                 model.output_memory_layer.folded(base.device, base.dtype)  # the solve and the step tuning
             learn_s += time.perf_counter() - started
             step = (model.output_memory_layer.last_tuning or {}).get("step")
@@ -252,7 +265,6 @@ def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "outp
     apart, as curve_solve_s."""
     from faast.hf import FaastConfig, ResidualOutput, apply_faast
     from faast.hf.evaluate import perplexity
-    from faast.hf.tokens import split_by_tokens
 
     output = ResidualOutput(**(residual or {}), **output_overrides(args))
     model = apply_faast(base, FaastConfig(output=output, **config))
@@ -260,10 +272,10 @@ def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "outp
         amounts = points(domain.learned, CURVE)
         curve = domain.curve[key] = {"tokens": amounts, "ppl": [], "bytes": [], "step": [], "weight": []}
         learn_s, solves, solved = 0.0, [], None
-        for part in split_by_tokens(domain.learn, amounts):
+        for part, continues in curve_parts(domain, amounts, args):
             started = time.perf_counter()
             if part:
-                model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size)
+                model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size, continues=continues)
             learned = time.perf_counter()
             if part:
                 solved = model.solve()
@@ -334,154 +346,6 @@ def run_paper(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
         model.remove_faast()
 
 
-def run_knn(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa: ANN001
-    from lm_baselines import KNNLM, KNNConfig
-
-    from faast.hf.tokens import split_by_tokens
-
-    knn = KNNLM(base, KNNConfig())
-    amounts = points(domain.learned, KNN_CURVE)
-    curve = domain.curve["knn"] = {"tokens": amounts, "ppl": [], "bytes": []}
-    learn_s = 0.0
-    for part in split_by_tokens(domain.learn, amounts):
-        started = time.perf_counter()
-        if part:
-            knn.add(part, window=args.window, batch_size=args.batch_size)
-        learn_s += time.perf_counter() - started
-        result = knn.perplexity(domain.windows, batch_size=args.batch_size)
-        curve["ppl"].append(result.ppl)
-        curve["bytes"].append(knn.nbytes())
-    domain.add(f"kNN-LM (k={knn.config.k}, λ={knn.config.lam})", result, learn_s, knn.nbytes())
-
-
-def run_knn_tuned(domain: Domain, base, args: argparse.Namespace) -> None:  # noqa: ANN001
-    """The kNN-LM with λ and T chosen on FAAST's held-out tail (lm_baselines.tune_knn: the datastore of the fit
-    prefixes), then the datastore of all the learned text with those, scored on the held-out files. Learn time is
-    the final datastore's; the tuning's is tuning_s."""
-    from lm_baselines import KNNLM, KNNConfig, tune_knn
-
-    choice = tune_knn(base, domain.split(base, args), lams=args.knn_lams, temperatures=args.knn_temperatures,
-                      k=args.knn_k, window=args.window, batch_size=args.batch_size)  # fmt: skip
-    domain.tuned["knn_tuned"] = choice
-    knn = KNNLM(base, KNNConfig(k=args.knn_k, lam=choice.lam, temperature=choice.temperature))
-    started = time.perf_counter()
-    knn.add(domain.learn, window=args.window, batch_size=args.batch_size)
-    learn_s = time.perf_counter() - started
-    result = knn.perplexity(domain.windows, batch_size=args.batch_size)
-    domain.add(f"kNN-LM tuned (k={args.knn_k}, λ={choice.lam:g}, T={choice.temperature:g})", result, learn_s,
-               knn.nbytes(), tuning_s=choice.tuning_s, **_tuned(choice))  # fmt: skip
-
-
-def _tuned(choice: object) -> dict:
-    """A tuning choice's fields for a row: the grid apart, the rest under "tuned" (tuning_s is its own column)."""
-    fields = dataclasses.asdict(choice)
-    grid = fields.pop("grid")
-    fields.pop("tuning_s")
-    return {"tuned": fields, "grid": grid}
-
-
-def lora_rank(base, layers: list[int]) -> int:  # noqa: ANN001
-    """The LoRA rank whose parameter count matches the linear projection's at `layers` (as the 1-epoch LoRA's)."""
-    from lm_baselines import lora_rank_for
-
-    return lora_rank_for(base, len(layers) * base.config.hidden_size**2)
-
-
-def train_lora(domain: Domain, base, rank: int, args: argparse.Namespace, **fit: object) -> tuple:  # noqa: ANN001
-    """A fresh LoRA (torch seeded with 0, as lm_baselines.tune_lora seeds each of its runs) trained on all the learned
-    text by fit_causal_lm(**fit) and scored on the held-out files: (FitStats, Perplexity, trainable parameters)."""
-    import torch
-    from lm_baselines import apply_lora, fit_causal_lm
-
-    from faast.hf.evaluate import perplexity
-
-    torch.manual_seed(0)
-    lora = apply_lora(base, rank)
-    try:
-        trainable = [p for p in lora.parameters() if p.requires_grad]
-        stats = fit_causal_lm(lora, trainable, domain.learn, window=args.train_window,
-                              batch_size=args.train_batch_size, **fit)  # fmt: skip
-        result = perplexity(lora, domain.windows, batch_size=args.batch_size)
-    finally:
-        lora.unload()
-    return stats, result, trainable
-
-
-def run_lora_best(domain: Domain, base, layers: list[int], args: argparse.Namespace) -> None:  # noqa: ANN001
-    """LoRA with its learning rate and epochs chosen on FAAST's held-out tail (lm_baselines.tune_lora: trained on
-    the fit prefixes, scored after each epoch), then trained afresh on all the learned text with that lr for that
-    many epochs, on the schedule the tuning scored (warmup over one epoch's 10%, then constant). Learn time is the
-    final training's; the whole tuning's is tuning_s."""
-    from lm_baselines import tune_lora
-
-    rank = lora_rank(base, layers)
-    choice = tune_lora(base, domain.split(base, args), lrs=args.lora_lrs, max_epochs=args.lora_max_epochs,
-                       rank=rank, train_window=args.train_window, batch_size=args.train_batch_size,
-                       window=args.window, score_batch_size=args.batch_size)  # fmt: skip
-    domain.tuned["lora_best"] = choice
-    stats, result, trainable = train_lora(domain, base, rank, args, lr=choice.lr, epochs=choice.epochs,
-                                          warmup="epoch")  # fmt: skip
-    epochs = f"{choice.epochs} epoch" + ("s" if choice.epochs != 1 else "")
-    domain.add(f"LoRA-best (peft, r={rank}, lr={choice.lr:g}, {epochs}, tuned on the held-out tail)", result,
-               stats.seconds, sum(p.numel() * p.element_size() for p in trainable),
-               params=sum(p.numel() for p in trainable), steps=stats.steps, tuning_s=choice.tuning_s,
-               **_tuned(choice))  # fmt: skip
-
-
-def run_lora_time(domain: Domain, base, layers: list[int], args: argparse.Namespace) -> None:  # noqa: ANN001
-    """LoRA trained on all the learned text for FAAST's time: as many steps as fit in the learn + solve time the
-    default FAAST row measured in this run (fit_causal_lm's max_seconds; less than an epoch or several), with
-    LoRA-best's lr when it ran in this domain, else --lora-lr; warmup over one epoch's 10%, as LoRA-best's."""
-    faast = domain.row(VARIANTS["output"])
-    if faast is None:
-        raise RuntimeError(f"{domain.name}: LoRA at FAAST's time needs the default FAAST row, which did not run")
-    choice = domain.tuned.get("lora_best")
-    lr = choice.lr if choice is not None else args.lora_lr
-    rank = lora_rank(base, layers)
-    budget = faast["learn_s"]
-    stats, result, trainable = train_lora(domain, base, rank, args, lr=lr, epochs=TIME_EPOCHS, warmup="epoch",
-                                          max_seconds=budget)  # fmt: skip
-    domain.add(f"LoRA at FAAST's time (peft, r={rank}, lr={lr:g}, {stats.steps} steps)", result, stats.seconds,
-               sum(p.numel() * p.element_size() for p in trainable), params=sum(p.numel() for p in trainable),
-               steps=stats.steps, epochs=stats.epochs, budget_s=budget,
-               lr_from="LoRA-best" if choice is not None else "--lora-lr")  # fmt: skip
-
-
-def run_backprop(domain: Domain, base, layers: list[int], method: str, args: argparse.Namespace) -> None:  # noqa: ANN001
-    from lm_baselines import LinearProjection, apply_lora, fit_causal_lm, lora_rank_for
-
-    from faast.hf.evaluate import perplexity
-
-    fit = {"window": args.train_window, "batch_size": args.train_batch_size, "epochs": 1}
-    params = len(layers) * base.config.hidden_size**2
-    if method == "linear":
-        projection = LinearProjection(base, layers)
-        try:
-            stats = fit_causal_lm(base, list(projection.parameters()), domain.learn, lr=args.linear_lr, **fit)
-            result = perplexity(base, domain.windows, batch_size=args.batch_size)
-        finally:
-            projection.remove()
-        domain.add(f"linear (backprop, {len(layers)} layers, 1 epoch)", result, stats.seconds, projection.nbytes(),
-                   params=params)  # fmt: skip
-        return
-    import torch
-
-    rank = lora_rank_for(base, params)
-    lora = apply_lora(base, rank)
-    autocast = torch.bfloat16 if method == "lora_bf16" else None
-    try:
-        trainable = [p for p in lora.parameters() if p.requires_grad]
-        stats = fit_causal_lm(lora, trainable, domain.learn, lr=args.lora_lr, autocast=autocast, **fit)
-        result = perplexity(lora, domain.windows, batch_size=args.batch_size)
-    finally:
-        lora.unload()
-    nbytes = sum(p.numel() * p.element_size() for p in trainable)
-    # A row name of its own before " (": the report's averages and goals key rows by it ("LoRA" is the float32 one).
-    name = f"LoRA bf16 (peft, r={rank}, 1 epoch, bfloat16 autocast)" if autocast else f"LoRA (peft, r={rank}, 1 epoch)"
-    domain.add(name, result, stats.seconds, nbytes,
-               params=sum(p.numel() for p in trainable))  # fmt: skip
-
-
 def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], args: argparse.Namespace) -> dict:  # noqa: ANN001
     from faast.hf.evaluate import perplexity
 
@@ -512,7 +376,7 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
     if "lora_best" in args.methods:
         run_lora_best(domain, base, layers, args)
     if "lora_time" in args.methods:  # after lora_best: it takes LoRA-best's lr
-        run_lora_time(domain, base, layers, args)
+        run_lora_time(domain, base, layers, args, VARIANTS["output"])
     import_baselines(domain, args)
     return domain.payload()
 

@@ -148,10 +148,10 @@ def run_faast(model, parts: list, windows: list, args: argparse.Namespace, rows:
     from faast.hf.evaluate import perplexity
 
     learn_s, solves = 0.0, []
-    for part in parts:
+    for part, continues in parts:  # a part that begins with the rest of a cut text continues it (one document)
         started = time.perf_counter()
         if part:
-            model.learn(part, max_length=args.window, batch_size=args.batch_size)
+            model.learn(part, max_length=args.window, batch_size=args.batch_size, continues=continues)
         learned = time.perf_counter()
         if part:
             model.solve()
@@ -173,7 +173,7 @@ def run_knn(model, parts: list, windows: list, args: argparse.Namespace, rows: l
     knn = KNNLM(model, KNNConfig(k=args.knn_k, lam=args.knn_lambda, temperature=args.knn_temperature))
     learn_s = 0.0
     with model.disable_faast():
-        for part in parts:
+        for part, _ in parts:
             started = time.perf_counter()
             if part:
                 knn.add(part, window=args.window, batch_size=args.batch_size)
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from faast.hf.evaluate import perplexity, token_windows
-    from faast.hf.tokens import split_by_tokens
+    from faast.hf.tokens import split_continuing
 
     args = parse_args(argv)
     record = start_record()
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
     # FAAST and the kNN-LM learn the same stream in growing parts, scored after each: the curve, whose last point is
     # the whole learn split (the table's rows).
     points = curve_points(n_learn, args.curve_points)
-    parts = split_by_tokens(learn, points)
+    parts = split_continuing(learn, points)
     curve = {"tokens": points, "faast": [], "knn": [], "faast_bytes": [], "knn_bytes": [], "faast_infer_s": [],
              "knn_infer_s": []}  # fmt: skip
     if "faast" in args.methods:

@@ -9,6 +9,7 @@ import torch
 
 from faast import Accumulator, FastWeights, hardware
 from faast.hf import EmbeddingOutput, FaastConfig, MemoryOffWarning, MiddleLayers, ResidualOutput, apply_faast
+from faast.hf import held_out as held_out_module
 from faast.hf import learning as learning_module
 from faast.hf import output as output_module
 from faast.hf import output_tuning as tuning_module
@@ -137,13 +138,13 @@ def fit_without(k, y, head, out):
     positions, whose keys and gradients the tail buffer stores rounded to its KEY_STORAGE dtype."""
     d = head.shape[1]
     r = head[y] - torch.softmax(k[:, :d] @ head.T, -1) @ head
-    kept, r_out = (v[out].to(tuning_module.KEY_STORAGE).double() for v in (k, r))
+    kept, r_out = (v[out].to(held_out_module.KEY_STORAGE).double() for v in (k, r))
     return k.T @ k - kept.T @ kept, k.T @ r - kept.T @ r_out, float(k.shape[0] - out.numel())
 
 
 def held_keys(k, held):
     """The held-out keys as the tail buffer stores them (KEY_STORAGE), in float64."""
-    return k[held].to(tuning_module.KEY_STORAGE).double()
+    return k[held].to(held_out_module.KEY_STORAGE).double()
 
 
 @pytest.mark.parametrize("key_layers", ["auto", [], [1, 3]])

@@ -1,4 +1,4 @@
-"""The residual output layer's step is tuned on the end of every learned text (faast/hf/output_tuning.py tail_plan,
+"""The residual output layer's step is tuned on the end of every learned text (faast/hf/held_out.py tail_plan,
 docs/design.md §6.3): the order texts are learned in does not decide it, a last text unlike the others does not switch
 the memory off, and a memory that ends up off, or far below what one of its texts would take, says so."""
 
@@ -12,7 +12,7 @@ import torch
 from faast.hf import FaastConfig, MemoryOffWarning, ResidualOutput, apply_faast
 from faast.hf import output_diagnosis as diagnosis_module
 from faast.hf import output_tuning as tuning_module
-from faast.hf.output_tuning import tail_plan
+from faast.hf.held_out import tail_plan
 from hf_models import VOCAB, tiny_model
 from tolerances import ORDER_STEP_REL
 

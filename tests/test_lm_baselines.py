@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from faast.hf.evaluate import continuation_log_probs, encode_prefix, perplexity, wilson_interval
-from faast.hf.tokens import split_by_tokens
+from faast.hf.tokens import split_by_tokens, split_continuing
 from hf_models import KINDS, VOCAB, tiny_model
 from tolerances import LM_LAYOUT_ABS
 
@@ -30,7 +30,7 @@ from lm_baselines import (  # noqa: E402
     tuning_split,
 )
 
-from faast.hf.output_tuning import tail_plan  # noqa: E402
+from faast.hf.held_out import tail_plan  # noqa: E402
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -103,6 +103,16 @@ def test_splitting_a_stream_keeps_every_adjacent_pair_exactly_once():
     assert parts[0] == [texts[0][:3]] and parts[1][0] == texts[0][2:]
     with pytest.raises(ValueError, match="thresholds"):
         split_by_tokens(texts, [5, 3])
+
+
+def test_split_continuing_says_which_parts_begin_with_the_rest_of_a_cut_text():
+    texts = [ids(n, s) for s, n in enumerate([10, 1, 5, 33, 2])]
+    # Cut inside text 0 (3), inside text 0 again (8), at the end of text 0 (10: the next part starts a new text),
+    # inside text 3 (20), and at the end (51).
+    split = split_continuing(texts, [3, 8, 10, 20, 51])
+    assert [part for part, _ in split] == split_by_tokens(texts, [3, 8, 10, 20, 51])
+    assert [continues for _, continues in split] == [False, True, True, False, True]
+    assert split[2][0] == [texts[0][7:]]  # the last 2 tokens of text 0, from the shared token on
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,6 +1,6 @@
 """The baselines tuned as FAAST tunes its step: on the same held-out tail of the learned text, with a fixed grid.
 
-FAAST's residual output layer holds out the tail that faast.hf.output_tuning.tail_plan picks (per document, its last
+FAAST's residual output layer holds out the tail that faast.hf.held_out.tail_plan picks (per document, its last
 held_i positions, and the gap_i positions before them left out of the fit too), fits on the rest and chooses its step
 by the held-out NLL. `tuning_split` cuts the learned documents by that same rule; `tune_lora` and `tune_knn` train or
 store on the fit prefixes, score exactly the held-out positions after each setting, and return the setting with the
@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from faast.hf.output_tuning import FIT_PER_KEY_DIM, MIN_FIT_TOKENS, tail_plan
+from faast.hf.held_out import tail_plan
+from faast.hf.output_tuning import FIT_PER_KEY_DIM, MIN_FIT_TOKENS
 from faast.hf.tokens import pad_rows
 
 from .backprop import apply_lora, fit_causal_lm
@@ -86,7 +87,7 @@ class TuningSplit:
 
 def tuning_split(token_lists: Sequence[Sequence[int]], tune_tokens: int = 2048, min_fit: int = 2304) -> TuningSplit:
     """Hold out of `token_lists` (documents of token ids, stream order) what FAAST's step tuning holds out of them:
-    faast.hf.output_tuning.tail_plan with counts n_i = len(ids) − 1 (0 for a document under 2 tokens), learned =
+    faast.hf.held_out.tail_plan with counts n_i = len(ids) − 1 (0 for a document under 2 tokens), learned =
     Σ n_i. tune_tokens: ResidualOutput.tune_tokens; min_fit: `faast_min_fit(hidden_size)`."""
     documents = [list(ids) for ids in token_lists]
     counts = [max(0, len(ids) - 1) for ids in documents]

@@ -87,6 +87,7 @@ class Learner:
         self.bank, self.middle_layers, self.output_layer = bank, list(middle_layers), output_layer
         self.module_memories, self.learn_dtype = module_memories, learn_dtype
         self._documents = 0  # texts learned so far: numbers each window's document
+        self._ends_on_text = False  # the last batch learned held texts (their documents known)
         self._unknown_rows = 0  # rows of unknown documents learned so far (a tensor's rows)
         # Told about every batch learned (validated ids, real tokens, learned pairs, documents): the ledger.
         self._sink: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None = None
@@ -113,6 +114,12 @@ class Learner:
     def documents_numbered(self) -> int:
         """Texts numbered so far: the next learn_stream call numbers its texts from here."""
         return self._documents
+
+    @property
+    def ends_on_text(self) -> bool:
+        """Whether the last batch learned held texts (not a tensor's or a mapping's rows): a later call may continue
+        the last of them (learn_stream's `continues`)."""
+        return self._ends_on_text
 
     def learn_batch(
         self,
@@ -232,24 +239,35 @@ class Learner:
         """Learn one input_ids batch [B, T] (no gradient)."""
         try:
             with torch.no_grad():
-                return self.learn_batch(input_ids, attention_mask, labels=labels)
+                stats = self.learn_batch(input_ids, attention_mask, labels=labels)
+            self._ends_on_text = False
+            return stats
         finally:
             self._workspace = None  # the capture buffers live for one learn call
 
-    def learn_stream(self, batches: Iterable[Batch], progress: bool | None) -> LearnStats:
+    def learn_stream(self, batches: Iterable[Batch], progress: bool | None, continues: bool = False) -> LearnStats:
         """Learn (input_ids, attention_mask, labels, documents) batches, consumed lazily, with an optional progress
-        bar (None: when stderr is a terminal)."""
+        bar (None: when stderr is a terminal). continues: the first text is the rest of the last text numbered before
+        this call (one document to the step's tuning); the first batch must then hold texts (documents known)."""
+        if continues and self._documents == 0:
+            raise ValueError("continues: no text was learned before this call, so there is none to continue")
         stats = LearnStats()
         bar = _progress_bar(progress)
-        # Document numbers continue across learn() calls, so a later call's texts never share one with earlier ones.
-        first = self._documents
+        # Document numbers continue across learn() calls, so a later call's texts never share one with earlier ones,
+        # except the first text of a call that continues the last one.
+        first = self._documents - 1 if continues else self._documents
         try:
             with torch.no_grad(), self._head_buffers_kept():
                 for ids, mask, batch_labels, documents in batches:
+                    if continues and stats.batches == 0 and (documents is None or documents[0] != 0):
+                        raise ValueError("continues: the first input must be a text or a token-id list of at least 2 "
+                                         "tokens (a tensor's or a tokenised mapping's rows are of unknown "
+                                         "documents)")  # fmt: skip
                     if documents is not None:  # host ints: numbering them costs no device sync
                         self._documents = first + documents[-1] + 1
                         documents = torch.tensor(documents, dtype=torch.long, device=ids.device) + first
                     learned = self.learn_batch(ids, mask, labels=batch_labels, documents=documents)
+                    self._ends_on_text = documents is not None
                     stats += learned
                     if bar is not None:
                         bar.update(learned.tokens)

@@ -130,6 +130,8 @@ class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
         )  # fmt: skip
         # The named memories (named_memories.py): 'default' is bound to the layers, the others wait in the store.
         self.memory_store = MemoryStore()
+        # (memory, texts numbered) after the last learn() call that learned texts: what learn(continues=True) needs.
+        self._continuable: tuple[str, int] | None = None
 
     def faast_layers(self) -> Iterator[MemoryLayer | OutputMemoryLayer | ResidualOutputLayer]:
         """Every memory layer: the middle ones in block order, then the output layer."""
@@ -187,6 +189,7 @@ class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
         progress: bool | None = None,
         memory: str = DEFAULT,
         solve: bool = False,
+        continues: bool = False,
     ) -> LearnStats:
         """Stream statistics from text into every memory layer; no keys are kept and hidden states are unchanged.
 
@@ -214,20 +217,26 @@ class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
             solve: solve the memory before returning (else the first read after learning does), and return its
                 residual output layer's tuning in LearnStats.tuning (as solve() reports it): whether the memory
                 ended up off, or at a step far below what one of its texts would take, and why.
+            continues: the first text is the rest of the last text the previous call learned into this memory (a
+                long text learned in pieces): the step's tuning then holds out the end of the whole text, as one call
+                would, not the end of every piece (docs/design.md §6.3). ValueError when the previous learn() call
+                did not learn texts into this memory (a forget or merge between counts as another memory's), or when
+                the first input is a tensor (its rows' documents are unknown).
 
         All or nothing: a call that raises (a bad item after good batches) leaves every memory as it was, and a
         memory it created is removed. Inputs that hold no tokens raise ValueError.
         Returns LearnStats (tokens, pairs per layer, batches, seconds, tokens_per_second).
         """
         name = check_name(memory)
-        if not isinstance(solve, bool):
-            raise TypeError(f"solve: expected True or False, got {solve!r}")
+        for arg, value in (("solve", solve), ("continues", continues)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{arg}: expected True or False, got {value!r}")
         created = self._creating(name)
         try:
             with self._bound(name):
                 stats = self._learn_core(inputs, attention_mask, input_ids=input_ids, labels=labels,
                                          tokenizer=tokenizer, text_column=text_column, max_length=max_length,
-                                         batch_size=batch_size, progress=progress)  # fmt: skip
+                                         batch_size=batch_size, progress=progress, continues=continues)  # fmt: skip
         except BaseException:
             if created:
                 self.memory_store.delete(name)
@@ -248,10 +257,16 @@ class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
         max_length: int = 1024,
         batch_size: int = 8,
         progress: bool | None = None,
+        continues: bool = False,
     ) -> LearnStats:
         """learn() into the bound memory, recording each learned window in its ledger (all or nothing)."""
         inputs = learn_source(inputs, input_ids)
         source = describe(inputs)
+        if continues and isinstance(inputs, torch.Tensor):
+            raise ValueError("continues: the first input must be a text or a token-id list, got an input_ids tensor "
+                             "(its rows' documents are unknown)")  # fmt: skip
+        if continues:
+            self._check_continues()
         with self._learning_recorded():
             if isinstance(inputs, torch.Tensor):
                 stats = self.learner.learn_tensor(inputs, attention_mask, labels)
@@ -259,10 +274,20 @@ class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
                 items = learn_items(inputs, attention_mask, labels, tokenizer, text_column)
                 device = self.base_model.get_input_embeddings().weight.device
                 stream = batches(items, tokenizer, max_length, batch_size, device)
-                stats = self.learner.learn_stream(stream, progress)
+                stats = self.learner.learn_stream(stream, progress, continues)
         if stats.tokens == 0:
             raise ValueError(f"inputs: nothing to learn: the {source} held no tokens")
+        ended_on_text = self.learner.ends_on_text
+        self._continuable = (self.memory_store.bound, self.learner.documents_numbered) if ended_on_text else None
         return stats
+
+    def _check_continues(self) -> None:
+        """learn(continues=True) into the bound memory is possible: the call before learned texts into it (forget,
+        which learns into a scratch memory, and a merge, which makes a new one, are calls into other memories)."""
+        name = self.memory_store.bound
+        if self._continuable != (name, self.learner.documents_numbered):
+            raise ValueError(f"continues: memory {name!r} has no text to continue: the previous learn() call did not "
+                             f"learn texts into it (or a forget or merge came between)")  # fmt: skip
 
     def learn_modules(
         self,

@@ -50,10 +50,10 @@ from ..memory import FastWeights
 from . import output_tuning as tuning
 from .config import FaastConfig, ResidualOutput
 from .head import READ_CHUNK, HeadBuffers, change_logits, head_gradients, head_logits, pool_threshold, products_dtype
+from .held_out import HeldOutTail
 from .mixture import read_blocks
 from .output_diagnosis import MemoryOffWarning, diagnose, document_shrink
 from .output_state import OutputState
-from .output_tuning import HeldOutTail, Logits
 
 _log = logging.getLogger("faast.hf")
 
@@ -321,7 +321,7 @@ class ResidualOutputLayer(nn.Module):
         base: tuple | None = None,
         rows: slice = slice(None),
         out: torch.Tensor | None = None,
-    ) -> Logits:
+    ) -> tuning.Logits:
         """(z0, z1 [m, V] float32: the logits of the keys' h̃ and their change per unit step, keys·w through the head
         without its bias; their entries at the targets ys [n]) for the keys [n, d_key] at `rows` (default all m = n).
         base: (z0 [n, V], its entries [n]) of an earlier call on the same keys (`tail_base`), reused. out: a [n, V]
@@ -344,7 +344,7 @@ class ResidualOutputLayer(nn.Module):
 
     def held_out_positions(self) -> int:
         """Positions the step is tuned on: the last round(f·n) of every learned document, f = min(HELD_OUT_SHARE,
-        tune_tokens / learned) (output_tuning.tail_plan); 0 when too little text was learned to fit on the rest, or
+        tune_tokens / learned) (held_out.tail_plan); 0 when too little text was learned to fit on the rest, or
         after a load (the tail is learning state of this process)."""
         return self.held_out.held_positions(int(self.memory.count), self._min_fit())
 

@@ -6,7 +6,7 @@ from torch import nn
 
 from ..accumulator import Accumulator
 from ..memory import FastWeights
-from .output_tuning import HeldOutTail
+from .held_out import HeldOutTail
 
 
 class OutputState(nn.Module):

@@ -2,7 +2,7 @@
 
 Texts become token-id lists (`token_lists`), id lists become right-padded rows with a mask (`pad_rows`) or windows
 that share one token (`overlapping_windows`), and a sequence of tokenised texts is cut at token thresholds
-(`split_by_tokens`).
+(`split_by_tokens`; `split_continuing` also says which parts begin with the rest of a cut text).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-__all__ = ["overlapping_windows", "pad_rows", "split_by_tokens", "token_lists"]
+__all__ = ["overlapping_windows", "pad_rows", "split_by_tokens", "split_continuing", "token_lists"]
 
 
 def overlapping_windows(ids: Sequence[int], max_length: int) -> Iterator[list[int]]:
@@ -57,9 +57,16 @@ def split_by_tokens(texts: Sequence[Sequence[int]], thresholds: Sequence[int]) -
     A text cut at a boundary continues in the next part from its last token, so every adjacent pair of every text
     lands in exactly one part: learning the parts one after another learns what the whole gives.
     """
+    return [part for part, _ in split_continuing(texts, thresholds)]
+
+
+def split_continuing(texts: Sequence[Sequence[int]], thresholds: Sequence[int]) -> list[tuple[list[list[int]], bool]]:
+    """`split_by_tokens`'s parts, each with whether its first text is the rest of a text cut at the boundary before
+    it: learn(part, continues=True) then keeps the text one document to the step's tuning, as one call would."""
     if list(thresholds) != sorted(set(thresholds)) or not thresholds or thresholds[0] < 1:
         raise ValueError(f"thresholds: expected ascending distinct positive token counts, got {list(thresholds)}")
     parts: list[list[list[int]]] = [[] for _ in thresholds]
+    continues = [False] * len(thresholds)
     seen, part = 0, 0
     for ids in texts:
         start = 0
@@ -67,9 +74,10 @@ def split_by_tokens(texts: Sequence[Sequence[int]], thresholds: Sequence[int]) -
             end = min(len(ids), start + thresholds[part] - seen)
             piece = list(ids[start - 1 if start else 0 : end])
             if len(piece) >= 2:
+                continues[part] = continues[part] or (not parts[part] and start > 0)
                 parts[part].append(piece)
             seen += end - start
             start = end
             if seen >= thresholds[part]:
                 part += 1
-    return parts
+    return list(zip(parts, continues, strict=True))
