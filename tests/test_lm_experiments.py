@@ -577,6 +577,13 @@ def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_
     # The peers tuned on exactly the positions FAAST tuned its step on, and fitted on what it fitted on.
     faast_tuning, best, knn = rows["FAAST: residual output only"]["tuning"], rows["LoRA-best"], rows["kNN-LM tuned"]
     assert faast_tuning["tuned"] and faast_tuning["held_out_tokens"] == best["tuned"]["held_tokens"]
+    # The curve's 2K cut falls inside a text, whose rest the next part continues: one text to FAAST's tuning.
+    from faast.hf.tokens import token_lists
+
+    texts = token_lists(learn, CharTokenizer(), 3000)
+    ends = [sum(len(t) for t in texts[: i + 1]) for i in range(len(texts))]
+    assert 2048 < ends[-1] and 2048 not in ends  # cut inside a text: as parts, one text more
+    assert faast_tuning["held_out_documents"] == len(texts)
     assert best["tuned"]["fit_tokens"] == faast_tuning["fitted_tokens"] == knn["tuned"]["fit_tokens"]
     assert knn["tuned"]["held_tokens"] == faast_tuning["held_out_tokens"]
     assert len(best["grid"]) == 4 and len(knn["grid"]) == 4 and best["tuning_s"] > 0 and knn["tuning_s"] > 0
