@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ablations", action="store_true", help="also score FAAST's middle layers alone")
     p.add_argument("--parts-as-documents", action="store_true",
                    help="learn each curve part as new texts, so a text cut at a curve point is two documents to the "
-                        "step's tuning (the protocol before 2026-11-28); default: the part continues it "
+                        "step's tuning (the protocol before 4c78eed); default: the part continues it "
                         "(learn(continues=True)), as one call over all the text would")  # fmt: skip
     p.add_argument("--resume", action="store_true", help="keep the domains already in the result JSON, run the rest")
     p.add_argument("--window", type=int, default=1024)
