@@ -119,10 +119,6 @@ class HeldOutTail:
         """Forget every kept position."""
         self._kept, self._counts, self._seen = None, {}, 0
 
-    def last_document(self) -> int | None:
-        """The document of the last kept position (None when nothing is kept)."""
-        return None if self._kept is None else int(self._kept[2][-1])
-
     def drop_documents(self, documents: set[int]) -> int:
         """Forget the kept positions of `documents` (document numbers; negative: rows of unknown documents, each its
         own), e.g. of texts a memory forgot: they must not tune its step. Returns how many positions were dropped."""
