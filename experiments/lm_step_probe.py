@@ -80,6 +80,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="learn only the domain's N longest learn files (in their order): few-document streams",
     )
+    p.add_argument(
+        "--key-layers",
+        default="auto",
+        help="ResidualOutput.key_layers: 'auto' (the default's) or comma-separated block indices, e.g. 4,10",
+    )
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--out", default="lm_step_probe_cpu")
     return p.parse_args(argv)
@@ -587,7 +592,8 @@ def main(argv: list[str] | None = None) -> dict:
         amounts = sorted({p for p in curve if p < learned} | {learned})
         # --bias and --fixed-bias study a bias added to the correction: the layer's own (ResidualOutput.bias) is off
         bias = {"bias": 0.0} if args.bias or args.fixed_bias else {}
-        model = apply_faast(base, FaastConfig(output=ResidualOutput(**bias)))
+        keys = "auto" if args.key_layers == "auto" else [int(b) for b in args.key_layers.split(",") if b]
+        model = apply_faast(base, FaastConfig(output=ResidualOutput(key_layers=keys, **bias)))
         sums = learned_sums(model.output_memory_layer) if args.bias or args.fixed_bias else None
         try:
             done = 0
