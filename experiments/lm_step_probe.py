@@ -3,10 +3,11 @@
     python experiments/lm_step_probe.py --domains email multiprocessing licenses tkinter info
 
 For each domain the default model (FaastConfig(), as experiments/lm_domains.py runs it: the benchmark's 256-token
-learning windows) learns the curve's amounts of text and solves. Its held-out files are then read once, with the
-memory's own read path, and the final-norm states and the wider keys it reads are kept. From them the base logits z0
-and the memory's logit change per unit step z1 (keys·W·Hᵀ, W = M/η) are formed, so the held-out perplexity of the
-mixture (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1) costs no model pass for any η and λ.
+learning windows, a text cut at a curve point continued into the next part) learns the curve's amounts of text and
+solves. Its held-out files are then read once, with the memory's own read path, and the final-norm states and the
+wider keys it reads are kept. From them the base logits z0 and the memory's logit change per unit step z1 (keys·W·Hᵀ,
+W = M/η) are formed, so the held-out perplexity of the mixture (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1) costs no
+model pass for any η and λ.
 
 Reported per point: the perplexity the model read (the check that the reconstruction is the read path), the tuned
 step and what the tuning saw (how many documents the held-out tail came from, how many positions were fitted), the
@@ -79,6 +80,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="learn only the domain's N longest learn files (in their order): few-document streams",
+    )
+    p.add_argument(
+        "--parts-as-documents",
+        action="store_true",
+        help="learn each curve part as new texts (the benchmark's protocol before 4c78eed); default: a part that "
+        "begins with the rest of a cut text continues it (learn(continues=True)), as the benchmark does",
     )
     p.add_argument(
         "--key-layers",
@@ -573,7 +580,7 @@ def main(argv: list[str] | None = None) -> dict:
     from faast.hf import FaastConfig, ResidualOutput, apply_faast
     from faast.hf.default import load_base_model
     from faast.hf.evaluate import token_windows
-    from faast.hf.tokens import split_by_tokens, token_lists
+    from faast.hf.tokens import split_continuing, token_lists
 
     args = parse_args(argv)
     record = provenance.start(ROOT)
@@ -597,9 +604,10 @@ def main(argv: list[str] | None = None) -> dict:
         sums = learned_sums(model.output_memory_layer) if args.bias or args.fixed_bias else None
         try:
             done = 0
-            for amount, part in zip(amounts, split_by_tokens(learn, amounts), strict=True):
+            for amount, (part, continues) in zip(amounts, split_continuing(learn, amounts), strict=True):
                 if part:
-                    model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size)
+                    model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size,
+                                continues=continues and not args.parts_as_documents)  # fmt: skip
                     model.solve()
                 done = amount
                 point, states = probe(model, windows, args.pairs)

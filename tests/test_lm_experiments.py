@@ -665,12 +665,13 @@ def test_the_step_probe_learns_the_longest_files_in_their_order_with_longest():
 def test_the_step_probe_rebuilds_the_models_read_and_leaves_the_layer_as_shipped(tmp_path, monkeypatch):
     """lm_step_probe.main on a tiny Llama and made-up text: at every point the perplexity rebuilt from the kept states
     equals the model's own read (and evaluate.perplexity), the curve's ×1 point and the untuned default pair are that
-    read, the oracle is no worse than any step on the curve; gap_steps restores the shipped gap and step."""
+    read, the oracle is no worse than any step on the curve; gap_steps restores the shipped gap and step. The read is
+    the model's learning the curve's parts as the benchmark does (a cut text continued) with --key-layers' keys."""
     import faast.hf.default
-    from faast.hf import FaastConfig, apply_faast
+    from faast.hf import FaastConfig, ResidualOutput, apply_faast
     from faast.hf import output_tuning as tuning
     from faast.hf.evaluate import token_windows
-    from faast.hf.tokens import split_by_tokens, token_lists
+    from faast.hf.tokens import split_continuing, token_lists
 
     module = load_script("lm_step_probe")
     base = tiny_model("llama")
@@ -683,8 +684,8 @@ def test_the_step_probe_rebuilds_the_models_read_and_leaves_the_layer_as_shipped
     learn, score = [make(150) for _ in range(5)], [make(60) for _ in range(2)]
     monkeypatch.setattr(module, "domain_texts", lambda name: (learn, score))
     payload = module.main(["--domains", "info", "--curve", "300,3000", "--learn-tokens", "3000", "--score-tokens",
-                           "400", "--window", "64", "--learn-window", "32", "--pairs", "--w-grid", "--results-dir",
-                           str(tmp_path), "--out", "p"])  # fmt: skip
+                           "400", "--window", "64", "--learn-window", "32", "--pairs", "--w-grid", "--key-layers",
+                           "0,1", "--results-dir", str(tmp_path), "--out", "p"])  # fmt: skip
     rows = payload["rows"]
     assert [r["tokens"] for r in rows] == [300, 3000] and not rows[0]["tuned"] and rows[1]["tuned"]
     for r in rows:
@@ -706,12 +707,15 @@ def test_the_step_probe_rebuilds_the_models_read_and_leaves_the_layer_as_shipped
     assert default == [pytest.approx(rows[0]["ppl_read"], rel=1e-5)] and "pairs" not in rows[1]
     assert "## Untuned (300 tokens learned)" in (tmp_path / "p.md").read_text(encoding="utf-8")
     # The read is the model's: evaluate.perplexity over the windows the probe read gives the same number.
-    model = apply_faast(base, FaastConfig())
+    model = apply_faast(base, FaastConfig(output=ResidualOutput(key_layers=[0, 1])))
     try:
         texts = token_lists(learn, CharTokenizer(), 3000)
-        for part in split_by_tokens(texts, [300, 3000]):
-            model.learn(part, max_length=32, batch_size=8)
+        parts = split_continuing(texts, [300, 3000])
+        assert [c for _, c in parts] == [False, True]  # the 300th token cuts a text: the second part continues it
+        for part, continues in parts:
+            model.learn(part, max_length=32, batch_size=8, continues=continues)
             model.solve()
+        assert model.output_memory_layer.memory.dim_key == 3 * base.config.hidden_size  # [h̃; x̂₀; x̂₁]
         scored = [w for t in token_lists(score, CharTokenizer(), 400) for w in token_windows(t, 64)]
         assert perplexity(model, scored, batch_size=1).ppl == pytest.approx(rows[1]["ppl_read"], rel=1e-5)
         layer = model.output_memory_layer
