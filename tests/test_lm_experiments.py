@@ -489,6 +489,35 @@ def test_a_run_of_the_float32_row_alone_judges_it_and_not_as_the_default():
     assert goals["learn time ≤ ½ LoRA's"][2] == "not run"
 
 
+def test_a_peer_that_gains_nothing_on_average_has_no_share_and_the_share_goals_read_from_the_reductions():
+    """LoRA-best above zero-shot on average (as tuning on a misleading tail can leave it): no share is printed (no
+    nan), a FAAST gain meets the goal, and a FAAST loss larger than least × the peer's does not."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        report = load_script("lm_domains_report")
+    finally:
+        sys.path.pop(0)
+    variants = {"output": "FAAST: residual output only"}
+
+    def goals(faast: float, best: float) -> dict:
+        domains = [_domain(n, 10.0, faast, 8.0, 9.5, [9.9, 9.8, faast], [5] * 3, best=best) for n in "ab"]
+        payload = {"model": "m", "header": {}, "variants": variants, "default_variant": "output", "domains": domains}
+        return {g[0]: g for g in report.goals(payload, report.averages(payload))}
+
+    worse = goals(9.5, 11.0)  # FAAST −5%, LoRA-best +10%
+    assert worse["≥ 90% of LoRA-best's mean reduction"][1:] == [
+        "no share: the peer gains nothing (5.0% vs -10.0%)",
+        "yes",
+    ]
+    assert worse["stretch: ≥ 100% of LoRA-best's mean reduction"][2] == "yes"
+    lost = goals(10.95, 11.0)  # FAAST +9.5%, above 0.9 × the peer's +10% loss: not met; the stretch (+10%) is
+    assert lost["≥ 90% of LoRA-best's mean reduction"][2] == "**no**"
+    assert lost["stretch: ≥ 100% of LoRA-best's mean reduction"][2] == "yes"
+    assert goals(9.0, 8.0)["≥ 90% of LoRA-best's mean reduction"][1:] == ["50% (10.0% vs 20.0%)", "**no**"]
+
+
 def test_a_resumed_multi_domain_run_keeps_each_domains_machine_and_the_report_names_it(tmp_path, monkeypatch):
     """--resume on another CPU: the kept domain carries the earlier run's machine, a domain run now carries this
     run's, and the report names both (times compare within a domain only); one machine for all: no such line."""
