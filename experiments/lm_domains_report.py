@@ -212,9 +212,8 @@ def _share(mine: float, peer: float, least: float) -> tuple[str, str]:
     """(measured, met) for "mine reaches at least `least` of peer's mean reduction". Where the peer gains nothing on
     average (its reduction ≤ 0) no share exists; the goal is then met when mine ≥ least·peer, which any gain does."""
     pair = f"{100 * mine:.1f}% vs {100 * peer:.1f}%"
-    if peer > 0:
-        return f"{100 * mine / peer:.0f}% ({pair})", _yes(mine >= least * peer)
-    return f"no share: the peer gains nothing ({pair})", _yes(mine >= least * peer)
+    measured = f"{100 * mine / peer:.0f}% ({pair})" if peer > 0 else f"no share: the peer gains nothing ({pair})"
+    return measured, _yes(mine >= least * peer)
 
 
 def _method_table(rows: list[dict]) -> list[str]:
