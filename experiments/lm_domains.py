@@ -375,9 +375,9 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
             run_backprop(domain, base, layers, method, args)
     if "lora_best" in args.methods:
         run_lora_best(domain, base, layers, args)
-    if "lora_time" in args.methods:  # after lora_best: it takes LoRA-best's lr
-        run_lora_time(domain, base, layers, args, VARIANTS["output"])
     import_baselines(domain, args)
+    if "lora_time" in args.methods:  # after lora_best and the imports: it takes LoRA-best's lr
+        run_lora_time(domain, base, layers, args, VARIANTS["output"])
     return domain.payload()
 
 

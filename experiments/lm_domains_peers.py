@@ -127,12 +127,20 @@ def run_lora_best(domain: PeerDomain, base, layers: list[int], args: argparse.Na
 def run_lora_time(domain: PeerDomain, base, layers: list[int], args: argparse.Namespace, faast_row: str) -> None:  # noqa: ANN001
     """LoRA trained on all the learned text for FAAST's time: as many steps as fit in the learn + solve time the
     default FAAST row measured in this run (fit_causal_lm's max_seconds; less than an epoch or several), with
-    LoRA-best's lr when it ran in this domain, else --lora-lr; warmup over one epoch's 10%, as LoRA-best's."""
+    LoRA-best's lr when it ran in this domain, else the lr of a LoRA-best row imported from an earlier run of the same
+    text (--baselines-from), else --lora-lr; warmup over one epoch's 10%, as LoRA-best's."""
     faast = domain.row(faast_row)
     if faast is None:
         raise RuntimeError(f"{domain.name}: LoRA at FAAST's time needs the default FAAST row, which did not run")
     choice = domain.tuned.get("lora_best")
-    lr = choice.lr if choice is not None else args.lora_lr
+    # LoRA-best's choice depends on the text and the tail, not on the machine: an earlier run's holds here.
+    imported = next((r for r in domain.rows if r["method"].startswith("LoRA-best (") and "imported_from" in r), None)
+    if choice is not None:
+        lr, lr_from = choice.lr, "LoRA-best"
+    elif imported is not None:
+        lr, lr_from = imported["tuned"]["lr"], f"LoRA-best, imported from {imported['imported_from']['file']}"
+    else:
+        lr, lr_from = args.lora_lr, "--lora-lr"
     rank = lora_rank(base, layers)
     budget = faast["learn_s"]
     stats, result, trainable = train_lora(domain, base, rank, args, lr=lr, epochs=TIME_EPOCHS, warmup="epoch",
@@ -140,7 +148,7 @@ def run_lora_time(domain: PeerDomain, base, layers: list[int], args: argparse.Na
     domain.add(f"LoRA at FAAST's time (peft, r={rank}, lr={lr:g}, {stats.steps} steps)", result, stats.seconds,
                sum(p.numel() * p.element_size() for p in trainable), params=sum(p.numel() for p in trainable),
                steps=stats.steps, epochs=stats.epochs, budget_s=budget,
-               lr_from="LoRA-best" if choice is not None else "--lora-lr")  # fmt: skip
+               lr_from=lr_from)  # fmt: skip
 
 
 def run_backprop(domain: PeerDomain, base, layers: list[int], method: str, args: argparse.Namespace) -> None:  # noqa: ANN001

@@ -625,6 +625,19 @@ def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_
     text = (tmp_path / "d.md").read_text(encoding="utf-8")
     goals = text.split("## Goals")[1].split("## Averages")[0]
     assert "beats LoRA at FAAST's time on every domain" in goals and "not run" not in goals  # every goal judged
+    # On another machine, without LoRA-best's tuning: its row is imported, and LoRA at FAAST's time takes its lr.
+    other = "1e-2" if best["tuned"]["lr"] == 1e-3 else "1e-3"  # --lora-lr, which must not be used
+    again = module.main([
+        "--domains", "info", "--methods", "default,lora_time", "--learn-tokens", "3000", "--score-tokens", "400",
+        "--window", "64", "--train-window", "32", "--lora-lr", other, "--baselines-from", str(tmp_path / "d.json"),
+        "--results-dir", str(tmp_path), "--out", "e",
+    ])  # fmt: skip
+    rows_again = {r["method"].split(" (")[0]: r for r in again["domains"][0]["rows"]}
+    assert all(rows_again[m]["imported_from"]["file"] == "d.json" for m in ("LoRA", "LoRA-best", "kNN-LM tuned"))
+    timed_again = rows_again["LoRA at FAAST's time"]
+    assert timed_again["lr_from"] == "LoRA-best, imported from d.json" and "imported_from" not in timed_again
+    assert f"lr={best['tuned']['lr']:g}, " in timed_again["method"]
+    assert timed_again["budget_s"] == rows_again["FAAST: residual output only"]["learn_s"]
     # What solve() returns goes in the row when it is a report, not the model itself.
     assert module.solve_report(module, module) is None and module.solve_report({"off": True}, module) == {"off": True}
     report = dataclasses.make_dataclass("Report", [("off", bool), ("parts", list)])(False, [1])
