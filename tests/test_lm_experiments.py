@@ -489,6 +489,30 @@ def test_a_run_of_the_float32_row_alone_judges_it_and_not_as_the_default():
     assert goals["learn time ≤ ½ LoRA's"][2] == "not run"
 
 
+def test_without_a_float32_row_the_default_stands_for_it_only_where_it_learned_in_float32():
+    """A run on a CPU without native bfloat16 (--methods default,lora): the default's recorded precision is float32
+    in every domain, so the float32 goal is judged on it; bfloat16 in one domain, and the goal is "not run"."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        report = load_script("lm_domains_report")
+    finally:
+        sys.path.pop(0)
+    default = "FAAST: residual output only"
+    variants = {"output": default, "fp32learn": "FAAST: residual output only, float32 learning pass"}
+    domains = [_domain(n, 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8], [5] * 3, faast_s=14.0, lora_s=30.0) for n in "ab"]
+    for d in domains:
+        d["rows"] = [r for r in d["rows"] if r["method"] in ("zero-shot", default) or r["method"].startswith("LoRA (")]
+        d["rows"][1]["precision"] = {"learn_pass": "float32", "head_products": "float32", "native_bf16": False}
+    payload = {"model": "m", "header": {}, "variants": variants, "default_variant": "output", "domains": domains}
+    goal = "float32-learn learn time ≤ ½ the 1-epoch LoRA's"
+    judged = {g[0]: g for g in report.goals(payload, report.averages(payload))}[goal]
+    assert judged[1:] == ["0.47× (14 s vs 30 s); the default row, which learned in float32 in every domain", "yes"]
+    domains[1]["rows"][1]["precision"] = {"learn_pass": "bfloat16", "head_products": "bfloat16", "native_bf16": True}
+    assert {g[0]: g for g in report.goals(payload, report.averages(payload))}[goal][2] == "not run"
+
+
 def test_a_peer_that_gains_nothing_on_average_has_no_share_and_the_share_goals_read_from_the_reductions():
     """LoRA-best above zero-shot on average (as tuning on a misleading tail can leave it): no share is printed (no
     nan), a FAAST gain meets the goal, and a FAAST loss larger than least × the peer's does not."""
