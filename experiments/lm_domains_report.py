@@ -81,7 +81,9 @@ def _cpus(payload: dict) -> dict[str, str] | None:
     else None: then seconds from different domains do not add up, and time goals compare within each domain."""
     if not several_runs(payload["domains"]):
         return None
-    return {d["domain"]: str((d.get("measured_by") or {}).get("cpu_model", "?")) for d in payload["domains"]}
+    words = {True: "native bfloat16", False: "no native bfloat16"}
+    return {d["domain"]: f"{by.get('cpu_model', '?')}, {words.get(by.get('cpu_native_bf16'), 'bfloat16 unknown')}"
+            for d in payload["domains"] for by in [d.get("measured_by") or {}]}  # fmt: skip
 
 
 def _half_time_row(goal: str, row: dict | None, lora: dict | None, what: str, payload: dict | None = None) -> list:
@@ -245,7 +247,8 @@ def _averages_sections(payload: dict, mean: list[dict]) -> list[str]:
     lines = [f"## Averages over all {len(names)} domains", ""]
     cpus = _cpus(payload)
     if cpus:
-        machines = ", ".join(f"{n} on {c}" for n, c in cpus.items())
+        machines = "; ".join(f"{', '.join(n for n, c in cpus.items() if c == cpu)} on {cpu}"
+                             for cpu in dict.fromkeys(cpus.values()))  # fmt: skip
         lines += [f"The domains were measured on different CPUs ({machines}): the mean seconds mix them; compare"
                   " times within a domain.", ""]  # fmt: skip
     lines += _method_table(rows)
