@@ -134,7 +134,8 @@ def run_lora_time(domain: PeerDomain, base, layers: list[int], args: argparse.Na
         raise RuntimeError(f"{domain.name}: LoRA at FAAST's time needs the default FAAST row, which did not run")
     choice = domain.tuned.get("lora_best")
     # LoRA-best's choice depends on the text and the tail, not on the machine: an earlier run's holds here.
-    imported = next((r for r in domain.rows if r["method"].startswith("LoRA-best (") and "imported_from" in r), None)
+    imported = next((r for r in domain.rows if r["method"].startswith("LoRA-best (") and "imported_from" in r
+                     and (r.get("tuned") or {}).get("lr")), None)  # fmt: skip
     if choice is not None:
         lr, lr_from = choice.lr, "LoRA-best"
     elif imported is not None:
