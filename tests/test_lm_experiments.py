@@ -387,14 +387,17 @@ NEW_GOALS = ("beats LoRA at FAAST's time on every domain", "≥ 90% of LoRA-best
              "last solve ≤ 5 s")  # fmt: skip
 
 
-def test_the_multi_domain_report_judges_every_goal_from_the_rows_and_can_fail(tmp_path):
-    import sys
-
+def _load_report():  # noqa: ANN202 - the experiment's module
+    """experiments/lm_domains_report, loaded as the scripts load it (its own imports resolve in experiments/)."""
     sys.path.insert(0, str(ROOT / "experiments"))
     try:
-        report = load_script("lm_domains_report")
+        return load_script("lm_domains_report")
     finally:
         sys.path.pop(0)
+
+
+def test_the_multi_domain_report_judges_every_goal_from_the_rows_and_can_fail(tmp_path):
+    report = _load_report()
     header = {"git_sha": "x", "torch": "t", "cpu_model": "c", "torch_threads": 2, "loadavg_at_start": [0, 0, 0],
               "command": "python lm_domains.py"}  # fmt: skip
     variants = {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only"}
@@ -469,13 +472,7 @@ def test_the_multi_domain_report_judges_every_goal_from_the_rows_and_can_fail(tm
 def test_a_run_of_the_float32_row_alone_judges_it_and_not_as_the_default():
     """--methods fp32learn,lora: the float32 row is judged against LoRA, and the default's goals are "not run" (its
     name extends the default's: it must not stand in for it)."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        report = load_script("lm_domains_report")
-    finally:
-        sys.path.pop(0)
+    report = _load_report()
     fp32 = "FAAST: residual output only, float32 learning pass"
     variants = {"output": "FAAST: residual output only", "fp32learn": fp32}
     domains = [_domain(n, 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8], [5] * 3, fp32_s=12.0, lora_s=30.0) for n in "ab"]
@@ -492,13 +489,7 @@ def test_a_run_of_the_float32_row_alone_judges_it_and_not_as_the_default():
 def test_without_a_float32_row_the_default_stands_for_it_only_where_it_learned_in_float32():
     """A run on a CPU without native bfloat16 (--methods default,lora): the default's recorded precision is float32
     in every domain, so the float32 goal is judged on it; bfloat16 in one domain, and the goal is "not run"."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        report = load_script("lm_domains_report")
-    finally:
-        sys.path.pop(0)
+    report = _load_report()
     default = "FAAST: residual output only"
     variants = {"output": default, "fp32learn": "FAAST: residual output only, float32 learning pass"}
     domains = [_domain(n, 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8], [5] * 3, faast_s=14.0, lora_s=30.0) for n in "ab"]
@@ -516,13 +507,7 @@ def test_without_a_float32_row_the_default_stands_for_it_only_where_it_learned_i
 def test_a_peer_that_gains_nothing_on_average_has_no_share_and_the_share_goals_read_from_the_reductions():
     """LoRA-best above zero-shot on average (as tuning on a misleading tail can leave it): no share is printed (no
     nan), a FAAST gain meets the goal, and a FAAST loss larger than least × the peer's does not."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        report = load_script("lm_domains_report")
-    finally:
-        sys.path.pop(0)
+    report = _load_report()
     variants = {"output": "FAAST: residual output only"}
 
     def goals(faast: float, best: float) -> dict:
