@@ -1,0 +1,89 @@
+"""experiments/lm_step_rule_fit.py: the document shrink's refit on step-probe curves."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from faast.hf.output_diagnosis import DOCUMENT_POSITIONS_PER_DIM, DOCUMENT_SHRINK_POWER, document_shrink
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = tuple(2 ** (k / 4) for k in range(-8, 9))  # the probe's curve: the tuned step times these
+
+
+def load_fit():  # noqa: ANN202 - the experiment module
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        spec = importlib.util.spec_from_file_location("lm_step_rule_fit", ROOT / "experiments" / "lm_step_rule_fit.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.pop(0)
+
+
+def test_the_fits_shrink_at_the_shipped_constants_is_the_layers():
+    fit = load_fit()
+    threshold = DOCUMENT_POSITIONS_PER_DIM * fit.HIDDEN
+    for fitted, docs in [(1000, 1), (3456, 1), (3457, 1), (26620, 4), (26614, 10), (21927, 1), (5000, 0)]:
+        assert fit.shrink(fitted, docs, threshold, DOCUMENT_SHRINK_POWER) == pytest.approx(
+            document_shrink(fitted, docs, fit.HIDDEN), rel=1e-12
+        )
+
+
+def test_the_perplexity_is_read_off_the_curve_log_linearly_and_clamped_at_its_ends():
+    fit = load_fit()
+    curve = [[0.1 * s, 10.0 + (math.log(s) ** 2)] for s in STEPS]
+    for eta, ppl in curve:
+        assert fit.ppl_at(curve, eta) == (pytest.approx(ppl, rel=1e-12), True)
+    a, b = curve[5], curve[6]
+    mid = math.sqrt(a[0] * b[0])
+    assert fit.ppl_at(curve, mid)[0] == pytest.approx(math.sqrt(a[1] * b[1]), rel=1e-12)
+    assert fit.ppl_at(curve, curve[0][0] / 3) == (curve[0][1], False)
+    assert fit.ppl_at(curve, curve[-1][0] * 3) == (curve[-1][1], False)
+
+
+def _probe_file(path: Path, points: list[tuple[int, int, float, float]], shipped: bool) -> None:
+    """A probe JSON whose held-out perplexity is least at a known step: points (fitted, documents, tail step, best
+    step); its tuned step is the tail's shrunk as the layer ships (shipped) or the tail's itself."""
+    rows = []
+    for fitted, docs, tail, best in points:
+        tuned = tail * (document_shrink(fitted, docs, 576) if shipped else 1.0)
+        curve = [[tuned * s, 8.0 * math.exp(0.05 * math.log(tuned * s / best) ** 2)] for s in STEPS]
+        rows.append({"domain": "email", "tokens": 32768, "tuned": True, "tuned_step": tuned, "fitted_tokens": fitted,
+                     "held_out_documents": docs, "ppl_base": 9.0, "oracle_step": best, "oracle_ppl": 8.0,
+                     "curve": curve})  # fmt: skip
+    rows.append({"domain": "email", "tokens": 2048, "tuned": False, "tuned_step": 0.03, "curve": []})
+    path.write_text(json.dumps({"provenance": {"git_sha": "0" * 40}, "rows": rows}))
+
+
+def test_the_fit_chooses_the_rule_that_gives_every_point_its_best_step(tmp_path):
+    """Points whose best step is the tail's times (5000 / L)^1 beyond 5000 positions per text: that grid rule wins,
+    from files with the shipped shrink applied and from files without it alike; untuned points are skipped."""
+    fit = load_fit()
+    points = [(fitted, docs, tail, tail * min(1.0, 5000 / (fitted / docs)))
+              for fitted, docs, tail in [(26000, 2, 0.1), (20000, 1, 0.08), (8000, 2, 0.12), (26000, 10, 0.15),
+                                         (12000, 2, 0.09), (30000, 3, 0.2)]]  # fmt: skip
+    _probe_file(tmp_path / "shipped.json", points[:3], shipped=True)
+    _probe_file(tmp_path / "tail.json", points[3:], shipped=False)
+    payload = fit.main([str(tmp_path / "shipped.json"), "--tail-steps", str(tmp_path / "tail.json"),
+                        "--results-dir", str(tmp_path), "--out", "fit"])  # fmt: skip
+    assert (payload["best"]["threshold"], payload["best"]["power"]) == (5000, 1.0)
+    # every point at its best step, up to reading a quadratic off a log-linear interpolation
+    assert payload["best"]["mean"] == pytest.approx(8.0 / 9.0 - 1, abs=3e-4)
+    assert payload["no_shrink"]["mean"] > payload["shipped"]["mean"] > payload["best"]["mean"]
+    assert len(payload["points"]) == len(points)
+    assert [p["tail_step"] for p in payload["points"]] == pytest.approx([p[2] for p in points], rel=1e-12)
+    assert (tmp_path / "fit.md").exists() and json.loads((tmp_path / "fit.json").read_text())["provenance"]
+
+
+def test_the_fit_refuses_files_without_a_tuned_point(tmp_path):
+    fit = load_fit()
+    (tmp_path / "p.json").write_text(json.dumps({"provenance": {}, "rows": [{"domain": "email", "tuned": False}]}))
+    with pytest.raises(SystemExit, match="no tuned point"):
+        fit.main([str(tmp_path / "p.json"), "--results-dir", str(tmp_path)])
