@@ -59,6 +59,8 @@ BIAS_ETA_FACTORS = (0.5, 0.71, 1.0, 1.41)
 # --fixed-bias: the shipped W plus the bias b at a fixed absolute step β (a prior chosen on validation domains, not on
 # the tail), with W's step as shipped and as the tail re-tunes it with β·b in place (then the document shrink)
 FIXED_BETAS = (0.25, 0.5, 0.75, 1.0)
+# --folds: the held-out documents dealt into k folds, each scored by a W fitted without its own fold only (fold_steps)
+FOLDS = (1, 2, 3)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--w-grid", action="store_true", help="at tuned points, W_DAMPINGS × W_ALPHAS (w_variants)")
     p.add_argument("--bias", action="store_true", help="at tuned points, a bias in the correction (bias_variants)")
     p.add_argument("--fixed-bias", action="store_true", help="at every point, the bias at FIXED_BETAS (fixed_bias)")
+    p.add_argument("--folds", action="store_true", help="at tuned points, the tail's step with FOLDS (fold_steps)")
     p.add_argument(
         "--longest",
         type=int,
@@ -458,6 +461,70 @@ def gap_steps(layer) -> dict:  # noqa: ANN001
     return out
 
 
+def fold_steps(layer) -> dict:  # noqa: ANN001
+    """At a tuned point: the step the tail tunes (λ and key width as shipped, then the document shrink) when the
+    held-out documents are dealt into k folds (by document number, in turn: FOLDS) and each document's held-out rows
+    are scored by a W fitted without its own fold's left-out positions only. With k = 1 every text's end is left out
+    of the one fit (the shipped rule); with k ≥ 2 a text's end is scored by a fit that holds the other folds' ends, so
+    text repeated at the end of several documents (licence versions) counts as it will for other files. Keys: str(k),
+    each {"step", "tail_step"}; {} where the step is not tuned."""
+    import torch
+    from lm_baselines import faast_min_fit
+
+    from faast.hf import output_tuning as tuning
+    from faast.hf.output_diagnosis import document_shrink
+
+    layer.chosen_step()
+    last = dict(layer.last_tuning or {})
+    if not last.get("tuned"):
+        return {}
+    memory, width, weight = layer.memory, layer.chosen_key_width(), layer.chosen_weight() or layer.default_weight
+    count, min_fit, dt = int(memory.count), faast_min_fit(layer.hidden_size), memory.gram.dtype
+    keys, ys, docs, out_k, out_v, _, _ = layer.held_out.split(count, min_fit)
+    out_docs = layer.held_out.left_out_documents(count, min_fit)
+    order = sorted(set(out_docs.tolist()))
+    curvature = layer.damped_curvature()
+    base = layer.tail_base(keys, ys)
+    log_base = tuning.base_log_targets((base[0], None, base[1], None))
+    shrink = document_shrink(int(last["fitted_tokens"]), int(last["held_out_documents"]), layer.hidden_size)
+    out = {}
+    for k in FOLDS:
+        fold = {d: i % k for i, d in enumerate(order)}
+        z1 = torch.empty_like(base[0])
+        for f in range(k):
+            left = torch.tensor([fold[d] == f for d in out_docs.tolist()], dtype=torch.bool)
+            rows = torch.tensor([fold.get(d, -1) == f for d in docs.tolist()], dtype=torch.bool).nonzero()[:, 0]
+            kk = out_k[left].float()
+            s_f, t_f = (kk.T @ kk).double().to(dt), (kk.T @ out_v[left].float()).double().to(dt)
+            n_f = memory.count - float(left.sum())
+            w = layer.newton(memory.gram - s_f, memory.cross - t_f, n_f, curvature, width)
+            z1[rows] = layer.tail_logits(keys[rows], ys[rows], w, (base[0][rows], base[1][rows]))[1]
+        eta, _, _ = tuning.tune_step_rows(with_targets(base[0], base[1], z1, ys), weight, log_base)
+        out[str(k)] = {"step": eta * shrink, "tail_step": eta}
+    layer.restore_step(None)
+    layer.chosen_step()
+    return out
+
+
+def fold_table(rows: list[dict]) -> list[str]:
+    """--folds: per tuned point, the step with k folds and the held-out perplexity read off the point's curve."""
+    from lm_step_rule_fit import ppl_at
+
+    out = ["", "## The tail's step with the held-out documents in folds (--folds)", "",
+           "Each cell: the step (after the document shrink) → held-out perplexity change against the base model, read"
+           " off the curve (log-linear between its steps). k = 1 is the shipped rule.", "",
+           "| domain | tokens | tail docs | " + " | ".join(f"k = {k}" for k in FOLDS) + " | oracle |",
+           "|---|---|---|" + "---|" * (len(FOLDS) + 1)]  # fmt: skip
+    for r in rows:
+        if not r.get("fold_steps"):
+            continue
+        cells = [f"{v['step']:.4g} → {ppl_at(r['curve'], v['step'])[0] / r['ppl_base'] - 1:+.2%}"
+                 for v in r["fold_steps"].values()]  # fmt: skip
+        oracle = f"{r['oracle_step']:.4g} → {r['oracle_ppl'] / r['ppl_base'] - 1:+.2%}"
+        out.append(f"| {r['domain']} | {r['tokens']:,} | {r['held_out_documents']} | {' | '.join(cells)} | {oracle} |")
+    return out
+
+
 def summary(rows: list[dict]) -> list[str]:
     """Per domain: the perplexity change against the base model at each point as read, with the oracle step and with
     the oracle step and weight; and whether each falls at every point."""
@@ -617,6 +684,8 @@ def main(argv: list[str] | None = None) -> dict:
                     row["w_variants"] = w_variants(model.output_memory_layer, states)
                 if args.bias and row.get("tuned"):
                     row["bias_variants"] = bias_variants(model.output_memory_layer, states, sums)
+                if args.folds and row.get("tuned"):
+                    row["fold_steps"] = fold_steps(model.output_memory_layer)
                 if args.fixed_bias and row["grid"]:  # the memory is on
                     row["fixed_bias"] = fixed_bias(model.output_memory_layer, states, sums, bool(row.get("tuned")))
                 del states
@@ -658,6 +727,8 @@ def main(argv: list[str] | None = None) -> dict:
         lines += bias_table(rows)
     if args.fixed_bias:
         lines += fixed_bias_table(rows)
+    if args.folds:
+        lines += fold_table(rows)
     settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
     payload = {"model": description, "settings": settings, "rows": rows}
     provenance.write(args.results_dir / args.out, record, payload,

@@ -231,17 +231,27 @@ class HeldOutTail:
         TUNE_SAMPLE held-out positions spread evenly over all of them; keys [k, d_key] and values [k, d] (as kept:
         float16 or float32) of every position the fit leaves out (held out and gaps); how many are held out; how many
         are gaps)."""
-        _, runs, plan = self.plan(learned, min_fit)
         keys, ys, docs, values = self._kept
+        held_mask, out_mask = self._masks(learned, min_fit)
         device = docs.device
-        from_end = _from_end(runs, device)
-        held_mask = from_end < _per_position([h for h, _ in plan], runs, device)
-        out_mask = from_end < _per_position([h + g for h, g in plan], runs, device)
         held = int(held_mask.sum())
         gap = int(out_mask.sum()) - held
         held_index = _canonical_order(held_mask.nonzero().squeeze(-1), keys, ys, docs)
         sample = held_index[torch.linspace(0, held - 1, min(held, tuning.TUNE_SAMPLE), device=device).round().long()]
         return (keys[sample].float(), ys[sample], docs[sample], keys[out_mask], values[out_mask], held, gap)
+
+    def left_out_documents(self, learned: int, min_fit: int) -> torch.Tensor:
+        """The document [k] int64 of every position the fit leaves out under `plan`, in the order `split` returns
+        their keys and values."""
+        return self._kept[2][self._masks(learned, min_fit)[1]]
+
+    def _masks(self, learned: int, min_fit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([kept] bool: held out, [kept] bool: left out of the fit, held out or gap) under `plan`."""
+        _, runs, plan = self.plan(learned, min_fit)
+        device = self._kept[2].device
+        from_end = _from_end(runs, device)
+        held = from_end < _per_position([h for h, _ in plan], runs, device)
+        return held, from_end < _per_position([h + g for h, g in plan], runs, device)
 
     def held_positions(self, learned: int, min_fit: int) -> int:
         """How many positions `plan` holds out for a memory of `learned` positions (0: too few to tune)."""
