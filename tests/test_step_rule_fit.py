@@ -78,6 +78,9 @@ def test_the_fit_chooses_the_rule_that_gives_every_point_its_best_step(tmp_path)
     assert payload["best"]["mean"] == pytest.approx(8.0 / 9.0 - 1, abs=3e-4)
     assert payload["no_shrink"]["mean"] > payload["shipped"]["mean"] > payload["best"]["mean"]
     assert len(payload["points"]) == len(points)
+    # every point is given its best step by that rule, so leaving any one out leaves it the best, ahead of the shipped
+    assert [(r["threshold"], r["power"]) for r in payload["leave_one_out"]] == [(5000, 1.0)] * len(points)
+    assert all(r["margin"] < 0 for r in payload["leave_one_out"])
     assert [p["tail_step"] for p in payload["points"]] == pytest.approx([p[2] for p in points], rel=1e-12)
     assert (tmp_path / "fit.md").exists() and json.loads((tmp_path / "fit.json").read_text())["provenance"]
 
