@@ -852,6 +852,57 @@ def test_the_step_probes_bias_corrections_are_the_float64_hand_computation():
         model.remove_faast()
 
 
+def test_the_step_probes_folds_score_each_document_by_a_fit_without_its_own_folds_ends(monkeypatch):
+    """lm_step_probe --folds on a tiny Llama, 8 texts: with one fold the step is the layer's own tail step and shrink;
+    with two, each held-out row's logit change is keys·W·Hᵀ for the W fitted without the left-out positions of its
+    own fold's documents only (documents dealt alternately), against float64 from the kept rows; the layer is left as
+    it was."""
+    from lm_baselines import faast_min_fit
+
+    from faast.hf import FaastConfig, ResidualOutput, apply_faast
+    from faast.hf import output_tuning as tuning
+    from test_hf_residual import ids
+    from tolerances import STEP_SEARCH_REL, TRUTH_REL_W, rel
+
+    module = load_script("lm_step_probe")
+    output = ResidualOutput(key_layers=[], tune_tokens=4096, head_dtype="float32")
+    model = apply_faast(tiny_model("llama"), FaastConfig(output=output, learn_dtype="model"))
+    layer = model.output_memory_layer
+    try:
+        model.learn(ids(batch=8, seq=100, period=23))
+        shipped = layer.chosen_step()
+        last = dict(layer.last_tuning)
+        assert last["tuned"] and shipped > 0
+        seen, search = [], tuning.tune_step_rows
+        monkeypatch.setattr(
+            tuning, "tune_step_rows", lambda logits, *a, **k: seen.append(logits) or search(logits, *a, **k)
+        )
+        steps = module.fold_steps(layer)
+        monkeypatch.undo()
+        assert layer.chosen_step() == shipped and set(steps) == {str(k) for k in module.FOLDS}
+        assert steps["1"]["tail_step"] == pytest.approx(last["tail_step"], rel=STEP_SEARCH_REL)
+        assert steps["2"]["step"] / steps["2"]["tail_step"] == pytest.approx(last["document_shrink"], rel=1e-12)
+        count, min_fit = int(layer.memory.count), faast_min_fit(layer.hidden_size)
+        keys, _, docs, out_k, out_v, _, _ = layer.held_out.split(count, min_fit)
+        out_docs = layer.held_out.left_out_documents(count, min_fit)
+        assert out_docs.shape[0] == out_k.shape[0]
+        order = sorted(set(out_docs.tolist()))
+        assert len(order) == 8
+        head, curvature, memory = layer.head.weight.double(), layer.damped_curvature(), layer.memory
+        z1 = seen[1][1]  # k = 2
+        assert rel(z1, seen[0][1]) > 1e-3  # the folds' fits are not the one fit without every text's end
+        for fold in (order[0::2], order[1::2]):
+            left = torch.isin(out_docs, torch.tensor(fold))
+            kk, vv = out_k[left].double(), out_v[left].double()
+            w = layer.newton(memory.gram - kk.T @ kk, memory.cross - kk.T @ vv, memory.count - float(left.sum()),
+                             curvature)  # fmt: skip
+            rows = torch.isin(docs, torch.tensor(fold))
+            assert rows.any()
+            assert rel(z1[rows].double(), keys[rows].double() @ w @ head.T) < TRUTH_REL_W
+    finally:
+        model.remove_faast()
+
+
 def test_the_pool_probe_measures_each_threshold_against_float64_products(tmp_path, monkeypatch):
     """lm_head_pool.main on a tiny Llama's head and made-up states: threshold 0 is the exact products (every column
     kept, float32-grade errors); a threshold that pools reports the error head_gradients gives at it, with the
