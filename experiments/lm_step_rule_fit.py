@@ -89,6 +89,7 @@ def points(files: list[Path], tail_files: list[Path], domains: list[str]) -> lis
                         "tokens": row["tokens"], "fitted": fitted, "documents": docs,
                         "tail_step": row["tuned_step"] / applied, "base": row["ppl_base"],
                         "oracle_step": row["oracle_step"], "oracle": row["oracle_ppl"],
+                        "key_width": row.get("key_width"), "gap_steps": row.get("gap_steps"),
                         "curve": row["curve"]})  # fmt: skip
     return out
 
@@ -145,6 +146,19 @@ def main(argv: list[str] | None = None) -> dict:
         p = pts[r["left_out"]]
         lines.append(f"| {p['file'].removeprefix('lm_step_probe_').removesuffix('.json')} {p['domain']} "
                      f"{p['tokens']:,} | {r['threshold']}, {r['power']:g} | {r['margin']:+.3%} |")  # fmt: skip
+    # The gap the tuning fit leaves before each held-out end (GAP_MULTIPLE 0, 1, 2), where the probe recorded the step
+    # each gap tunes (its shrink applied) and every gap kept the curve's key width.
+    gaps = {}
+    for p in pts:
+        steps = p.get("gap_steps") or {}
+        if steps and all(v["key_width"] == p["key_width"] for v in steps.values()):
+            gaps[len(gaps)] = {g: ppl_at(p["curve"], v["step"])[0] / p["base"] - 1 for g, v in steps.items()}
+    if gaps:
+        names = sorted({g for v in gaps.values() for g in v})
+        means = {g: sum(v[g] for v in gaps.values()) / len(gaps) for g in names}
+        lines += ["", "## The tuning fit's gap", "",
+                  f"{len(gaps)} points where every gap kept the key width: mean change "
+                  + ", ".join(f"gap {g}: {means[g]:+.3%}" for g in names) + "."]  # fmt: skip
     lines += ["", "## By point", "",
               "| file | domain | tokens | fitted / text | tail η | shipped η → change | best rule η → change | "
               "no shrink | oracle η → change |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -158,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "domains": args.domains}  # fmt: skip
     kept = [{k: v for k, v in p.items() if k != "curve"} for p in pts]
     payload = {"points": kept, "no_shrink": none, "shipped": shipped, "best": best, "rules": rules,
-               "oracle_mean": oracle, "leave_one_out": robust, "settings": settings}  # fmt: skip
+               "oracle_mean": oracle, "leave_one_out": robust, "gaps": gaps, "settings": settings}  # fmt: skip
     provenance.write(args.results_dir / args.out, record, payload, "The document shrink refitted on probe curves",
                      lines)  # fmt: skip
     print("\n".join(lines))

@@ -55,9 +55,13 @@ def _probe_file(path: Path, points: list[tuple[int, int, float, float]], shipped
     for fitted, docs, tail, best in points:
         tuned = tail * (document_shrink(fitted, docs, 576) if shipped else 1.0)
         curve = [[tuned * s, 8.0 * math.exp(0.05 * math.log(tuned * s / best) ** 2)] for s in STEPS]
+        # gap 0 tunes the best step; a gap whose fit chose other keys (width 1152) is left out of the gap table
+        gap_steps = {"0": {"step": best, "key_width": 576}, "2": {"step": tuned, "key_width": 576}}
+        if fitted == 8000:
+            gap_steps["1"] = {"step": best, "key_width": 1152}
         rows.append({"domain": "email", "tokens": 32768, "tuned": True, "tuned_step": tuned, "fitted_tokens": fitted,
                      "held_out_documents": docs, "ppl_base": 9.0, "oracle_step": best, "oracle_ppl": 8.0,
-                     "curve": curve})  # fmt: skip
+                     "key_width": 576, "gap_steps": gap_steps, "curve": curve})  # fmt: skip
     rows.append({"domain": "email", "tokens": 2048, "tuned": False, "tuned_step": 0.03, "curve": []})
     path.write_text(json.dumps({"provenance": {"git_sha": "0" * 40}, "rows": rows}))
 
@@ -81,6 +85,9 @@ def test_the_fit_chooses_the_rule_that_gives_every_point_its_best_step(tmp_path)
     # every point is given its best step by that rule, so leaving any one out leaves it the best, ahead of the shipped
     assert [(r["threshold"], r["power"]) for r in payload["leave_one_out"]] == [(5000, 1.0)] * len(points)
     assert all(r["margin"] < 0 for r in payload["leave_one_out"])
+    gaps = payload["gaps"]  # every point but the one whose gap 1 changed the key width
+    assert len(gaps) == len(points) - 1 and all(set(v) == {"0", "2"} for v in gaps.values())
+    assert all(v["0"] == pytest.approx(8.0 / 9.0 - 1, abs=3e-4) and v["0"] <= v["2"] for v in gaps.values())
     assert [p["tail_step"] for p in payload["points"]] == pytest.approx([p[2] for p in points], rel=1e-12)
     assert (tmp_path / "fit.md").exists() and json.loads((tmp_path / "fit.json").read_text())["provenance"]
 
