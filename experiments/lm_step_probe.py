@@ -522,6 +522,12 @@ def fold_table(rows: list[dict]) -> list[str]:
                  for v in r["fold_steps"].values()]  # fmt: skip
         oracle = f"{r['oracle_step']:.4g} → {r['oracle_ppl'] / r['ppl_base'] - 1:+.2%}"
         out.append(f"| {r['domain']} | {r['tokens']:,} | {r['held_out_documents']} | {' | '.join(cells)} | {oracle} |")
+    tuned = [r for r in rows if r.get("fold_steps")]
+    if tuned:
+        means = [sum(ppl_at(r["curve"], r["fold_steps"][str(k)]["step"])[0] / r["ppl_base"] - 1 for r in tuned)
+                 / len(tuned) for k in FOLDS]  # fmt: skip
+        oracle = sum(r["oracle_ppl"] / r["ppl_base"] - 1 for r in tuned) / len(tuned)
+        out.append(f"| mean of {len(tuned)} | | | " + " | ".join(f"{m:+.2%}" for m in means) + f" | {oracle:+.2%} |")
     return out
 
 
