@@ -36,6 +36,9 @@ from faast import provenance  # noqa: E402
 HIDDEN = 576  # SmolLM2-135M's hidden size d, the probe's model
 THRESHOLDS = (2000, 2500, 3000, 3456, 4000, 5000, 6000, 8000, 12000)  # P, fitted positions per held-out text
 POWERS = (0.25, 0.5, 0.75, 1.0, 1.5)
+# --folds probe files: a point takes the two-fold step (lm_step_probe.fold_steps) where it is at least R times the
+# shipped one-fit step, for R in FOLD_RATIOS (1: always the two folds; inf: never, the shipped rule)
+FOLD_RATIOS = (1.0, 1.2, 1.41, 1.6, 2.0, math.inf)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -90,6 +93,7 @@ def points(files: list[Path], tail_files: list[Path], domains: list[str]) -> lis
                         "tail_step": row["tuned_step"] / applied, "base": row["ppl_base"],
                         "oracle_step": row["oracle_step"], "oracle": row["oracle_ppl"],
                         "key_width": row.get("key_width"), "gap_steps": row.get("gap_steps"),
+                        "fold_steps": row.get("fold_steps"),
                         "curve": row["curve"]})  # fmt: skip
     return out
 
@@ -159,6 +163,25 @@ def main(argv: list[str] | None = None) -> dict:
         lines += ["", "## The tuning fit's gap", "",
                   f"{len(gaps)} points where every gap kept the key width: mean change "
                   + ", ".join(f"gap {g}: {means[g]:+.3%}" for g in names) + "."]  # fmt: skip
+    # Where the held-out documents' ends are scored by fits that keep the other fold's ends (--folds probe files).
+    folded = [p for p in pts if p.get("fold_steps")]
+    folds = {}
+    for ratio in FOLD_RATIOS if folded else ():
+        changes = []
+        for p in folded:
+            one, two = p["fold_steps"]["1"]["step"], p["fold_steps"]["2"]["step"]
+            changes.append(ppl_at(p["curve"], two if two >= ratio * one else one)[0] / p["base"] - 1)
+        folds[str(ratio)] = {"mean": sum(changes) / len(changes), "changes": changes}
+    if folds:
+        lines += ["", "## Two folds where their step is at least R times the one fit's", "",
+                  f"{len(folded)} points with the probe's fold steps. R = inf is the shipped rule.", "",
+                  "| point | ratio | " + " | ".join(f"R = {r:g}" for r in FOLD_RATIOS) + " |",
+                  "|---|---|" + "---|" * len(FOLD_RATIOS)]  # fmt: skip
+        for i, p in enumerate(folded):
+            ratio = p["fold_steps"]["2"]["step"] / p["fold_steps"]["1"]["step"]
+            cells = " | ".join(f"{folds[str(r)]['changes'][i]:+.2%}" for r in FOLD_RATIOS)
+            lines.append(f"| {p['domain']} {p['tokens']:,} | {ratio:.2f} | {cells} |")
+        lines.append("| mean | | " + " | ".join(f"{folds[str(r)]['mean']:+.3%}" for r in FOLD_RATIOS) + " |")
     lines += ["", "## By point", "",
               "| file | domain | tokens | fitted / text | tail η | shipped η → change | best rule η → change | "
               "no shrink | oracle η → change |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -172,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "domains": args.domains}  # fmt: skip
     kept = [{k: v for k, v in p.items() if k != "curve"} for p in pts]
     payload = {"points": kept, "no_shrink": none, "shipped": shipped, "best": best, "rules": rules,
-               "oracle_mean": oracle, "leave_one_out": robust, "gaps": gaps, "settings": settings}  # fmt: skip
+               "oracle_mean": oracle, "leave_one_out": robust, "gaps": gaps, "folds": folds,
+               "settings": settings}  # fmt: skip
     provenance.write(args.results_dir / args.out, record, payload, "The document shrink refitted on probe curves",
                      lines)  # fmt: skip
     print("\n".join(lines))

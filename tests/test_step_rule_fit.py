@@ -97,3 +97,22 @@ def test_the_fit_refuses_files_without_a_tuned_point(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps({"provenance": {}, "rows": [{"domain": "email", "tuned": False}]}))
     with pytest.raises(SystemExit, match="no tuned point"):
         fit.main([str(tmp_path / "p.json"), "--results-dir", str(tmp_path)])
+
+
+def test_the_fold_rule_takes_the_two_fold_step_only_where_it_is_r_times_the_one_fits(tmp_path):
+    """Points whose two-fold step is the best one where it is twice the one fit's, and too large where it is 1.1×
+    (so it only hurts there): every R between them beats both always (R = 1) and never (R = inf, the shipped)."""
+    fit = load_fit()
+    rows = []
+    for one, best, two in [(0.1, 0.2, 0.2), (0.1, 0.1, 0.11), (0.05, 0.1, 0.1), (0.08, 0.08, 0.088)]:
+        curve = [[one * s, 8.0 * math.exp(0.05 * math.log(one * s / best) ** 2)] for s in STEPS]
+        rows.append({"domain": "licenses", "tokens": 32768, "tuned": True, "tuned_step": one, "fitted_tokens": 2000,
+                     "held_out_documents": 4, "ppl_base": 9.0, "oracle_step": best, "oracle_ppl": 8.0,
+                     "curve": curve, "fold_steps": {"1": {"step": one}, "2": {"step": two}}})  # fmt: skip
+    (tmp_path / "p.json").write_text(json.dumps({"provenance": {}, "rows": rows}))
+    folds = fit.main([str(tmp_path / "p.json"), "--results-dir", str(tmp_path), "--out", "f"])["folds"]
+    assert set(folds) == {str(r) for r in fit.FOLD_RATIOS}
+    between = [r for r in fit.FOLD_RATIOS if 1.1 < r <= 2.0]
+    assert between and all(folds[str(r)]["mean"] < min(folds["1.0"]["mean"], folds["inf"]["mean"]) for r in between)
+    assert all(c == pytest.approx(8.0 / 9.0 - 1, abs=3e-4) for c in folds[str(between[0])]["changes"])
+    assert "## Two folds where their step is at least R times" in (tmp_path / "f.md").read_text(encoding="utf-8")
