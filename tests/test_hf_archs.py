@@ -14,7 +14,7 @@ import torch
 
 from faast.hf import EmbeddingOutput, FaastConfig, MiddleLayers, ResidualOutput, apply_faast
 from faast.hf import targets as targets_module
-from faast.hf.head import head_logits
+from faast.hf.head import head_logits, head_second_moment
 from faast.hf.targets import TARGETS, discover_target, target_for
 from hf_models import arch_model, transformers
 from test_hf import ids, randomize_readouts
@@ -197,7 +197,9 @@ def test_scaled_logits_give_the_gradient_and_fisher_of_the_scaled_softmax(kind):
     assert rel(layer.memory.cross, k.T @ (head[y] - mu)) < STAT_REL
     assert rel(layer.curvature.gram, mu.T @ mu) < STAT_REL
     assert rel(layer.token_mass.probability, p.sum(0)) < STAT_REL
-    assert rel(layer._head_second_moment(), (head.T * p.sum(0)) @ head) < STAT_REL
+    assert (
+        rel(head_second_moment(layer.head.weight, layer.token_mass.probability), (head.T * p.sum(0)) @ head) < STAT_REL
+    )
     assert rel(layer.gradient_sum.gradient, (head[y] - mu).sum(0)) < STAT_REL
     # Read in probability space, the model's logits are the log of the mixture of its own scaled softmax and the
     # corrected one, with the bias (the head hook divides by the scale the model multiplies by again).

@@ -39,6 +39,16 @@ def head_logits(head: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | No
     return logits if bias is None else logits + bias.float()
 
 
+def head_second_moment(weight: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Hᵀ diag(mass) H [d, d] float64 for the head's weight H [V, d] and a mass [V] per token (Σ p), formed in float32
+    blocks of the vocabulary and summed in float64."""
+    out = torch.zeros((weight.shape[1],) * 2, dtype=torch.float64, device=weight.device)
+    for i in range(0, weight.shape[0], 8192):
+        h = weight[i : i + 8192].float()
+        out += ((h.T * mass[i : i + 8192].float()) @ h).double()
+    return out
+
+
 def change_logits(head: nn.Module, change: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The change [n, V] float32 of the head's logits for a change [n, d] of its input: change·Hᵀ, without the head's
     bias (it cancels). out: a [n, V] float32 tensor to write it into (rows of a larger buffer: two calls on

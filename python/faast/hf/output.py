@@ -21,16 +21,12 @@ held-out tail better (docs/design.md §6.3). The model reads
 
 with b = curvature⁻¹·Σr/N the Newton step on the mean learned gradient (β: ResidualOutput.bias, not tuned).
 
-The step η and the weight λ are chosen from the learned stream itself: the last HELD_OUT_SHARE of the learned
-positions (at most `tune_tokens`) are held out, the weights are fitted on the rest (statistics subtract exactly) and
-(η, λ) minimise the held-out NLL; then the full statistics are used. In logit space the NLL is convex in η (a
-bracketed 1-D Newton search); in probability space it is convex in λ for each η (bisection), and η is searched on a
-geometric grid refined by golden section. A mixture bounds what a wrong correction can cost a token (at most
-−log(1−λ)), which lets the tuned step be larger where the memory is right. When the learned stream is several
-documents, the fit also leaves out the held-out tail's document just before it (up to GAP_MULTIPLE times as many
-positions as the tail), so that η is tuned on text unlike what was fitted; where each held-out document has much
-fitted text of its own, η is shrunk (output_diagnosis.document_shrink). All state has a fixed size: a d_key×d_key, a
-d_key×d and a d×d sum, a V- and a d-vector and a (1 + GAP_MULTIPLE)·`tune_tokens`-position buffer.
+The step η (and λ with weight='auto') is tuned on the end of every learned text (held_out.HeldOutTail; together at
+most `tune_tokens` positions), scored by W fitted without those ends and up to GAP_MULTIPLE times as many positions
+before each (statistics subtract exactly): a 1-D Newton search on the held-out mixture's NLL (output_tuning), whose
+mixture bounds what a wrong correction costs a token (at most −log(1−λ)). Where each held-out text has much fitted
+text of its own, η is shrunk (output_diagnosis.document_shrink); output_folds scores the ends in folds instead. State
+has a fixed size: d_key×d_key, d_key×d and d×d sums, a V- and a d-vector and a (1 + GAP_MULTIPLE)·`tune_tokens` buffer.
 
 Measured on five local domains (benchmarks and choices: experiments/lm_domains.py, docs/design.md §6.3).
 """
@@ -47,9 +43,19 @@ from torch import nn
 from .. import ops
 from ..accumulator import Accumulator
 from ..memory import FastWeights
+from . import output_folds
 from . import output_tuning as tuning
 from .config import FaastConfig, ResidualOutput
-from .head import READ_CHUNK, HeadBuffers, change_logits, head_gradients, head_logits, pool_threshold, products_dtype
+from .head import (
+    READ_CHUNK,
+    HeadBuffers,
+    change_logits,
+    head_gradients,
+    head_logits,
+    head_second_moment,
+    pool_threshold,
+    products_dtype,
+)
 from .held_out import HeldOutTail
 from .mixture import read_blocks
 from .output_diagnosis import MemoryOffWarning, diagnose, document_shrink
@@ -191,11 +197,8 @@ class ResidualOutputLayer(nn.Module):
 
     def swap_state(self, state: OutputState) -> OutputState:
         """Read and learn `state` from now on; returns the state read before (its objects, not copies: O(1))."""
-        if (
-            not isinstance(state, OutputState)
-            or state.memory.config() != self.memory.config()
-            or (state.token_mass.config() != self.token_mass.config())
-        ):
+        same = isinstance(state, OutputState) and state.memory.config() == self.memory.config()
+        if not same or state.token_mass.config() != self.token_mass.config():
             raise ValueError("state: expected an OutputState of this layer's shapes (from new_state)")
         previous = self.current_state()
         self.memory, self.curvature, self.token_mass = state.memory, state.curvature, state.token_mass
@@ -272,7 +275,7 @@ class ResidualOutputLayer(nn.Module):
     def damped_curvature(self) -> torch.Tensor:
         """(C/N + δ·mean(diag(C/N))·I) [d, d] float64: the damped mean Fisher of the head."""
         n = self.curvature.count.clamp_min(1.0)
-        curvature = (self._head_second_moment() - self.curvature.gram) / n
+        curvature = (head_second_moment(self.head.weight, self.token_mass.probability) - self.curvature.gram) / n
         shift = self.damping * curvature.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
         return curvature + shift * torch.eye(curvature.shape[-1], dtype=torch.float64, device=curvature.device)
 
@@ -293,15 +296,6 @@ class ResidualOutputLayer(nn.Module):
         if width < gram.shape[-1]:
             w = torch.cat([w, w.new_zeros((gram.shape[-1] - width, w.shape[-1]))])
         return w
-
-    def _head_second_moment(self) -> torch.Tensor:
-        """Hᵀ diag(Σ p) H [d, d] float64, formed in float32 blocks of the vocabulary (summed in float64)."""
-        weight, mass = self.head.weight, self.token_mass.probability
-        out = torch.zeros((weight.shape[1],) * 2, dtype=torch.float64, device=weight.device)
-        for i in range(0, weight.shape[0], 8192):
-            h = weight[i : i + 8192].float()
-            out += ((h.T * mass[i : i + 8192].float()) @ h).double()
-        return out
 
     def tail_statistics(self) -> tuple:
         """The positions the step is tuned on now (HeldOutTail.split): (keys [m, d_key] float32, targets [m] and
@@ -423,6 +417,13 @@ class ResidualOutputLayer(nn.Module):
             start = min(trace, key=lambda t: t[-1])[0]  # the sample's best step, before its significance test
             tuned = tuning.tune_width(logits, log_base, fixed_step, fixed_weight, start, compare=False, sampled=True)
             _, eta, lam, trace, rows = tuned
+        one_fit, fold_step = eta, None  # the held-out ends in folds, where their step is FOLD_STEP_RATIO × larger
+        if lam > 0 and fixed_step is None and output_folds.FOLD_STEP_RATIO < math.inf:  # also where η is 0
+            fold = output_folds.fold_tuning(self, keys, ys, docs, base, log_base, width, curvature, lam, eta,
+                                            self._min_fit())  # fmt: skip
+            fold_step = fold[0]
+            if fold_step > 0 and fold_step >= output_folds.FOLD_STEP_RATIO * eta:
+                eta, trace, rows, logits = fold
         check_weight = lam if lam > 0 else (fixed_weight if fixed_weight is not None else self.default_weight)
         candidate = min(trace, key=lambda t: t[-1])[0]  # the search's best step, before the significance test
         diagnosis = diagnose(logits, docs, eta, check_weight, candidate, rows, log_base)
@@ -435,6 +436,7 @@ class ResidualOutputLayer(nn.Module):
         self.last_tuning = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held,
                             "held_out_documents": documents, "tail_step": tail_step, "document_shrink": shrink,
                             "document_gap_tokens": gap, "fitted_tokens": fitted, "key_width": width,
+                            "one_fit_step": one_fit, "fold_step": fold_step,
                             "held_out_nll": trace, **diagnosis,
                             "by_key_width": {k: {"held_out_nll": v[0], "step": v[1], "weight": v[2], "rows": sampled}
                                              for k, v in results.items() if len(results) > 1}}  # fmt: skip
@@ -524,10 +526,8 @@ class ResidualOutputLayer(nn.Module):
         widths = sorted({self.hidden_size, self.memory.dim_key})
         if key_width is not None and (type(key_width) is not int or key_width not in widths):
             raise ValueError(f"key_width: expected one of {widths} or None, got {key_width!r}")
-        self._restored_step = None if step is None else float(step)
-        self._restored_weight = None if weight is None else float(weight)
-        self._restored_width = key_width
-        self._folded = None
+        self._restored_step, self._restored_width = (None if step is None else float(step)), key_width
+        self._restored_weight, self._folded = (None if weight is None else float(weight)), None
 
     def discard_held_out(self) -> None:
         """Drop the held-out tail (learning state of this process): after a load, the positions learned before it
@@ -589,9 +589,8 @@ class ResidualOutputLayer(nn.Module):
         change = rows_h.to(m.dtype) @ m
         if self._folded[4] is not None:
             change += self._folded[4]
-        out = read_blocks(change, rows_z, weight, compute=compute, scale=scale, log_odds=odds,
-                          log_rest=rest, full=lam >= 1.0, chunk=READ_CHUNK, block=block,
-                          overwrite=overwrite)  # fmt: skip
+        out = read_blocks(change, rows_z, weight, compute=compute, scale=scale, log_odds=odds, log_rest=rest,
+                          full=lam >= 1.0, chunk=READ_CHUNK, block=block, overwrite=overwrite)  # fmt: skip
         return out.reshape(logits.shape)
 
     def tail_capacity_bytes(self) -> int:

@@ -1,0 +1,126 @@
+"""The residual output layer's held-out ends in folds (faast/hf/output_folds.py, docs/design.md §6.3): each
+document's held-out rows scored by a W fitted without its own fold's left-out positions, folds dealt by the documents'
+content, and the fold step taken only where it is FOLD_STEP_RATIO times the one fit's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from faast.hf import FaastConfig, MemoryOffWarning, ResidualOutput, apply_faast, output_folds
+from faast.hf import output_tuning as tuning
+from hf_models import tiny_model
+from test_hf_tuning_documents import WINDOW, noisy_phrase
+from tolerances import ORDER_STEP_REL, TRUTH_REL_W, rel
+
+CONFIG = FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=4096, head_dtype="float32"), learn_dtype="model")
+# The end every document shares: a fixed phrase, repeated (licence versions end alike). The held-out end and the gap
+# before it lie inside it, so the one fit, which leaves every document's end out, never sees it.
+SHARED = noisy_phrase(160, seed=99, noise=0.0)
+
+
+def documents(seeds: list[int]) -> list[list[int]]:
+    """Texts of a body of their own (a noisy phrase) followed by SHARED."""
+    return [noisy_phrase(280, seed=s) + SHARED for s in seeds]
+
+
+def plain(seeds: list[int]) -> list[list[int]]:
+    """Texts of a noisy phrase each, nothing shared."""
+    return [noisy_phrase(440, seed=s) for s in seeds]
+
+
+def learned(texts: list[list[int]]):
+    model = apply_faast(tiny_model("llama"), CONFIG)
+    model.learn(texts, max_length=WINDOW, batch_size=2)
+    model.output_memory_layer.folded(torch.device("cpu"), torch.float32)
+    return model
+
+
+def min_fit_of(layer) -> int:  # noqa: ANN001
+    """The fewest positions the layer's tuning fit may keep (as ResidualOutputLayer computes it)."""
+    return max(tuning.MIN_FIT_TOKENS, tuning.FIT_PER_KEY_DIM * layer.hidden_size)
+
+
+def test_the_folds_statistics_split_the_left_out_positions_by_document():
+    layer = learned(plain([1, 2, 3, 4, 5])).output_memory_layer
+    count, min_fit = int(layer.memory.count), min_fit_of(layer)
+    docs, fold, stats = layer.held_out.fold_statistics(count, min_fit, 2)
+    assert sorted(docs.tolist()) == [0, 1, 2, 3, 4] and fold.tolist() == [0, 1, 0, 1, 0]
+    _, _, _, s_out, t_out, n_out, _, _ = layer.tail_statistics()
+    assert rel(stats[0][0] + stats[1][0], s_out) < 1e-6 and rel(stats[0][1] + stats[1][1], t_out) < 1e-6
+    assert stats[0][2] + stats[1][2] == int(n_out)
+    _, _, _, out_k, out_v, _, _ = layer.held_out.split(count, min_fit)
+    out_docs = layer.held_out.left_out_documents(count, min_fit)
+    for f, (s, t, n) in enumerate(stats):
+        rows = torch.isin(out_docs, docs[fold == f])
+        k = out_k[rows].double()
+        assert n == int(rows.sum()) > 0
+        assert rel(s, k.T @ k) < 1e-6 and rel(t, k.T @ out_v[rows].double()) < 1e-6
+
+
+def test_each_held_out_row_is_scored_by_the_fit_without_its_own_folds_ends():
+    layer = learned(plain([1, 2, 3, 4])).output_memory_layer
+    min_fit = min_fit_of(layer)
+    keys, ys, docs, *_ = layer.tail_statistics()
+    base = layer.tail_base(keys, ys)
+    log_base = torch.log_softmax(base[0].double(), -1).gather(-1, ys[:, None]).squeeze(-1)
+    curvature, width = layer.damped_curvature(), layer.hidden_size
+    eta, _, _, logits = output_folds.fold_tuning(layer, keys, ys, docs, base, log_base, width, curvature, 0.5, 0.05,
+                                                 min_fit)  # fmt: skip
+    assert eta > 0
+    count, memory, head = int(layer.memory.count), layer.memory, layer.head.weight.double()
+    documents_, fold, _ = layer.held_out.fold_statistics(count, min_fit, 2)
+    _, _, _, out_k, out_v, _, _ = layer.held_out.split(count, min_fit)
+    out_docs = layer.held_out.left_out_documents(count, min_fit)
+    for f in (0, 1):
+        left = torch.isin(out_docs, documents_[fold == f])
+        k, v = out_k[left].double(), out_v[left].double()
+        w = layer.newton(memory.gram - k.T @ k, memory.cross - k.T @ v, memory.count - float(left.sum()), curvature)
+        rows = torch.isin(docs, documents_[fold == f])
+        assert rows.any()
+        assert rel(logits[1][rows].double(), keys[rows].double() @ w @ head.T) < TRUTH_REL_W
+
+
+def test_the_folds_come_from_the_documents_content_so_learning_order_does_not_change_the_step(monkeypatch):
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)  # always the fold step
+    texts = documents([1, 2, 3, 4])
+    first = learned(texts).output_memory_layer.last_tuning
+    # dealt by the order of learning, this order would put texts 2 and 3 in one fold and 1 and 4 in the other
+    second = learned([texts[0], texts[1], texts[3], texts[2]]).output_memory_layer.last_tuning
+    assert first["fold_step"] > 0 and first["tail_step"] == first["fold_step"]
+    assert second["fold_step"] == pytest.approx(first["fold_step"], rel=ORDER_STEP_REL)
+    assert second["step"] == pytest.approx(first["step"], rel=ORDER_STEP_REL)
+
+
+def test_a_memory_the_one_fit_leaves_off_is_turned_on_where_the_folds_find_a_step(monkeypatch):
+    """Every text ends in SHARED, which the one fit never sees: it leaves the memory off. The folds fit it from the
+    other fold's texts and find a step, infinitely many times the one fit's 0, so any finite FOLD_STEP_RATIO takes it;
+    the shared end of a new text then reads better than under the base model."""
+    texts = documents([1, 2, 3, 4])
+    with pytest.warns(MemoryOffWarning, match="off"):
+        shipped = learned(texts).output_memory_layer.last_tuning  # FOLD_STEP_RATIO = inf: not computed
+    assert output_folds.FOLD_STEP_RATIO == float("inf") and shipped["fold_step"] is None
+    assert shipped["one_fit_step"] == shipped["tail_step"] == shipped["step"] == 0.0
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e9)
+    model = learned(texts)
+    taken = model.output_memory_layer.last_tuning
+    assert not taken["off"] and taken["one_fit_step"] == 0.0 and taken["tail_step"] == taken["fold_step"] > 0
+    assert taken["step"] == pytest.approx(taken["fold_step"] * taken["document_shrink"], rel=1e-12)
+    x = torch.tensor([(noisy_phrase(280, seed=7) + SHARED)[-WINDOW:]])
+    with torch.no_grad():
+        adapted = float(model(x, labels=x).loss)
+        with model.disable_faast():
+            base = float(model(x, labels=x).loss)
+    assert adapted < base
+
+
+def test_with_folds_a_memory_the_one_fit_leaves_on_keeps_the_larger_step_only_past_the_ratio(monkeypatch):
+    texts = plain([1, 2, 3, 4])
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e9)
+    never = learned(texts).output_memory_layer.last_tuning
+    assert never["one_fit_step"] > 0 and never["fold_step"] > 0 and never["tail_step"] == never["one_fit_step"]
+    ratio = never["fold_step"] / never["one_fit_step"]
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", ratio * 0.999)
+    assert learned(texts).output_memory_layer.last_tuning["tail_step"] == pytest.approx(never["fold_step"], rel=1e-9)
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", ratio * 1.001)
+    assert learned(texts).output_memory_layer.last_tuning["tail_step"] == never["one_fit_step"]
