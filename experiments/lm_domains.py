@@ -41,11 +41,13 @@ from lm_domains_peers import run_backprop, run_knn, run_knn_tuned, run_lora_best
 
 from faast import provenance  # noqa: E402
 
-METHODS = ("default", "narrow", "fp32learn", "logit", "faast", "output", "paper", "knn", "knn_tuned", "lora",
+METHODS = ("default", "narrow", "fp32learn", "folds", "logit", "faast", "output", "paper", "knn", "knn_tuned", "lora",
            "lora_bf16", "linear", "lora_best", "lora_time")  # fmt: skip
 # "lora_bf16": LoRA with its forward pass under bfloat16 autocast, the precision FAAST's learning pass uses.
 # "fp32learn": the default as a CPU without native bfloat16 runs it: the learning pass in float32 (learn_dtype='model')
 # and the head's products in float32 (head_dtype='float32'; 'auto' takes them in bfloat16 where it is native).
+# "folds": the default with the step from the held-out ends in folds taken at --fold-ratio times the one fit's
+# (faast.hf.output_folds.FOLD_STEP_RATIO for that row; inf: the one fit alone), to weigh the fold rule in one run.
 # "narrow": the default with the output layer's keys h̃ alone (output_key_layers=[]: the default before wider keys).
 # "logit": the residual output layer read in logit space (the default before probability space), along the curve.
 # "faast" (the shipped middle layers + the residual output layer, both variants along the curve) and "paper" (the
@@ -70,6 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--learn-tokens", type=int, default=32768)
     p.add_argument("--score-tokens", type=int, default=8192)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"subset of {','.join(METHODS)}")
+    p.add_argument("--fold-ratio", type=float, default=1.6,
+                   help="the 'folds' row's FOLD_STEP_RATIO (faast.hf.output_folds): the fold step is taken where it is"
+                        " at least this many times the one fit's; inf: never")  # fmt: skip
     p.add_argument("--ablations", action="store_true", help="also score FAAST's middle layers alone")
     p.add_argument("--parts-as-documents", action="store_true",
                    help="learn each curve part as new texts, so a text cut at a curve point is two documents to the "
@@ -197,7 +202,7 @@ FP32_LEARN = "FAAST: residual output only, float32 learning pass and head produc
 VARIANTS = {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only",
             "logit": "FAAST: logit-space residual output (earlier default)",
             "narrow": "FAAST: residual output, keys h̃ only (previous default)",
-            "fp32learn": FP32_LEARN}  # fmt: skip
+            "fp32learn": FP32_LEARN, "folds": "FAAST: residual output only, fold step rule"}  # fmt: skip
 
 
 def curve_parts(domain: Domain, amounts: list[int], args: argparse.Namespace) -> list[tuple[list[list[int]], bool]]:
@@ -255,8 +260,23 @@ def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
         model.remove_faast()
 
 
+@contextlib.contextmanager
+def fold_ratio(ratio: float):  # noqa: ANN201 - a context manager
+    """faast.hf.output_folds.FOLD_STEP_RATIO set to `ratio` inside, the shipped value restored after."""
+    from faast.hf import output_folds
+
+    if not ratio > 0:
+        raise ValueError(f"fold_ratio: expected a ratio > 0 (inf: never take the fold step), got {ratio!r}")
+    shipped = output_folds.FOLD_STEP_RATIO
+    output_folds.FOLD_STEP_RATIO = ratio
+    try:
+        yield
+    finally:
+        output_folds.FOLD_STEP_RATIO = shipped
+
+
 def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "output", residual: dict | None = None,  # noqa: ANN001
-                **config: object) -> None:  # fmt: skip
+                extra: dict | None = None, **config: object) -> None:  # fmt: skip
     """FAAST's default configuration (FaastConfig(output=ResidualOutput(**residual), **config): the residual output
     layer, no readout) learned in
     growing parts and scored after each (the PPL-vs-tokens curve), recorded as VARIANTS[key]. Learn time is what
@@ -289,7 +309,7 @@ def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "outp
         tuning = {k: v for k, v in (model.output_memory_layer.last_tuning or {}).items() if k != "held_out_nll"}
         curve["solve_s"] = solves
         report = solve_report(solved, model)
-        extra = {"solve_report": report} if report is not None else {}
+        extra = {**(extra or {}), **({"solve_report": report} if report is not None else {})}
         domain.add(VARIANTS[key], result, learn_s + solves[-1], model.fast_weight_bytes(), tuning=tuning,
                    curve_solve_s=sum(solves[:-1]), precision=model.learner.precision(), **extra)  # fmt: skip
     finally:
@@ -358,6 +378,9 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
         run_default(domain, base, args, "narrow", residual={"key_layers": []})
     if "fp32learn" in args.methods:
         run_default(domain, base, args, "fp32learn", residual={"head_dtype": "float32"}, learn_dtype="model")
+    if "folds" in args.methods:
+        with fold_ratio(args.fold_ratio):
+            run_default(domain, base, args, "folds", extra={"fold_ratio": args.fold_ratio})
     if "logit" in args.methods:
         run_default(domain, base, args, "logit", residual={"space": "logit"})
     if "faast" in args.methods:

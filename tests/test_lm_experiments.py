@@ -654,6 +654,42 @@ def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_
     assert module.solve_report(report, module) == {"off": False, "parts": [1]}
 
 
+def test_the_folds_row_takes_the_fold_step_at_its_ratio_and_restores_the_shipped_rule(tmp_path, monkeypatch):
+    """--methods default,folds: the folds row computes the held-out ends' fold step and, at a ratio below any the
+    search can give, takes it; the default row keeps the shipped rule, which is restored after the row."""
+    import faast.hf.default
+    from faast.hf import output_folds
+
+    module = load_script("lm_domains")
+    with pytest.raises(ValueError, match="fold_ratio: expected a ratio > 0"):
+        with module.fold_ratio(0.0):
+            pass
+    monkeypatch.setattr(faast.hf.default, "load_base_model", lambda name: (tiny_model("llama"), CharTokenizer(), "t"))
+    words = random.Random(1)
+
+    def make(n: int) -> str:
+        return " ".join(words.choice(["alpha", "beta = gamma", "delta", "omega"]) for _ in range(n))
+
+    learn, score = [make(150) for _ in range(6)], [make(60) for _ in range(2)]
+    monkeypatch.setattr(module, "domain_texts", lambda name: (learn, score))
+    shipped = output_folds.FOLD_STEP_RATIO
+    payload = module.main([
+        "--domains", "info", "--methods", "default,folds", "--fold-ratio", "1e-9", "--learn-tokens", "3000",
+        "--score-tokens", "400", "--window", "64", "--results-dir", str(tmp_path), "--out", "d",
+    ])  # fmt: skip
+    assert output_folds.FOLD_STEP_RATIO == shipped
+    rows = {r["method"]: r for r in payload["domains"][0]["rows"]}
+    default, folds = rows["FAAST: residual output only"], rows["FAAST: residual output only, fold step rule"]
+    assert folds["fold_ratio"] == 1e-9 and "fold_ratio" not in default
+    assert folds["tuning"]["tuned"] and folds["tuning"]["fold_step"] > 0
+    tuned = folds["tuning"]  # the tail's step, before the document shrink that follows either rule
+    assert tuned["tail_step"] == tuned["fold_step"] != tuned["one_fit_step"]
+    assert tuned["step"] == tuned["tail_step"] * tuned["document_shrink"]
+    assert tuned["one_fit_step"] == default["tuning"]["tail_step"]  # the same one fit, then the fold rule
+    assert (default["tuning"]["fold_step"] is None) == (shipped == float("inf"))
+    assert "fold step rule" in (tmp_path / "d.md").read_text(encoding="utf-8")
+
+
 def _variants_layer(positions: int):  # noqa: ANN202 - (the script, its head, a layer that learned, its keys)
     """lm_output_variants' layer on an 8 → 11 head after learning `positions` random keys as one document."""
     variants = load_script("lm_output_variants")
