@@ -1,6 +1,7 @@
 """The residual output layer's held-out ends in folds (faast/hf/output_folds.py, docs/design.md §6.3): each
 document's held-out rows scored by a W fitted without its own fold's left-out positions, folds dealt by the documents'
-content, and the fold step taken only where it is FOLD_STEP_RATIO times the one fit's."""
+content, and the fold step taken only where it is FOLD_STEP_RATIO times the one fit's, which a sample of the rows
+checks at that threshold before any search."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from faast.hf import FaastConfig, MemoryOffWarning, ResidualOutput, apply_faast,
 from faast.hf import output_tuning as tuning
 from hf_models import tiny_model
 from test_hf_tuning_documents import WINDOW, noisy_phrase
-from tolerances import ORDER_STEP_REL, TRUTH_REL_W, rel
+from tolerances import ORDER_STEP_REL, STEP_SEARCH_REL, TRUTH_REL_W, rel
 
 CONFIG = FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=4096, head_dtype="float32"), learn_dtype="model")
 # The end every document shares: a fixed phrase, repeated (licence versions end alike). The held-out end and the gap
@@ -58,16 +59,18 @@ def test_the_folds_statistics_split_the_left_out_positions_by_document():
         assert rel(s, k.T @ k) < 1e-6 and rel(t, k.T @ out_v[rows].double()) < 1e-6
 
 
-def test_each_held_out_row_is_scored_by_the_fit_without_its_own_folds_ends():
+def test_each_held_out_row_is_scored_by_the_fit_without_its_own_folds_ends(monkeypatch):
     layer = learned(plain([1, 2, 3, 4])).output_memory_layer
     min_fit = min_fit_of(layer)
     keys, ys, docs, *_ = layer.tail_statistics()
     base = layer.tail_base(keys, ys)
     log_base = torch.log_softmax(base[0].double(), -1).gather(-1, ys[:, None]).squeeze(-1)
     curvature, width = layer.damped_curvature(), layer.hidden_size
-    eta, _, _, logits = output_folds.fold_tuning(layer, keys, ys, docs, base, log_base, width, curvature, 0.5, 0.05,
-                                                 min_fit)  # fmt: skip
-    assert eta > 0
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)  # taken: every row's logits are formed
+    fold = output_folds.fold_tuning(layer, keys, ys, docs, base, log_base, width, curvature, 0.5, 0.05, min_fit)
+    eta, _, _, logits = fold.taken
+    assert eta == fold.step > 0 and fold.check == "searched"
+    assert torch.equal(logits[3], logits[1].gather(-1, ys[:, None]).squeeze(-1))
     count, memory, head = int(layer.memory.count), layer.memory, layer.head.weight.double()
     documents_, fold, _ = layer.held_out.fold_statistics(count, min_fit, 2)
     _, _, _, out_k, out_v, _, _ = layer.held_out.split(count, min_fit)
@@ -94,17 +97,20 @@ def test_the_folds_come_from_the_documents_content_so_learning_order_does_not_ch
 
 def test_a_memory_the_one_fit_leaves_off_is_turned_on_where_the_folds_find_a_step(monkeypatch):
     """Every text ends in SHARED, which the one fit never sees: it leaves the memory off. The folds fit it from the
-    other fold's texts and find a step, infinitely many times the one fit's 0, so any finite FOLD_STEP_RATIO takes it;
-    the shared end of a new text then reads better than under the base model."""
+    other fold's texts and find a step, infinitely many times the one fit's 0, so the shipped FOLD_STEP_RATIO (any
+    finite one) takes it; the shared end of a new text then reads better than under the base model."""
     texts = documents([1, 2, 3, 4])
-    with pytest.warns(MemoryOffWarning, match="off"):
-        shipped = learned(texts).output_memory_layer.last_tuning  # FOLD_STEP_RATIO = inf: not computed
-    assert output_folds.FOLD_STEP_RATIO == float("inf") and shipped["fold_step"] is None
-    assert shipped["one_fit_step"] == shipped["tail_step"] == shipped["step"] == 0.0
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e9)
+    with monkeypatch.context() as one_fit_alone:
+        one_fit_alone.setattr(output_folds, "FOLD_STEP_RATIO", float("inf"))
+        with pytest.warns(MemoryOffWarning, match="off"):
+            alone = learned(texts).output_memory_layer.last_tuning
+    assert alone["fold_step"] is None and alone["fold_check"] == "off"
+    assert alone["one_fit_step"] == alone["tail_step"] == alone["step"] == 0.0
+    assert 1.0 < output_folds.FOLD_STEP_RATIO < float("inf")  # the shipped rule: on, and only for a larger step
     model = learned(texts)
     taken = model.output_memory_layer.last_tuning
     assert not taken["off"] and taken["one_fit_step"] == 0.0 and taken["tail_step"] == taken["fold_step"] > 0
+    assert taken["fold_check"] == "searched"
     assert taken["step"] == pytest.approx(taken["fold_step"] * taken["document_shrink"], rel=1e-12)
     x = torch.tensor([(noisy_phrase(280, seed=7) + SHARED)[-WINDOW:]])
     with torch.no_grad():
@@ -115,12 +121,46 @@ def test_a_memory_the_one_fit_leaves_off_is_turned_on_where_the_folds_find_a_ste
 
 
 def test_with_folds_a_memory_the_one_fit_leaves_on_keeps_the_larger_step_only_past_the_ratio(monkeypatch):
+    """Below the folds' own ratio to the one fit's step the fold step is taken; just above it the rows' NLL rises at
+    the threshold, so no search runs and the one fit's step stays (every held-out row is the sample here)."""
     texts = plain([1, 2, 3, 4])
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e9)
-    never = learned(texts).output_memory_layer.last_tuning
-    assert never["one_fit_step"] > 0 and never["fold_step"] > 0 and never["tail_step"] == never["one_fit_step"]
-    ratio = never["fold_step"] / never["one_fit_step"]
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", ratio * 0.999)
-    assert learned(texts).output_memory_layer.last_tuning["tail_step"] == pytest.approx(never["fold_step"], rel=1e-9)
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", ratio * 1.001)
-    assert learned(texts).output_memory_layer.last_tuning["tail_step"] == never["one_fit_step"]
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)
+    always = learned(texts).output_memory_layer.last_tuning
+    assert always["one_fit_step"] > 0 and always["tail_step"] == always["fold_step"] > 0
+    assert always["held_out_tokens"] < tuning.SEARCH_SAMPLE_MIN_ROWS
+    ratio = always["fold_step"] / always["one_fit_step"]
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", ratio * 0.99)
+    below = learned(texts).output_memory_layer.last_tuning
+    assert below["fold_check"] == "searched"
+    assert below["tail_step"] == below["fold_step"] == pytest.approx(always["fold_step"], rel=STEP_SEARCH_REL)
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", ratio * 1.01)
+    above = learned(texts).output_memory_layer.last_tuning
+    assert above["fold_check"] == "below ratio" and above["fold_step"] is None
+    assert above["tail_step"] == above["one_fit_step"] == always["one_fit_step"]
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1.01 * tuning.MAX_STEP / always["one_fit_step"])
+    assert learned(texts).output_memory_layer.last_tuning["fold_check"] == "above range"
+
+
+def test_the_threshold_is_checked_on_a_sample_of_rows_and_the_search_then_ends_at_the_full_rows_step(monkeypatch):
+    """With the rows sampled (every SEARCH_SAMPLE_STRIDE-th), a threshold well below the folds' step still searches
+    and ends at the step every row gives, and one well above it stops at the sample's check."""
+    texts = plain([1, 2, 3, 4])
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)
+    always = learned(texts).output_memory_layer.last_tuning
+    ratio = always["fold_step"] / always["one_fit_step"]
+    monkeypatch.setattr(tuning, "SEARCH_SAMPLE_MIN_ROWS", 8)
+    assert always["held_out_tokens"] >= 8 * tuning.SEARCH_SAMPLE_STRIDE
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", ratio * 0.5)
+    low = learned(texts).output_memory_layer.last_tuning
+    assert low["fold_check"] == "searched" and low["tail_step"] == low["fold_step"]
+    assert low["fold_step"] == pytest.approx(always["fold_step"], rel=STEP_SEARCH_REL)
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", ratio * 2.0)
+    high = learned(texts).output_memory_layer.last_tuning
+    assert high["fold_check"] == "below ratio" and high["tail_step"] == high["one_fit_step"]
+
+
+def test_a_single_text_is_left_to_the_one_fit_whose_fit_its_one_fold_would_repeat(monkeypatch):
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)
+    one = learned([noisy_phrase(1800, seed=1)]).output_memory_layer.last_tuning
+    assert one["fold_check"] == "one document" and one["fold_step"] is None
+    assert one["held_out_documents"] == 1 and one["tail_step"] == one["one_fit_step"] > 0

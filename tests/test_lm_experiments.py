@@ -686,7 +686,8 @@ def test_the_folds_row_takes_the_fold_step_at_its_ratio_and_restores_the_shipped
     assert tuned["tail_step"] == tuned["fold_step"] != tuned["one_fit_step"]
     assert tuned["step"] == tuned["tail_step"] * tuned["document_shrink"]
     assert tuned["one_fit_step"] == default["tuning"]["tail_step"]  # the same one fit, then the fold rule
-    assert (default["tuning"]["fold_step"] is None) == (shipped == float("inf"))
+    assert tuned["fold_check"] == "searched"
+    assert (default["tuning"]["fold_check"] == "off") == (shipped == float("inf"))
     assert "fold step rule" in (tmp_path / "d.md").read_text(encoding="utf-8")
 
 

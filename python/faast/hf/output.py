@@ -417,13 +417,11 @@ class ResidualOutputLayer(nn.Module):
             start = min(trace, key=lambda t: t[-1])[0]  # the sample's best step, before its significance test
             tuned = tuning.tune_width(logits, log_base, fixed_step, fixed_weight, start, compare=False, sampled=True)
             _, eta, lam, trace, rows = tuned
-        one_fit, fold_step = eta, None  # the held-out ends in folds, where their step is FOLD_STEP_RATIO × larger
-        if lam > 0 and fixed_step is None and output_folds.FOLD_STEP_RATIO < math.inf:  # also where η is 0
+        one_fit, fold = eta, output_folds.FoldTuning(None, "fixed step or weight 0")  # also where η is 0:
+        if lam > 0 and fixed_step is None:  # the held-out ends in folds, where their step is FOLD_STEP_RATIO × larger
             fold = output_folds.fold_tuning(self, keys, ys, docs, base, log_base, width, curvature, lam, eta,
                                             self._min_fit())  # fmt: skip
-            fold_step = fold[0]
-            if fold_step > 0 and fold_step >= output_folds.FOLD_STEP_RATIO * eta:
-                eta, trace, rows, logits = fold
+            eta, trace, rows, logits = fold.taken or (eta, trace, rows, logits)
         check_weight = lam if lam > 0 else (fixed_weight if fixed_weight is not None else self.default_weight)
         candidate = min(trace, key=lambda t: t[-1])[0]  # the search's best step, before the significance test
         diagnosis = diagnose(logits, docs, eta, check_weight, candidate, rows, log_base)
@@ -436,7 +434,7 @@ class ResidualOutputLayer(nn.Module):
         self.last_tuning = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held,
                             "held_out_documents": documents, "tail_step": tail_step, "document_shrink": shrink,
                             "document_gap_tokens": gap, "fitted_tokens": fitted, "key_width": width,
-                            "one_fit_step": one_fit, "fold_step": fold_step,
+                            "one_fit_step": one_fit, "fold_step": fold.step, "fold_check": fold.check,
                             "held_out_nll": trace, **diagnosis,
                             "by_key_width": {k: {"held_out_nll": v[0], "step": v[1], "weight": v[2], "rows": sampled}
                                              for k, v in results.items() if len(results) > 1}}  # fmt: skip

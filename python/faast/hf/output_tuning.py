@@ -235,17 +235,7 @@ def _search(
     rows = None
     for _ in range(STEP_ITERATIONS):
         rows = step_rows(logits, eta)
-        log_memory, gap, spread = rows.log_memory, rows.gap, rows.spread
-        if weight >= 1.0:
-            nll, grad, curv = float(-log_memory.mean()), float(-gap.mean()), float(spread.mean())
-            gauss_newton = curv
-        else:
-            log_mix = log_mixture(log_base, log_memory, weight)
-            share = (log_memory - log_mix).exp() * weight  # λ·p_y / mixture, in [0, 1]
-            nll = float(-log_mix.mean())
-            grad = float(-(share * gap).mean())
-            gauss_newton = float((share * spread).mean())
-            curv = gauss_newton + float(((share * share - share) * gap * gap).mean())
+        nll, grad, gauss_newton, curv = derivatives(rows, weight, log_base)
         trace.append((eta, nll))
         if eta == 0.0 and grad >= 0:  # convex and rising from 0: no step helps
             break
@@ -265,6 +255,21 @@ def _search(
         rows = step_rows(logits, eta)
         trace.append((eta, float(-log_mixture(log_base, rows.log_memory, weight).mean())))
     return eta, trace, rows
+
+
+def derivatives(rows: StepRows, weight: float, log_base: torch.Tensor) -> tuple[float, float, float, float]:
+    """The held-out mean NLL at the rows' step η under weight λ, and its derivatives in η: (NLL, first derivative,
+    the Gauss-Newton part of the second, the second), for the rows' state `rows` and the base log-likelihoods
+    log_base [n] float64."""
+    log_memory, gap, spread = rows.log_memory, rows.gap, rows.spread
+    if weight >= 1.0:
+        curv = float(spread.mean())
+        return float(-log_memory.mean()), float(-gap.mean()), curv, curv
+    log_mix = log_mixture(log_base, log_memory, weight)
+    share = (log_memory - log_mix).exp() * weight  # λ·p_y / mixture, in [0, 1]
+    gauss_newton = float((share * spread).mean())
+    curv = gauss_newton + float(((share * share - share) * gap * gap).mean())
+    return float(-log_mix.mean()), float(-(share * gap).mean()), gauss_newton, curv
 
 
 def _fallback_step(eta: float, grad: float, gauss_newton: float, low: float, high: float) -> float:
