@@ -571,13 +571,27 @@ def test_a_resumed_multi_domain_run_keeps_each_domains_machine_and_the_report_na
     assert goals["learn time ≤ ½ LoRA's"][1] == "0.23× (15 s vs 65 s)"  # one run (no record): the ratio of means
 
 
+def _made_up_domain(module, monkeypatch, seed: int, texts: int) -> list[str]:  # noqa: ANN001
+    """lm_domains on a tiny Llama (the base model loader patched) and made-up text (`texts` learned texts of 150
+    words, two held-out ones of 60, drawn with `seed`): returns the learned texts."""
+    import faast.hf.default
+
+    monkeypatch.setattr(faast.hf.default, "load_base_model", lambda name: (tiny_model("llama"), CharTokenizer(), "t"))
+    words = random.Random(seed)
+
+    def make(n: int) -> str:
+        return " ".join(words.choice(["alpha", "beta = gamma", "delta", "omega"]) for _ in range(n))
+
+    learn, score = [make(150) for _ in range(texts)], [make(60) for _ in range(2)]
+    monkeypatch.setattr(module, "domain_texts", lambda name: (learn, score))
+    return learn
+
+
 def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_to_end(tmp_path, monkeypatch):
     """lm_domains.main on a tiny Llama and made-up text (the base model loader and the domain's files patched): every
     method but the linear projection (its layers are SmolLM2's), with the tuned peers on FAAST's own held-out tail."""
     pytest.importorskip("peft")
     import dataclasses
-
-    import faast.hf.default
 
     module = load_script("lm_domains")
     args = module.parse_args([])
@@ -585,14 +599,7 @@ def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_
     assert {"fp32learn", "knn_tuned", "lora_best", "lora_time"} <= set(args.methods)
     with pytest.raises(SystemExit):
         module.parse_args(["--methods", "lora,lora_time"])  # LoRA at FAAST's time needs FAAST's time
-    monkeypatch.setattr(faast.hf.default, "load_base_model", lambda name: (tiny_model("llama"), CharTokenizer(), "t"))
-    words = random.Random(0)
-
-    def make(n: int) -> str:
-        return " ".join(words.choice(["alpha", "beta = gamma", "delta", "omega"]) for _ in range(n))
-
-    learn, score = [make(150) for _ in range(5)], [make(60) for _ in range(2)]
-    monkeypatch.setattr(module, "domain_texts", lambda name: (learn, score))
+    learn = _made_up_domain(module, monkeypatch, seed=0, texts=5)
     methods = "default,fp32learn,knn,knn_tuned,lora,lora_best,lora_time"
     payload = module.main([
         "--domains", "info", "--methods", methods, "--learn-tokens", "3000", "--score-tokens", "400", "--window", "64",
@@ -657,21 +664,13 @@ def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_
 def test_the_folds_row_takes_the_fold_step_at_its_ratio_and_restores_the_shipped_rule(tmp_path, monkeypatch):
     """--methods default,folds: the folds row computes the held-out ends' fold step and, at a ratio below any the
     search can give, takes it; the default row keeps the shipped rule, which is restored after the row."""
-    import faast.hf.default
     from faast.hf import output_folds
 
     module = load_script("lm_domains")
     with pytest.raises(ValueError, match="fold_ratio: expected a ratio > 0"):
         with module.fold_ratio(0.0):
             pass
-    monkeypatch.setattr(faast.hf.default, "load_base_model", lambda name: (tiny_model("llama"), CharTokenizer(), "t"))
-    words = random.Random(1)
-
-    def make(n: int) -> str:
-        return " ".join(words.choice(["alpha", "beta = gamma", "delta", "omega"]) for _ in range(n))
-
-    learn, score = [make(150) for _ in range(6)], [make(60) for _ in range(2)]
-    monkeypatch.setattr(module, "domain_texts", lambda name: (learn, score))
+    _made_up_domain(module, monkeypatch, seed=1, texts=6)
     shipped = output_folds.FOLD_STEP_RATIO
     payload = module.main([
         "--domains", "info", "--methods", "default,folds", "--fold-ratio", "1e-9", "--learn-tokens", "3000",
