@@ -417,8 +417,8 @@ class ResidualOutputLayer(nn.Module):
             start = min(trace, key=lambda t: t[-1])[0]  # the sample's best step, before its significance test
             tuned = tuning.tune_width(logits, log_base, fixed_step, fixed_weight, start, compare=False, sampled=True)
             _, eta, lam, trace, rows = tuned
-        one_fit, fold = eta, output_folds.FoldTuning(None, "fixed step or weight 0")  # also where η is 0:
-        if lam > 0 and fixed_step is None:  # the held-out ends in folds, where their step is FOLD_STEP_RATIO × larger
+        one_fit, fold = eta, output_folds.FoldTuning(None, "fixed step or weight 0")
+        if lam > 0 and fixed_step is None:  # the held-out ends in folds (also where η is 0), taken where much larger
             fold = output_folds.fold_tuning(self, keys, ys, docs, base, log_base, width, curvature, lam, eta,
                                             self._min_fit())  # fmt: skip
             eta, trace, rows, logits = fold.taken or (eta, trace, rows, logits)

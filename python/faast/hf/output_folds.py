@@ -34,10 +34,10 @@ FOLD_STEP_RATIO = 1.6
 
 class FoldTuning(NamedTuple):
     """What the folds found: `step`, their searched step (None where no search ran); `check`, why: 'off'
-    (FOLD_STEP_RATIO is inf), 'one document' (a single text holds out every row: its fold's fit is the one fit),
-    'above range' (FOLD_STEP_RATIO × the one fit's step exceeds MAX_STEP), 'below ratio' (the sample's NLL rises at the
-    threshold), 'searched'; `taken`, (η, the search's trace, the rows at η, the held-out logits) where the layer takes
-    the step, else None."""
+    (FOLD_STEP_RATIO is inf), 'fixed step or weight 0' (the layer tunes no mixture step), 'one document' (a single
+    text holds out every row: its fold's fit is the one fit), 'above range' (FOLD_STEP_RATIO × the one fit's step
+    exceeds MAX_STEP), 'below ratio' (the sample's NLL rises at the threshold), 'searched'; `taken`, (η, the search's
+    trace, the rows at η, the held-out logits) where the layer takes the step, else None."""
 
     step: float | None
     check: str
