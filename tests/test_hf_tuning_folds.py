@@ -143,7 +143,8 @@ def test_with_folds_a_memory_the_one_fit_leaves_on_keeps_the_larger_step_only_pa
 
 def test_the_threshold_is_checked_on_a_sample_of_rows_and_the_search_then_ends_at_the_full_rows_step(monkeypatch):
     """With the rows sampled (every SEARCH_SAMPLE_STRIDE-th), a threshold well below the folds' step still searches
-    and ends at the step every row gives, and one well above it stops at the sample's check."""
+    and ends at the step every row gives, its search on every row starting from the sample's best step rather than
+    the threshold, and one well above it stops at the sample's check."""
     texts = plain([1, 2, 3, 4])
     monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)
     always = learned(texts).output_memory_layer.last_tuning
@@ -154,6 +155,9 @@ def test_the_threshold_is_checked_on_a_sample_of_rows_and_the_search_then_ends_a
     low = learned(texts).output_memory_layer.last_tuning
     assert low["fold_check"] == "searched" and low["tail_step"] == low["fold_step"]
     assert low["fold_step"] == pytest.approx(always["fold_step"], rel=STEP_SEARCH_REL)
+    threshold = ratio * 0.5 * low["one_fit_step"]
+    first = low["held_out_nll"][0][0]  # the full rows' search trace: [(η, NLL)]
+    assert first != pytest.approx(threshold, rel=1e-6) and first == pytest.approx(low["fold_step"], rel=0.5)
     monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", ratio * 2.0)
     high = learned(texts).output_memory_layer.last_tuning
     assert high["fold_check"] == "below ratio" and high["tail_step"] == high["one_fit_step"]
