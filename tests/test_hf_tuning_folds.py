@@ -59,7 +59,12 @@ def test_the_folds_statistics_split_the_left_out_positions_by_document():
         assert rel(s, k.T @ k) < 1e-6 and rel(t, k.T @ out_v[rows].double()) < 1e-6
 
 
-def test_each_held_out_row_is_scored_by_the_fit_without_its_own_folds_ends(monkeypatch):
+@pytest.mark.parametrize("sampled, spare", [(False, False), (True, False), (True, True)])
+def test_each_held_out_row_is_scored_by_the_fit_without_its_own_folds_ends(monkeypatch, sampled, spare):
+    """Every row's change, whether all rows are one set or the sample and the other row sets are written in place as
+    strided views, into a fresh buffer or into the layer's spare one (NaN-filled: a row left unwritten fails)."""
+    if sampled:
+        monkeypatch.setattr(tuning, "SEARCH_SAMPLE_MIN_ROWS", 8)
     layer = learned(plain([1, 2, 3, 4])).output_memory_layer
     min_fit = min_fit_of(layer)
     keys, ys, docs, *_ = layer.tail_statistics()
@@ -67,8 +72,12 @@ def test_each_held_out_row_is_scored_by_the_fit_without_its_own_folds_ends(monke
     log_base = torch.log_softmax(base[0].double(), -1).gather(-1, ys[:, None]).squeeze(-1)
     curvature, width = layer.damped_curvature(), layer.hidden_size
     monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)  # taken: every row's logits are formed
-    fold = output_folds.fold_tuning(layer, keys, ys, docs, base, log_base, width, curvature, 0.5, 0.05, min_fit)
+    buffer = torch.full_like(base[0], float("nan")) if spare else None
+    fold = output_folds.fold_tuning(layer, keys, ys, docs, base, log_base, width, curvature, 0.5, 0.05, min_fit,
+                                    spare=buffer)  # fmt: skip
     eta, _, _, logits = fold.taken
+    assert keys.shape[0] >= 8 * tuning.SEARCH_SAMPLE_STRIDE or not sampled
+    assert (logits[1].data_ptr() == buffer.data_ptr()) if spare else True
     assert eta == fold.step > 0 and fold.check == "searched"
     assert torch.equal(logits[3], logits[1].gather(-1, ys[:, None]).squeeze(-1))
     count, memory, head = int(layer.memory.count), layer.memory, layer.head.weight.double()
@@ -168,3 +177,40 @@ def test_a_single_text_is_left_to_the_one_fit_whose_fit_its_one_fold_would_repea
     one = learned([noisy_phrase(1800, seed=1)]).output_memory_layer.last_tuning
     assert one["fold_check"] == "one document" and one["fold_step"] is None
     assert one["held_out_documents"] == 1 and one["tail_step"] == one["one_fit_step"] > 0
+
+
+@pytest.mark.parametrize("check", ["searched", "below ratio"])
+def test_the_layer_writes_the_folds_change_into_the_key_width_it_did_not_choose(monkeypatch, check):
+    """With two key widths and sampled rows the layer hands the folds the unchosen width's [m, V] buffer; what it
+    tunes (step, trace, held-out gain, whether the fold step is taken or the one fit's kept) equals what it tunes
+    with the folds' change in a fresh buffer."""
+    config = FaastConfig(output=ResidualOutput(tune_tokens=4096, head_dtype="float32"), learn_dtype="model")
+    monkeypatch.setattr(tuning, "SEARCH_SAMPLE_MIN_ROWS", 8)
+    monkeypatch.setattr(tuning, "WIDTH_SAMPLE_MIN_ROWS", 8)
+    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)
+    if check == "below ratio":  # just above the folds' own ratio: the check stops and the one fit's rows are kept
+        model = apply_faast(tiny_model("llama"), config)
+        model.learn(plain([1, 2, 3, 4]), max_length=WINDOW, batch_size=2)
+        model.output_memory_layer.folded(torch.device("cpu"), torch.float32)
+        always = model.output_memory_layer.last_tuning
+        monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1.01 * always["fold_step"] / always["one_fit_step"])
+    shipped, spares = output_folds.fold_tuning, []
+
+    def recording(*args, drop: bool):  # noqa: ANN002, ANN202 - the layer's positional call; spare comes last
+        spares.append(args[11])
+        return shipped(*args[:11], spare=None if drop else args[11])
+
+    tunings = []
+    for drop in (False, True):
+        monkeypatch.setattr(output_folds, "fold_tuning", lambda *a, _d=drop: recording(*a, drop=_d))
+        model = apply_faast(tiny_model("llama"), config)
+        model.learn(plain([1, 2, 3, 4]), max_length=WINDOW, batch_size=2)
+        layer = model.output_memory_layer
+        assert layer.memory.dim_key > layer.hidden_size  # two widths to choose from
+        layer.folded(torch.device("cpu"), torch.float32)
+        tunings.append(layer.last_tuning)
+    assert spares[0] is not None and spares[0].shape[0] == tunings[0]["held_out_tokens"]
+    assert tunings[0]["fold_check"] == tunings[1]["fold_check"] == check
+    for key in ("step", "held_out_nll", "held_out_gain", "parts", "key_width"):
+        assert tunings[0][key] == tunings[1][key], key
+    assert tunings[0]["step"] > 0

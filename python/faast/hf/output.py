@@ -419,8 +419,9 @@ class ResidualOutputLayer(nn.Module):
             _, eta, lam, trace, rows = tuned
         one_fit, fold = eta, output_folds.FoldTuning(None, "fixed step or weight 0")
         if lam > 0 and fixed_step is None:  # the held-out ends in folds (also where η is 0), taken where much larger
+            spare = next((r[-1] for k, r in results.items() if k != width), None)  # the other width's z1
             fold = output_folds.fold_tuning(self, keys, ys, docs, base, log_base, width, curvature, lam, eta,
-                                            self._min_fit())  # fmt: skip
+                                            self._min_fit(), spare)  # fmt: skip
             eta, trace, rows, logits = fold.taken or (eta, trace, rows, logits)
         check_weight = lam if lam > 0 else (fixed_weight if fixed_weight is not None else self.default_weight)
         candidate = min(trace, key=lambda t: t[-1])[0]  # the search's best step, before the significance test
