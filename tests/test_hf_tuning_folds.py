@@ -77,7 +77,7 @@ def test_each_held_out_row_is_scored_by_the_fit_without_its_own_folds_ends(monke
                                     spare=buffer)  # fmt: skip
     eta, _, _, logits = fold.taken
     assert keys.shape[0] >= 8 * tuning.SEARCH_SAMPLE_STRIDE or not sampled
-    assert (logits[1].data_ptr() == buffer.data_ptr()) if spare else True
+    assert not spare or logits[1].data_ptr() == buffer.data_ptr()
     assert eta == fold.step > 0 and fold.check == "searched"
     assert torch.equal(logits[3], logits[1].gather(-1, ys[:, None]).squeeze(-1))
     count, memory, head = int(layer.memory.count), layer.memory, layer.head.weight.double()
