@@ -127,8 +127,9 @@ class ResidualOutput(_Group):
             DEFAULT_STEP_PER_DIM learned positions per hidden dimension. 0.5 was chosen on three validation domains
             with η as tuned (docs/design.md §6.3); 0 turns it off.
         head_dtype: dtype of the LM-head products while learning (logits and p·H per position, float32
-            accumulation, statistics in float64): 'auto' is bfloat16 on CUDA and on CPUs with native bfloat16
-            (AVX512-BF16 or AMX), else float32; 'float32' or 'bfloat16' forces one.
+            accumulation, statistics in float64) and of the logits' change the solve tunes the step on (the base
+            logits stay float32): 'auto' is bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16 or AMX),
+            else float32; 'float32' or 'bfloat16' forces one.
         head_pool_below: p·H while learning pools the vocabulary columns whose probability stays below this in
             every position of a 1,024-position block onto their probability-weighted mean row of H (the gradients'
             sum stays exact): a number in [0, 1], 0 exact; 'auto' (the default) is 3e-4 where the head products are

@@ -49,11 +49,15 @@ def head_second_moment(weight: torch.Tensor, mass: torch.Tensor) -> torch.Tensor
     return out
 
 
-def change_logits(head: nn.Module, change: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The change [n, V] float32 of the head's logits for a change [n, d] of its input: change·Hᵀ, without the head's
-    bias (it cancels). out: a [n, V] float32 tensor to write it into (rows of a larger buffer: two calls on
-    complementary rows fill one)."""
-    return torch.matmul(change.float(), head.weight.float().T, out=out)
+def change_logits(
+    head: nn.Module, change: torch.Tensor, out: torch.Tensor | None = None, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The change [n, V] of the head's logits for a change [n, d] of its input: change·Hᵀ, without the head's bias (it
+    cancels), in the dtype of `weight`, the head's weight already cast to the products' dtype (float32 or bfloat16;
+    default float32): bfloat16 products accumulate in float32 and round once on output. out: a [n, V] tensor of that
+    dtype to write it into (rows of a larger buffer: two calls on complementary rows fill one)."""
+    weight = head.weight.float() if weight is None else weight
+    return torch.matmul(change.to(weight.dtype), weight.T, out=out)
 
 
 class HeadBuffers:

@@ -59,7 +59,7 @@ from .head import (
 from .held_out import HeldOutTail
 from .mixture import read_blocks
 from .output_diagnosis import MemoryOffWarning, diagnose, document_shrink
-from .output_state import OutputState
+from .output_state import OutputState, checked_restored
 
 _log = logging.getLogger("faast.hf")
 
@@ -316,16 +316,22 @@ class ResidualOutputLayer(nn.Module):
         rows: slice = slice(None),
         out: torch.Tensor | None = None,
     ) -> tuning.Logits:
-        """(z0, z1 [m, V] float32: the logits of the keys' h̃ and their change per unit step, keys·w through the head
-        without its bias; their entries at the targets ys [n]) for the keys [n, d_key] at `rows` (default all m = n).
-        base: (z0 [n, V], its entries [n]) of an earlier call on the same keys (`tail_base`), reused. out: a [n, V]
-        float32 buffer z1 is written into at `rows` (two calls on complementary rows fill one)."""
+        """(z0 [m, V] float32 and z1 [m, V] in `change_weight`'s dtype, the logits of the keys' h̃ and their change
+        per unit step keys·w through the head without its bias; both at the targets ys [n], float32) for the keys
+        [n, d_key] at `rows` (default all m = n). base: `tail_base` of the same keys, reused. out: a [n, V] buffer of
+        z1's dtype written at `rows` (two calls on complementary rows fill one)."""
         if base is None:
             base = self.tail_base(keys, ys)
+        weight = self.change_weight()
         if out is None:
-            out = torch.empty((keys.shape[0], base[0].shape[-1]), dtype=torch.float32, device=keys.device)
-        z1 = change_logits(self.head, keys[rows] @ w.float(), out=out[rows])
-        return base[0][rows], z1, base[1][rows], z1.gather(-1, ys[rows, None]).squeeze(-1)
+            out = torch.empty((keys.shape[0], base[0].shape[-1]), dtype=weight.dtype, device=keys.device)
+        z1 = change_logits(self.head, keys[rows] @ w.float(), out=out[rows], weight=weight)
+        return base[0][rows], z1, base[1][rows], z1.gather(-1, ys[rows, None]).squeeze(-1).float()
+
+    def change_weight(self) -> torch.Tensor:
+        """The head's weight [V, d] in the dtype the step's tuning forms z1 in: the head products' (`head_dtype`;
+        'auto' is bfloat16 where the device multiplies it natively: half the time and memory, docs/design.md §6.3)."""
+        return self.head_buffers.weight(self.head.weight, products_dtype(self.head_dtype, self.head.weight))
 
     def tail_base(self, keys: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(z0 [n, V] float32, its entries at the targets ys [n]): the base logits of the keys' h̃ [n, d_key]."""
@@ -403,7 +409,7 @@ class ResidualOutputLayer(nn.Module):
             # depends on the model's predictions only, not on the tokens that followed.
             w = self.newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
                              curvature, width)  # fmt: skip
-            out = torch.empty_like(base[0])  # z1 [n, V]: the sample's rows now, the rest if this width is chosen
+            out = base[0].new_empty(base[0].shape, dtype=self.change_weight().dtype)  # z1 [n, V]: sample, then rest
             logits = self.tail_logits(keys, ys, w, base, sample_rows, out)
             start = max((r[1] for r in results.values()), default=0.0)  # the narrower keys' step
             tuned = tuning.tune_width(logits, log_base[sample_rows], fixed_step, fixed_weight, start, len(widths) > 1)
@@ -456,7 +462,8 @@ class ResidualOutputLayer(nn.Module):
             m, lam, width, bias = None, 0.0, self.hidden_size, None
             if float(self.memory.count) > 0:
                 curvature = self.damped_curvature()
-                eta, lam, width = self._choose_step(curvature)
+                with self.head_buffers.kept():  # the head's cast for z1, once per solve
+                    eta, lam, width = self._choose_step(curvature)
                 if eta > 0 and lam > 0:
                     memory = self.memory
                     w = self.newton(memory.gram, memory.cross, memory.count, curvature, width)
@@ -518,19 +525,12 @@ class ResidualOutputLayer(nn.Module):
     def restore_step(self, step: float | None, weight: float | None = None, key_width: int | None = None) -> None:
         """Use `step`, `weight` and `key_width` (saved with the statistics) where they cannot be tuned; None: the
         defaults (h̃ alone for the width)."""
-        if step is not None and not (isinstance(step, (int, float)) and math.isfinite(step) and step >= 0):
-            raise ValueError(f"step: expected a finite number >= 0 or None, got {step!r}")
-        if weight is not None and not (isinstance(weight, (int, float)) and 0.0 <= weight <= 1.0):
-            raise ValueError(f"weight: expected a number in [0, 1] or None, got {weight!r}")
         widths = sorted({self.hidden_size, self.memory.dim_key})
-        if key_width is not None and (type(key_width) is not int or key_width not in widths):
-            raise ValueError(f"key_width: expected one of {widths} or None, got {key_width!r}")
-        self._restored_step, self._restored_width = (None if step is None else float(step)), key_width
-        self._restored_weight, self._folded = (None if weight is None else float(weight)), None
+        step, weight, key_width = checked_restored(step, weight, key_width, widths)
+        self._restored_step, self._restored_weight, self._restored_width, self._folded = step, weight, key_width, None
 
     def discard_held_out(self) -> None:
-        """Drop the held-out tail (learning state of this process): after a load, the positions learned before it
-        are not in the loaded statistics, so they must not tune the step."""
+        """Drop the held-out tail: after a load, what was learned before it is not in the loaded statistics."""
         self.held_out.clear()
         self._folded = None
 
@@ -561,13 +561,12 @@ class ResidualOutputLayer(nn.Module):
     def read_logits(
         self, hidden: torch.Tensor, logits: torch.Tensor, extra: torch.Tensor | None = None, *, overwrite: bool = False
     ) -> torch.Tensor:
-        """Probability space: the head's output logits [..., V] for its input hidden [..., d] (the final norm's
-        output) -> log((1 − λ)·softmax(z) + λ·softmax(z + (key·M)Hᵀ)) with z the logits the model reads (the
-        head's output times the type's logit scale), divided by that scale again so the model's own scaling
-        restores it; key = [hidden; extra] (extra [..., extra_key_size], as in `learn`) when M reads the full keys,
-        else hidden. Same shape and dtype; computed in float32 (float64 for float64 logits), differentiable in hidden
-        and logits (a readout trained through the model sees it). Unchanged while the memory is empty or in logit
-        space. overwrite: `logits` is the caller's to reuse (the head's fresh output; see mixture.read_blocks)."""
+        """Probability space: the head's output logits [..., V] for its input hidden [..., d] (the final norm's output)
+        -> log((1 − λ)·softmax(z) + λ·softmax(z + (key·M)Hᵀ)) with z the logits the model reads (the head's output
+        times the type's logit scale), divided by that scale again so the model's own scaling restores it; key =
+        [hidden; extra] (extra [..., extra_key_size], as in `learn`) when M reads the full keys, else hidden. Same
+        shape and dtype, computed in float32 (float64 for float64 logits), differentiable in hidden and logits.
+        Unchanged while empty or in logit space. overwrite: `logits` is the caller's to reuse (mixture.read_blocks)."""
         if self.space != "probability":
             return logits
         m, lam = self.solution(hidden.device, hidden.dtype)

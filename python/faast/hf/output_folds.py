@@ -61,8 +61,9 @@ def fold_tuning(
 ) -> FoldTuning:
     """The folds' step (`FoldTuning`) for the sampled held-out keys [m, d_key], targets [m] and documents [m] of
     `layer.tail_statistics`, their base logits (`tail_base`) and log-likelihoods (`base_log_targets`), at key width
-    `width` and weight λ `weight`, against the one fit's step `start`. spare: a [m, V] float32 buffer the layer no
-    longer reads (the key width it did not choose), written with the folds' change instead of fresh pages."""
+    `width` and weight λ `weight`, against the one fit's step `start`. spare: a [m, V] buffer in the change's dtype
+    (`layer.change_weight`) the layer no longer reads (the key width it did not choose), written with the folds'
+    change instead of fresh pages."""
     if FOLD_STEP_RATIO == float("inf"):
         return FoldTuning(None, "off")
     threshold = FOLD_STEP_RATIO * start
@@ -82,19 +83,20 @@ def fold_tuning(
     for f, w in enumerate(fits):
         index = (row_fold == f).nonzero().squeeze(-1)
         change[index] = keys[index] @ w.float()
-    z1 = torch.empty_like(base[0]) if spare is None else spare
+    head_weight = layer.change_weight()
+    z1 = base[0].new_empty(base[0].shape, dtype=head_weight.dtype) if spare is None else spare
     target1 = torch.empty_like(base[1])
     m = keys.shape[0]
     stride = tuning.SEARCH_SAMPLE_STRIDE if m >= tuning.SEARCH_SAMPLE_MIN_ROWS else 1
     # Row sets j::stride are strided views of z1 that the products write in place: no [r, V] copies or scatters,
     # whose fresh pages cost as much as the products (0.5 s per 400 MB in a 32K solve, 2 AMD EPYC cores).
-    _fill(layer.head, change, ys, z1, target1, 0, stride)
+    _fill(layer.head, head_weight, change, ys, z1, target1, 0, stride)
     if threshold > 0.0:  # from a memory the one fit left off (threshold 0), the search itself reads the slope at 0
         sample = (base[0][::stride], z1[::stride], base[1][::stride], target1[::stride])
         if tuning.derivatives(tuning.step_rows(sample, threshold), weight, log_base[::stride])[1] >= 0.0:
             return FoldTuning(None, "below ratio")
     for j in range(1, stride):
-        _fill(layer.head, change, ys, z1, target1, j, stride)
+        _fill(layer.head, head_weight, change, ys, z1, target1, j, stride)
     logits = (base[0], z1, base[1], target1)
     # Sampled rows: the search runs on the check's sample from the threshold and its best point starts the one on every
     # row, which then ends in 1-3 passes over the [m, V] logits rather than the 4-6 it takes from the threshold
@@ -106,6 +108,7 @@ def fold_tuning(
 
 def _fill(
     head: torch.nn.Module,
+    weight: torch.Tensor,
     change: torch.Tensor,
     ys: torch.Tensor,
     z1: torch.Tensor,
@@ -113,8 +116,9 @@ def _fill(
     j: int,
     stride: int,
 ) -> None:
-    """z1[j::stride] [r, V] float32, the logits' change per unit step for the rows' changes change[j::stride] [r, d],
-    and target1[j::stride], its entries at the targets ys."""
+    """z1[j::stride] [r, V] (in the dtype of `weight`, the head's weight cast for the products), the logits' change
+    per unit step for the rows' changes change[j::stride] [r, d], and target1[j::stride] float32, its entries at the
+    targets ys."""
     rows = slice(j, None, stride)
-    change_logits(head, change[rows], out=z1[rows])
+    change_logits(head, change[rows], out=z1[rows], weight=weight)
     target1[rows] = z1[rows].gather(-1, ys[rows, None]).squeeze(-1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
 from ..accumulator import Accumulator
@@ -50,3 +52,17 @@ class OutputState(nn.Module):
         self.folded = None  # as the layer does on a device move: the tail and caches stay where they were made
         self.held_out.clear()
         return super()._apply(fn, recurse)
+
+
+def checked_restored(
+    step: float | None, weight: float | None, key_width: int | None, widths: list[int]
+) -> tuple[float | None, float | None, int | None]:
+    """(step, weight, key_width) as `OutputState.restored` keeps them, each None or checked: a finite step >= 0, a
+    weight in [0, 1], a key width among `widths`. ValueError names the first argument that is neither."""
+    if step is not None and not (isinstance(step, (int, float)) and math.isfinite(step) and step >= 0):
+        raise ValueError(f"step: expected a finite number >= 0 or None, got {step!r}")
+    if weight is not None and not (isinstance(weight, (int, float)) and 0.0 <= weight <= 1.0):
+        raise ValueError(f"weight: expected a number in [0, 1] or None, got {weight!r}")
+    if key_width is not None and (type(key_width) is not int or key_width not in widths):
+        raise ValueError(f"key_width: expected one of {widths} or None, got {key_width!r}")
+    return None if step is None else float(step), None if weight is None else float(weight), key_width

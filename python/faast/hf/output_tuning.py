@@ -57,19 +57,23 @@ GOLDEN_ITERATIONS = 8
 WEIGHT_ITERATIONS = 40
 # ... and a mixture is used only when its mean held-out gain per position exceeds MIN_GAIN_SE standard errors.
 MIN_GAIN_SE = 2.0
-# The held-out logits the layer computes: (z0 [n, V], z1 [n, V] float32, z0 and z1 at the targets [n]).
+# The held-out logits the layer computes: (z0 [n, V] float32, z1 [n, V] float32 or bfloat16 (the head products'
+# dtype, ResidualOutputLayer.change_weight), z0 and z1 at the targets [n] float32).
 Logits = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 _MOMENT_ROWS = 64  # rows per block of `_moments` (64 × 49,152 float32: 12.6 MB, within a server CPU's cache)
 
 
 def _moments(z0: torch.Tensor, z1: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row of logits z = z0 + η·z1 [n, V]: (logsumexp z, E_p[z1], E_p[z1²]) [n] with p = softmax(z). One
-    exponential per entry (the softmax's unnormalised weights give the logsumexp too), the expectations as vecdot's
-    fused row products, in blocks of _MOMENT_ROWS rows in one reused buffer that stays in cache (timings: docs/
-    design.md §6.3)."""
+    """Per row of logits z = z0 + η·z1 [n, V]: (logsumexp z, E_p[z1], E_p[z1²]) [n] in z0's dtype with p = softmax(z).
+    One exponential per entry (the softmax's unnormalised weights give the logsumexp too), the expectations as
+    vecdot's fused row products, in blocks of _MOMENT_ROWS rows in one reused buffer that stays in cache (timings:
+    docs/design.md §6.3). A z1 in another dtype (bfloat16) is widened block by block into a second such buffer."""
     out = []
-    buffer = torch.empty((min(_MOMENT_ROWS, z0.shape[0]), z0.shape[1]), dtype=z0.dtype, device=z0.device)
+    shape = (min(_MOMENT_ROWS, z0.shape[0]), z0.shape[1])
+    buffer = torch.empty(shape, dtype=z0.dtype, device=z0.device)
+    wide = None if z1.dtype == z0.dtype else torch.empty(shape, dtype=z0.dtype, device=z0.device)
     for a, b in zip(z0.split(_MOMENT_ROWS), z1.split(_MOMENT_ROWS), strict=True):
+        b = b if wide is None else wide[: b.shape[0]].copy_(b)
         z = torch.add(a, b, alpha=eta, out=buffer[: a.shape[0]])
         top = z.amax(-1)
         w = z.sub_(top[:, None]).exp_()
@@ -81,8 +85,9 @@ def _moments(z0: torch.Tensor, z1: torch.Tensor, eta: float) -> tuple[torch.Tens
 
 
 def row_logsumexp(z0: torch.Tensor, z1: torch.Tensor | None = None, eta: float = 0.0) -> torch.Tensor:
-    """logsumexp of each row of z0 + η·z1 [n, V] (z0 alone when z1 is None): [n], in z0's dtype, as `_moments` takes
-    it: 1.5–2.7× faster than torch.logsumexp over blocks of 512 rows (2048 × 49,152 logits, 2 AMD EPYC cores)."""
+    """logsumexp of each row of z0 + η·z1 [n, V] (z0 alone when z1 is None; z1 in z0's dtype or bfloat16): [n], in
+    z0's dtype, as `_moments` takes it: 1.5–2.7× faster than torch.logsumexp over blocks of 512 rows (2048 × 49,152
+    logits, 2 AMD EPYC cores)."""
     out = []
     buffer = torch.empty((min(_MOMENT_ROWS, z0.shape[0]), z0.shape[1]), dtype=z0.dtype, device=z0.device)
     for i, a in enumerate(z0.split(_MOMENT_ROWS)):

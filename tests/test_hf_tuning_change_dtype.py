@@ -1,0 +1,103 @@
+"""The dtype the residual output layer's step tuning forms the logits' change z1 in (ResidualOutputLayer.change_weight,
+docs/design.md §6.3): the head products' (head_dtype; 'auto' bfloat16 where the CPU multiplies it natively). z1
+against a float64 hand computation, the tuning's row passes on a bfloat16 z1 against float64, and the step tuned
+on a bfloat16 z1 against the one tuned on float32 products from the same statistics, by one fit and by the folds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from faast.hf import FaastConfig, ResidualOutput, apply_faast, output_folds
+from faast.hf import head as head_module
+from faast.hf import output_tuning as tuning
+from hf_models import tiny_model
+from test_hf_residual import noisy_phrase
+from test_hf_tuning_documents import WINDOW
+from test_hf_tuning_folds import documents
+from tolerances import BF16_CHANGE_STEP_REL, ELEMENTWISE, assert_close
+
+CPU = torch.device("cpu")
+FOLD_LEARN = {"max_length": WINDOW, "batch_size": 2}  # as test_hf_tuning_folds learns its documents
+
+
+def learned(x, key_layers="auto", **learn):  # noqa: ANN001, ANN003, ANN201 - test helper
+    """A tiny llama that learned x with float32 head products, not yet solved: the solve's dtype is set after."""
+    output = ResidualOutput(tune_tokens=4096, head_dtype="float32", key_layers=key_layers)
+    model = apply_faast(tiny_model("llama"), FaastConfig(output=output, learn_dtype="model"))
+    model.learn(x, **learn)
+    return model
+
+
+@pytest.mark.parametrize("setting, native, want", [
+    ("auto", True, torch.bfloat16), ("auto", False, torch.float32),
+    ("float32", True, torch.float32), ("bfloat16", False, torch.bfloat16),
+])  # fmt: skip
+def test_the_change_is_formed_in_the_head_products_dtype(setting, native, want, monkeypatch):
+    monkeypatch.setattr(head_module, "native_bf16", lambda device: native)
+    layer = learned(noisy_phrase()).output_memory_layer
+    layer.head_dtype = setting
+    weight = layer.change_weight()
+    assert weight.dtype == want and weight.shape == layer.head.weight.shape
+    assert_close(weight, layer.head.weight.to(want), torch.float32)  # the cast, nothing else
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_tail_logits_change_equals_a_float64_hand_computation(dtype):
+    layer = learned(noisy_phrase()).output_memory_layer
+    layer.head_dtype = str(dtype).split(".")[-1]
+    keys, ys, _, s_tail, t_tail, n_tail, _, _ = layer.tail_statistics()
+    memory = layer.memory
+    w = layer.newton(memory.gram - s_tail, memory.cross - t_tail, memory.count - n_tail, layer.damped_curvature())
+    z0, z1, target0, target1 = layer.tail_logits(keys, ys, w)
+    head = layer.head.weight.double()
+    want = (keys.double() @ w) @ head.T
+    assert z1.dtype == dtype and z0.dtype == target0.dtype == target1.dtype == torch.float32
+    # bfloat16: the change [m, d] and H round to bfloat16 before the product, and z1 once more after it.
+    atol, rtol = ELEMENTWISE[dtype]
+    scale = float(want.abs().max())
+    torch.testing.assert_close(z1.double(), want, atol=atol * scale, rtol=rtol)
+    assert torch.equal(target1, z1.gather(-1, ys[:, None]).squeeze(-1).float())
+    assert_close(z0, keys[:, : layer.hidden_size].double() @ head.T, torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 130], ids=lambda n: f"{n}-rows")
+def test_the_row_passes_on_a_bfloat16_change_match_float64(rows):
+    # The bfloat16 z1 is widened exactly, so the reference is float64 on the rounded z1; 130 rows leave a ragged last
+    # block of the 64-row blocks, and 1,001 columns no vector-width multiple.
+    g = torch.Generator().manual_seed(rows)
+    z0 = torch.randn(rows, 1001, generator=g) * 3.0
+    z1 = (torch.randn(rows, 1001, generator=g) * 2.0).bfloat16()
+    eta = 0.37
+    z = z0.double() + eta * z1.double()
+    p = torch.softmax(z, -1)
+    lse, m1, m2 = tuning._moments(z0, z1, eta)
+    expected = (torch.logsumexp(z, -1), (p * z1.double()).sum(-1), (p * z1.double() ** 2).sum(-1))
+    for got, want in zip((lse, m1, m2), expected, strict=True):
+        assert got.shape == (rows,) and got.dtype == torch.float32
+        assert_close(got, want, torch.float32)
+    got = tuning.row_logsumexp(z0, z1, eta)
+    assert got.dtype == torch.float32
+    assert_close(got, expected[0], torch.float32)
+
+
+@pytest.mark.parametrize("text", ["one fit", "folds"])
+def test_a_bfloat16_change_tunes_the_float32_products_step(text, monkeypatch):
+    # The same statistics solved twice: z1 from float32 products, then from bfloat16 ones. "folds": texts sharing
+    # their end, where the folds' step is taken (test_hf_tuning_folds); in both the folds' z1 is in that dtype too.
+    case = (noisy_phrase(), "auto", {}) if text == "one fit" else (documents([1, 2, 3, 4]), [], FOLD_LEARN)
+    fill, filled = output_folds._fill, []
+    monkeypatch.setattr(output_folds, "_fill", lambda *a: filled.append(a[4].dtype) or fill(*a))
+    steps = {}
+    for dtype in ("float32", "bfloat16"):
+        layer = learned(case[0], case[1], **case[2]).output_memory_layer
+        layer.head_dtype = dtype
+        filled.clear()
+        layer.solution(CPU, torch.float32)
+        steps[dtype] = layer.last_tuning
+        assert set(filled) == {getattr(torch, dtype)}  # the folds check (and search) ran on that dtype too
+    want, got = steps["float32"], steps["bfloat16"]
+    assert want["step"] > 0 and (want["fold_check"] == "searched") == (text == "folds")
+    assert got["fold_check"] == want["fold_check"] and got["key_width"] == want["key_width"]
+    assert abs(got["step"] - want["step"]) <= BF16_CHANGE_STEP_REL * want["step"]
+    assert abs(got["held_out_gain"] - want["held_out_gain"]) <= BF16_CHANGE_STEP_REL * want["held_out_gain"]
