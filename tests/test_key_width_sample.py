@@ -16,11 +16,13 @@ from tolerances import HELD_OUT_NLL_REL, REORDER_REL, STEP_SEARCH_REL, assert_cl
 CPU = torch.device("cpu")
 
 
+@pytest.mark.parametrize("change_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(1, 7), (63, 50), (64, 96), (130, 33)])
 @pytest.mark.parametrize("eta", [None, 0.0, 0.37])
-def test_row_logsumexp_equals_a_float64_reference_on_odd_shapes(shape, eta):
+def test_row_logsumexp_equals_a_float64_reference_on_odd_shapes(shape, eta, change_dtype):
+    # z1 in bfloat16 too (the head products' dtype): it widens exactly, so the reference reads the rounded values.
     g = torch.Generator().manual_seed(shape[0])
-    z0, z1 = torch.randn(*shape, generator=g) * 4, torch.randn(*shape, generator=g)
+    z0, z1 = torch.randn(*shape, generator=g) * 4, torch.randn(*shape, generator=g).to(change_dtype)
     got = tuning.row_logsumexp(z0) if eta is None else tuning.row_logsumexp(z0, z1, eta)
     want = torch.logsumexp(z0.double() + (0.0 if eta is None else eta) * z1.double(), -1)
     assert got.shape == (shape[0],) and got.dtype == torch.float32

@@ -131,13 +131,15 @@ def test_the_experiments_previous_search_reads_every_row_and_finds_the_same_mini
     assert abs(eta_previous - eta_shipped) <= STEP_SEARCH_REL * eta_shipped
 
 
+@pytest.mark.parametrize("change_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [1, 64, 130], ids=lambda n: f"{n}-rows")
-def test_moments_match_float64(rows):
+def test_moments_match_float64(rows, change_dtype):
     # Per row of z = z0 + η·z1: logsumexp z, E_p[z1] and E_p[z1²] under p = softmax(z), against float64; 130 rows
-    # leave a ragged last block of `_moments`' 64-row blocks, and a vocabulary of 1,001 no vector-width multiple.
+    # leave a ragged last block of `_moments`' 64-row blocks, and a vocabulary of 1,001 no vector-width multiple. A
+    # bfloat16 z1 (the head products' dtype, ResidualOutputLayer.change_weight) widens exactly: the reference reads it.
     g = torch.Generator().manual_seed(rows)
     z0 = torch.randn(rows, 1001, generator=g) * 3.0
-    z1 = torch.randn(rows, 1001, generator=g) * 2.0
+    z1 = (torch.randn(rows, 1001, generator=g) * 2.0).to(change_dtype)
     eta = 0.37
     lse, m1, m2 = tuning._moments(z0, z1, eta)
     z = z0.double() + eta * z1.double()
