@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from faast.hf import ResidualOutput
-from tolerances import ORDER_STEP_REL
+from tolerances import ORDER_STEP_REL, ORDER_STEP_REL_BF16_CHANGE
 
 pytestmark = pytest.mark.slow
 
@@ -132,13 +132,15 @@ def test_two_texts_learned_in_either_order_gain_the_same_on_both():
                 adapted.learn(json_ids if name == "json" else [licence[:cut]], max_length=256, batch_size=8)
             tuning = adapted.solve()["default"]
             results.append((tuning, {name: perplexity(adapted, w).ppl for name, w in scored.items()}))
+            change = adapted.output_memory_layer.change_weight().dtype  # z1's dtype follows the CPU ('auto')
         finally:
             adapted.remove_faast()
     (first, ppl_a), (second, ppl_b) = results
     assert first["tuned"] and not first["off"] and first["warning"] is None and first["held_out_documents"] == 5
     # The search starts from a sample of every 4th held-out row, drawn with the texts in an order of their own content
     # (not the order learned), so both orders tune on the same rows and the steps agree to rounding.
-    assert first["step"] == pytest.approx(second["step"], rel=ORDER_STEP_REL) and first["step"] > 0.05
+    order_rel = ORDER_STEP_REL if change == torch.float32 else ORDER_STEP_REL_BF16_CHANGE
+    assert first["step"] == pytest.approx(second["step"], rel=order_rel) and first["step"] > 0.05
     for name in scored:
         assert ppl_a[name] == pytest.approx(ppl_b[name], rel=1e-4)
         assert ppl_a[name] < 0.95 * zero[name]
