@@ -288,6 +288,36 @@ def test_epoch_warmup_nests_epochs_and_the_time_budget_and_callback_stop_trainin
         run(1, "steps")
 
 
+def test_the_step_callback_sees_every_step_across_epochs_and_stopping_there_equals_a_shorter_run():
+    model, data = tiny_model("llama", layers=3), [ids(91, 11), ids(61, 12)]
+    fit = {"window": 16, "batch_size": 1, "lr": 3e-2, "seed": 3, "warmup": "epoch"}  # 10 steps an epoch
+    seen, at_13 = [], []
+
+    def run(epochs: int, stop_at: int | None = None) -> tuple[list, object]:
+        projection = LinearProjection(model, [1, 2])
+
+        def on_step(step: int) -> bool:
+            assert not model.training  # the callback scores the model as the final one is scored: eval mode
+            seen.append(step)
+            if step == 13:
+                at_13.append([p.detach().clone() for p in projection.parameters()])
+            return step == stop_at
+
+        try:
+            stats = fit_causal_lm(model, list(projection.parameters()), data, epochs=epochs, on_step=on_step, **fit)
+            return [p.detach().clone() for p in projection.parameters()], stats
+        finally:
+            projection.remove()
+
+    full, stats = run(2)
+    assert seen == list(range(1, 21)) and stats.steps == 20
+    # Stopped by the callback after step 13 (mid-epoch 2): the parameters the longer run had after its step 13.
+    stopped, stats = run(3, stop_at=13)
+    assert stats.steps == 13 and stats.epochs == 1.3 and seen[20:] == list(range(1, 14))
+    assert all(torch.equal(a, b) for a, b in zip(stopped, at_13[0], strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(stopped, full, strict=True))
+
+
 def test_tuned_lora_chooses_the_learning_rate_that_learns_on_the_schedule_its_final_training_follows():
     pytest.importorskip("peft")
     model = tiny_model("llama")

@@ -115,8 +115,8 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: float | None = None, modul
 
 @dataclass
 class FitStats:
-    """steps taken, tokens trained on (each window's predicted tokens), training seconds (the `on_epoch` callbacks'
-    time left out), mean loss of the first and last 10% steps, and the optimizer steps one epoch takes."""
+    """steps taken, tokens trained on (each window's predicted tokens), training seconds (the `on_epoch` and `on_step`
+    callbacks' time left out), mean loss of the first and last 10% steps, and the optimizer steps one epoch takes."""
 
     steps: int
     tokens: int
@@ -146,6 +146,7 @@ def fit_causal_lm(
     warmup: str = "total",
     on_epoch: Callable[[int], bool | None] | None = None,
     max_seconds: float | None = None,
+    on_step: Callable[[int], bool | None] | None = None,
 ) -> FitStats:
     """Train `params` on the causal-LM loss over every adjacent pair of the texts (windows overlap by one token).
 
@@ -158,8 +159,10 @@ def fit_causal_lm(
     steps, so training for E epochs is exactly the first E epochs of any longer run (the window order is drawn per
     epoch from one seeded generator either way): what per-epoch scoring and time-bounded training need.
     on_epoch(epoch): called after each full epoch (1-based) with the model still in eval mode; returning True stops
-    the training there. Its time is not training time. max_seconds: stop before a step that, at the mean step time
-    so far, would end past this much training time (at least one step is taken); `epochs` is then an upper bound.
+    the training there. Its time is not training time. on_step(step): the same after each optimizer step (1-based,
+    counted across epochs), e.g. to score the model at every step count a time budget could end on. max_seconds:
+    stop before a step that, at the mean step time so far, would end past this much training time (at least one step
+    is taken); `epochs` is then an upper bound.
     """
     if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
         raise ValueError(f"autocast: expected None, torch.bfloat16 or torch.float16, got {autocast!r}")
@@ -203,6 +206,8 @@ def fit_causal_lm(
                 losses.append(float(loss.detach()))  # waits for the step: its time is all in `trained`
                 tokens += int((mask[:, 1:] & mask[:, :-1]).sum())
                 trained += time.perf_counter() - began
+                if on_step is not None and on_step(len(losses)):
+                    return _stats(losses, tokens, trained, per_epoch)
             if on_epoch is not None and on_epoch(epoch):
                 break
     finally:

@@ -1,0 +1,240 @@
+"""Which held-out tokens FAAST and LoRA gain on, and where LoRA at FAAST's time would stand a step earlier or later.
+
+    python experiments/lm_token_gain.py --domains tkinter asyncio info \\
+        --baselines-from experiments/results/lm_domains_fair_peers_cpu.json
+
+Per domain, as experiments/lm_domains.py runs it (the same texts, 256-token learning windows, the curve's three
+learn calls with a solve after each): the default FAAST learns the text, and its learn + solve time is the budget.
+LoRA (the benchmark's rank, LoRA-best's learning rate from --baselines-from, else --lora-lr; warmup over one epoch's
+10%) then trains, and is scored after every step from --first-step to --last-step. The step at which the budget
+runs out is LoRA at FAAST's time; the curve around it shows how much that comparison turns on where it stops.
+
+Every scored position's negative log-likelihood is kept for the base model, FAAST and LoRA at FAAST's time, and
+the gain (base NLL − method NLL, summed over a category, divided by all scored positions, so the categories add up
+to the total) is split by what the target token is: how often it occurs in the learned text, whether it occurred
+earlier in its scoring window, and whether it is whitespace only (`categories`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import RESULTS, ROOT  # noqa: E402
+from domains import DOMAINS, EXTRA, VALIDATION  # noqa: E402
+
+from faast import provenance  # noqa: E402
+
+# Occurrences of the target token in the learned text: [low, high) per category.
+COUNT_BUCKETS = ((0, 1), (1, 10), (10, 100), (100, math.inf))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--domains", nargs="+", choices=(*DOMAINS, *EXTRA, *VALIDATION), default=["tkinter"])
+    p.add_argument("--learn-tokens", type=int, default=32768)
+    p.add_argument("--score-tokens", type=int, default=8192)
+    p.add_argument("--window", type=int, default=1024, help="scoring window (tokens)")
+    p.add_argument("--learn-window", type=int, default=256)
+    p.add_argument("--learn-batch-size", type=int, default=8)
+    p.add_argument("--train-window", type=int, default=256)
+    p.add_argument("--train-batch-size", type=int, default=4)
+    p.add_argument("--lora-lr", type=float, default=1e-3, help="LoRA's lr where --baselines-from has no LoRA-best")
+    p.add_argument(
+        "--baselines-from",
+        type=Path,
+        default=None,
+        help="an lm_domains result JSON: LoRA-best's lr per domain (as lm_domains' LoRA at FAAST's time)",
+    )
+    p.add_argument("--first-step", type=int, default=4)
+    p.add_argument("--last-step", type=int, default=14)
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument("--out", default="lm_token_gain_cpu")
+    args = p.parse_args(argv)
+    if not 1 <= args.first_step <= args.last_step:
+        p.error(f"--first-step, --last-step: expected 1 <= first <= last, got {args.first_step}, {args.last_step}")
+    return args
+
+
+def token_nll(model, windows: Sequence[Sequence[int]]):  # noqa: ANN001, ANN201 - torch.Tensor
+    """Each scored position's negative log-likelihood, float64 [Σ (len(w) − 1)], windows in order: what
+    faast.hf.evaluate.perplexity averages (its perplexity is exp of this mean)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for w in windows:
+            ids = torch.tensor([list(w)])
+            logits = model(input_ids=ids, use_cache=False).logits[0, :-1].double()
+            out.append(-torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0])
+    return torch.cat(out)
+
+
+def categories(windows: Sequence[Sequence[int]], learned: Sequence[Sequence[int]], whitespace: set[int]) -> dict:
+    """Boolean masks [Σ (len(w) − 1)] over the scored positions, by the target token (windows[i][t + 1]): its count
+    in the learned texts (COUNT_BUCKETS), whether it occurs earlier in its own window (positions 0..t), and whether
+    it is in `whitespace` (ids that decode to whitespace only)."""
+    import torch
+
+    counts = Counter(t for ids in learned for t in ids)
+    targets, before = [], []
+    for w in windows:
+        seen: set[int] = set()
+        for t in range(1, len(w)):
+            seen.add(w[t - 1])
+            targets.append(w[t])
+            before.append(w[t] in seen)
+    n = torch.tensor([counts[t] for t in targets], dtype=torch.float64)
+    masks = {"all": torch.ones(len(targets), dtype=torch.bool)}
+    for low, high in COUNT_BUCKETS:
+        label = "unseen in the learned text" if high == 1 else f"learned {low}–{high - 1}×" if high < math.inf \
+            else f"learned ≥ {low}×"  # fmt: skip
+        masks[label] = (n >= low) & (n < high)
+    masks["earlier in its window"] = torch.tensor(before, dtype=torch.bool)
+    masks["not earlier in its window"] = ~masks["earlier in its window"]
+    masks["whitespace only"] = torch.tensor([t in whitespace for t in targets], dtype=torch.bool)
+    return masks
+
+
+def gain_table(base, methods: dict, masks: dict) -> list[dict]:  # noqa: ANN001
+    """Per category: share of positions, the base model's mean NLL there, and per method the gain in nats summed over
+    the category and divided by all positions (so the categories of one partition add up to 'all')."""
+    total = base.numel()
+    rows = []
+    for name, m in masks.items():
+        row = {"category": name, "share": float(m.double().mean()), "base_nll": float(base[m].mean()) if m.any()
+               else float("nan")}  # fmt: skip
+        for method, nll in methods.items():
+            row[method] = float((base - nll)[m].sum() / total)
+        rows.append(row)
+    return rows
+
+
+def lora_lr(args: argparse.Namespace, domain: str) -> tuple[float, str]:
+    """LoRA-best's lr for `domain` from --baselines-from (its row's tuned lr), else --lora-lr."""
+    if args.baselines_from is not None:
+        data = json.loads(args.baselines_from.read_text(encoding="utf-8"))
+        for d in data["domains"]:
+            if d["domain"] != domain:
+                continue
+            for r in d["rows"]:
+                lr = (r.get("tuned") or {}).get("lr")
+                if r["method"].startswith("LoRA-best (") and lr:
+                    return float(lr), f"LoRA-best in {args.baselines_from.name}"
+    return args.lora_lr, "--lora-lr"
+
+
+def run_domain(name: str, base, tokenizer, args: argparse.Namespace) -> dict:  # noqa: ANN001
+    import torch
+    from lm_baselines import apply_lora, fit_causal_lm
+    from lm_domains import CURVE, Domain, curve_parts, points
+    from lm_domains_peers import TIME_EPOCHS, lora_rank
+
+    from faast.hf import FaastConfig, apply_faast
+    from faast.hf.default import DEFAULT_READOUT
+
+    dargs = argparse.Namespace(**vars(args), parts_as_documents=False)  # lm_domains' protocol: a cut text continues
+    domain = Domain(name, tokenizer, dargs)
+    base_nll = token_nll(base, domain.windows)
+    model = apply_faast(base, FaastConfig())
+    try:
+        started = time.perf_counter()
+        for part, continues in curve_parts(domain, points(domain.learned, CURVE), dargs):
+            model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size, continues=continues)
+            model.solve()
+        budget = time.perf_counter() - started
+        step = (model.output_memory_layer.last_tuning or {}).get("step")
+        faast_nll = token_nll(model, domain.windows)
+    finally:
+        model.remove_faast()
+    lr, lr_from = lora_lr(args, name)
+    # The benchmark's rank: LoRA's parameters match a linear projection at the shipped readout's middle layers.
+    rank = lora_rank(base, FaastConfig.load(DEFAULT_READOUT / "faast_config.json").middle.layers)
+    torch.manual_seed(0)
+    lora = apply_lora(base, rank)
+    curve, kept, clock = [], {}, {"trained": 0.0, "since": time.perf_counter()}
+
+    def on_step(n: int) -> bool:
+        clock["trained"] += time.perf_counter() - clock["since"]  # the scoring below is not training time
+        if n >= args.first_step:
+            nll = token_nll(lora, domain.windows)
+            curve.append({"steps": n, "seconds": clock["trained"], "ppl": math.exp(float(nll.mean()))})
+            kept[n] = nll
+        clock["since"] = time.perf_counter()
+        return n >= args.last_step
+
+    try:
+        trainable = [p for p in lora.parameters() if p.requires_grad]
+        fit_causal_lm(lora, trainable, domain.learn, window=args.train_window, batch_size=args.train_batch_size,
+                      lr=lr, epochs=TIME_EPOCHS, warmup="epoch", on_step=on_step)  # fmt: skip
+    finally:
+        lora.unload()
+    # LoRA at FAAST's time: the steps whose training ends within the budget (at least the first scored one).
+    fits = [c["steps"] for c in curve if c["seconds"] <= budget] or [curve[0]["steps"]]
+    at_time = fits[-1]
+    whitespace = {t for t in set(map(int, torch.cat([torch.tensor(w) for w in domain.windows]).tolist()))
+                  if tokenizer.decode([t]).strip() == ""}  # fmt: skip
+    masks = categories(domain.windows, domain.learn, whitespace)
+    gains = gain_table(base_nll, {"faast": faast_nll, "lora": kept[at_time]}, masks)
+    return {"domain": name, "scored": base_nll.numel(), "ppl_base": math.exp(float(base_nll.mean())),
+            "ppl_faast": math.exp(float(faast_nll.mean())), "faast_step": step, "budget_s": budget,
+            "lora": {"rank": rank, "lr": lr, "lr_from": lr_from, "curve": curve, "at_time": at_time},
+            "gains": gains}  # fmt: skip
+
+
+def report(rows: list[dict]) -> list[str]:
+    lines = []
+    for r in rows:
+        lo = r["lora"]
+        lines += [f"## {r['domain']}: {r['scored']:,} scored positions", "",
+                  f"zero-shot {r['ppl_base']:.3f}; FAAST {r['ppl_faast']:.3f} (step {r['faast_step']:.4g}) after "
+                  f"{r['budget_s']:.1f} s of learning and solving; LoRA r={lo['rank']}, lr {lo['lr']:g} "
+                  f"({lo['lr_from']}): {lo['at_time']} steps fit that time.", "",
+                  "| LoRA steps | training s | perplexity | against FAAST |", "|---|---|---|---|"]  # fmt: skip
+        for c in lo["curve"]:
+            mark = " ← FAAST's time" if c["steps"] == lo["at_time"] else ""
+            lines.append(f"| {c['steps']}{mark} | {c['seconds']:.1f} | {c['ppl']:.3f} | "
+                         f"{'FAAST ahead' if r['ppl_faast'] < c['ppl'] else 'LoRA ahead'} |")  # fmt: skip
+        lines += ["", f"Gain in nats per scored position (base NLL − method NLL, summed over the category, over all "
+                      f"{r['scored']:,} positions), FAAST against LoRA at {lo['at_time']} steps:", "",
+                  "| target token | share | base NLL | FAAST gain | LoRA gain | LoRA − FAAST |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for g in r["gains"]:
+            lines.append(f"| {g['category']} | {g['share']:.3f} | {g['base_nll']:.3f} | {g['faast']:.4f} | "
+                         f"{g['lora']:.4f} | {g['lora'] - g['faast']:+.4f} |")  # fmt: skip
+        lines.append("")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import torch
+
+    from faast.hf.default import load_base_model
+
+    args = parse_args(argv)
+    record = provenance.start(ROOT)
+    torch.manual_seed(0)
+    base, tokenizer, description = load_base_model("smollm2")
+    rows = []
+    for name in args.domains:
+        rows.append(run_domain(name, base, tokenizer, args))
+        lo = rows[-1]["lora"]
+        print(f"{name}: FAAST {rows[-1]['ppl_faast']:.3f} in {rows[-1]['budget_s']:.1f} s; LoRA "
+              + ", ".join(f"{c['steps']}: {c['ppl']:.3f}" for c in lo["curve"]), flush=True)  # fmt: skip
+    settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
+    payload = {"model": description, "settings": settings, "rows": rows}
+    provenance.write(args.results_dir / args.out, record, payload,
+                     "Which held-out tokens gain, and LoRA around FAAST's time", report(rows))  # fmt: skip
+    return payload
+
+
+if __name__ == "__main__":
+    main()
