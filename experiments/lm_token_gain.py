@@ -13,6 +13,9 @@ Every scored position's negative log-likelihood is kept for the base model, FAAS
 the gain (base NLL − method NLL, summed over a category, divided by all scored positions, so the categories add up
 to the total) is split by what the target token is: how often it occurs in the learned text, whether it occurred
 earlier in its scoring window, and whether it is whitespace only (`categories`).
+
+--curve also scores FAAST after each curve point (2K, 8K, 32K tokens) and splits its gain there the same way: where
+the curve rises, which tokens lose. --no-lora leaves LoRA out.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="an lm_domains result JSON: LoRA-best's lr per domain (as lm_domains' LoRA at FAAST's time)",
     )
+    p.add_argument("--curve", action="store_true", help="also score FAAST at every curve point (2K, 8K, 32K)")
+    p.add_argument("--no-lora", action="store_true", help="FAAST alone (no LoRA rows)")
     p.add_argument("--first-step", type=int, default=4)
     p.add_argument("--last-step", type=int, default=14)
     p.add_argument("--results-dir", type=Path, default=RESULTS)
@@ -144,17 +149,34 @@ def run_domain(name: str, base, tokenizer, args: argparse.Namespace) -> dict:  #
     dargs = argparse.Namespace(**vars(args), parts_as_documents=False)  # lm_domains' protocol: a cut text continues
     domain = Domain(name, tokenizer, dargs)
     base_nll = token_nll(base, domain.windows)
+    whitespace = {t for t in set(map(int, torch.cat([torch.tensor(w) for w in domain.windows]).tolist()))
+                  if tokenizer.decode([t]).strip() == ""}  # fmt: skip
+    masks = categories(domain.windows, domain.learn, whitespace)
     model = apply_faast(base, FaastConfig())
+    budget, along = 0.0, []  # learn + solve seconds (scoring left out); --curve: FAAST at each curve point
     try:
-        started = time.perf_counter()
-        for part, continues in curve_parts(domain, points(domain.learned, CURVE), dargs):
+        amounts = points(domain.learned, CURVE)
+        for amount, (part, continues) in zip(amounts, curve_parts(domain, amounts, dargs), strict=True):
+            started = time.perf_counter()
             model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size, continues=continues)
             model.solve()
-        budget = time.perf_counter() - started
-        step = (model.output_memory_layer.last_tuning or {}).get("step")
-        faast_nll = token_nll(model, domain.windows)
+            budget += time.perf_counter() - started
+            if args.curve or amount == amounts[-1]:
+                nll = token_nll(model, domain.windows)
+                tuning = model.output_memory_layer.last_tuning or {}
+                along.append({"tokens": amount, "ppl": math.exp(float(nll.mean())), "step": tuning.get("step"),
+                              "tuned": bool(tuning.get("tuned")), "nll": nll})  # fmt: skip
     finally:
         model.remove_faast()
+    faast_nll = along[-1]["nll"]
+    row = {"domain": name, "scored": base_nll.numel(), "ppl_base": math.exp(float(base_nll.mean())),
+           "ppl_faast": along[-1]["ppl"], "faast_step": along[-1]["step"], "budget_s": budget, "lora": None,
+           "gains": gain_table(base_nll, {"faast": faast_nll}, masks)}  # fmt: skip
+    if args.curve:
+        row["curve"] = [{k: v for k, v in p.items() if k != "nll"} for p in along]
+        row["curve_gains"] = gain_table(base_nll, {f"{p['tokens']}": p["nll"] for p in along}, masks)
+    if args.no_lora:
+        return row
     lr, lr_from = lora_lr(args, name)
     # The benchmark's rank: LoRA's parameters match a linear projection at the shipped readout's middle layers.
     rank = lora_rank(base, FaastConfig.load(DEFAULT_READOUT / "faast_config.json").middle.layers)
@@ -180,14 +202,9 @@ def run_domain(name: str, base, tokenizer, args: argparse.Namespace) -> dict:  #
     # LoRA at FAAST's time: the steps whose training ends within the budget (at least the first scored one).
     fits = [c["steps"] for c in curve if c["seconds"] <= budget] or [curve[0]["steps"]]
     at_time = fits[-1]
-    whitespace = {t for t in set(map(int, torch.cat([torch.tensor(w) for w in domain.windows]).tolist()))
-                  if tokenizer.decode([t]).strip() == ""}  # fmt: skip
-    masks = categories(domain.windows, domain.learn, whitespace)
-    gains = gain_table(base_nll, {"faast": faast_nll, "lora": kept[at_time]}, masks)
-    return {"domain": name, "scored": base_nll.numel(), "ppl_base": math.exp(float(base_nll.mean())),
-            "ppl_faast": math.exp(float(faast_nll.mean())), "faast_step": step, "budget_s": budget,
-            "lora": {"rank": rank, "lr": lr, "lr_from": lr_from, "curve": curve, "at_time": at_time},
-            "gains": gains}  # fmt: skip
+    row["lora"] = {"rank": rank, "lr": lr, "lr_from": lr_from, "curve": curve, "at_time": at_time}
+    row["gains"] = gain_table(base_nll, {"faast": faast_nll, "lora": kept[at_time]}, masks)
+    return row
 
 
 def report(rows: list[dict]) -> list[str]:
@@ -196,9 +213,26 @@ def report(rows: list[dict]) -> list[str]:
         lo = r["lora"]
         lines += [f"## {r['domain']}: {r['scored']:,} scored positions", "",
                   f"zero-shot {r['ppl_base']:.3f}; FAAST {r['ppl_faast']:.3f} (step {r['faast_step']:.4g}) after "
-                  f"{r['budget_s']:.1f} s of learning and solving; LoRA r={lo['rank']}, lr {lo['lr']:g} "
-                  f"({lo['lr_from']}): {lo['at_time']} steps fit that time.", "",
-                  "| LoRA steps | training s | perplexity | against FAAST |", "|---|---|---|---|"]  # fmt: skip
+                  f"{r['budget_s']:.1f} s of learning and solving."]  # fmt: skip
+        if "curve" in r:
+            lines += ["", "FAAST along the curve: gain in nats per scored position (base NLL − FAAST NLL, summed over"
+                      " the category, over all positions; the categories count the target in all the learned text):",
+                      "", "| target token | share | base NLL | "
+                      + " | ".join(f"{p['tokens']:,} tokens (η {p['step']:.3g})" for p in r["curve"]) + " |",
+                      "|---|---|---|" + "---|" * len(r["curve"])]  # fmt: skip
+            for g in r["curve_gains"]:
+                lines.append(f"| {g['category']} | {g['share']:.3f} | {g['base_nll']:.3f} | "
+                             + " | ".join(f"{g[str(p['tokens'])]:+.4f}" for p in r["curve"]) + " |")  # fmt: skip
+        if lo is None:
+            lines.append("")
+            continue
+        lines += [
+            "",
+            f"LoRA r={lo['rank']}, lr {lo['lr']:g} ({lo['lr_from']}): {lo['at_time']} steps fit FAAST's time.",
+            "",
+            "| LoRA steps | training s | perplexity | against FAAST |",
+            "|---|---|---|---|",
+        ]
         for c in lo["curve"]:
             mark = " ← FAAST's time" if c["steps"] == lo["at_time"] else ""
             lines.append(f"| {c['steps']}{mark} | {c['seconds']:.1f} | {c['ppl']:.3f} | "
@@ -226,9 +260,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name in args.domains:
         rows.append(run_domain(name, base, tokenizer, args))
-        lo = rows[-1]["lora"]
+        lora = (rows[-1]["lora"] or {}).get("curve", [])
         print(f"{name}: FAAST {rows[-1]['ppl_faast']:.3f} in {rows[-1]['budget_s']:.1f} s; LoRA "
-              + ", ".join(f"{c['steps']}: {c['ppl']:.3f}" for c in lo["curve"]), flush=True)  # fmt: skip
+              + ", ".join(f"{c['steps']}: {c['ppl']:.3f}" for c in lora), flush=True)  # fmt: skip
     settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
     payload = {"model": description, "settings": settings, "rows": rows}
     provenance.write(args.results_dir / args.out, record, payload,
