@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, ROOT  # noqa: E402
+from _common import RESULTS, ROOT, start_record  # noqa: E402
 from domains import DOMAINS, EXTRA, VALIDATION  # noqa: E402
 
 from faast import provenance  # noqa: E402
@@ -146,6 +146,7 @@ def run_domain(name: str, base, tokenizer, args: argparse.Namespace) -> dict:  #
     from faast.hf import FaastConfig, apply_faast
     from faast.hf.default import DEFAULT_READOUT
 
+    torch.manual_seed(0)  # each domain as if run alone
     dargs = argparse.Namespace(**vars(args), parts_as_documents=False)  # lm_domains' protocol: a cut text continues
     domain = Domain(name, tokenizer, dargs)
     base_nll = token_nll(base, domain.windows)
@@ -176,6 +177,7 @@ def run_domain(name: str, base, tokenizer, args: argparse.Namespace) -> dict:  #
         row["curve"] = [{k: v for k, v in p.items() if k != "nll"} for p in along]
         row["curve_gains"] = gain_table(base_nll, {f"{p['tokens']}": p["nll"] for p in along}, masks)
     if args.no_lora:
+        print(f"{name}: FAAST {row['ppl_faast']:.3f} in {budget:.1f} s", flush=True)
         return row
     lr, lr_from = lora_lr(args, name)
     # The benchmark's rank: LoRA's parameters match a linear projection at the shipped readout's middle layers.
@@ -204,6 +206,8 @@ def run_domain(name: str, base, tokenizer, args: argparse.Namespace) -> dict:  #
     at_time = fits[-1]
     row["lora"] = {"rank": rank, "lr": lr, "lr_from": lr_from, "curve": curve, "at_time": at_time}
     row["gains"] = gain_table(base_nll, {"faast": faast_nll, "lora": kept[at_time]}, masks)
+    print(f"{name}: FAAST {row['ppl_faast']:.3f} in {budget:.1f} s; LoRA "
+          + ", ".join(f"{c['steps']}: {c['ppl']:.3f}" for c in curve), flush=True)  # fmt: skip
     return row
 
 
@@ -249,20 +253,12 @@ def report(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import torch
-
     from faast.hf.default import load_base_model
 
     args = parse_args(argv)
-    record = provenance.start(ROOT)
-    torch.manual_seed(0)
+    record = start_record()
     base, tokenizer, description = load_base_model("smollm2")
-    rows = []
-    for name in args.domains:
-        rows.append(run_domain(name, base, tokenizer, args))
-        lora = (rows[-1]["lora"] or {}).get("curve", [])
-        print(f"{name}: FAAST {rows[-1]['ppl_faast']:.3f} in {rows[-1]['budget_s']:.1f} s; LoRA "
-              + ", ".join(f"{c['steps']}: {c['ppl']:.3f}" for c in lora), flush=True)  # fmt: skip
+    rows = [run_domain(name, base, tokenizer, args) for name in args.domains]
     settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
     payload = {"model": description, "settings": settings, "rows": rows}
     provenance.write(args.results_dir / args.out, record, payload,
