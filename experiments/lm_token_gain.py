@@ -150,8 +150,8 @@ def run_domain(name: str, base, tokenizer, args: argparse.Namespace) -> dict:  #
     dargs = argparse.Namespace(**vars(args), parts_as_documents=False)  # lm_domains' protocol: a cut text continues
     domain = Domain(name, tokenizer, dargs)
     base_nll = token_nll(base, domain.windows)
-    whitespace = {t for t in set(map(int, torch.cat([torch.tensor(w) for w in domain.windows]).tolist()))
-                  if tokenizer.decode([t]).strip() == ""}  # fmt: skip
+    scored_ids = {t for w in domain.windows for t in w}
+    whitespace = {t for t in scored_ids if tokenizer.decode([t]).strip() == ""}
     masks = categories(domain.windows, domain.learn, whitespace)
     model = apply_faast(base, FaastConfig())
     budget, along = 0.0, []  # learn + solve seconds (scoring left out); --curve: FAAST at each curve point
