@@ -7,7 +7,7 @@ import argparse
 import glob
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +44,24 @@ def start_record() -> dict:
     from faast import provenance
 
     return provenance.start(ROOT)
+
+
+def run_default_domains(
+    args: argparse.Namespace, run_domain: Callable[..., dict], title: str, report: Callable[[list[dict]], list[str]]
+) -> dict:
+    """The per-domain experiments' main: the default model (SmolLM2) loaded once, run_domain(name, base, tokenizer,
+    args) for each of args.domains, and {model, settings, rows} written with report(rows) through the results writer
+    at args.results_dir / args.out. Returns that payload."""
+    from faast import provenance
+    from faast.hf.default import load_base_model
+
+    record = start_record()
+    base, tokenizer, description = load_base_model("smollm2")
+    rows = [run_domain(name, base, tokenizer, args) for name in args.domains]
+    settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
+    payload = {"model": description, "settings": settings, "rows": rows}
+    provenance.write(Path(args.results_dir) / args.out, record, payload, title, report(rows))
+    return payload
 
 
 def write_results(

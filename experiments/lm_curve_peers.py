@@ -32,10 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, ROOT, start_record, table  # noqa: E402
+from _common import RESULTS, run_default_domains, table  # noqa: E402
 from domains import DOMAINS, EXTRA, VALIDATION  # noqa: E402
-
-from faast import provenance  # noqa: E402
 
 LORA_LRS = (3e-4, 1e-3, 3e-3)  # LoRA-best's grid (lm_baselines.tune_lora)
 # What lm_step_probe.probe's row keeps of each point.
@@ -244,17 +242,9 @@ def report(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from faast.hf.default import load_base_model
-
     args = parse_args(argv)
-    record = start_record()
-    base, tokenizer, description = load_base_model("smollm2")
-    rows = [run_domain(name, base, tokenizer, args) for name in args.domains]
-    settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
-    payload = {"model": description, "settings": settings, "rows": rows}
-    provenance.write(args.results_dir / args.out, record, payload,
-                     "Does more learned text help any learner?", report(rows, args))  # fmt: skip
-    return payload
+    return run_default_domains(args, run_domain, "Does more learned text help any learner?",
+                               lambda rows: report(rows, args))  # fmt: skip
 
 
 if __name__ == "__main__":

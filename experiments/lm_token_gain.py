@@ -31,10 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, ROOT, start_record  # noqa: E402
+from _common import RESULTS, run_default_domains  # noqa: E402
 from domains import DOMAINS, EXTRA, VALIDATION  # noqa: E402
-
-from faast import provenance  # noqa: E402
 
 # Occurrences of the target token in the learned text: [low, high) per category.
 COUNT_BUCKETS = ((0, 1), (1, 10), (10, 100), (100, math.inf))
@@ -253,17 +251,8 @@ def report(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from faast.hf.default import load_base_model
-
     args = parse_args(argv)
-    record = start_record()
-    base, tokenizer, description = load_base_model("smollm2")
-    rows = [run_domain(name, base, tokenizer, args) for name in args.domains]
-    settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
-    payload = {"model": description, "settings": settings, "rows": rows}
-    provenance.write(args.results_dir / args.out, record, payload,
-                     "Which held-out tokens gain, and LoRA around FAAST's time", report(rows))  # fmt: skip
-    return payload
+    return run_default_domains(args, run_domain, "Which held-out tokens gain, and LoRA around FAAST's time", report)
 
 
 if __name__ == "__main__":
