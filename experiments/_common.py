@@ -27,6 +27,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="result file stem (default: <experiment>_<model>)")
 
 
+def add_stream_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's stream and its learners' windows, as experiments/lm_domains.py sets them: learned and scored
+    tokens, the scoring window, FAAST's learning windows and batch, LoRA's training windows and batch."""
+    parser.add_argument("--learn-tokens", type=int, default=32768)
+    parser.add_argument("--score-tokens", type=int, default=8192)
+    parser.add_argument("--window", type=int, default=1024, help="scoring window (tokens)")
+    parser.add_argument("--learn-window", type=int, default=256)
+    parser.add_argument("--learn-batch-size", type=int, default=8)
+    parser.add_argument("--train-window", type=int, default=256)
+    parser.add_argument("--train-batch-size", type=int, default=4)
+
+
 def load_model(args: argparse.Namespace):  # noqa: ANN201 - (FaastModel, tokenizer, description)
     """The base model with FAAST's memory layers: the readout given (`--readout`, e.g. faast/data/smollm2-readout for
     the shipped middle layers), else faast's default configuration (FaastConfig(): the residual output layer), as the

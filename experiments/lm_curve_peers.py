@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, run_default_domains, table  # noqa: E402
+from _common import RESULTS, add_stream_arguments, run_default_domains, table  # noqa: E402
 from domains import DOMAINS, EXTRA, VALIDATION  # noqa: E402
 
 LORA_LRS = (3e-4, 1e-3, 3e-3)  # LoRA-best's grid (lm_baselines.tune_lora)
@@ -46,13 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--domains", nargs="+", choices=(*DOMAINS, *EXTRA, *VALIDATION), default=["info", "man"])
     p.add_argument("--upto", type=int, default=8192, help="the last curve point (learned tokens) to measure")
-    p.add_argument("--learn-tokens", type=int, default=32768)
-    p.add_argument("--score-tokens", type=int, default=8192)
-    p.add_argument("--window", type=int, default=1024, help="scoring window (tokens)")
-    p.add_argument("--learn-window", type=int, default=256)
-    p.add_argument("--learn-batch-size", type=int, default=8)
-    p.add_argument("--train-window", type=int, default=256)
-    p.add_argument("--train-batch-size", type=int, default=4)
+    add_stream_arguments(p)
     p.add_argument("--lrs", type=lambda s: tuple(float(x) for x in s.split(",")), default=LORA_LRS)
     p.add_argument("--cut", default=None, help="end every learned text before this marker's first occurrence")
     p.add_argument("--no-lora", action="store_true", help="FAAST alone")

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, run_default_domains  # noqa: E402
+from _common import RESULTS, add_stream_arguments, run_default_domains  # noqa: E402
 from domains import DOMAINS, EXTRA, VALIDATION  # noqa: E402
 
 # Occurrences of the target token in the learned text: [low, high) per category.
@@ -41,13 +41,7 @@ COUNT_BUCKETS = ((0, 1), (1, 10), (10, 100), (100, math.inf))
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--domains", nargs="+", choices=(*DOMAINS, *EXTRA, *VALIDATION), default=["tkinter"])
-    p.add_argument("--learn-tokens", type=int, default=32768)
-    p.add_argument("--score-tokens", type=int, default=8192)
-    p.add_argument("--window", type=int, default=1024, help="scoring window (tokens)")
-    p.add_argument("--learn-window", type=int, default=256)
-    p.add_argument("--learn-batch-size", type=int, default=8)
-    p.add_argument("--train-window", type=int, default=256)
-    p.add_argument("--train-batch-size", type=int, default=4)
+    add_stream_arguments(p)
     p.add_argument("--lora-lr", type=float, default=1e-3, help="LoRA's lr where --baselines-from has no LoRA-best")
     p.add_argument(
         "--baselines-from",
