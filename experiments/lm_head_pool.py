@@ -1,7 +1,7 @@
 """The pooled p·H of the residual output layer's learning on cached states (ResidualOutput.head_pool_below,
 docs/design.md §6.3): for each pooling threshold, the share of the vocabulary a block of positions keeps, the error
-of the learned gradients r = H[y] − pH and of Σ μμᵀ against float64 products, and the time of the float32 head
-products.
+of the learned gradients r = H[y] − pH and of Σ μμᵀ against float64 products, and the time of the head products
+in `--products` (float32, what a CPU without native bfloat16 forms; bfloat16, what 'auto' forms where it is native).
 
     python experiments/lm_output_states.py --cache /tmp/faast_states
     python experiments/lm_head_pool.py --cache /tmp/faast_states --domains email asyncio
@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--positions", type=int, default=8160, help="learned positions per domain, from the start")
     p.add_argument("--batch", type=int, default=2040, help="positions per head_gradients call (8 × 255)")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per threshold (the median is reported)")
+    p.add_argument("--products", choices=("float32", "bfloat16"), default="float32", help="the head products' dtype")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--out", default="lm_head_pool_cpu")
     return p.parse_args(argv)
@@ -59,19 +60,22 @@ def exact(weight, keys, targets, batch: int, block: int):  # noqa: ANN001, ANN20
     return torch.cat(grads), gram, peaks
 
 
-def run(head, keys, targets, batch: int, pool: float):  # noqa: ANN001, ANN201
-    """head_gradients over the positions in calls of `batch` rows with float32 products: (r [n, d], Σ μμᵀ, seconds)."""
+def run(head, keys, targets, batch: int, pool: float, products):  # noqa: ANN001, ANN201
+    """head_gradients over the positions in calls of `batch` rows with `products` (a torch dtype), their buffers and
+    cast weights shared by the calls as within one learn() call: (r [n, d], Σ μμᵀ, seconds)."""
     import torch
 
-    from faast.hf.head import head_gradients
+    from faast.hf.head import HeadBuffers, head_gradients
 
     started = time.perf_counter()
-    grads, gram = [], 0
-    for i in range(0, len(targets), batch):
-        k, y = keys[i : i + batch][None], targets[i : i + batch][None]
-        g, m, _ = head_gradients(head, k, y, torch.ones_like(y, dtype=torch.bool), torch.float32, pool=pool)
-        grads.append(g[0])
-        gram = gram + m
+    grads, gram, buffers = [], 0, HeadBuffers()
+    with buffers.kept():
+        for i in range(0, len(targets), batch):
+            k, y = keys[i : i + batch][None], targets[i : i + batch][None]
+            mask = torch.ones_like(y, dtype=torch.bool)
+            g, m, _ = head_gradients(head, k, y, mask, products, pool=pool, buffers=buffers)
+            grads.append(g[0])
+            gram = gram + m
     return torch.cat(grads), gram, time.perf_counter() - started
 
 
@@ -89,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     args = parse_args(argv)
     pools = [float(x) for x in args.pools.split(",")]
+    products = getattr(torch, args.products)
     if pools[0] != 0:
         raise SystemExit("--pools: the first threshold must be 0, the exact products the others are timed against")
     record = provenance.start(ROOT)
@@ -100,10 +105,10 @@ def main(argv: list[str] | None = None) -> dict:
         keys, targets = torch.load(args.cache / f"{name}.pt")["learn"]
         keys, targets = keys[: args.positions].float(), targets[: args.positions]
         r64, gram64, peaks = exact(weight, keys, targets, args.batch, head_module.READ_CHUNK)
-        run(head, keys[: args.batch], targets[: args.batch], args.batch, pools[0])  # warm the allocator and BLAS
+        run(head, keys[: args.batch], targets[: args.batch], args.batch, pools[0], products)  # warm allocator, BLAS
         base_s = None
         for pool in pools:
-            timed = [run(head, keys, targets, args.batch, pool) for _ in range(args.repeats)]
+            timed = [run(head, keys, targets, args.batch, pool, products) for _ in range(args.repeats)]
             grads, gram, _ = timed[0]
             seconds = statistics.median(t[2] for t in timed)
             base_s = seconds if base_s is None else base_s
@@ -121,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{description}: the first {args.positions:,} learned positions per domain, in calls of {args.batch} rows. "
         "`kept`: the mean share of the vocabulary a block keeps; `r error` and `Σμμᵀ error`: relative to float64 "
         "products (Frobenius); `Σr error`: of the gradient sum; time: median of "
-        f"{args.repeats} passes of the float32 head products, and its ratio to the exact products'.",
+        f"{args.repeats} passes of the {args.products} head products (their buffers shared by the calls, as in one "
+        "learn() call), and its ratio to the exact products'.",
         "",
         *table(
             ["domain", "pool below", "kept", "r error", "Σμμᵀ error", "Σr error", "time", "× exact"],

@@ -147,6 +147,30 @@ def test_head_gradients_with_pooled_columns_match_a_float64_hand_pooling(monkeyp
     assert rel(got[0], exact[0]) > 10 * FLOAT32_COMPUTE_REL  # and the rows did move: the pooled path was taken
 
 
+@pytest.mark.parametrize("chunk", [1024, 8], ids=["one-chunk", "chunks-of-8"])
+def test_pooled_head_gradients_in_bfloat16_products_err_only_by_the_products_rounding(monkeypatch, chunk):
+    """'auto' pools bfloat16 products on a CPU: the kept columns' product rounds to bfloat16, the pooled row stays
+    float32. Against the float64 pooled reference, every sum errs no more than the exact bfloat16 products err
+    against the exact float64 reference on the same (peaked, so larger-logit) case: pooling adds no error of its own."""
+    monkeypatch.setattr(head_module, "READ_CHUNK", chunk)
+    monkeypatch.setattr(head_module, "POOL_DENSE_SHARE", 1.0)
+    pooled_calls = []
+    pooled_product = head_module.pooled_product
+    monkeypatch.setattr(head_module, "pooled_product", lambda *a, **k: pooled_calls.append(1) or pooled_product(*a, **k))
+    head, keys, targets, mask = peaked_case()
+    *expected, pooled_columns = pooled_reference(head, keys, targets, mask, 1e-2, chunk)
+    assert pooled_columns > 0
+    got = head_module.head_gradients(head, keys, targets, mask, torch.bfloat16, pool=1e-2)
+    assert pooled_calls  # the pooled path was taken, not the exact one
+    clean = keys.masked_fill(~mask.unsqueeze(-1), 0)
+    exact = reference(head, clean, targets, mask)
+    exact_bf16 = head_module.head_gradients(head, clean, targets, mask, torch.bfloat16)
+    for actual, want, products, truth in zip(got, expected, exact_bf16, exact, strict=True):
+        assert rel(actual, want) <= 1.25 * rel(products, truth) + FLOAT32_COMPUTE_REL
+        assert rel(actual, want) < 2 * BF16_HEAD_PRODUCTS_REL
+    assert bool((got[0][~mask] == 0).all())
+
+
 def test_pooled_rows_err_by_at_most_their_pooled_mass_times_the_pooled_rows_spread():
     head, keys, targets, mask = peaked_case()
     flat = keys.reshape(-1, DIM)[mask.reshape(-1)]
@@ -172,11 +196,15 @@ def test_pooling_keeps_the_full_product_when_most_columns_are_kept():
         assert torch.equal(a, b)
 
 
-def test_pool_threshold_auto_pools_float32_products_only():
+def test_pool_threshold_auto_pools_float32_products_and_every_product_on_a_cpu():
     keys32, keys64 = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float64)
+    off_cpu = torch.empty(2, 4, device="meta")  # stands in for a GPU: only the device type is read
     assert head_module.pool_threshold("auto", torch.float32, keys32) == head_module.POOL_AUTO > 0
-    assert head_module.pool_threshold("auto", torch.bfloat16, keys32) == 0.0
+    assert head_module.pool_threshold("auto", torch.bfloat16, keys32) == head_module.POOL_AUTO
+    assert head_module.pool_threshold("auto", torch.float32, off_cpu) == head_module.POOL_AUTO
+    assert head_module.pool_threshold("auto", torch.bfloat16, off_cpu) == 0.0
     assert head_module.pool_threshold("auto", torch.float32, keys64) == 0.0
+    assert head_module.pool_threshold("auto", torch.bfloat16, keys64) == 0.0
     assert head_module.pool_threshold(0.0, torch.float32, keys32) == 0.0
     assert head_module.pool_threshold(3e-4, torch.bfloat16, keys64) == 3e-4
 

@@ -484,11 +484,12 @@ def test_head_products_in_bfloat16_learn_what_float32_learns_within_the_declared
 
 @pytest.mark.parametrize(
     ("setting", "head_dtype", "native", "expected"),
-    [("auto", "auto", False, "POOL_AUTO"), ("auto", "auto", True, 0.0), ("auto", "float32", True, "POOL_AUTO"),
-     ("auto", "bfloat16", False, 0.0), (0.0, "float32", False, 0.0), (0.02, "bfloat16", True, 0.02)],
+    [("auto", "auto", False, "POOL_AUTO"), ("auto", "auto", True, "POOL_AUTO"), ("auto", "float32", True, "POOL_AUTO"),
+     ("auto", "bfloat16", False, "POOL_AUTO"), (0.0, "float32", False, 0.0), (0.0, "bfloat16", True, 0.0),
+     (0.02, "bfloat16", True, 0.02)],
 )  # fmt: skip
 def test_learning_pools_p_h_at_the_configured_threshold(monkeypatch, setting, head_dtype, native, expected):
-    """ResidualOutput.head_pool_below reaches the head products learn forms: 'auto' pools where they are float32."""
+    """ResidualOutput.head_pool_below reaches the head products learn forms: 'auto' pools on a CPU in either dtype."""
     from faast.hf import head as head_module
 
     monkeypatch.setattr(head_module, "native_bf16", lambda device: native)
@@ -510,7 +511,9 @@ def test_learning_pools_p_h_at_the_configured_threshold(monkeypatch, setting, he
 
 
 def test_a_learn_calls_batches_share_the_head_buffers_and_release_them_after(monkeypatch):
-    model = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(step=0.5, head_dtype="bfloat16")))
+    # The exact products (pool 0), the path that fills all four buffers; 'auto' would pool p·H on this CPU.
+    config = FaastConfig(output=ResidualOutput(step=0.5, head_dtype="bfloat16", head_pool_below=0.0))
+    model = apply_faast(tiny_model("llama"), config)
     buffers = model.output_memory_layer.head_buffers
     seen, get = [], buffers.get
 

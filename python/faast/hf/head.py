@@ -137,12 +137,15 @@ def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
 
 def pool_threshold(setting: float | str, products: torch.dtype, keys: torch.Tensor) -> float:
     """The probability below which p·H pools a vocabulary column, for ResidualOutput.head_pool_below `setting` with
-    head products of dtype `products` and keys [.., d]: 'auto' is POOL_AUTO for float32 products (a CPU without
-    native bfloat16, where p·H costs most) and 0 (exact) for 16-bit products or float64 keys (kept exact, as the
-    tests' references are)."""
+    head products of dtype `products` and keys [.., d]: 'auto' is POOL_AUTO for float32 products and for any
+    products on a CPU, where p·H is a large share of learning's cost; 0 (exact) for 16-bit products off the CPU
+    (a GPU's are cheap beside the gathers pooling adds) and for float64 keys (kept exact, as the tests' references
+    are)."""
     if setting != "auto":
         return float(setting)
-    return POOL_AUTO if products == torch.float32 and keys.dtype != torch.float64 else 0.0
+    if keys.dtype == torch.float64:
+        return 0.0
+    return POOL_AUTO if products == torch.float32 or keys.device.type == "cpu" else 0.0
 
 
 def pooled_product(
