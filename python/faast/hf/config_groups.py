@@ -133,7 +133,7 @@ class ResidualOutput(_Group):
         head_pool_below: p·H while learning pools the vocabulary columns whose probability stays below this in
             every position of a 1,024-position block onto their probability-weighted mean row of H (the gradients'
             sum stays exact): a number in [0, 1], 0 exact; 'auto' (the default) is 3e-4 where the head products are
-            float32 and 0 in bfloat16 (docs/design.md §6.3).
+            float32 and on a CPU in either dtype, 0 for 16-bit products on a GPU (docs/design.md §6.3).
     """
 
     kind: ClassVar[str] = "residual"
