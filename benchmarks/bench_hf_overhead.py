@@ -16,6 +16,8 @@ same process and write one file; --budget-s skips the models not started by then
 Reported per model (the goals of issue 37): learn tokens/s against the model's own forward pass
 (learn_vs_forward = forward time / learn time), the read overhead per forward pass (read_overhead) and per
 generated token (read_overhead_per_token_s, with KV cache), and the solve time (model.solve() after a learned batch).
+With a residual output layer, the shipped learning is also timed against itself with p·H exact (head_pool_below=0),
+what its pooling saves.
 
 Every case runs in the same process on the same batch of real text (the stdlib package's Python source), interleaved
 (benchmarks/_harness.py), and the table reports ratios to the base model measured in the same run. Learning runs the
@@ -40,6 +42,7 @@ H.add_source_path()
 import torch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+EXACT_PH = "learn, p·H exact (head_pool_below=0)"
 
 
 SHAPES = {
@@ -145,10 +148,14 @@ def timed_cases(  # noqa: ANN001 - a FaastModel
     backbone = model.base_model.get_submodule({"gpt2": "transformer"}.get(model.faast_config.model_type, "model"))
 
     shipped_learn = model.faast_config.learn_dtype  # 'auto': a bfloat16 pass where the device multiplies it natively
+    output = model.output_memory_layer
+    shipped_pool = getattr(output, "head_pool_below", None)  # the residual output layer's p·H pooling ('auto')
 
-    def with_compute(dtype: torch.dtype, learn_dtype: str = shipped_learn):  # noqa: ANN202
+    def with_compute(dtype: torch.dtype, learn_dtype: str = shipped_learn, pool: object = shipped_pool):  # noqa: ANN202
         def setup() -> None:
             model.faast_config.learn_dtype = learn_dtype
+            if shipped_pool is not None:
+                output.head_pool_below = pool
             for layer in model.faast_layers():
                 layer.memory.compute_dtype = dtype
 
@@ -166,7 +173,6 @@ def timed_cases(  # noqa: ANN001 - a FaastModel
         with torch.no_grad():
             model.learn_batch(batch, mask)
 
-    output = model.output_memory_layer
     shipped_space = getattr(output, "space", None)  # the residual output layer reads in 'probability' or 'logit' space
     shipped = (output.step, output.weight) if shipped_space is not None else None
 
@@ -228,6 +234,9 @@ def timed_cases(  # noqa: ANN001 - a FaastModel
         "generate with fast weights": (solved(), generate(False)),
         "solve after a learned batch": (relearn, solve),
     }
+    if shipped_pool is not None:
+        # The shipped learning with p·H exact (head_pool_below=0), in the same rounds: what pooling saves.
+        cases[EXACT_PH] = (with_compute(torch.float64, pool=0.0), learn)
     if shipped_space == "probability":
         # The same memory read in logit space (one head product per position instead of two), in the same rounds.
         cases["forward with fast weights, logit space"] = (solved("logit"), read_pass)
@@ -241,6 +250,7 @@ def overhead_rows(med: dict[str, float], tokens: int, new_tokens: int) -> list[l
     for name, ref in (
         ("learn, float64 statistics", "decoder pass, base"),
         ("learn, float64 statistics", "full forward, base"),
+        ("learn, float64 statistics", EXACT_PH),
         ("learn, float32 compute", "decoder pass, base"),
         ("learn, float32 compute", "full forward, base"),
         ("learn, the model's dtype (learn_dtype='model')", "decoder pass, base"),

@@ -336,6 +336,41 @@ def test_the_hf_benchmark_reads_with_the_memory_on_and_says_when_it_forced_a_ste
     assert forced == ["probability", "logit"] and output.space == "logit"
 
 
+def test_the_hf_benchmark_times_exact_p_h_beside_the_shipped_pooling_and_restores_it(monkeypatch):
+    # What pooling p·H saves is measured in the same rounds as the shipped learning: the exact case sets the
+    # layer's threshold to 0 and every other learn case puts the shipped setting back before it runs.
+    pytest.importorskip("transformers")
+    import torch
+
+    from faast.hf import head as head_module
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_hf_overhead as bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    model, ids, _ = bench.load("tiny")
+    batch = torch.tensor(ids[:128]).reshape(2, 64)
+    output = model.output_memory_layer
+    assert output.head_pool_below == "auto"
+    cases = bench.timed_cases(model, batch, new_tokens=2)
+    seen = []
+
+    def record(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(args[6])
+        return head_module.head_gradients(*args, **kwargs)
+
+    monkeypatch.setattr("faast.hf.output.head_gradients", record)
+    for name, pool in ((bench.EXACT_PH, 0.0), ("learn, float64 statistics", head_module.POOL_AUTO)):
+        setup, run = cases[name]
+        setup()
+        seen.clear()
+        run(None)
+        assert seen and set(seen) == {pool}, name  # on a CPU 'auto' pools in either dtype
+    rows = bench.overhead_rows({name: 1.0 for name in cases}, tokens=128, new_tokens=2)
+    assert ["learn, float64 statistics", bench.EXACT_PH] == rows[2][:2]
+
+
 def test_benchmarks_skip_only_what_autos_gates_keep_out_on_a_gpu(monkeypatch):
     # On a lent GPU a case auto's gate keeps out (measured there to fail or lose) costs minutes and tells nothing new,
     # so the benchmarks skip it unless --all-cases; off a GPU nothing is gated, so smoke runs keep every case.

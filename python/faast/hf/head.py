@@ -17,10 +17,11 @@ from torch import nn
 from ..hardware import native_bf16
 
 READ_CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
-# ResidualOutput.head_pool_below='auto' where the products are float32. On the three validation domains (2K, 8K and
-# 32K tokens learned) pooling below 3e-4 moved held-out perplexity by at most 0.012% (1e-3: 0.023%, 1e-2: 0.25%); it
-# erred by 0.3-0.4% of r, the bfloat16 products' order, and took the float32 head products to 0.78-0.87x their time
-# (docs/design.md §6.3).
+# ResidualOutput.head_pool_below='auto' where the products are float32 or on a CPU. On the three validation domains
+# (2K, 8K and 32K tokens learned) pooling below 3e-4 moved held-out perplexity by at most 0.012% with float32 products
+# (1e-3: 0.023%, 1e-2: 0.25%) and 0.023% with bfloat16 ones. It erred by 0.3-0.4% of r with float32 products and
+# added 0.03-0.05 point to the bfloat16 products' own 1.1-1.9%, and took the float32 head products to 0.78-0.87x their
+# time and the bfloat16 ones on a CPU to 0.77-0.86x (docs/design.md §6.3).
 POOL_AUTO = 3e-4
 # Past this share of the vocabulary kept, the gathers cost more than the columns they save: the full product.
 POOL_DENSE_SHARE = 0.6
@@ -139,7 +140,7 @@ def pool_threshold(setting: float | str, products: torch.dtype, keys: torch.Tens
     """The probability below which p·H pools a vocabulary column, for ResidualOutput.head_pool_below `setting` with
     head products of dtype `products` and keys [.., d]: 'auto' is POOL_AUTO for float32 products and for any
     products on a CPU, where p·H is a large share of learning's cost; 0 (exact) for 16-bit products off the CPU
-    (a GPU's are cheap beside the gathers pooling adds) and for float64 keys (kept exact, as the tests' references
+    (pooling them has not been measured on a GPU) and for float64 keys (kept exact, as the tests' references
     are)."""
     if setting != "auto":
         return float(setting)
