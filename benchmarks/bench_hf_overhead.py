@@ -147,13 +147,15 @@ def timed_cases(  # noqa: ANN001 - a FaastModel
     mask = torch.ones_like(batch)
     backbone = model.base_model.get_submodule({"gpt2": "transformer"}.get(model.faast_config.model_type, "model"))
 
-    shipped_learn = model.faast_config.learn_dtype  # 'auto': a bfloat16 pass where the device multiplies it natively
+    # 'auto': a bfloat16 pass where the device multiplies it natively. The learner reads its own copy of the setting,
+    # so the cases switch that one (switching the config's alone leaves every learn case in the shipped dtype).
+    shipped_learn = model.learner.learn_dtype
     output = model.output_memory_layer
     shipped_pool = getattr(output, "head_pool_below", None)  # the residual output layer's p·H pooling ('auto')
 
     def with_compute(dtype: torch.dtype, learn_dtype: str = shipped_learn, pool: object = shipped_pool):  # noqa: ANN202
         def setup() -> None:
-            model.faast_config.learn_dtype = learn_dtype
+            model.learner.learn_dtype = learn_dtype
             if shipped_pool is not None:
                 output.head_pool_below = pool
             for layer in model.faast_layers():
@@ -332,10 +334,10 @@ def run_model(args: argparse.Namespace, kind: str, dtype: str) -> tuple[dict, li
     with torch.no_grad():
         model.learn(ids[b * t : b * t + 16 * t], max_length=t, batch_size=b)
 
-    learn_dtype = model.faast_config.learn_dtype  # the cases switch it; the report names the shipped setting
+    learn_dtype = model.learner.learn_dtype  # the cases switch it; the report names the shipped setting
     forced: list[str] = []
     timings = H.time_cases(timed_cases(model, batch, args.new_tokens, forced), reps=args.reps)
-    model.faast_config.learn_dtype = learn_dtype
+    model.learner.learn_dtype = learn_dtype
     med = {k: v.median for k, v in timings.items()}
     forward = med["full forward, base"]
     payload = {

@@ -371,6 +371,31 @@ def test_the_hf_benchmark_times_exact_p_h_beside_the_shipped_pooling_and_restore
     assert ["learn, float64 statistics", bench.EXACT_PH] == rows[2][:2]
 
 
+def test_the_hf_benchmark_switches_the_learning_pass_dtype_the_learner_reads(monkeypatch):
+    # The learner keeps its own copy of learn_dtype: a case that switched only the config's timed the shipped pass
+    # under the label of the model's dtype. Here the device is made to multiply bfloat16 natively, so 'auto' and
+    # 'model' must differ.
+    pytest.importorskip("transformers")
+    import torch
+
+    import faast.hf.learning as learning_module
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_hf_overhead as bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(learning_module, "native_bf16", lambda device: True)
+    model, ids, _ = bench.load("tiny")
+    batch = torch.tensor(ids[:128]).reshape(2, 64)
+    cases = bench.timed_cases(model, batch, new_tokens=2)
+    for name, pass_dtype in (("learn, the model's dtype (learn_dtype='model')", "float32"),
+                             ("learn, float64 statistics", "bfloat16")):  # fmt: skip
+        setup, _ = cases[name]
+        setup()
+        assert model.learner.precision()["learn_pass"] == pass_dtype, name
+
+
 def test_benchmarks_skip_only_what_autos_gates_keep_out_on_a_gpu(monkeypatch):
     # On a lent GPU a case auto's gate keeps out (measured there to fail or lose) costs minutes and tells nothing new,
     # so the benchmarks skip it unless --all-cases; off a GPU nothing is gated, so smoke runs keep every case.
