@@ -151,12 +151,18 @@ def test_head_gradients_with_pooled_columns_match_a_float64_hand_pooling(monkeyp
 def test_pooled_head_gradients_in_bfloat16_products_err_only_by_the_products_rounding(monkeypatch, chunk):
     """'auto' pools bfloat16 products on a CPU: the kept columns' product rounds to bfloat16, the pooled row stays
     float32. Against the float64 pooled reference, every sum errs no more than the exact bfloat16 products err
-    against the exact float64 reference on the same (peaked, so larger-logit) case: pooling adds no error of its own."""
+    against the exact float64 reference on the same (peaked, so larger-logit) case: pooling adds no error of its
+    own."""
     monkeypatch.setattr(head_module, "READ_CHUNK", chunk)
     monkeypatch.setattr(head_module, "POOL_DENSE_SHARE", 1.0)
     pooled_calls = []
     pooled_product = head_module.pooled_product
-    monkeypatch.setattr(head_module, "pooled_product", lambda *a, **k: pooled_calls.append(1) or pooled_product(*a, **k))
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        pooled_calls.append(1)
+        return pooled_product(*args, **kwargs)
+
+    monkeypatch.setattr(head_module, "pooled_product", spy)
     head, keys, targets, mask = peaked_case()
     *expected, pooled_columns = pooled_reference(head, keys, targets, mask, 1e-2, chunk)
     assert pooled_columns > 0
