@@ -301,9 +301,8 @@ def test_the_hf_benchmark_runs_several_models_into_one_file_and_stops_at_its_bud
     assert first["read_overhead_per_token_s"] == pytest.approx(per_token)
 
 
-def test_the_hf_benchmark_reads_with_the_memory_on_and_says_when_it_forced_a_step():
-    # A memory left off by tuning returns the head's logits untouched, so a read case must force a step to time a
-    # read (gpu_h100_run5.md: runs 4 and 5 timed reads of a memory that was off). Here step 0 leaves it off for sure.
+def _hf_bench_on_tiny():  # noqa: ANN202 - (bench_hf_overhead, FaastModel, [2, 64] int64 batch, token ids)
+    """benchmarks/bench_hf_overhead.py, imported, with its tiny Llama and a batch of its tokens."""
     pytest.importorskip("transformers")
     import torch
 
@@ -313,7 +312,15 @@ def test_the_hf_benchmark_reads_with_the_memory_on_and_says_when_it_forced_a_ste
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     model, ids, _ = bench.load("tiny")
-    batch = torch.tensor(ids[:128]).reshape(2, 64)
+    return bench, model, torch.tensor(ids[:128]).reshape(2, 64), ids
+
+
+def test_the_hf_benchmark_reads_with_the_memory_on_and_says_when_it_forced_a_step():
+    # A memory left off by tuning returns the head's logits untouched, so a read case must force a step to time a
+    # read (gpu_h100_run5.md: runs 4 and 5 timed reads of a memory that was off). Here step 0 leaves it off for sure.
+    bench, model, batch, ids = _hf_bench_on_tiny()
+    import torch
+
     with torch.no_grad():
         model.learn(ids[128 : 128 + 8 * 64], max_length=64, batch_size=2)
     output = model.output_memory_layer
@@ -339,18 +346,9 @@ def test_the_hf_benchmark_reads_with_the_memory_on_and_says_when_it_forced_a_ste
 def test_the_hf_benchmark_times_exact_p_h_beside_the_shipped_pooling_and_restores_it(monkeypatch):
     # What pooling p·H saves is measured in the same rounds as the shipped learning: the exact case sets the
     # layer's threshold to 0 and every other learn case puts the shipped setting back before it runs.
-    pytest.importorskip("transformers")
-    import torch
-
     from faast.hf import head as head_module
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_hf_overhead as bench
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    model, ids, _ = bench.load("tiny")
-    batch = torch.tensor(ids[:128]).reshape(2, 64)
+    bench, model, batch, _ = _hf_bench_on_tiny()
     output = model.output_memory_layer
     assert output.head_pool_below == "auto"
     cases = bench.timed_cases(model, batch, new_tokens=2)
@@ -375,19 +373,10 @@ def test_the_hf_benchmark_switches_the_learning_pass_dtype_the_learner_reads(mon
     # The learner keeps its own copy of learn_dtype: a case that switched only the config's timed the shipped pass
     # under the label of the model's dtype. Here the device is made to multiply bfloat16 natively, so 'auto' and
     # 'model' must differ.
-    pytest.importorskip("transformers")
-    import torch
-
     import faast.hf.learning as learning_module
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_hf_overhead as bench
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     monkeypatch.setattr(learning_module, "native_bf16", lambda device: True)
-    model, ids, _ = bench.load("tiny")
-    batch = torch.tensor(ids[:128]).reshape(2, 64)
+    bench, model, batch, _ = _hf_bench_on_tiny()
     cases = bench.timed_cases(model, batch, new_tokens=2)
     for name, pass_dtype in (("learn, the model's dtype (learn_dtype='model')", "float32"),
                              ("learn, float64 statistics", "bfloat16")):  # fmt: skip
