@@ -41,11 +41,13 @@ from lm_domains_peers import run_backprop, run_knn, run_knn_tuned, run_lora_best
 
 from faast import provenance  # noqa: E402
 
-METHODS = ("default", "narrow", "fp32learn", "folds", "logit", "faast", "output", "paper", "knn", "knn_tuned", "lora",
-           "lora_bf16", "linear", "lora_best", "lora_time")  # fmt: skip
+METHODS = ("default", "narrow", "fp32learn", "int8learn", "folds", "logit", "faast", "output", "paper", "knn",
+           "knn_tuned", "lora", "lora_bf16", "linear", "lora_best", "lora_time")  # fmt: skip
 # "lora_bf16": LoRA with its forward pass under bfloat16 autocast, the precision FAAST's learning pass uses.
 # "fp32learn": the default as a CPU without native bfloat16 runs it: the learning pass in float32 (learn_dtype='model')
 # and the head's products in float32 (head_dtype='float32'; 'auto' takes them in bfloat16 where it is native).
+# "int8learn": the default as a CPU without native bfloat16 but with AVX2 runs it: the learning pass in float32 and the
+# head's logits in int8 (head_dtype='int8', what 'auto' picks there; its p·H stays float32).
 # "folds": the default with the step from the held-out ends in folds taken at --fold-ratio times the one fit's
 # (faast.hf.output_folds.FOLD_STEP_RATIO for that row; inf: the one fit alone), to weigh the fold rule in one run.
 # "narrow": the default with the output layer's keys h̃ alone (output_key_layers=[]: the default before wider keys).
@@ -199,10 +201,12 @@ class Domain:
 # The float32 row's name. Runs before 2026-11-27 named it "..., float32 learning pass", with the head's products at
 # head_dtype='auto' (bfloat16 on a CPU that multiplies it natively): their variants map records which.
 FP32_LEARN = "FAAST: residual output only, float32 learning pass and head products"
+INT8_LEARN = "FAAST: residual output only, float32 learning pass, int8 head logits"
 VARIANTS = {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only",
             "logit": "FAAST: logit-space residual output (earlier default)",
             "narrow": "FAAST: residual output, keys h̃ only (previous default)",
-            "fp32learn": FP32_LEARN, "folds": "FAAST: residual output only, fold step rule"}  # fmt: skip
+            "fp32learn": FP32_LEARN, "int8learn": INT8_LEARN,
+            "folds": "FAAST: residual output only, fold step rule"}  # fmt: skip
 
 
 def curve_parts(domain: Domain, amounts: list[int], args: argparse.Namespace) -> list[tuple[list[list[int]], bool]]:
@@ -378,6 +382,8 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
         run_default(domain, base, args, "narrow", residual={"key_layers": []})
     if "fp32learn" in args.methods:
         run_default(domain, base, args, "fp32learn", residual={"head_dtype": "float32"}, learn_dtype="model")
+    if "int8learn" in args.methods:
+        run_default(domain, base, args, "int8learn", residual={"head_dtype": "int8"}, learn_dtype="model")
     if "folds" in args.methods:
         with fold_ratio(args.fold_ratio):
             run_default(domain, base, args, "folds", extra={"fold_ratio": args.fold_ratio})

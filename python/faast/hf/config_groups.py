@@ -129,7 +129,9 @@ class ResidualOutput(_Group):
         head_dtype: dtype of the LM-head products while learning (logits and p·H per position, float32
             accumulation, statistics in float64) and of the logits' change the solve tunes the step on (the base
             logits stay float32): 'auto' is bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16 or AMX),
-            else float32; 'float32' or 'bfloat16' forces one.
+            else float32; 'float32', 'bfloat16' or 'int8' forces one. 'int8' forms only
+            learning's logits in int8 (each row of h̃ and of the head on its own scale, h̃'s 32 largest columns of
+            each block in float32, int32 sums): p·H and the tuning's logits stay float32 (docs/design.md §6.3).
         head_pool_below: p·H while learning pools the vocabulary columns whose probability stays below this in
             every position of a 1,024-position block onto their probability-weighted mean row of H (the gradients'
             sum stays exact): a number in [0, 1], 0 exact; 'auto' (the default) is 3e-4 where the head products are
@@ -147,7 +149,7 @@ class ResidualOutput(_Group):
     default_step: float | None = None
     default_weight: float | None = None
     key_layers: list[int] | Literal["auto"] = "auto"
-    head_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    head_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
     bias: float = 0.5
     head_pool_below: float | Literal["auto"] = "auto"
 
@@ -162,7 +164,7 @@ class ResidualOutput(_Group):
         check_real("ResidualOutput.default_step", self.default_step, low=0, allow=(None,))
         check_real("ResidualOutput.default_weight", self.default_weight, low=0, high=1, allow=(None,))
         self.key_layers = check_indices("ResidualOutput.key_layers", self.key_layers, allow=("auto",))
-        check_choice("ResidualOutput.head_dtype", self.head_dtype, ("auto", "float32", "bfloat16"))
+        check_choice("ResidualOutput.head_dtype", self.head_dtype, ("auto", "float32", "bfloat16", "int8"))
         check_real("ResidualOutput.bias", self.bias, low=0)
         check_real("ResidualOutput.head_pool_below", self.head_pool_below, low=0, high=1, allow=("auto",))
 

@@ -4,6 +4,9 @@ head, and the next-token log-likelihood gradients with the sums of the head's Fi
 For the head's input h̃ [d] the model predicts p = softmax(h̃ Hᵀ) (H [V, d], the head's weight); the gradient of
 log p_y with respect to h̃ is r = H[y] − pH. Learning (faast/hf/output.py) and reading a stream (faast/hf/reading.py)
 both go through `head_gradients`; a stream passes the logits it already computed to score the text.
+
+The products' dtype (`products_dtype`): float32, bfloat16 (where it is native), or int8 for the logits alone (a CPU
+without native bfloat16 that has AVX2; `int8_logits`), whose p·H then stays float32.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ POOL_DENSE_SHARE = 0.6
 # it took 45 ms instead of 78 ms at 1,016 rows, and 5.4 ms instead of 6.2 ms at 100, but 6.0 ms instead of 2.9 ms at
 # 8 (2 Intel Xeon cores with native bfloat16, oneDNN). Float32 products keep p·H: its pooled form was faster so.
 TRANSPOSED_FROM = 512
+# int8 logits keep this many input columns of each block in float32: those largest in magnitude over its rows (h̃ has
+# a few channels 10-20× its RMS, which would coarsen every other entry of their row's int8 scale). On SmolLM2 at 1,024
+# positions of four text domains the learned gradients r erred by 7.8-9.1% against float64 with none, 1.6-1.8% with
+# 16, 1.1-1.3% with 32 (bfloat16 products: 1.1-1.9%), 1.0-1.2% with 64 (docs/design.md §6.3).
+INT8_OUTLIERS = 32
 
 
 def head_logits(head: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,6 +56,38 @@ def head_second_moment(weight: torch.Tensor, mass: torch.Tensor) -> torch.Tensor
         h = weight[i : i + 8192].float()
         out += ((h.T * mass[i : i + 8192].float()) @ h).double()
     return out
+
+
+def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [V, d] int8, scale [V] float32) for the head's weight [V, d]: each row on its own symmetric scale
+    max|row| / 127, so weight ≈ q · scale[:, None]."""
+    w = weight.detach().float()
+    scale = w.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    return torch.round(w / scale[:, None]).to(torch.int8), scale
+
+
+def int8_logits(
+    hidden: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    w32: torch.Tensor,
+    out: torch.Tensor | None = None,
+    outliers: int | None = None,
+    acc: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits [n, V] float32 of rows hidden [n, d] float32 through the head (weight w32 [V, d] float32; its int8 form
+    q, scale from `int8_weight`), without the head's bias. The `outliers` columns of hidden (default INT8_OUTLIERS)
+    largest in magnitude over the n rows are multiplied in float32; the others, each row of hidden on its own scale
+    max|row| / 127, in int8 with int32 accumulation (torch._int_mm), exact but for the roundings of hidden and q to
+    int8. out: a [n, V] float32 tensor to write them into; acc: a [n, V] int32 one for the int8 sums."""
+    k = min(INT8_OUTLIERS if outliers is None else outliers, hidden.shape[1])
+    # nan_to_num: a masked position's NaN must not choose the block's columns (its own row is dropped after).
+    columns = hidden.abs().nan_to_num_(0).amax(0).topk(k).indices
+    rest = hidden.index_fill(1, columns, 0)
+    row_scale = rest.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    q_rows = torch.round(rest.div_(row_scale)).to(torch.int8)
+    out = torch.mul(torch._int_mm(q_rows, q.T, out=acc), row_scale, out=out).mul_(scale)
+    return out.addmm_(hidden.index_select(1, columns), w32.index_select(1, columns).T)
 
 
 def change_logits(
@@ -110,6 +150,19 @@ class HeadBuffers:
             held = self._casts[key] = _cast(weight, dtype, transposed)
         return held
 
+    def int8(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's weight [V, d] in int8 with its row scales (`int8_weight`), formed once per weight inside
+        `kept()` like `weight`'s casts."""
+        if not self._keep:
+            return int8_weight(weight)
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), torch.int8, "rows")
+        if key not in self._casts:
+            for old in [k for k in self._casts if k[3] == torch.int8]:
+                del self._casts[old]
+            q, scale = int8_weight(weight)
+            self._casts[key], self._casts[(*key[:4], "scale")] = q, scale
+        return self._casts[key], self._casts[(*key[:4], "scale")]
+
     def get(self, name: str, rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A [rows, vocab] `dtype` buffer for `name` (its contents are whatever the last call left)."""
         if not self._keep:
@@ -128,7 +181,8 @@ def _cast(weight: torch.Tensor, dtype: torch.dtype, transposed: bool) -> torch.T
 def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
     """The dtype of the head products learning takes for keys [.., d] under ResidualOutput.head_dtype `setting`:
     'auto' is bfloat16 on a CUDA device or CPU that multiplies it natively and float32 otherwise, and float32 for
-    float64 keys (kept exact, as the tests' references are)."""
+    float64 keys (kept exact, as the tests' references are); 'int8' forms the logits alone in int8 (`int8_logits`),
+    p·H staying float32."""
     if setting != "auto":
         return getattr(torch, setting)
     if keys.dtype == torch.float64:
@@ -136,17 +190,23 @@ def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if native_bf16(keys.device) else torch.float32
 
 
+def float_products(products: torch.dtype) -> torch.dtype:
+    """The floating dtype of the products other than int8 logits (p·H, the step's tuning z1): float32 for int8."""
+    return torch.float32 if products == torch.int8 else products
+
+
 def pool_threshold(setting: float | str, products: torch.dtype, keys: torch.Tensor) -> float:
     """The probability below which p·H pools a vocabulary column, for ResidualOutput.head_pool_below `setting` with
-    head products of dtype `products` and keys [.., d]: 'auto' is POOL_AUTO for float32 products and for any
-    products on a CPU, where p·H is a large share of learning's cost; 0 (exact) for 16-bit products off the CPU
+    head products of dtype `products` and keys [.., d]: 'auto' is POOL_AUTO for float32 and int8 products (whose p·H is
+    float32) and for any products on a CPU, where p·H is a large share of learning's cost; 0 (exact) for 16-bit
+    products off the CPU
     (pooling them has not been measured on a GPU) and for float64 keys (kept exact, as the tests' references
     are)."""
     if setting != "auto":
         return float(setting)
     if keys.dtype == torch.float64:
         return 0.0
-    return POOL_AUTO if products == torch.float32 or keys.device.type == "cpu" else 0.0
+    return POOL_AUTO if float_products(products) == torch.float32 or keys.device.type == "cpu" else 0.0
 
 
 def pooled_product(
@@ -201,7 +261,9 @@ def head_gradients(
     # The two V×d products per position are most of learning's cost beyond the backbone: in bfloat16 (float32
     # accumulation) they took 0.65× the time, and held-out perplexity moved by at most 0.04 points on three
     # validation domains (docs/design.md §6.3).
-    wp = source.weight(weight, products)
+    wp = source.weight(weight, float_products(products))
+    # int8 products are the logits' alone: p·H stays float32 (a probability's int8 step would drop the small ones).
+    q8 = source.int8(weight) if products == torch.int8 and given is None else None
     # The [chunk, V] logits and probabilities go into buffers allocated once, not fresh tensors per chunk (200 MB each
     # in float32); 16-bit logits are copied into a float32 buffer before the softmax, and the probabilities into a
     # 16-bit buffer for p·H (a softmax that upcasts its 16-bit input, and p.to(bfloat16), each took twice as long);
@@ -210,7 +272,7 @@ def head_gradients(
     # In place only for the head's own products: a head with a bias, or given logits, keep the general path.
     into_buffers = given is None and getattr(head, "bias", None) is None
     rows_max = min(READ_CHUNK, flat.shape[0])
-    sixteen = products != torch.float32
+    sixteen = float_products(products) != torch.float32
     # Hᵀ [d, V] for the blocks of TRANSPOSED_FROM rows or more (cast once per learn() call inside HeadBuffers.kept()).
     wp_t = source.weight(weight, products, transposed=True) if sixteen and rows_max >= TRANSPOSED_FROM else None
 
@@ -221,16 +283,23 @@ def head_gradients(
     p_buf = buffer("p", torch.float32)
     z16_buf = buffer("z16", products) if into_buffers and sixteen else None
     p16_buf = buffer("p16", products) if sixteen and pool <= 0 else None  # the pooled product casts its own slice
+    acc_buf = buffer("acc", torch.int32) if q8 is not None else None
+    bias = getattr(head, "bias", None)
     every_kept = bool(keep.all())  # one host sync per call, not one per chunk
     for i in range(0, flat.shape[0], READ_CHUNK):
         rows = slice(i, i + READ_CHUNK)
         n = flat[rows].shape[0]
-        if into_buffers and sixteen:
+        if given is not None:
+            z = given[rows]
+        elif q8 is not None:
+            z = int8_logits(flat[rows].float(), *q8, w32, out=z_buf[:n] if into_buffers else None, acc=acc_buf[:n])
+            z = z if bias is None else z.add_(bias.float())
+        elif into_buffers and sixteen:
             z = z_buf[:n].copy_(torch.matmul(flat[rows].to(products), wp.T, out=z16_buf[:n]))
         elif into_buffers:
             z = torch.matmul(flat[rows].to(products), wp.T, out=z_buf[:n])
         else:
-            z = head_logits(head, flat[rows], wp) if given is None else given[rows]
+            z = head_logits(head, flat[rows], wp)
         p = torch.softmax(z, -1, dtype=torch.float32, out=p_buf[:n])
         if not every_kept:
             # Masked positions learn nothing: filled, not multiplied, so a NaN in a padding state cannot survive.

@@ -50,6 +50,7 @@ from .head import (
     READ_CHUNK,
     HeadBuffers,
     change_logits,
+    float_products,
     head_gradients,
     head_logits,
     head_second_moment,
@@ -330,8 +331,10 @@ class ResidualOutputLayer(nn.Module):
 
     def change_weight(self) -> torch.Tensor:
         """The head's weight [V, d] in the dtype the step's tuning forms z1 in: the head products' (`head_dtype`;
-        'auto' is bfloat16 where the device multiplies it natively: half the time and memory, docs/design.md §6.3)."""
-        return self.head_buffers.weight(self.head.weight, products_dtype(self.head_dtype, self.head.weight))
+        'auto' is bfloat16 where the device multiplies it natively: half the time and memory, docs/design.md §6.3),
+        float32 where they are int8 (only learning's logits are)."""
+        products = float_products(products_dtype(self.head_dtype, self.head.weight))
+        return self.head_buffers.weight(self.head.weight, products)
 
     def tail_base(self, keys: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(z0 [n, V] float32, its entries at the targets ys [n]): the base logits of the keys' h̃ [n, d_key]."""
