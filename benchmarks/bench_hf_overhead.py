@@ -17,7 +17,8 @@ Reported per model (the goals of issue 37): learn tokens/s against the model's o
 (learn_vs_forward = forward time / learn time), the read overhead per forward pass (read_overhead) and per
 generated token (read_overhead_per_token_s, with KV cache), and the solve time (model.solve() after a learned batch).
 With a residual output layer, the shipped learning is also timed against itself with p·H exact (head_pool_below=0),
-what its pooling saves.
+what its pooling saves, and on a CPU the float32 pass is timed with the head's logits in float32 and in int8
+(head_dtype), what a CPU without native bfloat16 runs.
 
 Every case runs in the same process on the same batch of real text (the stdlib package's Python source), interleaved
 (benchmarks/_harness.py), and the table reports ratios to the base model measured in the same run. Learning runs the
@@ -43,6 +44,9 @@ import torch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 EXACT_PH = "learn, p·H exact (head_pool_below=0)"
+# A CPU without native bfloat16 learns in float32; on a CPU its head logits can be int8 (head_dtype='int8').
+FP32_HEAD = "learn, float32 pass and head products"
+INT8_HEAD = "learn, float32 pass, int8 head logits"
 
 
 SHAPES = {
@@ -152,12 +156,14 @@ def timed_cases(  # noqa: ANN001 - a FaastModel
     shipped_learn = model.learner.learn_dtype
     output = model.output_memory_layer
     shipped_pool = getattr(output, "head_pool_below", None)  # the residual output layer's p·H pooling ('auto')
+    shipped_head = getattr(output, "head_dtype", None)
 
-    def with_compute(dtype: torch.dtype, learn_dtype: str = shipped_learn, pool: object = shipped_pool):  # noqa: ANN202
+    def with_compute(dtype: torch.dtype, learn_dtype: str = shipped_learn, pool: object = shipped_pool,
+                     head: object = shipped_head):  # noqa: ANN202  # fmt: skip
         def setup() -> None:
             model.learner.learn_dtype = learn_dtype
             if shipped_pool is not None:
-                output.head_pool_below = pool
+                output.head_pool_below, output.head_dtype = pool, head
             for layer in model.faast_layers():
                 layer.memory.compute_dtype = dtype
 
@@ -239,6 +245,9 @@ def timed_cases(  # noqa: ANN001 - a FaastModel
     if shipped_pool is not None:
         # The shipped learning with p·H exact (head_pool_below=0), in the same rounds: what pooling saves.
         cases[EXACT_PH] = (with_compute(torch.float64, pool=0.0), learn)
+        if batch.device.type == "cpu":
+            cases[FP32_HEAD] = (with_compute(torch.float64, "model", head="float32"), learn)
+            cases[INT8_HEAD] = (with_compute(torch.float64, "model", head="int8"), learn)
     if shipped_space == "probability":
         # The same memory read in logit space (one head product per position instead of two), in the same rounds.
         cases["forward with fast weights, logit space"] = (solved("logit"), read_pass)
@@ -257,6 +266,9 @@ def overhead_rows(med: dict[str, float], tokens: int, new_tokens: int) -> list[l
         ("learn, float32 compute", "full forward, base"),
         ("learn, the model's dtype (learn_dtype='model')", "decoder pass, base"),
         ("learn, the model's dtype (learn_dtype='model')", "full forward, base"),
+        (FP32_HEAD, "decoder pass, base"),
+        (INT8_HEAD, "decoder pass, base"),
+        (INT8_HEAD, FP32_HEAD),
         ("forward with fast weights", "full forward, base"),
         ("generate with fast weights", "generate, base"),
         ("forward with fast weights, logit space", "full forward, base"),

@@ -56,7 +56,8 @@ METHODS = ("default", "narrow", "fp32learn", "int8learn", "folds", "logit", "faa
 # paper's output layer) on request: each is one more pass.
 # "knn_tuned", "lora_best": the peers tuned on FAAST's held-out tail; "lora_time": LoRA for FAAST's learn + solve time
 # (needs "default", which measures it).
-DEFAULT_METHODS = ("default", "narrow", "fp32learn", "knn", "knn_tuned", "lora", "linear", "lora_best", "lora_time")
+DEFAULT_METHODS = ("default", "narrow", "fp32learn", "int8learn", "knn", "knn_tuned", "lora", "linear", "lora_best",
+                   "lora_time")  # fmt: skip
 CURVE = (2048, 8192, 32768)
 RUN_ORDER = ("asyncio", "man", "copyright", "perl", "tkinter")  # code, roff, legal prose, then the rest
 

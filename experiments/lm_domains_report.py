@@ -19,6 +19,8 @@ NOT_RUN = "not run"
 LORA, LORA_BEST, LORA_TIME, KNN = "LoRA", "LoRA-best", "LoRA at FAAST's time", "kNN-LM"
 # The float32 row of a result whose variants map lacks it (lm_domains.py's VARIANTS["fp32learn"] names it now).
 FP32_LEARN = "FAAST: residual output only, float32 learning pass"
+# The float32 pass with the head's logits in int8 (lm_domains.py's VARIANTS["int8learn"]).
+INT8_LEARN = "FAAST: residual output only, float32 learning pass, int8 head logits"
 
 
 def default_label(payload: dict) -> str:
@@ -113,12 +115,12 @@ def _worst_row(goal: str, entries: list[tuple], limit: float, missing: list[str]
     return [goal, describe(worst) + _missing_note(missing), _yes(worst[0] <= limit and not missing)]
 
 
-def _ran_float32(payload: dict, key: str) -> bool:
-    """Whether the row `key` ran its learning pass and head products in float32 (its recorded `precision`) in every
-    domain: the default does on a CPU without native bfloat16 (learn_dtype='auto')."""
+def _ran_float32(payload: dict, key: str, head: str = "float32") -> bool:
+    """Whether the row `key` ran its learning pass in float32 and its head products in `head` (its recorded
+    `precision`) in every domain: the default does on a CPU without native bfloat16 (learn_dtype='auto')."""
     rows = [_find(d["rows"], key) for d in payload["domains"]]
     precisions = [(r or {}).get("precision") or {} for r in rows]
-    return bool(rows) and all(p.get("learn_pass") == p.get("head_products") == "float32" for p in precisions)
+    return bool(rows) and all(p.get("learn_pass") == "float32" and p.get("head_products") == head for p in precisions)
 
 
 def _missing_note(missing: list[str]) -> str:
@@ -138,6 +140,10 @@ def goals(payload: dict, mean: list[dict]) -> list[list[str]]:
     default_is_fp32 = fp32 is None and faast is not None and _ran_float32(payload, method_key(faast["method"]))
     if default_is_fp32:  # on a CPU without native bfloat16 the default runs what the float32 row would
         fp32 = faast
+    int8 = by.get(payload["variants"].get("int8learn", INT8_LEARN))
+    default_is_int8 = int8 is None and faast is not None and _ran_float32(payload, method_key(faast["method"]), "int8")
+    if default_is_int8:  # ... or, with AVX2, what the int8-head row would
+        int8 = faast
     key = payload["default_variant"]
     rows = []
 
@@ -201,6 +207,10 @@ def goals(payload: dict, mean: list[dict]) -> list[list[str]]:
                                "float32-learn or 1-epoch LoRA rows", payload))  # fmt: skip
     if default_is_fp32 and rows[-1][2] != "not run":
         rows[-1][1] += "; the default row, which learned in float32 in every domain"
+    rows.append(_half_time_row("float32 pass, int8 head logits: learn time ≤ ½ the 1-epoch LoRA's", int8, lora,
+                               "int8-head or 1-epoch LoRA rows", payload))  # fmt: skip
+    if default_is_int8 and rows[-1][2] != "not run":
+        rows[-1][1] += "; the default row, which learned in float32 with int8 head logits in every domain"
     # (f) the last solve, with its step tuning, on every domain.
     goal = f"last solve ≤ {LAST_SOLVE_S:g} s"
     solves = [(d["curve"][key]["solve_s"][-1], d["domain"]) for d in payload["domains"]

@@ -1,7 +1,8 @@
 """The pooled p·H of the residual output layer's learning on cached states (ResidualOutput.head_pool_below,
 docs/design.md §6.3): for each pooling threshold, the share of the vocabulary a block of positions keeps, the error
 of the learned gradients r = H[y] − pH and of Σ μμᵀ against float64 products, and the time of the head products
-in `--products` (float32, what a CPU without native bfloat16 forms; bfloat16, what 'auto' forms where it is native).
+in `--products` (float32, what a CPU without native bfloat16 or AVX2 forms; bfloat16, what 'auto' forms where it is
+native; int8, the logits alone, p·H float32).
 
     python experiments/lm_output_states.py --cache /tmp/faast_states
     python experiments/lm_head_pool.py --cache /tmp/faast_states --domains email asyncio
@@ -36,7 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--positions", type=int, default=8160, help="learned positions per domain, from the start")
     p.add_argument("--batch", type=int, default=2040, help="positions per head_gradients call (8 × 255)")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per threshold (the median is reported)")
-    p.add_argument("--products", choices=("float32", "bfloat16"), default="float32", help="the head products' dtype")
+    p.add_argument("--products", choices=("float32", "bfloat16", "int8"), default="float32",
+                   help="the head products' dtype")  # fmt: skip
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--out", default="lm_head_pool_cpu")
     return p.parse_args(argv)

@@ -385,6 +385,31 @@ def test_the_hf_benchmark_switches_the_learning_pass_dtype_the_learner_reads(mon
         assert model.learner.precision()["learn_pass"] == pass_dtype, name
 
 
+def test_the_hf_benchmark_times_the_float32_pass_with_float32_and_int8_head_logits(monkeypatch):
+    # What a CPU without native bfloat16 runs, both ways, in the same rounds: each case learns in float32 with its
+    # head dtype, and every other learn case puts the shipped one back.
+    bench, model, batch, _ = _hf_bench_on_tiny()
+    output = model.output_memory_layer
+    cases = bench.timed_cases(model, batch, new_tokens=2)
+    seen = []
+    real = output.gradients
+
+    def record(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append((model.learner.precision()["learn_pass"], output.head_dtype))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(output, "gradients", record)
+    for name, want in ((bench.FP32_HEAD, ("float32", "float32")), (bench.INT8_HEAD, ("float32", "int8")),
+                       ("learn, float64 statistics", (model.learner.precision()["learn_pass"], "auto"))):  # fmt: skip
+        setup, run = cases[name]
+        setup()
+        seen.clear()
+        run(None)
+        assert seen and set(seen) == {want}, name
+    rows = bench.overhead_rows({name: 1.0 for name in cases}, tokens=128, new_tokens=2)
+    assert [bench.INT8_HEAD, bench.FP32_HEAD] in [r[:2] for r in rows]
+
+
 def test_benchmarks_skip_only_what_autos_gates_keep_out_on_a_gpu(monkeypatch):
     # On a lent GPU a case auto's gate keeps out (measured there to fail or lose) costs minutes and tells nothing new,
     # so the benchmarks skip it unless --all-cases; off a GPU nothing is gated, so smoke runs keep every case.

@@ -9,6 +9,7 @@ import torch
 
 from faast import Accumulator, FastWeights, hardware
 from faast.hf import EmbeddingOutput, FaastConfig, MemoryOffWarning, MiddleLayers, ResidualOutput, apply_faast
+from faast.hf import head as head_module
 from faast.hf import held_out as held_out_module
 from faast.hf import learning as learning_module
 from faast.hf import output as output_module
@@ -18,7 +19,14 @@ from faast.hf.persistence import per_layer_holder
 from faast.hf.targets import TARGETS
 from hf_models import KINDS, VOCAB, tiny_model
 from legacy_configs import V1_DEFAULT
-from tolerances import BF16_AUTOCAST_REL, BF16_HEAD_PRODUCTS_REL, HELD_OUT_NLL_REL, REORDER_REL, rel
+from tolerances import (
+    BF16_AUTOCAST_REL,
+    BF16_HEAD_PRODUCTS_REL,
+    HELD_OUT_NLL_REL,
+    INT8_HEAD_PRODUCTS_REL,
+    REORDER_REL,
+    rel,
+)
 
 # The statistics are float64 sums of float32 products (keys and logits come from the float32 model).
 STAT_REL = 1e-6
@@ -148,15 +156,17 @@ def held_keys(k, held):
 
 
 @pytest.mark.parametrize("key_layers", ["auto", [], [1, 3]])
-@pytest.mark.parametrize("head_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_statistics_equal_a_float64_hand_computation_under_padding(kind, head_dtype, key_layers):
+def test_statistics_equal_a_float64_hand_computation_under_padding(monkeypatch, kind, head_dtype, key_layers):
     # key_layers: the keys are h̃ alone, or h̃ and the RMS-normalised inputs of early blocks ('auto': block L // 7)
+    # int8 logits keep 4 of the 32 columns of h̃ in float32 (SmolLM2's 32 of 576 would keep them all here).
+    monkeypatch.setattr(head_module, "INT8_OUTLIERS", 4)
     config = FaastConfig(output=ResidualOutput(head_dtype=head_dtype, key_layers=key_layers), learn_dtype="model")
     model = apply_faast(tiny_model(kind), config)
     width = 32 * (1 + {"auto": 1, (): 0, (1, 3): 2}[key_layers if key_layers == "auto" else tuple(key_layers)])
     assert model.output_memory_layer.memory.dim_key == width
-    tol = {"float32": STAT_REL, "bfloat16": BF16_HEAD_PRODUCTS_REL}[head_dtype]
+    tol = {"float32": STAT_REL, "bfloat16": BF16_HEAD_PRODUCTS_REL, "int8": INT8_HEAD_PRODUCTS_REL}[head_dtype]
     x = ids(batch=3, seq=24)
     mask = torch.ones_like(x, dtype=torch.bool)
     mask[1, 17:] = False  # right padding
@@ -470,29 +480,35 @@ def test_head_products_in_bfloat16_learn_what_float32_learns_within_the_declared
     assert torch.equal(s16, s32)  # the keys are the model's own states either way
     t_err, m_err = rel(t16, t32), rel(m16, m32)
     assert 0 < t_err <= BF16_HEAD_PRODUCTS_REL and 0 < m_err <= BF16_HEAD_PRODUCTS_REL
-    # 'auto': bfloat16 where the device multiplies it natively, float32 otherwise and for float64 states.
+    # 'auto': bfloat16 where the device multiplies it natively, else int8 on a CPU with AVX2, else float32; float32
+    # for float64 states.
     keys32, keys64 = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float64)
-    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+    for native, int8, expected in ((True, True, torch.bfloat16), (False, True, torch.int8),
+                                   (False, False, torch.float32)):  # fmt: skip
         monkeypatch.setattr(hardware, "cpu_has_bf16", lambda native=native: native)
+        monkeypatch.setattr(head_module, "cpu_has_int8", lambda int8=int8: int8)
         assert output_module.products_dtype("auto", keys32) == expected
         assert output_module.products_dtype("auto", keys64) == torch.float32
         assert output_module.products_dtype("float32", keys32) == torch.float32
         assert output_module.products_dtype("bfloat16", keys64) == torch.bfloat16
-    with pytest.raises(ValueError, match="ResidualOutput.head_dtype: expected 'auto', 'float32' or 'bfloat16'"):
+    with pytest.raises(
+        ValueError, match="ResidualOutput.head_dtype: expected 'auto', 'float32', 'bfloat16' or 'int8'"
+    ):
         FaastConfig(output=ResidualOutput(head_dtype="float16"))
 
 
 @pytest.mark.parametrize(
-    ("setting", "head_dtype", "native", "expected"),
-    [("auto", "auto", False, "POOL_AUTO"), ("auto", "auto", True, "POOL_AUTO"), ("auto", "float32", True, "POOL_AUTO"),
-     ("auto", "bfloat16", False, "POOL_AUTO"), (0.0, "float32", False, 0.0), (0.0, "bfloat16", True, 0.0),
-     (0.02, "bfloat16", True, 0.02)],
+    ("setting", "head_dtype", "native", "int8", "expected"),
+    [("auto", "auto", False, False, "POOL_AUTO"), ("auto", "auto", False, True, "POOL_AUTO"),
+     ("auto", "auto", True, True, "POOL_AUTO"), ("auto", "float32", True, True, "POOL_AUTO"),
+     ("auto", "bfloat16", False, False, "POOL_AUTO"), ("auto", "int8", True, False, "POOL_AUTO"),
+     (0.0, "float32", False, True, 0.0), (0.0, "bfloat16", True, True, 0.0), (0.02, "bfloat16", True, True, 0.02)],
 )  # fmt: skip
-def test_learning_pools_p_h_at_the_configured_threshold(monkeypatch, setting, head_dtype, native, expected):
-    """ResidualOutput.head_pool_below reaches the head products learn forms: 'auto' pools on a CPU in either dtype."""
-    from faast.hf import head as head_module
-
+def test_learning_pools_p_h_at_the_configured_threshold(monkeypatch, setting, head_dtype, native, int8, expected):
+    """ResidualOutput.head_pool_below reaches the head products learn forms: 'auto' pools on a CPU in every dtype.
+    native: the CPU multiplies bfloat16 natively; int8: it has AVX2 ('auto' takes int8 logits without native bf16)."""
     monkeypatch.setattr(head_module, "native_bf16", lambda device: native)
+    monkeypatch.setattr(head_module, "cpu_has_int8", lambda: int8)
     seen = []
 
     def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -505,7 +521,8 @@ def test_learning_pools_p_h_at_the_configured_threshold(monkeypatch, setting, he
     model = apply_faast(tiny_model("llama"), config)
     model.learn(ids(batch=2, seq=30))
     pool = head_module.POOL_AUTO if expected == "POOL_AUTO" else expected
-    products = torch.bfloat16 if head_dtype == "bfloat16" or (head_dtype == "auto" and native) else torch.float32
+    auto = torch.bfloat16 if native else torch.int8 if int8 else torch.float32
+    products = auto if head_dtype == "auto" else getattr(torch, head_dtype)
     assert seen and all(s == (products, pool) for s in seen)
     assert model.learner.precision()["head_pool_below"] == pool
 
@@ -1016,3 +1033,17 @@ def test_the_untuned_step_grows_with_the_positions_learned_up_to_the_default():
     # A step restored from a file is the step in use when it was saved: not scaled again.
     layer_of(model).restore_step(0.04, 0.5)
     assert layer_of(model).chosen_step() == 0.04 and layer_of(model).last_tuning["saved_step"]
+
+
+def test_a_head_dtype_the_device_cannot_run_raises_before_anything_is_learned(monkeypatch):
+    """head_dtype='int8' on a GPU raises in learn() before the pass, so no memory (middle or output) learns."""
+    config = FaastConfig(output=ResidualOutput(step=0.5, head_dtype="int8"), middle=MiddleLayers(layers=[1, 2]))
+    model = apply_faast(tiny_model("llama"), config)
+    real = learning_module.products_dtype
+    monkeypatch.setattr(learning_module, "products_dtype", lambda s, _: real(s, torch.empty(0, device="meta")))
+    with pytest.raises(ValueError, match="ResidualOutput.head_dtype: 'int8' runs on a CPU only"):
+        model.learn(ids(batch=2, seq=30))
+    assert all(float(layer.memory.count) == 0 for layer in model.faast_layers())
+    monkeypatch.setattr(learning_module, "products_dtype", real)
+    model.learn(ids(batch=2, seq=30))  # on the CPU the same model learns
+    assert all(float(layer.memory.count) > 0 for layer in model.faast_layers())

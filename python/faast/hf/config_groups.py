@@ -129,7 +129,7 @@ class ResidualOutput(_Group):
         head_dtype: dtype of the LM-head products while learning (logits and p·H per position, float32
             accumulation, statistics in float64) and of the logits' change the solve tunes the step on (the base
             logits stay float32): 'auto' is bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16 or AMX),
-            else float32; 'float32', 'bfloat16' or 'int8' forces one. 'int8' forms only
+            else 'int8' on a CPU with AVX2, else float32; 'float32', 'bfloat16' or 'int8' forces one. 'int8' forms only
             learning's logits in int8 (each row of h̃ and of the head on its own scale, h̃'s 32 largest columns of
             each block in float32, int32 sums): p·H and the tuning's logits stay float32 (docs/design.md §6.3).
         head_pool_below: p·H while learning pools the vocabulary columns whose probability stays below this in

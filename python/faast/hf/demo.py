@@ -78,8 +78,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--float32",
         action="store_true",
-        help="learn as a CPU without native bfloat16 does, whatever this one does: the decoder pass"
-        " and the head's products in float32 (learn_dtype='model', head_dtype='float32')",
+        help="learn as a CPU without native bfloat16 does, whatever this one does: the decoder pass in float32"
+        " (learn_dtype='model'), the head's logits in int8 where this CPU has AVX2, else in float32 (head_dtype)",
     )
     parser.add_argument("--generate", type=int, default=40, help="new tokens of the before/after generation")
     parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
@@ -88,11 +88,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def float32_config() -> FaastConfig:
     """The default FaastConfig as a CPU without native bfloat16 runs it: the learning pass in the model's float32
-    (learn_dtype='model') and the head's products in float32 (head_dtype='float32')."""
+    (learn_dtype='model') and the head's logits as head_dtype='auto' takes them there: int8 where this CPU has AVX2
+    (p·H float32), else float32."""
+    from ..hardware import cpu_has_int8
     from .config import FaastConfig
     from .config_groups import ResidualOutput
 
-    return FaastConfig(output=ResidualOutput(head_dtype="float32"), learn_dtype="model")
+    head = "int8" if cpu_has_int8() else "float32"
+    return FaastConfig(output=ResidualOutput(head_dtype=head), learn_dtype="model")
 
 
 def _load_model(args: argparse.Namespace) -> tuple[object, object]:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..hardware import native_bf16
+from ..hardware import cpu_has_int8, native_bf16
 
 READ_CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
 # ResidualOutput.head_pool_below='auto' where the products are float32 or on a CPU. On the three validation domains
@@ -180,14 +180,20 @@ def _cast(weight: torch.Tensor, dtype: torch.dtype, transposed: bool) -> torch.T
 
 def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
     """The dtype of the head products learning takes for keys [.., d] under ResidualOutput.head_dtype `setting`:
-    'auto' is bfloat16 on a CUDA device or CPU that multiplies it natively and float32 otherwise, and float32 for
-    float64 keys (kept exact, as the tests' references are); 'int8' forms the logits alone in int8 (`int8_logits`),
-    p·H staying float32."""
+    'auto' is bfloat16 on a CUDA device or CPU that multiplies it natively, else int8 on a CPU that multiplies int8
+    matrices well ahead of float32 ones (AVX2: `faast.hardware.cpu_has_int8`), else float32; float32 for float64 keys
+    (kept exact, as the tests' references are). int8 forms the logits alone in int8 (`int8_logits`), p·H staying
+    float32, on a CPU only (ValueError elsewhere)."""
+    if setting == "int8" and keys.device.type != "cpu":
+        raise ValueError(f"ResidualOutput.head_dtype: 'int8' runs on a CPU only (torch._int_mm's CPU path), got the "
+                         f"model on {keys.device}; expected 'auto', 'float32' or 'bfloat16' there")  # fmt: skip
     if setting != "auto":
         return getattr(torch, setting)
     if keys.dtype == torch.float64:
         return torch.float32
-    return torch.bfloat16 if native_bf16(keys.device) else torch.float32
+    if native_bf16(keys.device):
+        return torch.bfloat16
+    return torch.int8 if keys.device.type == "cpu" and cpu_has_int8() else torch.float32
 
 
 def float_products(products: torch.dtype) -> torch.dtype:

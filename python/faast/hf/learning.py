@@ -140,6 +140,9 @@ class Learner:
         forming them again (and keeps no held-out tail: the stream tunes the step itself). With a reader the pass
         runs in the model's own dtype, so the scores are what the model reads."""
         input_ids, mask = check_batch(input_ids, attention_mask, self.base_model)
+        if isinstance(self.output_layer, ResidualOutputLayer):
+            # A head dtype the device cannot run raises here, before any statistic changes.
+            products_dtype(self.output_layer.head_dtype, self.base_model.get_input_embeddings().weight)
         started = time.perf_counter()
         if documents is None:
             # Rows of unknown texts: numbered -2, -3, ... (negative: the step tuning treats them as unknown, as it
