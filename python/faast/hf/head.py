@@ -209,9 +209,8 @@ def pool_threshold(setting: float | str, products: torch.dtype, keys: torch.Tens
     """The probability below which p·H pools a vocabulary column, for ResidualOutput.head_pool_below `setting` with
     head products of dtype `products` and keys [.., d]: 'auto' is POOL_AUTO for float32 and int8 products (whose p·H is
     float32) and for any products on a CPU, where p·H is a large share of learning's cost; 0 (exact) for 16-bit
-    products off the CPU
-    (pooling them has not been measured on a GPU) and for float64 keys (kept exact, as the tests' references
-    are)."""
+    products off the CPU (pooling them has not been measured on a GPU) and for float64 keys (kept exact, as the
+    tests' references are)."""
     if setting != "auto":
         return float(setting)
     if keys.dtype == torch.float64:
