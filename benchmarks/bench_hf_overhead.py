@@ -44,9 +44,11 @@ import torch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 EXACT_PH = "learn, p·H exact (head_pool_below=0)"
-# A CPU without native bfloat16 learns in float32; on a CPU its head logits can be int8 (head_dtype='int8').
+# A CPU without native bfloat16 learns in float32; on a CPU its head logits can be int8 (head_dtype='int8'), and with
+# AVX2 'auto' now takes the decoder's linears in int8 too (learn_dtype='int8').
 FP32_HEAD = "learn, float32 pass and head products"
 INT8_HEAD = "learn, float32 pass, int8 head logits"
+INT8_PASS = "learn, int8 pass and head logits"
 
 
 SHAPES = {
@@ -248,6 +250,8 @@ def timed_cases(  # noqa: ANN001 - a FaastModel
         if batch.device.type == "cpu":
             cases[FP32_HEAD] = (with_compute(torch.float64, "model", head="float32"), learn)
             cases[INT8_HEAD] = (with_compute(torch.float64, "model", head="int8"), learn)
+            if model.learner.int8_linears():  # GPT-2's Conv1D blocks have none
+                cases[INT8_PASS] = (with_compute(torch.float64, "int8", head="int8"), learn)
     if shipped_space == "probability":
         # The same memory read in logit space (one head product per position instead of two), in the same rounds.
         cases["forward with fast weights, logit space"] = (solved("logit"), read_pass)
@@ -269,6 +273,9 @@ def overhead_rows(med: dict[str, float], tokens: int, new_tokens: int) -> list[l
         (FP32_HEAD, "decoder pass, base"),
         (INT8_HEAD, "decoder pass, base"),
         (INT8_HEAD, FP32_HEAD),
+        (INT8_PASS, "decoder pass, base"),
+        (INT8_PASS, FP32_HEAD),
+        (INT8_PASS, INT8_HEAD),
         ("forward with fast weights", "full forward, base"),
         ("generate with fast weights", "generate, base"),
         ("forward with fast weights, logit space", "full forward, base"),

@@ -41,13 +41,15 @@ from lm_domains_peers import run_backprop, run_knn, run_knn_tuned, run_lora_best
 
 from faast import provenance  # noqa: E402
 
-METHODS = ("default", "narrow", "fp32learn", "int8learn", "folds", "logit", "faast", "output", "paper", "knn",
-           "knn_tuned", "lora", "lora_bf16", "linear", "lora_best", "lora_time")  # fmt: skip
+METHODS = ("default", "narrow", "fp32learn", "int8learn", "int8pass", "folds", "logit", "faast", "output", "paper",
+           "knn", "knn_tuned", "lora", "lora_bf16", "linear", "lora_best", "lora_time")  # fmt: skip
 # "lora_bf16": LoRA with its forward pass under bfloat16 autocast, the precision FAAST's learning pass uses.
 # "fp32learn": the default as a CPU without native bfloat16 runs it: the learning pass in float32 (learn_dtype='model')
 # and the head's products in float32 (head_dtype='float32'; 'auto' takes them in bfloat16 where it is native).
 # "int8learn": the default as a CPU without native bfloat16 but with AVX2 runs it: the learning pass in float32 and the
-# head's logits in int8 (head_dtype='int8', what 'auto' picks there; its p·H stays float32).
+# head's logits in int8 (head_dtype='int8', what 'auto' picked there before the int8 pass; its p·H stays float32).
+# "int8pass": the default as a CPU without native bfloat16 but with AVX2 runs it now: the decoder's linears of inputs
+# up to the hidden size in int8 (learn_dtype='int8', faast/hf/int8_pass.py) and the head's logits in int8.
 # "folds": the default with the step from the held-out ends in folds taken at --fold-ratio times the one fit's
 # (faast.hf.output_folds.FOLD_STEP_RATIO for that row; inf: the one fit alone), to weigh the fold rule in one run.
 # "narrow": the default with the output layer's keys h̃ alone (output_key_layers=[]: the default before wider keys).
@@ -56,8 +58,8 @@ METHODS = ("default", "narrow", "fp32learn", "int8learn", "folds", "logit", "faa
 # paper's output layer) on request: each is one more pass.
 # "knn_tuned", "lora_best": the peers tuned on FAAST's held-out tail; "lora_time": LoRA for FAAST's learn + solve time
 # (needs "default", which measures it).
-DEFAULT_METHODS = ("default", "narrow", "fp32learn", "int8learn", "knn", "knn_tuned", "lora", "linear", "lora_best",
-                   "lora_time")  # fmt: skip
+DEFAULT_METHODS = ("default", "narrow", "fp32learn", "int8learn", "int8pass", "knn", "knn_tuned", "lora", "linear",
+                   "lora_best", "lora_time")  # fmt: skip
 CURVE = (2048, 8192, 32768)
 RUN_ORDER = ("asyncio", "man", "copyright", "perl", "tkinter")  # code, roff, legal prose, then the rest
 
@@ -203,10 +205,11 @@ class Domain:
 # head_dtype='auto' (bfloat16 on a CPU that multiplies it natively): their variants map records which.
 FP32_LEARN = "FAAST: residual output only, float32 learning pass and head products"
 INT8_LEARN = "FAAST: residual output only, float32 learning pass, int8 head logits"
+INT8_PASS = "FAAST: residual output only, int8 learning pass and head logits"
 VARIANTS = {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only",
             "logit": "FAAST: logit-space residual output (earlier default)",
             "narrow": "FAAST: residual output, keys h̃ only (previous default)",
-            "fp32learn": FP32_LEARN, "int8learn": INT8_LEARN,
+            "fp32learn": FP32_LEARN, "int8learn": INT8_LEARN, "int8pass": INT8_PASS,
             "folds": "FAAST: residual output only, fold step rule"}  # fmt: skip
 
 
@@ -385,6 +388,8 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
         run_default(domain, base, args, "fp32learn", residual={"head_dtype": "float32"}, learn_dtype="model")
     if "int8learn" in args.methods:
         run_default(domain, base, args, "int8learn", residual={"head_dtype": "int8"}, learn_dtype="model")
+    if "int8pass" in args.methods:
+        run_default(domain, base, args, "int8pass", residual={"head_dtype": "int8"}, learn_dtype="int8")
     if "folds" in args.methods:
         with fold_ratio(args.fold_ratio):
             run_default(domain, base, args, "folds", extra={"fold_ratio": args.fold_ratio})

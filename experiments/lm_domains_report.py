@@ -21,6 +21,8 @@ LORA, LORA_BEST, LORA_TIME, KNN = "LoRA", "LoRA-best", "LoRA at FAAST's time", "
 FP32_LEARN = "FAAST: residual output only, float32 learning pass"
 # The float32 pass with the head's logits in int8 (lm_domains.py's VARIANTS["int8learn"]).
 INT8_LEARN = "FAAST: residual output only, float32 learning pass, int8 head logits"
+# The decoder's linears and the head's logits in int8 (lm_domains.py's VARIANTS["int8pass"]).
+INT8_PASS = "FAAST: residual output only, int8 learning pass and head logits"
 
 
 def default_label(payload: dict) -> str:
@@ -115,12 +117,13 @@ def _worst_row(goal: str, entries: list[tuple], limit: float, missing: list[str]
     return [goal, describe(worst) + _missing_note(missing), _yes(worst[0] <= limit and not missing)]
 
 
-def _ran_float32(payload: dict, key: str, head: str = "float32") -> bool:
-    """Whether the row `key` ran its learning pass in float32 and its head products in `head` (its recorded
+def _ran_float32(payload: dict, key: str, head: str = "float32", learn_pass: str = "float32") -> bool:
+    """Whether the row `key` ran its learning pass in `learn_pass` and its head products in `head` (its recorded
     `precision`) in every domain: the default does on a CPU without native bfloat16 (learn_dtype='auto')."""
     rows = [_find(d["rows"], key) for d in payload["domains"]]
     precisions = [(r or {}).get("precision") or {} for r in rows]
-    return bool(rows) and all(p.get("learn_pass") == "float32" and p.get("head_products") == head for p in precisions)
+    return bool(rows) and all(p.get("learn_pass") == learn_pass and p.get("head_products") == head
+                              for p in precisions)  # fmt: skip
 
 
 def _missing_note(missing: list[str]) -> str:
@@ -142,8 +145,14 @@ def goals(payload: dict, mean: list[dict]) -> list[list[str]]:
         fp32 = faast
     int8 = by.get(payload["variants"].get("int8learn", INT8_LEARN))
     default_is_int8 = int8 is None and faast is not None and _ran_float32(payload, method_key(faast["method"]), "int8")
-    if default_is_int8:  # ... or, with AVX2, what the int8-head row would
+    if default_is_int8:  # ... or, with AVX2 before 'auto' took the int8 pass, what the int8-head row would
         int8 = faast
+    int8_pass = by.get(payload["variants"].get("int8pass", INT8_PASS))
+    default_is_int8_pass = (
+        int8_pass is None and faast is not None and _ran_float32(payload, method_key(faast["method"]), "int8", "int8")
+    )
+    if default_is_int8_pass:  # ... or, with AVX2 now, what the int8-pass row would
+        int8_pass = faast
     key = payload["default_variant"]
     rows = []
 
@@ -211,6 +220,10 @@ def goals(payload: dict, mean: list[dict]) -> list[list[str]]:
                                "int8-head or 1-epoch LoRA rows", payload))  # fmt: skip
     if default_is_int8 and rows[-1][2] != "not run":
         rows[-1][1] += "; the default row, which learned in float32 with int8 head logits in every domain"
+    rows.append(_half_time_row("int8 pass and head logits: learn time ≤ ½ the 1-epoch LoRA's", int8_pass, lora,
+                               "int8-pass or 1-epoch LoRA rows", payload))  # fmt: skip
+    if default_is_int8_pass and rows[-1][2] != "not run":
+        rows[-1][1] += "; the default row, which learned with the int8 pass and head logits in every domain"
     # (f) the last solve, with its step tuning, on every domain.
     goal = f"last solve ≤ {LAST_SOLVE_S:g} s"
     solves = [(d["curve"][key]["solve_s"][-1], d["domain"]) for d in payload["domains"]

@@ -94,9 +94,9 @@ def test_lm_demo_steps_on_a_tiny_model(monkeypatch, tmp_path, capsys):
 @pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "no-native-bf16"])
 @pytest.mark.parametrize("float32", [False, True], ids=["default", "float32"])
 def test_lm_demo_float32_learns_as_a_cpu_without_bfloat16(monkeypatch, tmp_path, capsys, native, float32):
-    """--float32 applies the default configuration with the learning pass in float32 and the head's logits as a CPU
-    without native bfloat16 takes them, and the result records what the learning computed in (that wherever it ran,
-    or the CPU's choice without the option)."""
+    """--float32 applies the default configuration as a CPU without native bfloat16 runs it (the decoder's linears
+    and the head's logits in int8 where it has AVX2, else float32), and the result records what the learning
+    computed in (that wherever it ran, or the CPU's choice without the option)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
     from faast import hardware
@@ -112,22 +112,25 @@ def test_lm_demo_float32_learns_as_a_cpu_without_bfloat16(monkeypatch, tmp_path,
 
     def load(readout=None, config=None):
         configs.append(config)
-        return apply_faast(tiny_model("gpt2"), config or FaastConfig()), tokenizer
+        # llama: its blocks' nn.Linear layers are what the int8 pass takes (GPT-2's Conv1D are not)
+        return apply_faast(tiny_model("llama"), config or FaastConfig()), tokenizer
 
     monkeypatch.setattr(default, "load_default_model", load)
     argv = ["--package", "json", "--learn-tokens", "300", "--eval-tokens", "128", "--window", "64", "--generate", "2"]
     result = demo.main(argv + (["--float32"] if float32 else []))
     capsys.readouterr()
-    # Without native bfloat16 the head's logits are int8 where the CPU has AVX2 (this one's flags decide).
+    # Without native bfloat16 the decoder's linears and the head's logits are int8 where the CPU has AVX2 (this
+    # one's flags decide), else float32.
     without = "int8" if hardware.cpu_has_int8() else "float32"
     if float32:
         assert configs == [demo.float32_config()]
-        assert configs[0].learn_dtype == "model" and configs[0].output.head_dtype == without
+        assert configs[0].learn_dtype == ("int8" if without == "int8" else "model")
+        assert configs[0].output.head_dtype == without
     else:
         assert configs == [None]
     bf16 = native and not float32
     pool = head_module.POOL_AUTO  # 'auto' pools p·H on a CPU, whatever the products' dtype
-    assert result["precision"] == {"learn_pass": "bfloat16" if bf16 else "float32",
+    assert result["precision"] == {"learn_pass": "bfloat16" if bf16 else without,
                                    "head_products": "bfloat16" if bf16 else without, "head_pool_below": pool,
                                    "native_bf16": native}  # fmt: skip
     assert result["ppl_after"] < result["ppl_before"]

@@ -385,9 +385,9 @@ def test_the_hf_benchmark_switches_the_learning_pass_dtype_the_learner_reads(mon
         assert model.learner.precision()["learn_pass"] == pass_dtype, name
 
 
-def test_the_hf_benchmark_times_the_float32_pass_with_float32_and_int8_head_logits(monkeypatch):
-    # What a CPU without native bfloat16 runs, both ways, in the same rounds: each case learns in float32 with its
-    # head dtype, and every other learn case puts the shipped one back.
+def test_the_hf_benchmark_times_the_float32_pass_with_float32_and_int8_head_logits_and_the_int8_pass(monkeypatch):
+    # What a CPU without native bfloat16 runs, three ways, in the same rounds: each case learns in its pass dtype with
+    # its head dtype, and every other learn case puts the shipped one back.
     bench, model, batch, _ = _hf_bench_on_tiny()
     output = model.output_memory_layer
     cases = bench.timed_cases(model, batch, new_tokens=2)
@@ -400,6 +400,7 @@ def test_the_hf_benchmark_times_the_float32_pass_with_float32_and_int8_head_logi
 
     monkeypatch.setattr(output, "gradients", record)
     for name, want in ((bench.FP32_HEAD, ("float32", "float32")), (bench.INT8_HEAD, ("float32", "int8")),
+                       (bench.INT8_PASS, ("int8", "int8")),
                        ("learn, float64 statistics", (model.learner.precision()["learn_pass"], "auto"))):  # fmt: skip
         setup, run = cases[name]
         setup()
@@ -408,6 +409,7 @@ def test_the_hf_benchmark_times_the_float32_pass_with_float32_and_int8_head_logi
         assert seen and set(seen) == {want}, name
     rows = bench.overhead_rows({name: 1.0 for name in cases}, tokens=128, new_tokens=2)
     assert [bench.INT8_HEAD, bench.FP32_HEAD] in [r[:2] for r in rows]
+    assert [bench.INT8_PASS, bench.INT8_HEAD] in [r[:2] for r in rows]
 
 
 def test_benchmarks_skip_only_what_autos_gates_keep_out_on_a_gpu(monkeypatch):

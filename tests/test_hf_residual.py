@@ -573,6 +573,7 @@ def test_learning_under_bfloat16_autocast_learns_the_autocast_states_and_auto_pi
     for native, model_dtype, expected in ((True, torch.float32, s16), (False, torch.float32, s32),
                                           (True, torch.float64, None)):  # fmt: skip
         monkeypatch.setattr(learning_module, "native_bf16", lambda device, native=native: native)
+        monkeypatch.setattr(learning_module, "cpu_has_int8", lambda: False)  # int8's 'auto': test_hf_int8_pass.py
         auto_model, auto = learned_gram(model_dtype, "auto")
         if expected is None:  # float64 weights learn exactly what the float64 model computes
             _, expected = learned_gram(torch.float64, "model")
@@ -581,7 +582,7 @@ def test_learning_under_bfloat16_autocast_learns_the_autocast_states_and_auto_pi
         assert auto_model.learner.autocasts(torch.device("cpu")) == (native and model_dtype == torch.float32)
     plain_model, _ = learned_gram(torch.float32, "model")
     assert model.learner.autocasts(torch.device("cpu")) and not plain_model.learner.autocasts(torch.device("cpu"))
-    with pytest.raises(ValueError, match="learn_dtype: expected 'auto', 'model' or 'bfloat16'"):
+    with pytest.raises(ValueError, match="learn_dtype: expected 'auto', 'model', 'bfloat16' or 'int8'"):
         FaastConfig(learn_dtype="float16")
     saved_before = {k: v for k, v in V1_DEFAULT.items() if k != "learn_dtype"}  # written before the field existed
     assert FaastConfig.from_dict(saved_before, version=1).learn_dtype == "model"

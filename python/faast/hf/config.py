@@ -77,9 +77,12 @@ class FaastConfig:
         learn_dtype: the precision of the base model's forward pass inside learn() (statistics are accumulated in
             float32/float64 either way; reading is never affected). 'auto' (the default): bfloat16 autocast when the
             model's weights are float32 and the device multiplies bfloat16 natively (CUDA, or a CPU with AVX512-BF16
-            or AMX), else the model's own dtype; 'model': always the model's own dtype; 'bfloat16': always autocast.
-            Chosen on three validation domains (docs/design.md §6.4): on 2 AMD EPYC cores learning 32K tokens took
-            0.77× the time, and held-out perplexity moved by at most 0.02%.
+            or AMX); else, with float32 weights on a CPU with AVX2, the blocks' linears in int8 (faast/hf/int8_pass.py;
+            the MLPs' down projections and the rest stay float32); else the model's own dtype. 'model': always the
+            model's own dtype; 'bfloat16': always autocast; 'int8': always the int8 linears (a CPU with float32
+            weights only, else learn() raises ValueError). Both were chosen on three validation domains
+            (docs/design.md §6.4): on 2 AMD EPYC cores learning 32K tokens took 0.77× the time under autocast and
+            held-out perplexity moved by at most 0.02%; the int8 linears' numbers are in docs/design.md §6.4.
         compute_dtype: 'float64' (default, exact) or 'float32' for the per-batch statistics GEMMs (summed in
             float64): faster on hardware with slow float64, see FastWeights(compute_dtype=).
         target_modules: put a memory on each module these name (docs/design.md §6.6), matched as PEFT matches its
@@ -103,7 +106,7 @@ class FaastConfig:
     output: ResidualOutput | EmbeddingOutput | None = field(default_factory=ResidualOutput)
     middle: MiddleLayers | None = None
     regulariser: Regulariser = field(default_factory=Regulariser)
-    learn_dtype: Literal["auto", "model", "bfloat16"] = "auto"
+    learn_dtype: Literal["auto", "model", "bfloat16", "int8"] = "auto"
     compute_dtype: Literal["float64", "float32"] = "float64"
     target_modules: list[str] | str | None = None
     module_fit: Literal["residual", "replace"] = "residual"
@@ -128,7 +131,7 @@ class FaastConfig:
             refuse("middle", "a MiddleLayers or None", self.middle)
         if not isinstance(self.regulariser, Regulariser):
             refuse("regulariser", "a Regulariser", self.regulariser)
-        check_choice("learn_dtype", self.learn_dtype, ("auto", "model", "bfloat16"))
+        check_choice("learn_dtype", self.learn_dtype, ("auto", "model", "bfloat16", "int8"))
         check_choice("compute_dtype", self.compute_dtype, ("float64", "float32"))
         self.target_modules = _check_target_modules(self.target_modules)
         check_choice("module_fit", self.module_fit, ("residual", "replace"))

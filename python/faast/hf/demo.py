@@ -78,8 +78,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--float32",
         action="store_true",
-        help="learn as a CPU without native bfloat16 does, whatever this one does: the decoder pass in float32"
-        " (learn_dtype='model'), the head's logits in int8 where this CPU has AVX2, else in float32 (head_dtype)",
+        help="learn as a CPU without native bfloat16 does, whatever this one does: where this CPU has AVX2 the"
+        " decoder's linears (learn_dtype) and the head's logits (head_dtype) in int8, the rest in float32; else all"
+        " in float32",
     )
     parser.add_argument("--generate", type=int, default=40, help="new tokens of the before/after generation")
     parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
@@ -87,15 +88,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def float32_config() -> FaastConfig:
-    """The default FaastConfig as a CPU without native bfloat16 runs it: the learning pass in the model's float32
-    (learn_dtype='model') and the head's logits as head_dtype='auto' takes them there: int8 where this CPU has AVX2
-    (p·H float32), else float32."""
+    """The default FaastConfig as a CPU without native bfloat16 runs it ('auto' there): where this CPU has AVX2,
+    the decoder's linears of inputs up to the hidden size in int8 (learn_dtype='int8') and the head's logits in int8
+    (head_dtype='int8'; p·H float32); else the learning pass and head products in float32."""
     from ..hardware import cpu_has_int8
     from .config import FaastConfig
     from .config_groups import ResidualOutput
 
-    head = "int8" if cpu_has_int8() else "float32"
-    return FaastConfig(output=ResidualOutput(head_dtype=head), learn_dtype="model")
+    if cpu_has_int8():
+        return FaastConfig(output=ResidualOutput(head_dtype="int8"), learn_dtype="int8")
+    return FaastConfig(output=ResidualOutput(head_dtype="float32"), learn_dtype="model")
 
 
 def _load_model(args: argparse.Namespace) -> tuple[object, object]:

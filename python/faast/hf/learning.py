@@ -18,13 +18,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..hardware import native_bf16
+from ..hardware import cpu_has_int8, native_bf16
 from .bank import MemoryBank
 from .base import eval_mode
 from .capture import BankCapture
 from .head import pool_threshold, products_dtype
 from .hooks import LearnPass, ModelHooks
 from .inputs import Batch, check_batch, check_labels
+from .int8_pass import Int8Pass, Int8Weights
 from .layers import MemoryLayer, OutputMemoryLayer
 from .modules import ModuleMemories
 from .output import ResidualOutputLayer
@@ -69,7 +70,7 @@ class Learner:
         hooks: the model's ModelHooks; bank: the middle layers' MemoryBank (None without middle layers);
         middle_layers: the MemoryLayers in slot order; output_layer: the output layer or None;
         module_memories: the target_modules memories (they pass through while the LM layers learn);
-        learn_dtype: FaastConfig.learn_dtype ('auto', 'model' or 'bfloat16').
+        learn_dtype: FaastConfig.learn_dtype ('auto', 'model', 'bfloat16' or 'int8').
     """
 
     def __init__(
@@ -93,6 +94,9 @@ class Learner:
         self._sink: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None = None
         # Capture buffers [L, B, T-1, d], reused by the next batch of the same shape; dropped at the end of a call.
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._int8 = Int8Weights()  # the decoder's int8 weights of an int8 pass, kept for one learn call
+        self._int8_count: int | None = None  # the backbone's linears an int8 pass takes (counted once)
+        self._said_no_int8 = False  # 'auto' found none of them: logged once
 
     @contextlib.contextmanager
     def recording(
@@ -140,8 +144,9 @@ class Learner:
         forming them again (and keeps no held-out tail: the stream tunes the step itself). With a reader the pass
         runs in the model's own dtype, so the scores are what the model reads."""
         input_ids, mask = check_batch(input_ids, attention_mask, self.base_model)
+        # A pass or head dtype the device cannot run raises here, before any statistic changes.
+        self.pass_precision(input_ids.device)
         if isinstance(self.output_layer, ResidualOutputLayer):
-            # A head dtype the device cannot run raises here, before any statistic changes.
             products_dtype(self.output_layer.head_dtype, self.base_model.get_input_embeddings().weight)
         started = time.perf_counter()
         if documents is None:
@@ -170,7 +175,7 @@ class Learner:
             torch.set_grad_enabled(differentiable),
             eval_mode(self.base_model),
             self.module_memories.passthrough(),  # every layer learns from the base model's own activations
-            self._autocast(input_ids.device, differentiable or reader is not None),
+            self._pass_mode(input_ids.device, differentiable or reader is not None),
         ):
             self.backbone(input_ids=input_ids, attention_mask=mask.long(), position_ids=positions, use_cache=False)
         # Every statistic is added after the pass, so an error inside it (or in the bank's checks) learns nothing.
@@ -195,19 +200,60 @@ class Learner:
         tokens, pairs = torch.stack([mask.sum(), pair_mask.sum()]).tolist()
         return LearnStats(tokens=tokens, pairs=pairs, batches=1, seconds=time.perf_counter() - started)
 
+    def pass_precision(self, device: torch.device) -> str:
+        """What learn() runs the decoder pass in on `device`: 'bfloat16' (autocast), 'int8' (the CPU's int8 products,
+        faast/hf/int8_pass.py) or 'model' (the model's dtype). 'auto' takes bfloat16 with float32 weights on a device
+        that multiplies it natively, else int8 with float32 weights on a CPU with AVX2 (`cpu_has_int8`) when the
+        decoder has an nn.Linear the int8 pass takes, else the model's dtype (logged once when only the last stood in
+        the way). An explicit 'int8' the model cannot run (not on a CPU, weights not float32, or no such nn.Linear:
+        GPT-2's blocks multiply through Conv1D) raises ValueError naming FaastConfig.learn_dtype."""
+        weights = self.base_model.get_input_embeddings().weight
+        if self.learn_dtype == "int8":
+            if device.type != "cpu" or weights.dtype != torch.float32:
+                raise ValueError(f"FaastConfig.learn_dtype: 'int8' runs the pass on a CPU with float32 weights only "
+                                 f"(torch._int_mm's CPU path), got {weights.dtype} weights on {device}; expected "
+                                 f"'auto', 'model' or 'bfloat16' there")  # fmt: skip
+            if not self.int8_linears():
+                raise ValueError(f"FaastConfig.learn_dtype: 'int8' runs the decoder's nn.Linear layers of inputs at "
+                                 f"most {self._hidden_size()} wide in int8, and this model has none (GPT-2's blocks "
+                                 f"use Conv1D); expected 'auto', 'model' or 'bfloat16'")  # fmt: skip
+            return "int8"
+        if self.learn_dtype != "auto":
+            return self.learn_dtype
+        if weights.dtype != torch.float32:
+            return "model"
+        if native_bf16(device):
+            return "bfloat16"
+        if device.type != "cpu" or not cpu_has_int8():
+            return "model"
+        if not self.int8_linears():
+            if not self._said_no_int8:
+                self._said_no_int8 = True
+                _log.info("faast: learn_dtype='auto': the decoder has no nn.Linear the int8 pass takes; learning in "
+                          "the model's dtype")  # fmt: skip
+            return "model"
+        return "int8"
+
+    def _hidden_size(self) -> int:
+        return self.base_model.get_input_embeddings().weight.shape[-1]
+
+    def int8_linears(self) -> int:
+        """How many of the backbone's nn.Linear layers an int8 pass takes (inputs at most the hidden size wide)."""
+        if self._int8_count is None:
+            widest = self._hidden_size()
+            self._int8_count = sum(
+                isinstance(m, nn.Linear) and m.in_features <= widest for m in self.backbone.modules()
+            )
+        return self._int8_count
+
     def autocasts(self, device: torch.device) -> bool:
-        """Whether learn() runs the pass on `device` under bfloat16 autocast: learn_dtype 'bfloat16', or 'auto' with
-        float32 weights on a device that multiplies bfloat16 natively (else the pass keeps the model's dtype)."""
-        if self.learn_dtype == "model":
-            return False
-        if self.learn_dtype == "auto":
-            weights = self.base_model.get_input_embeddings().weight
-            return weights.dtype == torch.float32 and native_bf16(device)
-        return True
+        """Whether learn() runs the pass on `device` under bfloat16 autocast (`pass_precision` is 'bfloat16')."""
+        return self.pass_precision(device) == "bfloat16"
 
     def precision(self) -> dict[str, object]:
         """What learn() computes in on the model's device, as learn_dtype and head_dtype resolve there ('auto' follows
-        the CPU): {'learn_pass': 'bfloat16' under autocast, else the model's dtype; 'head_products': the residual
+        the CPU): {'learn_pass': 'bfloat16' under autocast, 'int8' for the int8 pass, else the model's dtype;
+        'head_products': the residual
         output layer's head products dtype and 'head_pool_below' the probability below which its p·H pools a
         vocabulary column (0: exact; both None without that layer); 'native_bf16': whether the device multiplies
         bfloat16 natively}. Result files record it beside the times it explains."""
@@ -217,24 +263,33 @@ class Learner:
             products = products_dtype(self.output_layer.head_dtype, weights)
             head = str(products).split(".")[-1]
             pool = pool_threshold(self.output_layer.head_pool_below, products, weights)
-        learn_pass = torch.bfloat16 if self.autocasts(weights.device) else weights.dtype
-        return {"learn_pass": str(learn_pass).split(".")[-1], "head_products": head, "head_pool_below": pool,
+        learn_pass = self.pass_precision(weights.device)
+        learn_pass = str(weights.dtype).split(".")[-1] if learn_pass == "model" else learn_pass
+        return {"learn_pass": learn_pass, "head_products": head, "head_pool_below": pool,
                 "native_bf16": native_bf16(weights.device)}  # fmt: skip
 
-    def _head_buffers_kept(self) -> contextlib.AbstractContextManager:
-        """The residual output layer's [chunk, V] head buffers, shared by this call's batches (faast/hf/head.py)."""
-        if isinstance(self.output_layer, ResidualOutputLayer):
-            return self.output_layer.head_buffers.kept()
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _call_buffers_kept(self) -> Iterator[None]:
+        """What this call's batches share: the residual output layer's [chunk, V] head buffers (faast/hf/head.py)
+        and an int8 pass's int8 weights (faast/hf/int8_pass.py)."""
+        with self._int8.kept():
+            if isinstance(self.output_layer, ResidualOutputLayer):
+                with self.output_layer.head_buffers.kept():
+                    yield
+            else:
+                yield
 
-    def _autocast(self, device: torch.device, own_dtype: bool) -> contextlib.AbstractContextManager:
-        """bfloat16 autocast for the pass where learn_dtype asks for it (`autocasts`); never with own_dtype (while
-        training the readout, whose gradients keep the model's precision, or while a stream scores the pass). The
-        captured states stay float32: the residual stream and the norms' outputs are float32 under autocast, only the
-        matrix products inside the blocks round."""
-        if own_dtype or not self.autocasts(device):
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+    def _pass_mode(self, device: torch.device, own_dtype: bool) -> contextlib.AbstractContextManager:
+        """bfloat16 autocast or the int8 products for the pass where learn_dtype asks for them (`pass_precision`);
+        neither with own_dtype (while training the readout, whose gradients keep the model's precision, or while a
+        stream scores the pass). The captured states stay float32 either way: the residual stream and the norms'
+        outputs are float32, only the matrix products inside the blocks round."""
+        precision = "model" if own_dtype else self.pass_precision(device)
+        if precision == "bfloat16":
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        if precision == "int8":
+            return Int8Pass(self._int8, self._hidden_size())
+        return contextlib.nullcontext()
 
     def learn_tensor(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None
@@ -260,7 +315,7 @@ class Learner:
         # except the first text of a call that continues the last one.
         first = self._documents - 1 if continues else self._documents
         try:
-            with torch.no_grad(), self._head_buffers_kept():
+            with torch.no_grad(), self._call_buffers_kept():
                 for ids, mask, batch_labels, documents in batches:
                     if continues and stats.batches == 0 and (documents is None or documents[0] != 0):
                         raise ValueError("continues: the first input must be a text or a token-id list of at least 2 "
