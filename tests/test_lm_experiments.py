@@ -582,8 +582,9 @@ def test_a_peer_that_gains_nothing_on_average_has_no_share_and_the_share_goals_r
 
 
 def test_a_resumed_multi_domain_run_keeps_each_domains_machine_and_the_report_names_it(tmp_path, monkeypatch):
-    """--resume on another CPU: the kept domain carries the earlier run's machine, a domain run now carries this
-    run's, and the report names both (times compare within a domain only); one machine for all: no such line."""
+    """--resume on another CPU (a name no real machine has, so this one always differs from it): the kept domain
+    carries the earlier run's machine, a domain run now carries this run's, and the report names both (times compare
+    within a domain only); one machine for all: no such line."""
     import faast.hf.default
 
     module = load_script("lm_domains")
@@ -591,7 +592,7 @@ def test_a_resumed_multi_domain_run_keeps_each_domains_machine_and_the_report_na
     monkeypatch.setattr(module, "run_domain", lambda name, *rest: _domain(name, 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8],
                                                                           [5] * 3))  # fmt: skip
     earlier = {"model": "t", "provenance": {"date": "d0", "git_sha": "abcdef0123", "git_dirty": False,
-                                            "cpu_model": "AMD EPYC", "cpu_native_bf16": False},
+                                            "cpu_model": "Example CPU", "cpu_native_bf16": False},
                "variants": {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only"},
                "default_variant": "output",
                "domains": [_domain("asyncio", 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8], [5] * 3)]}  # fmt: skip
@@ -599,13 +600,13 @@ def test_a_resumed_multi_domain_run_keeps_each_domains_machine_and_the_report_na
     payload = module.main(["--domains", "asyncio", "info", "--methods", "default", "--resume", "--results-dir",
                            str(tmp_path), "--out", "d"])  # fmt: skip
     kept, new = payload["domains"]
-    assert kept["domain"] == "asyncio" and kept["measured_by"]["cpu_model"] == "AMD EPYC"
+    assert kept["domain"] == "asyncio" and kept["measured_by"]["cpu_model"] == "Example CPU"
     assert kept["measured_by"]["git_sha"] == "abcdef0123" and kept["measured_by"]["cpu_native_bf16"] is False
     assert new["domain"] == "info" and new["measured_by"]["git_sha"] == payload["provenance"]["git_sha"]
     assert new["measured_by"]["cpu_model"] == payload["provenance"]["cpu_model"]
     assert json.loads((tmp_path / "d.json").read_text(encoding="utf-8"))["domains"][0]["measured_by"]["date"] == "d0"
     text = (tmp_path / "d.md").read_text(encoding="utf-8")
-    assert "Measured by the run of d0 at abcdef0 on AMD EPYC (no native bfloat16)" in text
+    assert "Measured by the run of d0 at abcdef0 on Example CPU (no native bfloat16)" in text
     assert text.count("Measured by the run of") == 2
     report = sys.modules["lm_domains_report"]
     same = {**payload, "domains": [{**d, "measured_by": kept["measured_by"]} for d in payload["domains"]]}
@@ -616,9 +617,9 @@ def test_a_resumed_multi_domain_run_keeps_each_domains_machine_and_the_report_na
     mixed = {**payload, "domains": [kept, {**slow, "measured_by": new["measured_by"]}]}
     goals = {g[0]: g for g in report.goals(mixed, report.averages(mixed))}
     assert goals["learn time ≤ ½ LoRA's"][1].startswith("0.27× (mean of the per-domain ratios")
-    assert "largest 0.33×, asyncio on AMD EPYC, no native bfloat16)" in goals["learn time ≤ ½ LoRA's"][1]
-    assert goals["last solve ≤ 5 s"][1] == "max 1.00 s (asyncio, on AMD EPYC, no native bfloat16)"
-    machines = "The domains were measured on different CPUs (asyncio on AMD EPYC, no native bfloat16; info on "
+    assert "largest 0.33×, asyncio on Example CPU, no native bfloat16)" in goals["learn time ≤ ½ LoRA's"][1]
+    assert goals["last solve ≤ 5 s"][1] == "max 1.00 s (asyncio, on Example CPU, no native bfloat16)"
+    machines = "The domains were measured on different CPUs (asyncio on Example CPU, no native bfloat16; info on "
     assert machines in "\n".join(report.report(mixed))
     one = {**mixed, "domains": [{k: v for k, v in kept.items() if k != "measured_by"}, slow]}
     goals = {g[0]: g for g in report.goals(one, report.averages(one))}
