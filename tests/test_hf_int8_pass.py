@@ -140,6 +140,20 @@ def test_learning_in_int8_learns_the_int8_pass_states_and_keeps_the_wide_linears
     assert model.learner.precision()["learn_pass"] == "int8"
 
 
+def test_a_learn_call_rounds_each_weight_once_for_all_its_batches(monkeypatch):
+    formed = []
+    real = int8_pass.int8_weight
+    monkeypatch.setattr(int8_pass, "int8_weight", lambda w: formed.append(w.data_ptr()) or real(w))
+    model = int8_model("llama")
+    texts = [list(range(1, 60)), list(range(3, 50)), list(range(7, 40))]
+    stats = model.learn(texts, max_length=32, batch_size=1)
+    narrow = model.learner.int8_linears()
+    assert stats.batches >= 4 and narrow > 0
+    assert len(formed) == len(set(formed)) == narrow  # every weight once, for every batch of the call
+    model.learn(texts, max_length=32, batch_size=1)
+    assert len(formed) == 2 * narrow  # dropped at the end of a call, formed again by the next
+
+
 @pytest.mark.parametrize(
     ("native", "int8", "model_dtype", "expected"),
     [(True, True, torch.float32, "bfloat16"), (False, True, torch.float32, "int8"),
