@@ -497,17 +497,24 @@ def test_a_run_of_the_float32_row_alone_judges_it_and_not_as_the_default():
     assert goals["learn time ≤ ½ LoRA's"][2] == "not run"
 
 
+def _default_alone(variants: dict, learn_pass: str, head: str, faast_s: float = 14.0) -> tuple[list, dict]:
+    """(domains, payload) of two domains with only zero-shot, the default row (which learned in `learn_pass` with
+    `head` head products) and one LoRA epoch (30 s), for the report's goals with `variants`."""
+    default = variants["output"]
+    domains = [_domain(n, 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8], [5] * 3, faast_s=faast_s, lora_s=30.0) for n in "ab"]
+    for d in domains:
+        d["rows"] = [r for r in d["rows"] if r["method"] in ("zero-shot", default) or r["method"].startswith("LoRA (")]
+        d["rows"][1]["precision"] = {"learn_pass": learn_pass, "head_products": head, "native_bf16": False}
+    return domains, {"model": "m", "header": {}, "variants": variants, "default_variant": "output", "domains": domains}
+
+
 def test_without_a_float32_row_the_default_stands_for_it_only_where_it_learned_in_float32():
     """A run on a CPU without native bfloat16 (--methods default,lora): the default's recorded precision is float32
     in every domain, so the float32 goal is judged on it; bfloat16 in one domain, and the goal is "not run"."""
     report = _load_report()
     default = "FAAST: residual output only"
     variants = {"output": default, "fp32learn": "FAAST: residual output only, float32 learning pass"}
-    domains = [_domain(n, 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8], [5] * 3, faast_s=14.0, lora_s=30.0) for n in "ab"]
-    for d in domains:
-        d["rows"] = [r for r in d["rows"] if r["method"] in ("zero-shot", default) or r["method"].startswith("LoRA (")]
-        d["rows"][1]["precision"] = {"learn_pass": "float32", "head_products": "float32", "native_bf16": False}
-    payload = {"model": "m", "header": {}, "variants": variants, "default_variant": "output", "domains": domains}
+    domains, payload = _default_alone(variants, "float32", "float32")
     goal = "float32-learn learn time ≤ ½ the 1-epoch LoRA's"
     judged = {g[0]: g for g in report.goals(payload, report.averages(payload))}[goal]
     assert judged[1:] == ["0.47× (14 s vs 30 s); the default row, which learned in float32 in every domain", "yes"]
@@ -522,11 +529,7 @@ def test_without_an_int8_row_the_default_stands_for_it_only_where_it_learned_wit
     default = "FAAST: residual output only"
     variants = {"output": default, "fp32learn": "FAAST: residual output only, float32 learning pass",
                 "int8learn": "FAAST: residual output only, float32 learning pass, int8 head logits"}  # fmt: skip
-    domains = [_domain(n, 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8], [5] * 3, faast_s=14.0, lora_s=30.0) for n in "ab"]
-    for d in domains:
-        d["rows"] = [r for r in d["rows"] if r["method"] in ("zero-shot", default) or r["method"].startswith("LoRA (")]
-        d["rows"][1]["precision"] = {"learn_pass": "float32", "head_products": "int8", "native_bf16": False}
-    payload = {"model": "m", "header": {}, "variants": variants, "default_variant": "output", "domains": domains}
+    _, payload = _default_alone(variants, "float32", "int8")
     goals = {g[0]: g for g in report.goals(payload, report.averages(payload))}
     assert goals["float32 pass, int8 head logits: learn time ≤ ½ the 1-epoch LoRA's"][1:] == [
         "0.47× (14 s vs 30 s); the default row, which learned in float32 with int8 head logits in every domain",
@@ -542,11 +545,7 @@ def test_without_an_int8_pass_row_the_default_stands_for_it_only_where_it_learne
     default = "FAAST: residual output only"
     variants = {"output": default, "int8learn": "FAAST: residual output only, float32 learning pass, int8 head logits",
                 "int8pass": "FAAST: residual output only, int8 learning pass and head logits"}  # fmt: skip
-    domains = [_domain(n, 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8], [5] * 3, faast_s=9.0, lora_s=30.0) for n in "ab"]
-    for d in domains:
-        d["rows"] = [r for r in d["rows"] if r["method"] in ("zero-shot", default) or r["method"].startswith("LoRA (")]
-        d["rows"][1]["precision"] = {"learn_pass": "int8", "head_products": "int8", "native_bf16": False}
-    payload = {"model": "m", "header": {}, "variants": variants, "default_variant": "output", "domains": domains}
+    domains, payload = _default_alone(variants, "int8", "int8", faast_s=9.0)
     goal = "int8 pass and head logits: learn time ≤ ½ the 1-epoch LoRA's"
     goals = {g[0]: g for g in report.goals(payload, report.averages(payload))}
     assert goals[goal][1:] == [

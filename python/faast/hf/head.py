@@ -105,7 +105,30 @@ def change_logits(
     return torch.matmul(change.to(weight.dtype), weight.T, out=out)
 
 
-class HeadBuffers:
+class CallScoped:
+    """What one learn() call forms once and shares between its batches: held while `kept()` lasts (nested uses hold
+    until the outermost ends, then `drop` frees it); outside `kept()` the subclass forms afresh and holds nothing."""
+
+    _keep = False
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        """Hold what is formed inside; free it on leaving the outermost block."""
+        outer = self._keep
+        self._keep = True
+        try:
+            yield
+        finally:
+            self._keep = outer
+            if not outer:
+                self.drop()
+
+    def drop(self) -> None:
+        """Free what is held."""
+        raise NotImplementedError
+
+
+class HeadBuffers(CallScoped):
     """The [READ_CHUNK, V] buffers head_gradients fills (logits and probabilities, 200 MB each in float32 for
     SmolLM2), and the head's weight cast to the products' dtype (H and Hᵀ), kept across its calls while `kept()`
     lasts: one learn() call, whose batches each call it. Outside `kept()` every call gets fresh ones and nothing is
@@ -117,20 +140,10 @@ class HeadBuffers:
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._casts: dict[tuple, torch.Tensor] = {}
-        self._keep = False
 
-    @contextlib.contextmanager
-    def kept(self) -> Iterator[None]:
-        """Reuse the buffers across the calls inside; free them on leaving (nested uses keep them until the outer)."""
-        outer = self._keep
-        self._keep = True
-        try:
-            yield
-        finally:
-            self._keep = outer
-            if not outer:
-                self._buffers.clear()
-                self._casts.clear()
+    def drop(self) -> None:
+        self._buffers.clear()
+        self._casts.clear()
 
     def held_bytes(self) -> int:
         """Bytes the buffers and weight casts hold now (0 outside `kept()`)."""

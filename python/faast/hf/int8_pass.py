@@ -17,37 +17,24 @@ against 1.5 for the float32 pass (2,048 asyncio tokens, 2 AMD EPYC cores; docs/d
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import head
-from .head import int8_logits, int8_weight
+from .head import CallScoped, int8_logits, int8_weight
 
 
-class Int8Weights:
+class Int8Weights(CallScoped):
     """The int8 forms (`int8_weight`: q [n, k] int8, scale [n] float32) of the weights an int8 pass multiplies. Inside
     `kept()` (one learn() call) each weight is rounded once and reused by every batch, and again after an in-place
     change; outside it each call rounds afresh and keeps nothing."""
 
     def __init__(self) -> None:
-        self._keep = False
         self._held: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
 
-    @contextlib.contextmanager
-    def kept(self) -> Iterator[None]:
-        """Keep the int8 weights formed inside until the block ends (then they are dropped)."""
-        outer = self._keep
-        self._keep = True
-        try:
-            yield
-        finally:
-            self._keep = outer
-            if not outer:
-                self._held.clear()
+    def drop(self) -> None:
+        self._held.clear()
 
     def held_bytes(self) -> int:
         """Bytes of the int8 weights and scales kept now."""
