@@ -253,10 +253,9 @@ class Learner:
     def precision(self) -> dict[str, object]:
         """What learn() computes in on the model's device, as learn_dtype and head_dtype resolve there ('auto' follows
         the CPU): {'learn_pass': 'bfloat16' under autocast, 'int8' for the int8 pass, else the model's dtype;
-        'head_products': the residual
-        output layer's head products dtype and 'head_pool_below' the probability below which its p·H pools a
-        vocabulary column (0: exact; both None without that layer); 'native_bf16': whether the device multiplies
-        bfloat16 natively}. Result files record it beside the times it explains."""
+        'head_products': the residual output layer's head products dtype and 'head_pool_below' the probability below
+        which its p·H pools a vocabulary column (0: exact; both None without that layer); 'native_bf16': whether the
+        device multiplies bfloat16 natively}. Result files record it beside the times it explains."""
         weights = self.base_model.get_input_embeddings().weight
         head = pool = None
         if isinstance(self.output_layer, ResidualOutputLayer):
