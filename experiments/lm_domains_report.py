@@ -117,7 +117,7 @@ def _worst_row(goal: str, entries: list[tuple], limit: float, missing: list[str]
     return [goal, describe(worst) + _missing_note(missing), _yes(worst[0] <= limit and not missing)]
 
 
-def _ran_float32(payload: dict, key: str, head: str = "float32", learn_pass: str = "float32") -> bool:
+def _ran_as(payload: dict, key: str, head: str = "float32", learn_pass: str = "float32") -> bool:
     """Whether the row `key` ran its learning pass in `learn_pass` and its head products in `head` (its recorded
     `precision`) in every domain: the default does on a CPU without native bfloat16 (learn_dtype='auto')."""
     rows = [_find(d["rows"], key) for d in payload["domains"]]
@@ -140,16 +140,16 @@ def goals(payload: dict, mean: list[dict]) -> list[list[str]]:
     faast = by.get(label) or next((m for n, m in by.items() if n.startswith(label) and n not in others), None)
     lora, lora_best, knn = by.get(LORA), by.get(LORA_BEST), by.get(KNN)
     fp32 = by.get(payload["variants"].get("fp32learn", FP32_LEARN))
-    default_is_fp32 = fp32 is None and faast is not None and _ran_float32(payload, method_key(faast["method"]))
+    default_is_fp32 = fp32 is None and faast is not None and _ran_as(payload, method_key(faast["method"]))
     if default_is_fp32:  # on a CPU without native bfloat16 the default runs what the float32 row would
         fp32 = faast
     int8 = by.get(payload["variants"].get("int8learn", INT8_LEARN))
-    default_is_int8 = int8 is None and faast is not None and _ran_float32(payload, method_key(faast["method"]), "int8")
+    default_is_int8 = int8 is None and faast is not None and _ran_as(payload, method_key(faast["method"]), "int8")
     if default_is_int8:  # ... or, with AVX2 before 'auto' took the int8 pass, what the int8-head row would
         int8 = faast
     int8_pass = by.get(payload["variants"].get("int8pass", INT8_PASS))
     default_is_int8_pass = (
-        int8_pass is None and faast is not None and _ran_float32(payload, method_key(faast["method"]), "int8", "int8")
+        int8_pass is None and faast is not None and _ran_as(payload, method_key(faast["method"]), "int8", "int8")
     )
     if default_is_int8_pass:  # ... or, with AVX2 now, what the int8-pass row would
         int8_pass = faast
