@@ -145,7 +145,9 @@ def read_states(model, windows: list[list[int]]):  # noqa: ANN001, ANN201
 def held_out_logits(layer, states: tuple):  # noqa: ANN001, ANN201
     """(z0, z1, their entries at the targets) over the held-out positions for the layer's current solution, as
     output_tuning.Logits (z1: the change per unit step, (keys·M + bias)·Hᵀ/η: the layer's bias, if any, scales with
-    the step here), or None when the memory is off; states: read_states' (hidden, extra, targets, ...)."""
+    the step here; z0: the base logits plus the layer's token bias, which both parts of the mixture read, at its
+    fixed step), or None when the memory is off (z0 then the base logits alone); states: read_states' (hidden,
+    extra, targets, ...)."""
     import torch
 
     hidden, extra, ys = states[:3]
@@ -161,7 +163,18 @@ def held_out_logits(layer, states: tuple):  # noqa: ANN001, ANN201
     change = keys @ m
     bias = layer.folded_bias(head.device, torch.float32)
     z1 = ((change if bias is None else change + bias) / layer.chosen_step()) @ head.T
+    tokens = layer.folded_token_bias(head.device, torch.float32)
+    z0 = z0 if tokens is None else z0.add_(tokens)
     return (z0, z1, z0.gather(-1, idx)[:, 0], z1.gather(-1, idx)[:, 0])
+
+
+def base_ppl(layer, states: tuple) -> float:  # noqa: ANN001
+    """The base model's perplexity on the held-out positions of read_states' states (the head's logits alone)."""
+    import torch
+
+    hidden, ys = states[0], states[2]
+    z0 = hidden @ layer.head.weight.float().T
+    return math.exp(float((torch.logsumexp(z0, -1) - z0.gather(-1, ys[:, None])[:, 0]).double().mean()))
 
 
 def oracle_step(ppl, eta: float, curve: list[tuple[float, float]] | None = None) -> tuple[float, float]:  # noqa: ANN001
@@ -199,11 +212,10 @@ def probe(model, windows: list[list[int]], pairs: bool = False) -> tuple[dict, t
            **{k: last.get(k) for k in ("tuned", "held_out_tokens", "held_out_documents", "document_gap_tokens",
                                        "fitted_tokens", "key_width")}}  # fmt: skip
     logits = held_out_logits(layer, states)
-    base = tuning.held_out_nll(logits, 0.0, 0.0)
-    row["ppl_base"] = math.exp(base)
+    row["ppl_base"] = base_ppl(layer, states)
     if logits[1] is None:  # the memory is off
         none = dict.fromkeys(("oracle_step", "oracle_ppl", "joint_step", "joint_weight", "joint_ppl"))
-        row.update(ppl_reconstructed=math.exp(base), grid={}, curve=[], **none, probe_s=time.perf_counter() - started)
+        row.update(ppl_reconstructed=row["ppl_base"], grid={}, curve=[], **none, probe_s=time.perf_counter() - started)
         return row, states
     ppl = lambda e, w: math.exp(tuning.held_out_nll(logits, e, w))  # noqa: E731
     row["ppl_reconstructed"] = ppl(eta, lam)

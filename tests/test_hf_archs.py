@@ -18,7 +18,7 @@ from faast.hf.head import head_logits, head_second_moment
 from faast.hf.targets import TARGETS, discover_target, target_for
 from hf_models import arch_model, transformers
 from test_hf import ids, randomize_readouts
-from test_hf_residual import mean_gradient_bias
+from test_hf_residual import mean_gradient_bias, token_bias
 from tolerances import HF_PADDING_REL, rel
 
 # A real transformers type the table leaves out on purpose: it is attached through discovery.
@@ -202,18 +202,21 @@ def test_scaled_logits_give_the_gradient_and_fisher_of_the_scaled_softmax(kind):
     )
     assert rel(layer.gradient_sum.gradient, (head[y] - mu).sum(0)) < STAT_REL
     # Read in probability space, the model's logits are the log of the mixture of its own scaled softmax and the
-    # corrected one, with the bias (the head hook divides by the scale the model multiplies by again).
+    # corrected one, with the bias, and the token bias u in the scaled logits of both (the head hook divides them by
+    # the scale the model multiplies by again).
     layer.step, layer.weight = 0.5, 0.4
     m = layer.folded(torch.device("cpu"), torch.float64).double()
     bias = layer.folded_bias(torch.device("cpu"), torch.float64)
     expected = mean_gradient_bias(y, p.sum(0), mu.T @ mu, head, k.shape[0], layer.damping, layer.bias)
     assert rel(bias, expected) < STAT_REL
+    u = token_bias(y, p.sum(0), k.shape[0], head.shape[0], layer.token_bias)
+    assert rel(layer.folded_token_bias(torch.device("cpu"), torch.float64), u) < STAT_REL
     probe = ids(batch=1, seq=7, seed=4)
     hp, base = final_norm_output(model, probe)
     hp = hp.double()
     with torch.no_grad():
         logits = model(probe).logits.double()
-    mixture = 0.6 * torch.softmax(hp @ head.T, -1) + 0.4 * torch.softmax((hp + hp @ m + bias) @ head.T, -1)
+    mixture = 0.6 * torch.softmax(hp @ head.T + u, -1) + 0.4 * torch.softmax((hp + hp @ m + bias) @ head.T + u, -1)
     assert rel(base.double(), hp @ head.T) < HEAD_LOGITS_REL
     assert rel(logits, mixture.log()) < HEAD_LOGITS_REL
 

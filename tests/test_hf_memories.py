@@ -205,7 +205,8 @@ def statistics(model, name):
     out = {"bank.gram": state.bank.gram, "bank.cross": state.bank.cross} if state.bank is not None else {}
     out.update({"output.gram": state.output.memory.gram, "output.cross": state.output.memory.cross,
                 "curvature": state.output.curvature.gram, "mass": state.output.token_mass.probability,
-                "gradient": state.output.gradient_sum.gradient})  # fmt: skip
+                "gradient": state.output.gradient_sum.gradient,
+                "target counts": state.output.target_count.targets})  # fmt: skip
     return out
 
 

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from faast import Accumulator, FastWeights, hardware
-from faast.hf import EmbeddingOutput, FaastConfig, MemoryOffWarning, MiddleLayers, ResidualOutput, apply_faast
+from faast.hf import (
+    EmbeddingOutput,
+    FaastConfig,
+    MemoryOffWarning,
+    MiddleLayers,
+    ResidualOutput,
+    apply_faast,
+    output_bias,
+)
 from faast.hf import head as head_module
 from faast.hf import held_out as held_out_module
 from faast.hf import learning as learning_module
@@ -122,6 +130,13 @@ def mean_gradient_bias(y, mass, mu_gram, head, n, damping, beta):
     return beta * min(1.0, n / (output_module.DEFAULT_STEP_PER_DIM * d)) * torch.linalg.solve(c, r_mean)
 
 
+def token_bias(y, mass, n, vocab, gamma, prior=output_bias.TOKEN_PRIOR, full=output_bias.TOKEN_BIAS_FULL):
+    """γ'·log((c + κ) / (P + κ)) [V] float64: the residual output layer's token bias for the learned targets y [n]
+    (c their counts, P = mass the summed probabilities), γ' = γ·min(1, n / full)."""
+    counts = torch.bincount(y, minlength=vocab).double()
+    return gamma * min(1.0, n / full) * torch.log((counts + prior) / (mass + prior))
+
+
 def tail_split(lengths, tune_tokens, gap_multiple=2, min_fit=256, share=HELD_OUT_SHARE):
     """A hand reference of the step's held-out choice for documents of `lengths` learned positions in stream order:
     (held-out indices, left-out indices) into the flattened positions. Each document holds out its last
@@ -181,16 +196,18 @@ def test_statistics_equal_a_float64_hand_computation_under_padding(monkeypatch, 
     assert rel(layer.token_mass.probability, mass) < tol
 
 
+@pytest.mark.parametrize("gamma", [0.6, 0.0])
 @pytest.mark.parametrize(("key_layers", "batch", "width"), [([], 8, 32), ("auto", 8, 64), ("auto", 4, 32)])
 @pytest.mark.parametrize("space", ["logit", "probability"])
-def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(space, key_layers, batch, width):
+def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(space, key_layers, batch, width,
+                                                                                gamma):  # fmt: skip
     # width: the key columns the correction reads. With the keys widened by block 0's input ('auto' on 4 blocks), the
     # full keys (64) once FIT_PER_KEY_DIM positions per key dimension were learned (8 × 39 = 312 >= 4 × 64), else the
     # leading h̃ block of the same statistics alone (4 × 39 = 156).
-    # and the bias β·C⁻¹·r̄ (β = 0.8) is added to every corrected position in both spaces
-    output = ResidualOutput(
-        step=0.37, damping=0.5, head_dtype="float32", space=space, weight=0.4, key_layers=key_layers, bias=0.8
-    )
+    # and the bias β·C⁻¹·r̄ (β = 0.8) is added to every corrected position in both spaces, and the token bias
+    # γ·log((c + κ)/(P + κ)) (γ = 0.6; 0: none) to its logits: to both parts of the probability-space mixture.
+    output = ResidualOutput(step=0.37, damping=0.5, head_dtype="float32", space=space, weight=0.4,
+                            key_layers=key_layers, bias=0.8, token_bias=gamma)  # fmt: skip
     config = FaastConfig(output=output, learn_dtype="model")
     model = apply_faast(tiny_model("llama"), config)
     x = ids(batch=batch, seq=40)
@@ -201,20 +218,28 @@ def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(
     n = float(mask[:, 1:].sum())
     expected = 0.37 * newton(s[:width, :width], t[:width], n, mu_gram, mass, head, damping=0.5)
     expected_bias = mean_gradient_bias(y, mass, mu_gram, head, n, 0.5, 0.8)
+    expected_tokens = token_bias(y, mass, n, head.shape[0], gamma)
     layer = model.output_memory_layer
     m = layer.folded(torch.device("cpu"), torch.float64)
     bias = layer.folded_bias(torch.device("cpu"), torch.float64)
+    tokens = layer.folded_token_bias(torch.device("cpu"), torch.float64)
     assert layer.chosen_key_width() == width and m.shape == (width, 32)
     assert rel(m, expected) < 1e-6 and rel(bias, expected_bias) < 1e-6
+    if gamma == 0.0:
+        assert tokens is None and layer.last_tuning["token_bias_off"] == "ResidualOutput.token_bias is 0"
+    else:
+        assert rel(tokens, expected_tokens) < 1e-6 and layer.last_tuning["token_bias_off"] is None
+    assert layer.last_tuning["token_bias_step"] == pytest.approx(gamma * n / output_bias.TOKEN_BIAS_FULL)
     probe = ids(batch=1, seq=9, seed=3)
     keys = full_keys(model, probe, torch.ones_like(probe, dtype=torch.bool))
     h = keys[..., :32]
     logits = model(probe).logits.double()
     corrected = h + keys[..., :width] @ m + bias
-    if space == "logit":  # the model reads h̃ + key·M after the final norm
-        assert rel(logits, corrected @ head.T) < 1e-5
-    else:  # the log of 0.6·softmax(h̃Hᵀ) + 0.4·softmax((h̃ + key·M)Hᵀ)
-        mixture = 0.6 * torch.softmax(h @ head.T, -1) + 0.4 * torch.softmax(corrected @ head.T, -1)
+    if space == "logit":  # the model reads h̃ + key·M after the final norm, and the token bias after the head
+        assert rel(logits, corrected @ head.T + expected_tokens) < 1e-5
+    else:  # the log of 0.6·softmax(h̃Hᵀ + u) + 0.4·softmax((h̃ + key·M)Hᵀ + u)
+        mixture = 0.6 * torch.softmax(h @ head.T + expected_tokens, -1)
+        mixture += 0.4 * torch.softmax(corrected @ head.T + expected_tokens, -1)
         assert rel(logits, mixture.log()) < 1e-5
         assert rel(logits.exp().sum(-1), torch.ones(1, 9, dtype=torch.float64)) < 1e-5
 
@@ -416,7 +441,9 @@ def test_the_step_is_tuned_only_on_a_fit_of_at_least_fit_per_key_dim_positions_p
         assert layer.last_tuning["document_gap_tokens"] == 0 and layer.last_tuning["step"] > 0.05
     else:
         default = {"step": 0.03, "weight": output_module.DEFAULT_WEIGHT, "tuned": False, "saved_step": False,
-                   "key_width": 32, "bias_step": 0.5, "bias_off": None}  # fmt: skip
+                   "key_width": 32, "bias_step": 0.5, "bias_off": None,
+                   "token_bias_step": pytest.approx(output_bias.token_step(ResidualOutput().token_bias, 704)),
+                   "token_bias_off": None}  # fmt: skip
         assert layer.last_tuning == default
 
 
@@ -438,7 +465,8 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
     with torch.no_grad():
         assert torch.equal(fresh(probe).logits, model(probe).logits)
     saved = {"step": step, "weight": weight, "tuned": False, "saved_step": True, "key_width": 32, "bias_step": 0.5,
-             "bias_off": None}  # fmt: skip
+             "bias_off": None, "token_bias_off": None,
+             "token_bias_step": pytest.approx(output_bias.token_step(ResidualOutput().token_bias, 704))}  # fmt: skip
     assert fresh.output_memory_layer.last_tuning == saved
     # A file whose step is not a finite number >= 0, or whose weight is not in [0, 1], is refused before anything is
     # copied.
@@ -626,7 +654,10 @@ def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tu
         assert few.output_memory_layer.last_tuning == {"step": pytest.approx(step * scale, rel=1e-12),
                                                        "weight": weight, "tuned": False, "saved_step": False,
                                                        "key_width": 32, "bias_off": None,
-                                                       "bias_step": pytest.approx(0.5 * scale, rel=1e-12)}  # fmt: skip
+                                                       "bias_step": pytest.approx(0.5 * scale, rel=1e-12),
+                                                       "token_bias_off": None, "token_bias_step": pytest.approx(
+                                                           output_bias.token_step(ResidualOutput().token_bias, 29),
+                                                           rel=1e-12)}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -665,7 +696,8 @@ def test_state_size_is_fixed_and_save_load_round_trips_exactly(tmp_path):
     assert model.fast_weight_bytes() == small
     names = [n for n, _ in model.learned_state()]
     assert names == ["memory_bank", "output_memory_layer.memory", "output_memory_layer.curvature",
-                     "output_memory_layer.token_mass", "output_memory_layer.gradient_sum"]  # fmt: skip
+                     "output_memory_layer.token_mass", "output_memory_layer.gradient_sum",
+                     "output_memory_layer.target_count"]  # fmt: skip
     # fast_weights() lists the memories only: the curvature and token mass are sums, not fast weights.
     states = dict(model.learned_state())
     assert model.fast_weights() == [states["memory_bank"], states["output_memory_layer.memory"]]
@@ -682,14 +714,15 @@ def test_state_size_is_fixed_and_save_load_round_trips_exactly(tmp_path):
             assert torch.equal(a.state_dict()[name], tensor), name
 
 
-@pytest.mark.parametrize("layout", ["fast_weights", "no_gradient_sum"])
+@pytest.mark.parametrize("layout", ["fast_weights", "no_gradient_sum", "no_target_count"])
 def test_a_file_saved_before_the_current_output_sums_loads_exactly_and_reads_without_the_bias(
     tmp_path, layout, caplog
 ):
     # Before faast.Accumulator, the curvature Σμμᵀ lived in a FastWeights(d, 1)'s gram and the token mass Σp in a
-    # FastWeights(1, V)'s cross; before ResidualOutput.bias there was no gradient sum. Such files must keep loading,
-    # to the same statistics, with an empty gradient sum: the layer then reads without the bias, says why, and reads
-    # exactly like the saved model with the bias turned off.
+    # FastWeights(1, V)'s cross; before ResidualOutput.bias there was no gradient sum, and before
+    # ResidualOutput.token_bias no target count. Such files must keep loading, to the same statistics, with the sums
+    # they lack empty: the layer then reads without the biases those sums give, says why, and reads exactly like the
+    # saved model with those biases turned off.
     from torch import nn
 
     from faast.checkpoint import save_state
@@ -710,6 +743,10 @@ def test_a_file_saved_before_the_current_output_sums_loads_exactly_and_reads_wit
                 old.count.copy_(new.count)
     old_layer = nn.Module()
     old_layer.memory, old_layer.curvature, old_layer.token_mass = layer.memory, curvature, token_mass
+    if layout == "no_target_count":
+        old_layer.gradient_sum = layer.gradient_sum
+    missing = {"output_memory_layer.target_count"}
+    missing |= set() if layout == "no_target_count" else {"output_memory_layer.gradient_sum"}
     holder = per_layer_holder(model, copy=True)
     holder.output_memory_layer = old_layer
     path = save_state(tmp_path / "old.safetensors", holder, {"output_step": 0.3})
@@ -718,23 +755,38 @@ def test_a_file_saved_before_the_current_output_sums_loads_exactly_and_reads_wit
     for (name, a), (_, b) in zip(fresh.learned_state(), model.learned_state(), strict=True):
         assert type(a) is type(b), name
         for key, tensor in b.state_dict().items():
-            expected = torch.zeros_like(tensor) if name == "output_memory_layer.gradient_sum" else tensor
+            expected = torch.zeros_like(tensor) if name in missing else tensor
             assert torch.equal(a.state_dict()[key], expected), (name, key)
     probe = ids(batch=2, seq=15, seed=9)
     with torch.no_grad(), caplog.at_level("INFO", logger="faast.hf"):
         read = fresh(probe).logits
-        assert not torch.equal(read, model(probe).logits)  # the saved model reads with its bias
-        layer.bias = 0.0
+        assert not torch.equal(read, model(probe).logits)  # the saved model reads with its biases
+        layer.token_bias = 0.0
+        if layout != "no_target_count":
+            assert not torch.equal(read, model(probe).logits)
+            layer.bias = 0.0
         assert torch.equal(read, model(probe).logits)
-    off = fresh.output_memory_layer.last_tuning["bias_off"]
-    assert fresh.output_memory_layer.last_tuning["bias_step"] == 0.0 and "covers 0 of 78 positions" in off
+    tuning = fresh.output_memory_layer.last_tuning
+    assert tuning["token_bias_step"] == 0.0 and "cover 0 of 78 positions" in tuning["token_bias_off"]
+    assert sum("no token bias: the token counts cover 0" in r.getMessage() for r in caplog.records) == 1
+    if layout == "no_target_count":
+        assert tuning["bias_off"] is None and tuning["bias_step"] == pytest.approx(0.5 * 78 / (3.5 * 32))
+        return
+    assert tuning["bias_step"] == 0.0 and "covers 0 of 78 positions" in tuning["bias_off"]
     assert sum("no bias: the gradient sum covers 0" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_stream_checkpoint_saved_before_the_gradient_sum_resumes_with_the_bias_off(tmp_path, caplog):
-    # faast.checkpoint files of a whole FaastModel written before ResidualOutput.bias lack the gradient sum. Resuming
-    # from one loads every other statistic exactly and the gradient sum empty (the layer lists it in
-    # OPTIONAL_IN_FILES); the bias then stays off, saying why, also after more learning (its sum stays partial).
+@pytest.mark.parametrize(
+    ("missing", "setting", "off"),
+    [("gradient_sum", "bias", "bias_off"), ("target_count", "token_bias", "token_bias_off")],
+)
+def test_a_stream_checkpoint_saved_before_a_bias_sum_resumes_with_that_bias_off(
+    tmp_path, caplog, missing, setting, off
+):
+    # faast.checkpoint files of a whole FaastModel written before ResidualOutput.bias lack the gradient sum, and those
+    # written before ResidualOutput.token_bias the target counts. Resuming from one loads every other statistic
+    # exactly and the missing sum empty (the layer lists both in OPTIONAL_IN_FILES); the bias that sum gives then
+    # stays off, saying why, also after more learning (its sum stays partial).
     import json
 
     from faast.checkpoint import Checkpointer, load_checkpoint
@@ -746,8 +798,9 @@ def test_a_stream_checkpoint_saved_before_the_gradient_sum_resumes_with_the_bias
     path = Checkpointer(tmp_path).save(model, {"batches": 1, "rows": 78})
     tensors, metadata = read_verified(path)
     memories = json.loads(metadata["memories"])
-    del memories["output_memory_layer.gradient_sum"]
-    tensors = {k: t for k, t in tensors.items() if not k.startswith("output_memory_layer.gradient_sum.")}
+    name = f"output_memory_layer.{missing}"
+    del memories[name]
+    tensors = {k: t for k, t in tensors.items() if not k.startswith(f"{name}.")}
     write_atomic(path, tensors, {**metadata, "memories": json.dumps(memories, sort_keys=True)})
 
     for load in ("restore", "load_checkpoint"):
@@ -755,20 +808,21 @@ def test_a_stream_checkpoint_saved_before_the_gradient_sum_resumes_with_the_bias
         with caplog.at_level("INFO", logger="faast"):
             position = Checkpointer(tmp_path).restore(fresh) if load == "restore" else load_checkpoint(path, fresh)
         assert position["batches"] == 1
-        assert any("has no output_memory_layer.gradient_sum" in r.getMessage() for r in caplog.records)
-        for (name, a), (_, b) in zip(fresh.learned_state(), model.learned_state(), strict=True):
+        assert any(f"has no {name}" in r.getMessage() for r in caplog.records)
+        for (state, a), (_, b) in zip(fresh.learned_state(), model.learned_state(), strict=True):
             for key, tensor in b.state_dict().items():
-                expected = torch.zeros_like(tensor) if name == "output_memory_layer.gradient_sum" else tensor
-                assert torch.equal(a.state_dict()[key], expected), (load, name, key)
+                expected = torch.zeros_like(tensor) if state == name else tensor
+                assert torch.equal(a.state_dict()[key], expected), (load, state, key)
     probe = ids(batch=2, seq=15, seed=9)
     with torch.no_grad():
         read = fresh(probe).logits
-        model.output_memory_layer.bias = 0.0
-        assert torch.equal(read, model(probe).logits)  # the saved model without its bias
-    assert "covers 0 of 78 positions" in fresh.output_memory_layer.last_tuning["bias_off"]
+        assert not torch.equal(read, model(probe).logits)
+        setattr(model.output_memory_layer, setting, 0.0)
+        assert torch.equal(read, model(probe).logits)  # the saved model without that bias
+    assert "0 of 78 positions" in fresh.output_memory_layer.last_tuning[off]
     fresh.learn(ids(batch=2, seq=40, seed=4))
     fresh.solve()
-    assert "covers 78 of 156 positions" in fresh.output_memory_layer.last_tuning["bias_off"]
+    assert "78 of 156 positions" in fresh.output_memory_layer.last_tuning[off]
     # A statistic its owner does not list as optional is still required.
     del memories["output_memory_layer.curvature"]
     tensors = {k: t for k, t in tensors.items() if not k.startswith("output_memory_layer.curvature.")}

@@ -126,6 +126,12 @@ class ResidualOutput(_Group):
             gradient (the Newton step on it alone), with η·h̃W in both spaces; scaled like default_step below
             DEFAULT_STEP_PER_DIM learned positions per hidden dimension. 0.5 was chosen on three validation domains
             with η as tuned (docs/design.md §6.3); 0 turns it off.
+        token_bias: γ, the step of a bias added to the logits of every corrected position: γ·log((c_v + κ) /
+            (P_v + κ)) for each token v, c_v how often v was a learned target and P_v the probability the model gave
+            it summed over the learned positions (κ: faast.hf.output_bias.TOKEN_PRIOR): one iterative-scaling update
+            of a per-token logit bias toward the learned text's token counts. Scaled by positions / 32,768 below
+            that many learned positions (output_bias.TOKEN_BIAS_FULL). Chosen on three validation domains with η as
+            tuned (docs/design.md §6.3); 0 turns it off.
         head_dtype: dtype of the LM-head products while learning (logits and p·H per position, float32
             accumulation, statistics in float64) and of the logits' change the solve tunes the step on (the base
             logits stay float32): 'auto' is bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16 or AMX),
@@ -151,6 +157,7 @@ class ResidualOutput(_Group):
     key_layers: list[int] | Literal["auto"] = "auto"
     head_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
     bias: float = 0.5
+    token_bias: float = 0.3
     head_pool_below: float | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
@@ -166,6 +173,7 @@ class ResidualOutput(_Group):
         self.key_layers = check_indices("ResidualOutput.key_layers", self.key_layers, allow=("auto",))
         check_choice("ResidualOutput.head_dtype", self.head_dtype, ("auto", "float32", "bfloat16", "int8"))
         check_real("ResidualOutput.bias", self.bias, low=0)
+        check_real("ResidualOutput.token_bias", self.token_bias, low=0)
         check_real("ResidualOutput.head_pool_below", self.head_pool_below, low=0, high=1, allow=("auto",))
 
 

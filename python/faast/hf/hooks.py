@@ -212,9 +212,11 @@ class ModelHooks:
     def _head_hook(self, module: nn.Module, args: tuple, output: torch.Tensor):  # noqa: ANN202, ARG002
         if self.disabled("output") or self._pass is not None or not args:
             return None
-        if self.output_layer.space != "probability":
-            return None  # read after the final norm (_residual_hook)
         layer, hidden = self.output_layer, args[0]
+        if layer.space != "probability":  # the correction was read after the final norm (_residual_hook)
+            if self._rows is not None:
+                return self._rows.logit_bias(layer, output)
+            return layer.logit_bias(output)  # the token bias, or None: the logits stand
         final, self._final_states = self._final_states, None
         if self._rows is not None:
             wide = self._rows.needs_extra_keys(hidden.device, hidden.dtype)

@@ -141,8 +141,8 @@ class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
 
     def learned_state(self) -> list[tuple[str, nn.Module]]:
         """Every piece of learned state by name, in file order: the middle layers' bank, the output layer's memory
-        (and, for the residual output layer, its curvature, token-mass and gradient-sum accumulators), then the
-        module memories."""
+        (and, for the residual output layer, its curvature, token-mass, gradient-sum and target-count accumulators),
+        then the module memories."""
         named: list[tuple[str, nn.Module]] = [] if self.memory_bank is None else [("memory_bank", self.memory_bank)]
         if self.output_memory_layer is not None:
             named.append(("output_memory_layer.memory", self.output_memory_layer.memory))
@@ -150,6 +150,7 @@ class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
             named.append(("output_memory_layer.curvature", self.output_memory_layer.curvature))
             named.append(("output_memory_layer.token_mass", self.output_memory_layer.token_mass))
             named.append(("output_memory_layer.gradient_sum", self.output_memory_layer.gradient_sum))
+            named.append(("output_memory_layer.target_count", self.output_memory_layer.target_count))
         named.extend(self.module_memories.named_memories())
         return named
 

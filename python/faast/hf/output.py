@@ -16,10 +16,12 @@ early blocks (`key_state`), k = [h̃; x̂_ℓ], S = Σ k kᵀ and the correction
 exactly the narrower statistics, so the solve uses the full keys only once enough text is fitted and they predict the
 held-out tail better (docs/design.md §6.3). The model reads
 
-    'probability' (the default):  p = (1 − λ)·softmax(z) + λ·softmax(z + (η·h̃W + β·b)Hᵀ),   z = h̃Hᵀ
-    'logit':                      p = softmax((h̃ + η·h̃W + β·b)Hᵀ)                          (λ = 1 of the above)
+    'probability' (the default):  p = (1 − λ)·softmax(z + γu) + λ·softmax(z + γu + (η·h̃W + β·b)Hᵀ),   z = h̃Hᵀ
+    'logit':                      p = softmax(γu + (h̃ + η·h̃W + β·b)Hᵀ)                          (λ = 1 of the above)
 
-with b = curvature⁻¹·Σr/N the Newton step on the mean learned gradient (β: ResidualOutput.bias, not tuned).
+with b = curvature⁻¹·Σr/N the Newton step on the mean learned gradient (β: ResidualOutput.bias) and u [V] the
+learned text's token counts against the model's summed probabilities, log((c + κ)/(P + κ)) (γ:
+ResidualOutput.token_bias); neither is tuned (output_bias).
 
 The step η (and λ with weight='auto') is tuned on the end of every learned text (held_out.HeldOutTail; together at
 most `tune_tokens` positions), scored by W fitted without those ends and up to GAP_MULTIPLE times as many positions
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 
 import torch
 from torch import nn
@@ -43,24 +44,13 @@ from torch import nn
 from .. import ops
 from ..accumulator import Accumulator
 from ..memory import FastWeights
-from . import output_folds
-from . import output_tuning as tuning
+from . import output_bias
 from .config import FaastConfig, ResidualOutput
-from .head import (
-    READ_CHUNK,
-    HeadBuffers,
-    change_logits,
-    float_products,
-    head_gradients,
-    head_logits,
-    head_second_moment,
-    pool_threshold,
-    products_dtype,
-)
+from .head import READ_CHUNK, HeadBuffers, head_gradients, head_second_moment, pool_threshold, products_dtype
 from .held_out import HeldOutTail
 from .mixture import read_blocks
-from .output_diagnosis import MemoryOffWarning, diagnose, document_shrink
 from .output_state import OutputState, checked_restored
+from .output_step import StepChoice
 
 _log = logging.getLogger("faast.hf")
 
@@ -87,7 +77,7 @@ def key_state(hidden: torch.Tensor) -> torch.Tensor:
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + KEY_STATE_EPS)).to(hidden.dtype)
 
 
-class ResidualOutputLayer(nn.Module):
+class ResidualOutputLayer(StepChoice, nn.Module):
     """A correction η·h̃·W of the final norm's output h̃, W a Newton step fitted to the head's log-likelihood
     gradients, read in probability space (a mixture with the base prediction, weight λ) or in logit space.
 
@@ -102,7 +92,8 @@ class ResidualOutputLayer(nn.Module):
         token_mass: Accumulator whose `probability` [V] sums p_t. Together they give the head's Fisher
             Σ_t Cov_{p_t}(H) = Hᵀ diag(Σ p) H − Σ μ μᵀ; faast.distributed and checkpoints sum and store them like
             the memory. gradient_sum: Accumulator whose `gradient` [d] sums r (the bias's mean gradient; older
-            files lack it, OPTIONAL_IN_FILES: it loads empty there and the bias stays off).
+            files lack it, OPTIONAL_IN_FILES: it loads empty there and the bias stays off). target_count:
+            Accumulator whose `targets` [V] counts the learned targets (the token bias's c; optional in files too).
         space: 'probability' or 'logit' (ResidualOutput.space).
         step: 'auto' (tuned on the held-out tail at each solve) or a fixed η.
         weight: the mixture weight λ in probability space: 'auto' (tuned with η) or a fixed number in [0, 1].
@@ -110,7 +101,8 @@ class ResidualOutputLayer(nn.Module):
         last_tuning: dict of the most recent solve: step, weight, held-out loss per step, tokens fitted / held out.
     """
 
-    OPTIONAL_IN_FILES = ("gradient_sum",)  # read by faast.checkpoint; mean_gradient_bias checks its coverage
+    # read by faast.checkpoint; output_bias checks their coverage
+    OPTIONAL_IN_FILES = ("gradient_sum", "target_count")
 
     def __init__(
         self,
@@ -138,7 +130,8 @@ class ResidualOutputLayer(nn.Module):
         self.curvature = Accumulator({"gram": (d, d)}, device=device)
         self.token_mass = Accumulator({"probability": (vocab_size,)}, device=device)
         self.gradient_sum = Accumulator({"gradient": (d,)}, device=device)
-        self.bias = float(output.bias)
+        self.target_count = Accumulator({"targets": (vocab_size,)}, device=device)
+        self.bias, self.token_bias = float(output.bias), float(output.token_bias)
         self.step, self.damping = output.step, float(output.damping)
         self.space, self.weight = output.space, output.weight
         default_step = output.default_step
@@ -158,8 +151,9 @@ class ResidualOutputLayer(nn.Module):
         self._restored_weight: float | None = None
         self._restored_width: int | None = None
         self._head: tuple[nn.Module, ...] = ()  # the model's LM head, held outside the module tree
-        # (cache key, M, λ, key width, bias [d] or None)
-        self._folded: tuple[tuple, torch.Tensor | None, float, int, torch.Tensor | None] | None = None
+        # (cache key, M, λ, key width, bias [d] or None, token bias [V] or None)
+        self._folded: tuple[tuple, torch.Tensor | None, float, int, torch.Tensor | None, torch.Tensor | None] | None
+        self._folded = None
         self.last_tuning: dict | None = None
 
     def extra_repr(self) -> str:
@@ -188,13 +182,14 @@ class ResidualOutputLayer(nn.Module):
     def new_state(self) -> OutputState:
         """An empty OutputState of this layer's shapes: another named memory."""
         return OutputState(self.memory.empty_like(), self.curvature.empty_like(), self.token_mass.empty_like(),
-                           self.gradient_sum.empty_like(), HeldOutTail(self.tune_tokens))  # fmt: skip
+                           self.gradient_sum.empty_like(), HeldOutTail(self.tune_tokens),
+                           target_count=self.target_count.empty_like())  # fmt: skip
 
     def current_state(self) -> OutputState:
         """The state read now (its objects, not copies), e.g. to merge it into another memory."""
         return OutputState(self.memory, self.curvature, self.token_mass, self.gradient_sum, self.held_out,
                            (self._restored_step, self._restored_weight, self._restored_width), self._folded,
-                           self.last_tuning)  # fmt: skip
+                           self.last_tuning, target_count=self.target_count)  # fmt: skip
 
     def swap_state(self, state: OutputState) -> OutputState:
         """Read and learn `state` from now on; returns the state read before (its objects, not copies: O(1))."""
@@ -203,7 +198,7 @@ class ResidualOutputLayer(nn.Module):
             raise ValueError("state: expected an OutputState of this layer's shapes (from new_state)")
         previous = self.current_state()
         self.memory, self.curvature, self.token_mass = state.memory, state.curvature, state.token_mass
-        self.gradient_sum = state.gradient_sum
+        self.gradient_sum, self.target_count = state.gradient_sum, state.target_count
         self.held_out, self._folded, self.last_tuning = state.held_out, state.folded, state.last_tuning
         self._restored_step, self._restored_weight, self._restored_width = state.restored
         return previous
@@ -244,6 +239,8 @@ class ResidualOutputLayer(nn.Module):
         self.curvature.add(count=positions, gram=mean_gram)
         self.token_mass.add(count=positions, probability=prob_sum)
         self.gradient_sum.add(count=positions, gradient=grads.sum((0, 1), dtype=torch.float64))  # 0 where masked
+        vocab = self.target_count.targets.shape[0]
+        self.target_count.add(count=positions, targets=torch.bincount(targets[pair_mask], minlength=vocab).double())
         if self.tune_tokens and hold_out:
             self.held_out.keep(keys, targets, pair_mask, documents, grads)
 
@@ -298,159 +295,12 @@ class ResidualOutputLayer(nn.Module):
             w = torch.cat([w, w.new_zeros((gram.shape[-1] - width, w.shape[-1]))])
         return w
 
-    def tail_statistics(self) -> tuple:
-        """The positions the step is tuned on now (HeldOutTail.split): (keys [m, d_key] float32, targets [m] and
-        documents [m] of the sampled held-out positions; the S [d_key, d_key], T [d_key, d] float64 and count of every
-        position the fit leaves out; how many are held out; how many are gaps before them)."""
-        keys, ys, docs, out_k, out_v, held, gap = self.held_out.split(int(self.memory.count), self._min_fit())
-        # float32 products of the kept (rounded) keys and gradients: their rounding already bounds the precision.
-        k32 = out_k.float()
-        count = torch.tensor(float(held + gap), dtype=torch.float64, device=out_k.device)
-        return keys, ys, docs, (k32.T @ k32).double(), (k32.T @ out_v.float()).double(), count, held, gap
-
-    def tail_logits(
-        self,
-        keys: torch.Tensor,
-        ys: torch.Tensor,
-        w: torch.Tensor,
-        base: tuple | None = None,
-        rows: slice = slice(None),
-        out: torch.Tensor | None = None,
-    ) -> tuning.Logits:
-        """(z0 [m, V] float32 and z1 [m, V] in `change_weight`'s dtype, the logits of the keys' h̃ and their change
-        per unit step keys·w through the head without its bias; both at the targets ys [n], float32) for the keys
-        [n, d_key] at `rows` (default all m = n). base: `tail_base` of the same keys, reused. out: a [n, V] buffer of
-        z1's dtype written at `rows` (two calls on complementary rows fill one)."""
-        if base is None:
-            base = self.tail_base(keys, ys)
-        weight = self.change_weight()
-        if out is None:
-            out = torch.empty((keys.shape[0], base[0].shape[-1]), dtype=weight.dtype, device=keys.device)
-        z1 = change_logits(self.head, keys[rows] @ w.float(), out=out[rows], weight=weight)
-        return base[0][rows], z1, base[1][rows], z1.gather(-1, ys[rows, None]).squeeze(-1).float()
-
-    def change_weight(self) -> torch.Tensor:
-        """The head's weight [V, d] in the dtype the step's tuning forms z1 in: the head products' (`head_dtype`;
-        'auto' is bfloat16 where the device multiplies it natively: half the time and memory, docs/design.md §6.3),
-        float32 where they are int8 (only learning's logits are)."""
-        products = float_products(products_dtype(self.head_dtype, self.head.weight))
-        return self.head_buffers.weight(self.head.weight, products)
-
-    def tail_base(self, keys: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(z0 [n, V] float32, its entries at the targets ys [n]): the base logits of the keys' h̃ [n, d_key]."""
-        z0 = head_logits(self.head, keys[:, : self.hidden_size])
-        return z0, z0.gather(-1, ys[:, None]).squeeze(-1)
-
-    def _min_fit(self) -> int:
-        """Fewest positions the step's tuning fit may have: MIN_FIT_TOKENS, and FIT_PER_KEY_DIM per key dimension."""
-        return max(tuning.MIN_FIT_TOKENS, tuning.FIT_PER_KEY_DIM * self.hidden_size)
-
-    def held_out_positions(self) -> int:
-        """Positions the step is tuned on: the last round(f·n) of every learned document, f = min(HELD_OUT_SHARE,
-        tune_tokens / learned) (held_out.tail_plan); 0 when too little text was learned to fit on the rest, or
-        after a load (the tail is learning state of this process)."""
-        return self.held_out.held_positions(int(self.memory.count), self._min_fit())
-
     def untuned_step(self) -> float:
         """The step used when none can be tuned or was saved: default_step, scaled by positions /
         (DEFAULT_STEP_PER_DIM·d) while fewer positions than that are learned (d: the hidden size, the width an
         untuned correction reads)."""
         full = DEFAULT_STEP_PER_DIM * self.hidden_size
         return self.default_step * min(1.0, float(self.memory.count) / full)
-
-    def _fixed_weight(self) -> float | None:
-        """λ when it is not tuned: 1 in logit space (the correction replaces the base logits), else the configured
-        number; None for 'auto'."""
-        if self.space == "logit":
-            return 1.0
-        return None if self.weight == "auto" else float(self.weight)
-
-    def _widths(self, fitted: int) -> list[int]:
-        """Key widths a fit on `fitted` positions may use: h̃ alone (d), and the full keys when they are wider and
-        at least FIT_PER_KEY_DIM positions per key dimension are fitted."""
-        d, full = self.hidden_size, self.memory.dim_key
-        return [d, full] if full > d and fitted >= tuning.FIT_PER_KEY_DIM * full else [d]
-
-    def _choose_step(self, curvature: torch.Tensor) -> tuple[float, float, int]:
-        """(η, λ, key width) for the current statistics: fixed ones, tuned ones, or the saved/default ones when too
-        little text was learned to tune them. The width is the full keys' where enough text was fitted to tune them
-        and they give the lower held-out NLL; else h̃ alone (d)."""
-        fixed_step = None if self.step == "auto" else float(self.step)
-        fixed_weight = self._fixed_weight()
-        held = self.held_out_positions()
-        if fixed_step is not None and fixed_weight is not None:
-            fitted = int(self.memory.count) - held if held else int(self.memory.count)
-            return fixed_step, fixed_weight, self._widths(fitted)[-1]
-        if not held:
-            restored = self._restored_step is not None or self._restored_weight is not None
-            step = fixed_step if fixed_step is not None else self._restored_step
-            step = self.untuned_step() if step is None else step
-            weight = fixed_weight if fixed_weight is not None else self._restored_weight
-            weight = self.default_weight if weight is None else weight
-            width = self.hidden_size if self._restored_width is None else self._restored_width
-            _log.info("faast: output layer: too little text to tune the step; using the %s step %s and weight %s",
-                      "saved" if restored else "default", step, weight)  # fmt: skip
-            self.last_tuning = {"step": step, "weight": weight, "tuned": False, "saved_step": restored,
-                                "key_width": width}  # fmt: skip
-            return step, weight, width
-        keys, ys, docs, s_tail, t_tail, n_tail, held, gap = self.tail_statistics()
-        memory = self.memory
-        dt = memory.gram.dtype
-        fitted = int(memory.count) - held - gap
-        widths = self._widths(fitted)
-        # With two widths and many held-out rows, the width is chosen on a sample (its rows first), and only the chosen
-        # width's change is formed for the rest: the [n, V] head products are most of the solve's time.
-        sampled = keys.shape[0]
-        if len(widths) > 1 and keys.shape[0] >= tuning.WIDTH_SAMPLE_MIN_ROWS:
-            order, sampled = tuning.sample_first(keys.shape[0], keys.device)
-            keys, ys, docs = keys[order], ys[order], docs[order]
-        base = self.tail_base(keys, ys)  # the base logits are the same for every width
-        log_base = tuning.base_log_targets((base[0], None, base[1], None))
-        sample_rows, results = slice(0, sampled), {}
-        for width in widths:
-            # Fitted without the held-out positions: their statistics subtract exactly. The curvature keeps them: it
-            # depends on the model's predictions only, not on the tokens that followed.
-            w = self.newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
-                             curvature, width)  # fmt: skip
-            out = base[0].new_empty(base[0].shape, dtype=self.change_weight().dtype)  # z1 [n, V]: sample, then rest
-            logits = self.tail_logits(keys, ys, w, base, sample_rows, out)
-            start = max((r[1] for r in results.values()), default=0.0)  # the narrower keys' step
-            tuned = tuning.tune_width(logits, log_base[sample_rows], fixed_step, fixed_weight, start, len(widths) > 1)
-            results[width] = (*tuned, logits, w, out)
-        # The narrower keys win ties: a wider W fitted on the same text is the noisier one.
-        width = min(results, key=lambda k: (results[k][0], k))
-        _, eta, lam, trace, rows, logits, w, out = results[width]
-        if sampled < keys.shape[0]:  # the chosen width on every held-out row, from the sample's step
-            rest = self.tail_logits(keys, ys, w, base, slice(sampled, None), out)
-            logits = (base[0], out, base[1], torch.cat([logits[3], rest[3]]))
-            start = min(trace, key=lambda t: t[-1])[0]  # the sample's best step, before its significance test
-            tuned = tuning.tune_width(logits, log_base, fixed_step, fixed_weight, start, compare=False, sampled=True)
-            _, eta, lam, trace, rows = tuned
-        one_fit, fold = eta, output_folds.FoldTuning(None, "fixed step or weight 0")
-        if lam > 0 and fixed_step is None:  # the held-out ends in folds (also where η is 0), taken where much larger
-            spare = next((r[-1] for k, r in results.items() if k != width), None)  # the other width's z1
-            fold = output_folds.fold_tuning(self, keys, ys, docs, base, log_base, width, curvature, lam, eta,
-                                            self._min_fit(), spare)  # fmt: skip
-            eta, trace, rows, logits = fold.taken or (eta, trace, rows, logits)
-        check_weight = lam if lam > 0 else (fixed_weight if fixed_weight is not None else self.default_weight)
-        candidate = min(trace, key=lambda t: t[-1])[0]  # the search's best step, before the significance test
-        diagnosis = diagnose(logits, docs, eta, check_weight, candidate, rows, log_base)
-        documents = self.held_out.documents(int(memory.count), self._min_fit())
-        shrink = document_shrink(fitted, documents, self.hidden_size) if fixed_step is None else 1.0
-        tail_step, eta = eta, eta * shrink
-        if shrink < 1.0:
-            _log.info("faast: output layer: %.0f fitted positions per held-out text, so the tail's step %.3g is "
-                      "shrunk ×%.2f", fitted / max(documents, 1), tail_step, shrink)  # fmt: skip
-        self.last_tuning = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held,
-                            "held_out_documents": documents, "tail_step": tail_step, "document_shrink": shrink,
-                            "document_gap_tokens": gap, "fitted_tokens": fitted, "key_width": width,
-                            "one_fit_step": one_fit, "fold_step": fold.step, "fold_check": fold.check,
-                            "held_out_nll": trace, **diagnosis,
-                            "by_key_width": {k: {"held_out_nll": v[0], "step": v[1], "weight": v[2], "rows": sampled}
-                                             for k, v in results.items() if len(results) > 1}}  # fmt: skip
-        if diagnosis["warning"] is not None:
-            warnings.warn(diagnosis["warning"], MemoryOffWarning, stacklevel=2)
-        return eta, lam, width
 
     def solution(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor | None, float]:
         """(M = η·W [width, d] in the activation dtype for bf16/fp16, else float32 (float64 for float64), λ): M is
@@ -459,10 +309,11 @@ class ResidualOutputLayer(nn.Module):
         settings change."""
         compute = dtype if dtype in (torch.float64, torch.bfloat16, torch.float16) else torch.float32
         key = (self.memory.solution_key, self.curvature.state_key, self.token_mass.state_key,
-               self.gradient_sum.state_key, self.step, self.weight, self.space, self.damping, self.tune_tokens,
-               self.default_step, self.default_weight, self.bias, device, compute)  # fmt: skip
+               self.gradient_sum.state_key, self.target_count.state_key, self.step, self.weight, self.space,
+               self.damping, self.tune_tokens, self.default_step, self.default_weight, self.bias, self.token_bias,
+               device, compute)  # fmt: skip
         if self._folded is None or self._folded[0] != key:
-            m, lam, width, bias = None, 0.0, self.hidden_size, None
+            m, lam, width, bias, tokens = None, 0.0, self.hidden_size, None, None
             if float(self.memory.count) > 0:
                 curvature = self.damped_curvature()
                 with self.head_buffers.kept():  # the head's cast for z1, once per solve
@@ -472,31 +323,59 @@ class ResidualOutputLayer(nn.Module):
                     w = self.newton(memory.gram, memory.cross, memory.count, curvature, width)
                     m = (eta * w[:width]).to(compute)
                     bias, beta, off = self.mean_gradient_bias(curvature)
-                    if off and beta > 0:  # said once per solve; last_tuning keeps the reason
-                        _log.info("faast: output layer: no bias: %s", off)
-                    self.last_tuning = {**(self.last_tuning or {}), "bias_step": 0.0 if off else beta, "bias_off": off}
+                    tokens, gamma, tokens_off = self.token_logit_bias()
+                    for what, why, size in (("bias", off, beta), ("token bias", tokens_off, gamma)):
+                        if why and size > 0:  # said once per solve; last_tuning keeps the reason
+                            _log.info("faast: output layer: no %s: %s", what, why)
+                    self.last_tuning = {**(self.last_tuning or {}), "bias_step": 0.0 if off else beta, "bias_off": off,
+                                        "token_bias_step": 0.0 if tokens_off else gamma,
+                                        "token_bias_off": tokens_off}  # fmt: skip
                     bias = None if bias is None else bias.to(compute)
-            self._folded = (key, m, lam, width, bias)
+                    tokens = None if tokens is None else tokens.to(torch.float64 if compute == torch.float64 else
+                                                                   torch.float32)  # fmt: skip
+            self._folded = (key, m, lam, width, bias, tokens)
         return self._folded[1], self._folded[2]
+
+    def _data_scale(self) -> float:
+        """How far the untuned settings are scaled down: positions / (DEFAULT_STEP_PER_DIM·d), at most 1."""
+        return min(1.0, float(self.memory.count) / (DEFAULT_STEP_PER_DIM * self.hidden_size))
 
     def mean_gradient_bias(self, curvature: torch.Tensor) -> tuple[torch.Tensor | None, float, str | None]:
         """(β'·curvature⁻¹·r̄ [d] float64 or None, β', why it is None): r̄ = Σ r / N the mean learned gradient, β' =
-        `bias` scaled like `untuned_step`, curvature the damped one. None when β' is 0 or the gradient sum does not
-        cover every learned position (statistics loaded from a file written before faast kept it)."""
-        count, covered = float(self.memory.count), float(self.gradient_sum.count)
-        beta = self.bias * min(1.0, count / (DEFAULT_STEP_PER_DIM * self.hidden_size))
-        if beta <= 0.0:
-            return None, beta, "ResidualOutput.bias is 0"
-        if abs(covered - count) > 1e-9 * count:
-            why = f"the gradient sum covers {covered:.0f} of {count:.0f} positions (saved before it was kept)"
-            return None, beta, why
-        mean = self.gradient_sum.gradient.to(curvature.device) / count
-        return beta * torch.linalg.solve(curvature, mean), beta, None
+        `bias` scaled like `untuned_step`, curvature the damped one (output_bias.mean_gradient). None when β' is 0 or
+        the gradient sum does not cover every learned position (statistics loaded from a file written before faast
+        kept it)."""
+        beta = self.bias * self._data_scale()
+        bias, why = output_bias.mean_gradient(beta, self.gradient_sum, float(self.memory.count), curvature)
+        return bias, beta, why
+
+    def token_logit_bias(self) -> tuple[torch.Tensor | None, float, str | None]:
+        """(γ'·log((c + κ) / (P + κ)) [V] float64 or None, γ', why it is None): the token bias added to the logits
+        of every corrected position (output_bias.token_bias), γ' = `token_bias` scaled down below
+        output_bias.TOKEN_BIAS_FULL learned positions (`token_step`). None when γ' is 0 or the token counts do not
+        cover every learned position (statistics from an older file)."""
+        gamma = output_bias.token_step(self.token_bias, float(self.memory.count))
+        tokens, why = output_bias.token_bias(gamma, self.target_count, self.token_mass, float(self.memory.count))
+        return tokens, gamma, why
 
     def folded_bias(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
         """The bias [d] added to every corrected position with M (`solution`'s dtype), None when there is none."""
         self.solution(device, dtype)
         return self._folded[4]
+
+    def folded_token_bias(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """The token bias γ'·u [V] added to the logits of every corrected position (float32; float64 for float64),
+        None when there is none (`token_logit_bias`) or M is None."""
+        self.solution(device, dtype)
+        return self._folded[5]
+
+    def logit_bias(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Logit space: the head's output logits [..., V] plus the token bias (over the head's logit scale), same
+        dtype; None when there is none (the logits stand)."""
+        tokens = self.folded_token_bias(logits.device, logits.dtype)
+        if self.space == "probability" or tokens is None:
+            return None
+        return logits + (tokens / float(getattr(self.head, "scale", 1.0))).to(logits.dtype)
 
     def folded(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
         """M = η·W [width, d] of `solution` (None while empty or when η or λ is 0)."""
@@ -539,7 +418,7 @@ class ResidualOutputLayer(nn.Module):
 
     def forget(self) -> None:
         """Drop everything learned: the statistics, the held-out buffer and any saved step and weight."""
-        for memory in (self.memory, self.curvature, self.token_mass, self.gradient_sum):
+        for memory in (self.memory, self.curvature, self.token_mass, self.gradient_sum, self.target_count):
             memory.reset()
         self.held_out.clear()
         self._restored_step, self._restored_weight, self._restored_width = None, None, None
@@ -590,6 +469,7 @@ class ResidualOutputLayer(nn.Module):
         change = rows_h.to(m.dtype) @ m
         if self._folded[4] is not None:
             change += self._folded[4]
+        rows_z = output_bias.with_token_bias(rows_z, self._folded[5], scale, overwrite)
         out = read_blocks(change, rows_z, weight, compute=compute, scale=scale, log_odds=odds, log_rest=rest,
                           full=lam >= 1.0, chunk=READ_CHUNK, block=block, overwrite=overwrite)  # fmt: skip
         return out.reshape(logits.shape)

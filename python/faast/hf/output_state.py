@@ -13,8 +13,9 @@ from .held_out import HeldOutTail
 
 class OutputState(nn.Module):
     """Everything one named memory holds for the residual output layer: its statistics (memory, curvature,
-    token_mass, gradient_sum), its held-out tail, the step, weight and key width restored from a file, and what was
-    derived from them (the folded correction and the last tuning), so that switching memories solves nothing again.
+    token_mass, gradient_sum, target_count), its held-out tail, the step, weight and key width restored from a file,
+    and what was derived from them (the folded correction and the last tuning), so that switching memories solves
+    nothing again.
 
     Built by ResidualOutputLayer.new_state / swap_state; the layer reads the state bound to it.
     """
@@ -29,15 +30,17 @@ class OutputState(nn.Module):
         restored: tuple[float | None, float | None, int | None] = (None, None, None),
         folded: tuple | None = None,
         last_tuning: dict | None = None,
+        *,
+        target_count: Accumulator,
     ) -> None:
         super().__init__()
         self.memory, self.curvature, self.token_mass = memory, curvature, token_mass
-        self.gradient_sum = gradient_sum
+        self.gradient_sum, self.target_count = gradient_sum, target_count
         self.held_out, self.restored, self.folded, self.last_tuning = held_out, restored, folded, last_tuning
 
     def statistics(self) -> tuple[nn.Module, ...]:
-        """The summed statistics, in file order: memory, curvature, token_mass, gradient_sum."""
-        return self.memory, self.curvature, self.token_mass, self.gradient_sum
+        """The summed statistics, in file order: memory, curvature, token_mass, gradient_sum, target_count."""
+        return self.memory, self.curvature, self.token_mass, self.gradient_sum, self.target_count
 
     def take_derived(self, other: OutputState) -> None:
         """Keep what `other` (the same statistics, read while bound) derived and restored: tail, settings, caches."""

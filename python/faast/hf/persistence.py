@@ -262,8 +262,8 @@ def load_fast_weights(model: nn.Module, path: str | Path) -> nn.Module:
     check = partial(_check_output_settings, path)
     saved = _saved_memories(path)
     with tempfile.TemporaryDirectory() as scratch:
-        lacks_gradient_sum = saved is not None and _CURVATURE in saved and _GRADIENT_SUM not in saved
-        if saved is not None and (_has_legacy_output_sums(saved) or lacks_gradient_sum):
+        lacks_sums = saved is not None and _CURVATURE in saved and any(n not in saved for n in _OPTIONAL_OUTPUT_SUMS)
+        if saved is not None and (_has_legacy_output_sums(saved) or lacks_sums):
             path = _upgrade_output_sums(path, Path(scratch) / Path(path).name)
         if saved is not None and sorted(saved) == sorted(name for name, _ in model.learned_state()):
             _restore_output_settings(model, load_checkpoint(path, _bank_holder(model), check))
@@ -336,9 +336,15 @@ _LEGACY_OUTPUT_SUMS = {
 }
 
 
-# Files written before the residual output layer kept its gradient sum (ResidualOutput.bias) load with an empty one:
-# the layer then reads without the bias and says why (ResidualOutputLayer.last_tuning['bias_off']).
-_CURVATURE, _GRADIENT_SUM = "output_memory_layer.curvature", "output_memory_layer.gradient_sum"
+# Files written before the residual output layer kept a sum one of its biases reads (the gradient sum:
+# ResidualOutput.bias; the target counts: ResidualOutput.token_bias) load with an empty one: the layer then reads
+# without that bias and says why (ResidualOutputLayer.last_tuning['bias_off'], ['token_bias_off']).
+# name -> (the sum's name, the saved tensor whose first dimension sizes it).
+_CURVATURE = "output_memory_layer.curvature"
+_OPTIONAL_OUTPUT_SUMS = {
+    "output_memory_layer.gradient_sum": ("gradient", f"{_CURVATURE}.gram"),
+    "output_memory_layer.target_count": ("targets", "output_memory_layer.token_mass.probability"),
+}
 
 
 def _has_legacy_output_sums(saved: dict) -> bool:
@@ -348,8 +354,8 @@ def _has_legacy_output_sums(saved: dict) -> bool:
 
 def _upgrade_output_sums(path: str | Path, target: Path) -> Path:
     """Write to `target` the file at `path` with the residual output layer's curvature and token mass in the
-    Accumulator layout, and an empty gradient sum where it has none (read verified; every other memory as it was);
-    returns `target`."""
+    Accumulator layout, and an empty gradient sum and target count where it has none (read verified; every other
+    memory as it was); returns `target`."""
     tensors, metadata = read_verified(path)
     memories = json.loads(metadata["memories"])
     for name, (old, new) in _LEGACY_OUTPUT_SUMS.items():
@@ -363,11 +369,12 @@ def _upgrade_output_sums(path: str | Path, target: Path) -> Path:
         upgraded = Accumulator({new: tuple(total.shape)})
         tensors[f"{name}.{new}"], tensors[f"{name}.count"] = total, saved["count"]
         memories[name] = {"format": upgraded.FORMAT, "config": upgraded.config(), "has_prior": False}
-    if _GRADIENT_SUM not in memories and f"{_CURVATURE}.gram" in tensors:
-        empty = Accumulator({"gradient": (tensors[f"{_CURVATURE}.gram"].shape[0],)})
-        for key, tensor in empty.state_dict().items():
-            tensors[f"{_GRADIENT_SUM}.{key}"] = tensor
-        memories[_GRADIENT_SUM] = {"format": empty.FORMAT, "config": empty.config(), "has_prior": False}
+    for name, (field, sizer) in _OPTIONAL_OUTPUT_SUMS.items():
+        if name not in memories and sizer in tensors:
+            empty = Accumulator({field: (tensors[sizer].shape[0],)})
+            for key, tensor in empty.state_dict().items():
+                tensors[f"{name}.{key}"] = tensor
+            memories[name] = {"format": empty.FORMAT, "config": empty.config(), "has_prior": False}
     write_atomic(target, tensors, {**metadata, "memories": json.dumps(memories, sort_keys=True)})
     return target
 

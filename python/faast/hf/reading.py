@@ -142,6 +142,7 @@ class _Reading:
             self.fixed_weight = None if layer.weight == "auto" else float(layer.weight)
         self.w: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None  # the layer's mean-gradient bias, read with the memory as it is
+        self.tokens: torch.Tensor | None = None  # and its token bias [V] (float32)
         self.eta, self.lam, self.width = 0.0, self.fixed_weight or 0.0, layer.hidden_size
         if float(layer.memory.count) > 0:  # what was learned before the stream, read as the model reads it now
             self.eta, self.lam = layer.chosen_step() or 0.0, layer.chosen_weight() or 0.0
@@ -160,6 +161,8 @@ class _Reading:
         curvature = layer.damped_curvature()
         self.w = layer.newton(memory.gram, memory.cross, memory.count, curvature, self.width)
         self.bias = layer.mean_gradient_bias(curvature)[0]
+        tokens = layer.token_logit_bias()[0]
+        self.tokens = None if tokens is None else tokens.float()
 
     def read(self, hidden: torch.Tensor, extra: torch.Tensor | None, targets: torch.Tensor,
              mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -181,8 +184,7 @@ class _Reading:
             zm = z0 if self.bias is None else z0 + change_logits(layer.head, self.bias[None].to(keys.dtype))
             logits = (zm, z1, zm.gather(-1, ys[:, None]).squeeze(-1), z1.gather(-1, ys[:, None]).squeeze(-1))
             if self.eta > 0 and self.lam > 0:
-                log_memory = tuning.log_targets(*logits, self.eta)
-                nll = -tuning.log_mixture(log_base, log_memory, self.lam)
+                nll = -self.log_read(logits, z0, ys, log_base)
         nll = nll[mask[0]]
         report.tokens.append(int(nll.numel()))
         report.nll.append(float(nll.mean()))
@@ -198,6 +200,21 @@ class _Reading:
         self.tuned = time.perf_counter()
         report.tune_s.append(self.tuned - scored)
         return z0[None]
+
+    def log_read(
+        self, logits: tuning.Logits, z0: torch.Tensor, ys: torch.Tensor, log_base: torch.Tensor
+    ) -> torch.Tensor:
+        """The log-probability [n] of the targets ys as the model reads them with this memory: the mixture of the
+        base and the memory's component at η and λ, both with the token bias where the layer has one (as
+        ResidualOutputLayer.read_logits adds it). The step's tuning reads them without it, as the layer's does."""
+        if self.tokens is None:
+            return tuning.log_mixture(log_base, tuning.log_targets(*logits, self.eta), self.lam)
+        tokens = self.tokens.to(z0.dtype)
+        at = lambda z: z.gather(-1, ys[:, None]).squeeze(-1)  # noqa: E731 - the entries at the targets
+        biased_base, biased_memory = z0 + tokens, logits[0] + tokens
+        log_memory = tuning.log_targets(biased_memory, logits[1], at(biased_memory), logits[3], self.eta)
+        return tuning.log_mixture(tuning.base_log_targets((biased_base, None, at(biased_base), None)), log_memory,
+                                  self.lam)  # fmt: skip
 
     def tune(self, logits: tuning.Logits, log_base: torch.Tensor, mask: torch.Tensor) -> None:
         """Choose the step (and weight, when 'auto') that would have read this chunk best with W_{t−1}, on

@@ -18,6 +18,7 @@ from .layers import MemoryLayer, OutputMemoryLayer
 from .memory_store import BASE, StoredMemory
 from .mixture import read_blocks
 from .output import MIX_ROWS, READ_CHUNK, ResidualOutputLayer
+from .output_bias import with_token_bias
 
 
 class RowMemories:
@@ -54,14 +55,16 @@ class RowMemories:
     # ------------------------------------------------------------------ what each memory reads
 
     def _output_solution(self, name: str, device: torch.device, dtype: torch.dtype) -> tuple:
-        """(M [width, d] or None, λ, bias [d] or None) of memory `name`'s residual output layer; an unbound memory's
-        state is bound to the layer for the solve and keeps what it derived."""
+        """(M [width, d] or None, λ, bias [d] or None, token bias [V] or None) of memory `name`'s residual output
+        layer; an unbound memory's state is bound to the layer for the solve and keeps what it derived."""
         layer, state = self._output_layer, self._state_of(name)
+        solved = lambda: (*layer.solution(device, dtype), layer.folded_bias(device, dtype),  # noqa: E731
+                          layer.folded_token_bias(device, dtype))  # fmt: skip
         if state.output is layer.memory or state.output.memory is layer.memory:
-            return (*layer.solution(device, dtype), layer.folded_bias(device, dtype))
+            return solved()
         previous = layer.swap_state(state.output)
         try:
-            return (*layer.solution(device, dtype), layer.folded_bias(device, dtype))
+            return solved()
         finally:
             state.output.take_derived(layer.swap_state(previous))
 
@@ -74,23 +77,27 @@ class RowMemories:
 
     def _residual(self, device: torch.device, dtype: torch.dtype) -> tuple | None:
         """(M [U + 1, width, d] zero-padded to the widest, log-odds [U + 1], log(1 − λ) [U + 1], λ = 1 [U + 1],
-        reads nothing [U + 1], bias [U + 1, d] (zeros for none)) or None when no row reads anything."""
+        reads nothing [U + 1], bias [U + 1, 1, d] (zeros for none), token bias [U + 1, 1, V] or None when no memory
+        has one (zeros for the others)) or None when no row reads anything."""
         key = ("residual", device, dtype)
         if key not in self._cache:
             layer = self._output_layer
             solutions = [self._output_solution(n, device, dtype) for n in self.unique]
-            ms = [m for m, _, _ in solutions]
+            ms = [m for m, *_ in solutions]
             width = max([layer.hidden_size, *(m.shape[0] for m in ms if m is not None)])
             stacked = _stack(ms, (width, layer.hidden_size), device)
-            lams = [lam if m is not None else 0.0 for m, lam, _ in solutions] + [0.0]
-            biases = _stack([None if b is None else b[None] for _, _, b in solutions], (1, layer.hidden_size), device)
+            lams = [lam if m is not None else 0.0 for m, lam, *_ in solutions] + [0.0]
+            biases = _stack([None if b is None else b[None] for _, _, b, _ in solutions], (1, layer.hidden_size),
+                            device)  # fmt: skip
+            vocab = layer.target_count.targets.shape[0]
+            tokens = _stack([None if t is None else t[None] for *_, t in solutions], (1, vocab), device)
             odds = [math.log(lam / (1.0 - lam)) if 0.0 < lam < 1.0 else 0.0 for lam in lams]
             rest = [math.log1p(-lam) if lam < 1.0 else 0.0 for lam in lams]
             flags = {"full": [lam >= 1.0 for lam in lams], "none": [m is None for m in ms] + [True]}
             self._cache[key] = None if stacked is None else (
                 stacked, torch.tensor(odds, device=device), torch.tensor(rest, device=device),
                 torch.tensor(flags["full"], device=device), torch.tensor(flags["none"], device=device),
-                stacked.new_zeros((len(ms) + 1, 1, layer.hidden_size)) if biases is None else biases,
+                stacked.new_zeros((len(ms) + 1, 1, layer.hidden_size)) if biases is None else biases, tokens,
             )  # fmt: skip
         return self._cache[key]
 
@@ -139,6 +146,15 @@ class RowMemories:
         change = torch.bmm(keys.to(stacked.dtype), stacked[index])
         return hidden + (change + solved[5][index]).to(hidden.dtype)
 
+    def logit_bias(self, layer: ResidualOutputLayer, logits: torch.Tensor) -> torch.Tensor | None:
+        """Logit space: the head's output logits [B, T, V] plus each row's token bias (over the head's logit scale);
+        None when no row's memory has one."""
+        solved = self._residual(logits.device, logits.dtype)
+        if solved is None or solved[6] is None:
+            return None
+        tokens = solved[6][self.rows(logits.shape[0], logits.device)]
+        return with_token_bias(logits, tokens, float(getattr(layer.head, "scale", 1.0)), overwrite=False)
+
     def read_logits(
         self,
         layer: ResidualOutputLayer,
@@ -154,8 +170,10 @@ class RowMemories:
         solved = self._residual(hidden.device, hidden.dtype)
         if solved is None:
             return logits
-        stacked, odds, rest, full, none, biases = solved
+        stacked, odds, rest, full, none, biases, tokens = solved
         index = self.rows(hidden.shape[0], hidden.device)
+        if tokens is not None:  # each row's token bias, [B, 1, V] over the row's positions (zeros: none)
+            logits = with_token_bias(logits, tokens[index], float(getattr(layer.head, "scale", 1.0)), overwrite)
         keys = hidden if stacked.shape[1] == layer.hidden_size else layer.keys(hidden, extra)
         # One batched product for every row's memory; then the head GEMM and the mixture in blocks, as the
         # single-memory read does.

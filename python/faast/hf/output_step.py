@@ -1,0 +1,174 @@
+"""How the residual output layer chooses its step η, weight λ and key width at a solve (docs/design.md §6.3).
+
+`StepChoice` is the part of faast.hf.output.ResidualOutputLayer that tunes them on the held-out ends of the learned
+texts: the fit leaves those positions out (their statistics subtract exactly), the head forms their base logits and
+the logits' change per unit step, output_tuning searches the step, output_folds checks it on the ends in folds,
+output_diagnosis says when the memory ends up off and output_diagnosis.document_shrink shrinks the step of long texts.
+It is a base class of the layer and reads the layer's own state (statistics, held-out tail, settings).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+from . import output_folds
+from . import output_tuning as tuning
+from .head import change_logits, float_products, head_logits, products_dtype
+from .output_diagnosis import MemoryOffWarning, diagnose, document_shrink
+
+_log = logging.getLogger("faast.hf")
+
+
+class StepChoice:
+    """The step, weight and key width of a ResidualOutputLayer, chosen on its held-out tail (a base class of the layer:
+    every attribute it reads is the layer's)."""
+
+    def tail_statistics(self) -> tuple:
+        """The positions the step is tuned on now (HeldOutTail.split): (keys [m, d_key] float32, targets [m] and
+        documents [m] of the sampled held-out positions; the S [d_key, d_key], T [d_key, d] float64 and count of every
+        position the fit leaves out; how many are held out; how many are gaps before them)."""
+        keys, ys, docs, out_k, out_v, held, gap = self.held_out.split(int(self.memory.count), self._min_fit())
+        # float32 products of the kept (rounded) keys and gradients: their rounding already bounds the precision.
+        k32 = out_k.float()
+        count = torch.tensor(float(held + gap), dtype=torch.float64, device=out_k.device)
+        return keys, ys, docs, (k32.T @ k32).double(), (k32.T @ out_v.float()).double(), count, held, gap
+
+    def tail_logits(
+        self,
+        keys: torch.Tensor,
+        ys: torch.Tensor,
+        w: torch.Tensor,
+        base: tuple | None = None,
+        rows: slice = slice(None),
+        out: torch.Tensor | None = None,
+    ) -> tuning.Logits:
+        """(z0 [m, V] float32 and z1 [m, V] in `change_weight`'s dtype, the logits of the keys' h̃ and their change
+        per unit step keys·w through the head without its bias; both at the targets ys [n], float32) for the keys
+        [n, d_key] at `rows` (default all m = n). base: `tail_base` of the same keys, reused. out: a [n, V] buffer of
+        z1's dtype written at `rows` (two calls on complementary rows fill one)."""
+        if base is None:
+            base = self.tail_base(keys, ys)
+        weight = self.change_weight()
+        if out is None:
+            out = torch.empty((keys.shape[0], base[0].shape[-1]), dtype=weight.dtype, device=keys.device)
+        z1 = change_logits(self.head, keys[rows] @ w.float(), out=out[rows], weight=weight)
+        return base[0][rows], z1, base[1][rows], z1.gather(-1, ys[rows, None]).squeeze(-1).float()
+
+    def change_weight(self) -> torch.Tensor:
+        """The head's weight [V, d] in the dtype the step's tuning forms z1 in: the head products' (`head_dtype`;
+        'auto' is bfloat16 where the device multiplies it natively: half the time and memory, docs/design.md §6.3),
+        float32 where they are int8 (only learning's logits are)."""
+        products = float_products(products_dtype(self.head_dtype, self.head.weight))
+        return self.head_buffers.weight(self.head.weight, products)
+
+    def tail_base(self, keys: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z0 [n, V] float32, its entries at the targets ys [n]): the base logits of the keys' h̃ [n, d_key]."""
+        z0 = head_logits(self.head, keys[:, : self.hidden_size])
+        return z0, z0.gather(-1, ys[:, None]).squeeze(-1)
+
+    def _min_fit(self) -> int:
+        """Fewest positions the step's tuning fit may have: MIN_FIT_TOKENS, and FIT_PER_KEY_DIM per key dimension."""
+        return max(tuning.MIN_FIT_TOKENS, tuning.FIT_PER_KEY_DIM * self.hidden_size)
+
+    def held_out_positions(self) -> int:
+        """Positions the step is tuned on: the last round(f·n) of every learned document, f = min(HELD_OUT_SHARE,
+        tune_tokens / learned) (held_out.tail_plan); 0 when too little text was learned to fit on the rest, or
+        after a load (the tail is learning state of this process)."""
+        return self.held_out.held_positions(int(self.memory.count), self._min_fit())
+
+    def _fixed_weight(self) -> float | None:
+        """λ when it is not tuned: 1 in logit space (the correction replaces the base logits), else the configured
+        number; None for 'auto'."""
+        if self.space == "logit":
+            return 1.0
+        return None if self.weight == "auto" else float(self.weight)
+
+    def _widths(self, fitted: int) -> list[int]:
+        """Key widths a fit on `fitted` positions may use: h̃ alone (d), and the full keys when they are wider and
+        at least FIT_PER_KEY_DIM positions per key dimension are fitted."""
+        d, full = self.hidden_size, self.memory.dim_key
+        return [d, full] if full > d and fitted >= tuning.FIT_PER_KEY_DIM * full else [d]
+
+    def _choose_step(self, curvature: torch.Tensor) -> tuple[float, float, int]:
+        """(η, λ, key width) for the current statistics: fixed ones, tuned ones, or the saved/default ones when too
+        little text was learned to tune them. The width is the full keys' where enough text was fitted to tune them
+        and they give the lower held-out NLL; else h̃ alone (d)."""
+        fixed_step = None if self.step == "auto" else float(self.step)
+        fixed_weight = self._fixed_weight()
+        held = self.held_out_positions()
+        if fixed_step is not None and fixed_weight is not None:
+            fitted = int(self.memory.count) - held if held else int(self.memory.count)
+            return fixed_step, fixed_weight, self._widths(fitted)[-1]
+        if not held:
+            restored = self._restored_step is not None or self._restored_weight is not None
+            step = fixed_step if fixed_step is not None else self._restored_step
+            step = self.untuned_step() if step is None else step
+            weight = fixed_weight if fixed_weight is not None else self._restored_weight
+            weight = self.default_weight if weight is None else weight
+            width = self.hidden_size if self._restored_width is None else self._restored_width
+            _log.info("faast: output layer: too little text to tune the step; using the %s step %s and weight %s",
+                      "saved" if restored else "default", step, weight)  # fmt: skip
+            self.last_tuning = {"step": step, "weight": weight, "tuned": False, "saved_step": restored,
+                                "key_width": width}  # fmt: skip
+            return step, weight, width
+        keys, ys, docs, s_tail, t_tail, n_tail, held, gap = self.tail_statistics()
+        memory = self.memory
+        dt = memory.gram.dtype
+        fitted = int(memory.count) - held - gap
+        widths = self._widths(fitted)
+        # With two widths and many held-out rows, the width is chosen on a sample (its rows first), and only the chosen
+        # width's change is formed for the rest: the [n, V] head products are most of the solve's time.
+        sampled = keys.shape[0]
+        if len(widths) > 1 and keys.shape[0] >= tuning.WIDTH_SAMPLE_MIN_ROWS:
+            order, sampled = tuning.sample_first(keys.shape[0], keys.device)
+            keys, ys, docs = keys[order], ys[order], docs[order]
+        base = self.tail_base(keys, ys)  # the base logits are the same for every width
+        log_base = tuning.base_log_targets((base[0], None, base[1], None))
+        sample_rows, results = slice(0, sampled), {}
+        for width in widths:
+            # Fitted without the held-out positions: their statistics subtract exactly. The curvature keeps them: it
+            # depends on the model's predictions only, not on the tokens that followed.
+            w = self.newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
+                             curvature, width)  # fmt: skip
+            out = base[0].new_empty(base[0].shape, dtype=self.change_weight().dtype)  # z1 [n, V]: sample, then rest
+            logits = self.tail_logits(keys, ys, w, base, sample_rows, out)
+            start = max((r[1] for r in results.values()), default=0.0)  # the narrower keys' step
+            tuned = tuning.tune_width(logits, log_base[sample_rows], fixed_step, fixed_weight, start, len(widths) > 1)
+            results[width] = (*tuned, logits, w, out)
+        # The narrower keys win ties: a wider W fitted on the same text is the noisier one.
+        width = min(results, key=lambda k: (results[k][0], k))
+        _, eta, lam, trace, rows, logits, w, out = results[width]
+        if sampled < keys.shape[0]:  # the chosen width on every held-out row, from the sample's step
+            rest = self.tail_logits(keys, ys, w, base, slice(sampled, None), out)
+            logits = (base[0], out, base[1], torch.cat([logits[3], rest[3]]))
+            start = min(trace, key=lambda t: t[-1])[0]  # the sample's best step, before its significance test
+            tuned = tuning.tune_width(logits, log_base, fixed_step, fixed_weight, start, compare=False, sampled=True)
+            _, eta, lam, trace, rows = tuned
+        one_fit, fold = eta, output_folds.FoldTuning(None, "fixed step or weight 0")
+        if lam > 0 and fixed_step is None:  # the held-out ends in folds (also where η is 0), taken where much larger
+            spare = next((r[-1] for k, r in results.items() if k != width), None)  # the other width's z1
+            fold = output_folds.fold_tuning(self, keys, ys, docs, base, log_base, width, curvature, lam, eta,
+                                            self._min_fit(), spare)  # fmt: skip
+            eta, trace, rows, logits = fold.taken or (eta, trace, rows, logits)
+        check_weight = lam if lam > 0 else (fixed_weight if fixed_weight is not None else self.default_weight)
+        candidate = min(trace, key=lambda t: t[-1])[0]  # the search's best step, before the significance test
+        diagnosis = diagnose(logits, docs, eta, check_weight, candidate, rows, log_base)
+        documents = self.held_out.documents(int(memory.count), self._min_fit())
+        shrink = document_shrink(fitted, documents, self.hidden_size) if fixed_step is None else 1.0
+        tail_step, eta = eta, eta * shrink
+        if shrink < 1.0:
+            _log.info("faast: output layer: %.0f fitted positions per held-out text, so the tail's step %.3g is "
+                      "shrunk ×%.2f", fitted / max(documents, 1), tail_step, shrink)  # fmt: skip
+        self.last_tuning = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held,
+                            "held_out_documents": documents, "tail_step": tail_step, "document_shrink": shrink,
+                            "document_gap_tokens": gap, "fitted_tokens": fitted, "key_width": width,
+                            "one_fit_step": one_fit, "fold_step": fold.step, "fold_check": fold.check,
+                            "held_out_nll": trace, **diagnosis,
+                            "by_key_width": {k: {"held_out_nll": v[0], "step": v[1], "weight": v[2], "rows": sampled}
+                                             for k, v in results.items() if len(results) > 1}}  # fmt: skip
+        if diagnosis["warning"] is not None:
+            warnings.warn(diagnosis["warning"], MemoryOffWarning, stacklevel=2)
+        return eta, lam, width
