@@ -28,7 +28,8 @@ most `tune_tokens` positions), scored by W fitted without those ends and up to G
 before each (statistics subtract exactly): a 1-D Newton search on the held-out mixture's NLL (output_tuning), whose
 mixture bounds what a wrong correction costs a token (at most −log(1−λ)). Where each held-out text has much fitted
 text of its own, η is shrunk (output_diagnosis.document_shrink); output_folds scores the ends in folds instead. State
-has a fixed size: d_key×d_key, d_key×d and d×d sums, a V- and a d-vector and a (1 + GAP_MULTIPLE)·`tune_tokens` buffer.
+has a fixed size: d_key×d_key, d_key×d and d×d sums, two V-vectors, a d-vector and a (1 + GAP_MULTIPLE)·`tune_tokens`
+buffer.
 
 Measured on five local domains (benchmarks and choices: experiments/lm_domains.py, docs/design.md §6.3).
 """
@@ -331,8 +332,7 @@ class ResidualOutputLayer(StepChoice, nn.Module):
                                         "token_bias_step": 0.0 if tokens_off else gamma,
                                         "token_bias_off": tokens_off}  # fmt: skip
                     bias = None if bias is None else bias.to(compute)
-                    tokens = None if tokens is None else tokens.to(torch.float64 if compute == torch.float64 else
-                                                                   torch.float32)  # fmt: skip
+                    tokens = None if tokens is None else tokens.to(torch.promote_types(compute, torch.float32))
             self._folded = (key, m, lam, width, bias, tokens)
         return self._folded[1], self._folded[2]
 
