@@ -24,10 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, ROOT  # noqa: E402
+from _common import RESULTS, run_default_domains  # noqa: E402
 from domains import DOMAINS, EXTRA, VALIDATION, domain_texts  # noqa: E402
-
-from faast import provenance  # noqa: E402
 
 CURVE = (2048, 8192, 32768)
 KAPPAS = (0.01, 0.03, 0.1, 0.3, 1.0)
@@ -144,49 +142,53 @@ def report(rows: list[dict], shipped: str) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> dict:
-    import torch
-
-    from faast.hf import FaastConfig, ResidualOutput, apply_faast
-    from faast.hf.default import load_base_model
-    from faast.hf.evaluate import token_windows
+def shipped_key() -> str:
+    """The grid key of the shipped κ (TOKEN_PRIOR) and γ (ResidualOutput().token_bias)."""
+    from faast.hf import ResidualOutput
     from faast.hf.output_bias import TOKEN_PRIOR
+
+    return grid_key(TOKEN_PRIOR, ResidualOutput().token_bias)
+
+
+def run_domain(name: str, base, tokenizer, args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """{domain, points: one `point` row per curve point}: the default learned as the benchmark learns it."""
+    from faast.hf import FaastConfig, apply_faast
+    from faast.hf.evaluate import token_windows
     from faast.hf.tokens import split_continuing, token_lists
 
-    args = parse_args(argv)
-    record = provenance.start(ROOT)
-    torch.manual_seed(0)
-    base, tokenizer, description = load_base_model("smollm2")
+    learn_texts, score_texts = domain_texts(name)
+    learn = token_lists(learn_texts, tokenizer, args.learn_tokens)
+    windows = [w for ids in token_lists(score_texts, tokenizer, args.score_tokens)
+               for w in token_windows(ids, args.window)]  # fmt: skip
+    learned = sum(map(len, learn))
     curve = [int(x) for x in args.curve.split(",")]
-    shipped = grid_key(TOKEN_PRIOR, ResidualOutput().token_bias)
-    rows: list[dict] = []
-    for name in args.domains:
-        learn_texts, score_texts = domain_texts(name)
-        learn = token_lists(learn_texts, tokenizer, args.learn_tokens)
-        windows = [w for ids in token_lists(score_texts, tokenizer, args.score_tokens)
-                   for w in token_windows(ids, args.window)]  # fmt: skip
-        learned = sum(map(len, learn))
-        amounts = sorted({p for p in curve if p < learned} | {learned})
-        model = apply_faast(base, FaastConfig())
-        try:
-            for amount, (part, continues) in zip(amounts, split_continuing(learn, amounts), strict=True):
-                if part:
-                    model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size,
-                                continues=continues)  # fmt: skip
-                    model.solve()
-                row = {"domain": name, "tokens": amount, **point(model, windows)}
-                rows.append(row)
-                grid = row["grid"]
-                print(f"{name:>15} {amount:>6}: read {row['ppl_read']:.3f} rebuilt {grid.get(shipped, math.nan):.3f}"
-                      f" none {grid.get('none', math.nan):.3f} base {row['ppl_base']:.3f}", flush=True)  # fmt: skip
-        finally:
-            model.remove_faast()
-    settings = {k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}
-    payload = {"model": description, "settings": settings, "shipped": shipped, "kappas": KAPPAS, "gammas": GAMMAS,
-               "rows": rows}  # fmt: skip
-    provenance.write(args.results_dir / args.out, record, payload,
-                     "The token bias's prior and step at the shipped W and step", report(rows, shipped))  # fmt: skip
-    return payload
+    amounts = sorted({p for p in curve if p < learned} | {learned})
+    shipped, rows = shipped_key(), []
+    model = apply_faast(base, FaastConfig())
+    try:
+        for amount, (part, continues) in zip(amounts, split_continuing(learn, amounts), strict=True):
+            if part:
+                model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size,
+                            continues=continues)  # fmt: skip
+                model.solve()
+            row = {"domain": name, "tokens": amount, **point(model, windows)}
+            rows.append(row)
+            grid = row["grid"]
+            print(f"{name:>15} {amount:>6}: read {row['ppl_read']:.3f} rebuilt {grid.get(shipped, math.nan):.3f}"
+                  f" none {grid.get('none', math.nan):.3f} base {row['ppl_base']:.3f}", flush=True)  # fmt: skip
+    finally:
+        model.remove_faast()
+    return {"domain": name, "points": rows}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    return run_default_domains(
+        args,
+        run_domain,
+        "The token bias's prior and step at the shipped W and step",
+        lambda domains: report([p for d in domains for p in d["points"]], shipped_key()),
+    )
 
 
 if __name__ == "__main__":
