@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, run_default_domains  # noqa: E402
+from _common import RESULTS, add_stream_arguments, run_default_domains  # noqa: E402
 from domains import DOMAINS, EXTRA, VALIDATION, domain_texts  # noqa: E402
 
 CURVE = (2048, 8192, 32768)
@@ -36,11 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--domains", nargs="+", choices=[*VALIDATION, *DOMAINS, *EXTRA], default=list(VALIDATION))
     p.add_argument("--curve", default=",".join(map(str, CURVE)))
-    p.add_argument("--learn-tokens", type=int, default=32768)
-    p.add_argument("--score-tokens", type=int, default=8192)
-    p.add_argument("--window", type=int, default=1024, help="scoring window (tokens)")
-    p.add_argument("--learn-window", type=int, default=256)
-    p.add_argument("--learn-batch-size", type=int, default=8)
+    add_stream_arguments(p)  # the benchmark's learned and scored tokens and windows (LoRA's go unused here)
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--out", default="lm_token_bias_probe_cpu")
     return p.parse_args(argv)
