@@ -16,6 +16,10 @@ earlier in its scoring window, and whether it is whitespace only (`categories`).
 
 --curve also scores FAAST after each curve point (2K, 8K, 32K tokens) and splits its gain there the same way: where
 the curve rises, which tokens lose. --no-lora leaves LoRA out.
+
+--lora-seeds trains LoRA once per seed (its initialisation and its window order), each scored at the same steps, so
+that the verdict at FAAST's time can be read against LoRA's own run-to-run spread rather than one draw. The gain split
+is the first seed's. FAAST has no seed: its learning and its step are deterministic.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--curve", action="store_true", help="also score FAAST at every curve point (2K, 8K, 32K)")
     p.add_argument("--no-lora", action="store_true", help="FAAST alone (no LoRA rows)")
+    p.add_argument("--lora-seeds", type=int, nargs="+", default=[0], help="LoRA's seeds (init and window order)")
     p.add_argument("--first-step", type=int, default=4)
     p.add_argument("--last-step", type=int, default=14)
     p.add_argument("--results-dir", type=Path, default=RESULTS)
@@ -131,9 +136,8 @@ def lora_lr(args: argparse.Namespace, domain: str) -> tuple[float, str]:
 
 def run_domain(name: str, base, tokenizer, args: argparse.Namespace) -> dict:  # noqa: ANN001
     import torch
-    from lm_baselines import apply_lora, fit_causal_lm
     from lm_domains import CURVE, Domain, curve_parts, points
-    from lm_domains_peers import TIME_EPOCHS, lora_rank
+    from lm_domains_peers import lora_rank
 
     from faast.hf import FaastConfig, apply_faast
     from faast.hf.default import DEFAULT_READOUT
@@ -174,7 +178,28 @@ def run_domain(name: str, base, tokenizer, args: argparse.Namespace) -> dict:  #
     lr, lr_from = lora_lr(args, name)
     # The benchmark's rank: LoRA's parameters match a linear projection at the shipped readout's middle layers.
     rank = lora_rank(base, FaastConfig.load(DEFAULT_READOUT / "faast_config.json").middle.layers)
-    torch.manual_seed(0)
+    runs = [lora_run(base, domain, rank, lr, seed, budget, args) for seed in args.lora_seeds]
+    first = runs[0]
+    row["lora"] = {"rank": rank, "lr": lr, "lr_from": lr_from, "curve": first["curve"], "at_time": first["at_time"],
+                   "seeds": [{k: v for k, v in run.items() if k != "kept"} for run in runs]}  # fmt: skip
+    if len(runs) > 1:
+        row["lora"]["over_seeds"] = seed_summary(row["lora"]["seeds"], row["ppl_faast"])
+    kept, at_time, curve = first["kept"], first["at_time"], first["curve"]
+    row["gains"] = gain_table(base_nll, {"faast": faast_nll, "lora": kept[at_time]}, masks)
+    print(f"{name}: FAAST {row['ppl_faast']:.3f} in {budget:.1f} s; LoRA "
+          + ", ".join(f"{c['steps']}: {c['ppl']:.3f}" for c in curve), flush=True)  # fmt: skip
+    return row
+
+
+def lora_run(base, domain, rank: int, lr: float, seed: int, budget: float, args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """One LoRA, torch and its window order seeded with `seed`, trained as lm_domains' LoRA at FAAST's time trains it
+    and scored after every step from --first-step to --last-step: {seed, curve: [{steps, seconds, ppl}], at_time: the
+    last scored step whose training ended within `budget` seconds (at least the first), kept: {steps: NLL [n]}}."""
+    import torch
+    from lm_baselines import apply_lora, fit_causal_lm
+    from lm_domains_peers import TIME_EPOCHS
+
+    torch.manual_seed(seed)
     lora = apply_lora(base, rank)
     curve, kept, clock = [], {}, {"trained": 0.0, "since": time.perf_counter()}
 
@@ -190,17 +215,31 @@ def run_domain(name: str, base, tokenizer, args: argparse.Namespace) -> dict:  #
     try:
         trainable = [p for p in lora.parameters() if p.requires_grad]
         fit_causal_lm(lora, trainable, domain.learn, window=args.train_window, batch_size=args.train_batch_size,
-                      lr=lr, epochs=TIME_EPOCHS, warmup="epoch", on_step=on_step)  # fmt: skip
+                      lr=lr, epochs=TIME_EPOCHS, warmup="epoch", on_step=on_step, seed=seed)  # fmt: skip
     finally:
         lora.unload()
     # LoRA at FAAST's time: the steps whose training ends within the budget (at least the first scored one).
     fits = [c["steps"] for c in curve if c["seconds"] <= budget] or [curve[0]["steps"]]
-    at_time = fits[-1]
-    row["lora"] = {"rank": rank, "lr": lr, "lr_from": lr_from, "curve": curve, "at_time": at_time}
-    row["gains"] = gain_table(base_nll, {"faast": faast_nll, "lora": kept[at_time]}, masks)
-    print(f"{name}: FAAST {row['ppl_faast']:.3f} in {budget:.1f} s; LoRA "
-          + ", ".join(f"{c['steps']}: {c['ppl']:.3f}" for c in curve), flush=True)  # fmt: skip
-    return row
+    print(f"  LoRA seed {seed}: " + ", ".join(f"{c['steps']}: {c['ppl']:.3f}" for c in curve), flush=True)
+    return {"seed": seed, "curve": curve, "at_time": fits[-1], "kept": kept}
+
+
+def seed_summary(seeds: list[dict], faast_ppl: float) -> dict:
+    """LoRA over its seeds against FAAST's perplexity: per step count scored in every seed, the seeds' perplexities
+    and their mean and sample standard deviation; at FAAST's time (each seed at its own `at_time`), the same, and in
+    how many seeds FAAST is ahead (its perplexity strictly lower)."""
+
+    def spread(values: list[float]) -> dict:
+        mean = sum(values) / len(values)
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+        return {"ppl": values, "mean": mean, "sd": sd}
+
+    by_steps = [{c["steps"]: c["ppl"] for c in s["curve"]} for s in seeds]
+    common = sorted(set.intersection(*(set(b) for b in by_steps)))
+    at_time = [b[s["at_time"]] for b, s in zip(by_steps, seeds, strict=True)]
+    return {"steps": [{"steps": n, **spread([b[n] for b in by_steps])} for n in common],
+            "at_time": {"steps": [s["at_time"] for s in seeds], **spread(at_time),
+                        "faast_ahead": sum(faast_ppl < p for p in at_time)}}  # fmt: skip
 
 
 def report(rows: list[dict]) -> list[str]:
@@ -233,6 +272,21 @@ def report(rows: list[dict]) -> list[str]:
             mark = " ← FAAST's time" if c["steps"] == lo["at_time"] else ""
             lines.append(f"| {c['steps']}{mark} | {c['seconds']:.1f} | {c['ppl']:.3f} | "
                          f"{'FAAST ahead' if r['ppl_faast'] < c['ppl'] else 'LoRA ahead'} |")  # fmt: skip
+        over = lo.get("over_seeds")
+        if over is not None:
+            seeds = [s["seed"] for s in lo["seeds"]]
+            t = over["at_time"]
+            head = "| LoRA steps | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± sd | against FAAST |"
+            lines += ["", f"LoRA over {len(seeds)} seeds (its initialisation and window order); FAAST "
+                          f"{r['ppl_faast']:.3f}:", "", head,
+                      "|---|" + "---|" * (len(seeds) + 2)]  # fmt: skip
+            for c in over["steps"]:
+                lines.append(f"| {c['steps']} | " + " | ".join(f"{p:.3f}" for p in c["ppl"])
+                             + f" | {c['mean']:.3f} ± {c['sd']:.3f} | "
+                             f"{'FAAST ahead' if r['ppl_faast'] < c['mean'] else 'LoRA ahead'} |")  # fmt: skip
+            lines += ["", f"At FAAST's time (steps per seed: {', '.join(map(str, t['steps']))}): LoRA "
+                          f"{t['mean']:.3f} ± {t['sd']:.3f} on the mean; FAAST ({r['ppl_faast']:.3f}) ahead in "
+                          f"{t['faast_ahead']} of {len(seeds)} seeds."]  # fmt: skip
         lines += ["", f"Gain in nats per scored position (base NLL − method NLL, summed over the category, over all "
                       f"{r['scored']:,} positions), FAAST against LoRA at {lo['at_time']} steps:", "",
                   "| target token | share | base NLL | FAAST gain | LoRA gain | LoRA − FAAST |",
