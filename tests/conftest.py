@@ -26,6 +26,11 @@ if "FAAST_AUTOTUNE_CACHE" not in os.environ:
     _OWN_CACHE_DIR = tempfile.mkdtemp(prefix="faast-test-")
     os.environ["FAAST_AUTOTUNE_CACHE"] = os.path.join(_OWN_CACHE_DIR, "autotune.json")
 
+# auto's choices on a CPU (the learning pass's and the head's precision, p·H's pooling, the int8 kernel, eigh) are
+# timed on this machine, so what a test computes would depend on its speed: the suite takes each choice's first
+# candidate (float32, exact) unmeasured, and the tests of the measured choice turn measuring on with a fake timer.
+os.environ.setdefault("FAAST_AUTOTUNE", "0")
+
 _PACKAGES = ("faast", "faast_kernels")
 
 #: Set by CI (.ci/run): the kernel tests skip themselves where Triton is missing, which on CI would silently drop them,
@@ -113,3 +118,38 @@ def pytest_collection_modifyitems(config, items):
         # get_closest_marker, not `in item.keywords`: parameter ids are keywords too.
         if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def timed(monkeypatch, tmp_path):
+    """auto's measured choices on (faast.ops._autotune), a fresh cache, and a fake timer: `timed.times[name]` seconds
+    per candidate (default 1.0; a value that is an exception is raised), `timed.sampled` the candidates timed, in
+    order."""
+    from faast.ops import _autotune, _dispatch
+
+    monkeypatch.setenv(_autotune.ENABLE_ENV, "1")
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    monkeypatch.setenv(_autotune.CACHE_ENV, str(tmp_path / "autotune.json"))
+    monkeypatch.setattr(_dispatch, "_logged", set())
+    _autotune.forget_memory()
+
+    class Timed:
+        times: dict[str, object] = {}
+        sampled: list[str] = []
+        path = tmp_path / "autotune.json"
+
+    def factory(device):
+        def timer(name, run):
+            Timed.sampled.append(name)
+            run()
+            value = Timed.times.get(name, 1.0)
+            if isinstance(value, Exception):
+                raise value
+            return value
+
+        return timer
+
+    _autotune.set_timer(factory)
+    yield Timed
+    _autotune.set_timer(None)
+    _autotune.forget_memory()

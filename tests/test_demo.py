@@ -91,23 +91,24 @@ def test_lm_demo_steps_on_a_tiny_model(monkeypatch, tmp_path, capsys):
     assert machine.split(maxsplit=1)[1] == provenance.machine(next(model.parameters()).device)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "no-native-bf16"])
+@pytest.mark.parametrize("fastest", ["torch.int8", "torch.bfloat16"])
 @pytest.mark.parametrize("float32", [False, True], ids=["default", "float32"])
-def test_lm_demo_float32_learns_as_a_cpu_without_bfloat16(monkeypatch, tmp_path, capsys, native, float32):
-    """--float32 applies the default configuration as a CPU without native bfloat16 runs it (the decoder's linears
-    and the head's logits in int8 where it has AVX2, else float32), and the result records what the learning
-    computed in (that wherever it ran, or the CPU's choice without the option)."""
+def test_lm_demo_float32_pins_the_float32_path_and_says_which_path_it_took(
+    timed, monkeypatch, tmp_path, capsys, fastest, float32
+):
+    """--float32 pins the learning pass and the head products to float32 whatever this CPU measures fastest; without
+    it 'auto' takes the measured fastest. The result records what the learning computed in, and the printed path
+    line says it beside the speed."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    from faast import hardware
-    from faast.hf import FaastConfig, apply_faast, default, demo, learning
+    from faast.hf import FaastConfig, apply_faast, default, demo
     from faast.hf import head as head_module
     from hf_models import save_tiny_checkpoint, tiny_model
 
+    timed.times = {"torch.float32": 1.0, "torch.bfloat16": 1.0, "torch.int8": 1.0, "torch.exact": 1.0,
+                   "torch.pooled": 0.5, fastest: 0.1}  # fmt: skip
     folder = save_tiny_checkpoint("gpt2", tmp_path / "tiny")
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    for module in (learning, head_module):  # the pass's autocast and the head's products follow the CPU
-        monkeypatch.setattr(module, "native_bf16", lambda device: native)
     configs = []
 
     def load(readout=None, config=None):
@@ -118,21 +119,19 @@ def test_lm_demo_float32_learns_as_a_cpu_without_bfloat16(monkeypatch, tmp_path,
     monkeypatch.setattr(default, "load_default_model", load)
     argv = ["--package", "json", "--learn-tokens", "300", "--eval-tokens", "128", "--window", "64", "--generate", "2"]
     result = demo.main(argv + (["--float32"] if float32 else []))
-    capsys.readouterr()
-    # Without native bfloat16 the decoder's linears and the head's logits are int8 where the CPU has AVX2 (this
-    # one's flags decide), else float32.
-    without = "int8" if hardware.cpu_has_int8() else "float32"
+    text = capsys.readouterr().out
+    mode = fastest.split(".")[1]
     if float32:
         assert configs == [demo.float32_config()]
-        assert configs[0].learn_dtype == ("int8" if without == "int8" else "model")
-        assert configs[0].output.head_dtype == without
+        assert configs[0].learn_dtype == "model" and configs[0].output.head_dtype == "float32"
     else:
         assert configs == [None]
-    bf16 = native and not float32
-    pool = head_module.POOL_AUTO  # 'auto' pools p·H on a CPU, whatever the products' dtype
-    assert result["precision"] == {"learn_pass": "bfloat16" if bf16 else without,
-                                   "head_products": "bfloat16" if bf16 else without, "head_pool_below": pool,
-                                   "native_bf16": native}  # fmt: skip
+    want = "float32" if float32 else mode
+    assert result["precision"] == {"learn_pass": want, "head_products": want, "head_pool_below": head_module.POOL_AUTO,
+                                   "native_bf16": result["precision"]["native_bf16"]}  # fmt: skip
+    path = next(line for line in text.splitlines() if line.startswith("path "))
+    assert f"learning pass {want}, head logits {want}, p·H pooled" in path
+    assert ("pinned by --float32" in path) is float32
     assert result["ppl_after"] < result["ppl_before"]
 
 

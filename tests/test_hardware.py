@@ -1,5 +1,5 @@
-"""faast.hardware: whether the CPU multiplies bfloat16 natively, and int8 matrices fast, from its flags and oneDNN's
-instruction-set limit."""
+"""faast.hardware: whether the CPU multiplies bfloat16 natively (recorded beside speeds; it chooses nothing on a CPU),
+from its flags and oneDNN's instruction-set limit."""
 
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ def cpu(monkeypatch):
         monkeypatch.setattr(
             Path, "read_text", lambda p, *a, **k: flags if str(p) == "/proc/cpuinfo" else real(p, *a, **k)
         )
-        hardware.cpu_has_bf16.cache_clear()
-        hardware.cpu_has_int8.cache_clear()
+        for cached in (hardware.cpu_has_bf16, hardware.cpu_flags, hardware.cpu_model):
+            cached.cache_clear()
         return ask()
 
     yield make
-    hardware.cpu_has_bf16.cache_clear()
-    hardware.cpu_has_int8.cache_clear()
+    for cached in (hardware.cpu_has_bf16, hardware.cpu_flags, hardware.cpu_model):
+        cached.cache_clear()
 
 
 def test_the_flags_decide_without_a_limit(cpu):
@@ -53,14 +53,9 @@ def test_a_limit_that_keeps_bfloat16_changes_nothing(cpu, limit):
     assert cpu("flags : avx2", limit) is False
 
 
-def test_int8_products_are_fast_from_avx2_unless_onednn_is_limited_below_it(cpu):
-    int8 = hardware.cpu_has_int8
-    assert cpu("flags : fpu sse4_1 avx avx2 fma", ask=int8) is True
-    assert cpu("flags : fpu avx2 avx512f avx512_vnni", ask=int8) is True
-    assert cpu("flags : fpu sse4_1 avx fma", ask=int8) is False  # no AVX2
-    assert cpu("", ask=int8) is False  # no flags to read
-    for limit in ("SSE41", "avx"):
-        assert cpu("flags : avx2 avx512_vnni", limit, ask=int8) is False
-        assert cpu("flags : avx2 avx512_vnni", limit, name="DNNL_MAX_CPU_ISA", ask=int8) is False
-    for limit in ("AVX2", "AVX512_CORE", "ALL", ""):
-        assert cpu("flags : avx2", limit, ask=int8) is True
+def test_the_flags_are_the_known_instruction_sets_in_a_fixed_order(cpu):
+    flags = cpu("model name : X\nflags : fpu fma avx2 sse4_2 amx_tile", ask=hardware.cpu_flags)
+    assert flags == ("avx2", "fma", "amx_tile")
+    assert cpu("model name : X\nFeatures : fp asimd sve i8mm", ask=hardware.cpu_flags) == ("asimd", "sve", "i8mm")
+    assert cpu("", ask=hardware.cpu_flags) == ()
+    assert cpu("model name : Some CPU @ 2GHz\nflags : avx2", ask=hardware.cpu_model) == "Some CPU @ 2GHz"

@@ -13,6 +13,7 @@ import faast.ops._dispatch as dispatch
 from faast import FastWeights
 from faast.checkpoint import load_checkpoint, save_state
 from faast.hf import EmbeddingOutput, FaastConfig, MiddleLayers, apply_faast
+from faast.ops import paths
 from hf_models import KINDS, VOCAB, tiny_model
 from tolerances import REORDER_REL, rel
 
@@ -42,7 +43,8 @@ def backend_calls(monkeypatch):
             calls[op].append(tuple(args[0].shape))
             return impl(*args, **kwargs)
 
-        return name, counted
+        # The measured choices of modes (faast.ops.paths) resolve to the mode, not to an op on tensors.
+        return (name, impl) if op in paths.PATHS else (name, counted)
 
     monkeypatch.setattr(dispatch, "resolve", counting_resolve)
     return calls

@@ -1,8 +1,11 @@
 """The learning pass's linears in int8 (FaastConfig.learn_dtype='int8', faast/hf/int8_pass.py): `Int8Pass` against a
 float64 hand computation of the same int8 numbers, which linears it takes and which it leaves in float32, its kept int8
-weights, what learn() learns under it, where 'auto' takes it, and the errors where it cannot run."""
+weights, what learn() learns under it, that 'auto' takes the mode measured fastest, and the errors where it cannot
+run."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from faast.hf import head as head_module
 from faast.hf import learning as learning_module
 from hf_models import KINDS, tiny_model
 from test_hf_residual import STAT_REL, full_keys, ids, reference_statistics
+from test_int8 import _pin
 from tolerances import INT8_PASS_REL, assert_close, rel
 
 WIDEST = 12
@@ -28,9 +32,11 @@ def weights(rows: int = 7, width: int = WIDEST, seed: int = 0):  # noqa: ANN201
 
 @pytest.mark.parametrize("outliers", [0, 2, WIDEST])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_a_linear_in_the_pass_is_the_product_of_its_int8_numbers(outliers, with_bias):
+def test_a_linear_in_the_pass_is_the_product_of_its_int8_numbers(monkeypatch, outliers, with_bias):
     """By hand in float64: the `outliers` input columns of largest magnitude exactly, every other entry as its int8
-    number times its row's and the weight row's scales, plus the bias; over a [2, 5, k] input (rows flattened)."""
+    number times its row's and the weight row's scales, plus the bias; over a [2, 5, k] input (rows flattened). The
+    torch._int_mm kernel's arithmetic (fbgemm's 7-bit inputs: tests/test_int8.py)."""
+    _pin(monkeypatch, "torch.int_mm")
     x, weight, bias = weights()
     bias = bias if with_bias else None
     mode = int8_pass.Int8Pass(int8_pass.Int8Weights(), widest=WIDEST, outliers=outliers)
@@ -79,9 +85,15 @@ def test_the_pass_leaves_wide_inputs_other_dtypes_and_gradients_in_their_own_pro
 
 
 def test_the_int8_weights_are_formed_once_per_kept_call_and_again_after_an_in_place_change(monkeypatch):
+    _pin(monkeypatch, "torch.int_mm")  # its int8 weight is q and the row scales alone (fbgemm adds a packed copy)
     formed = []
-    real = int8_pass.int8_weight
-    monkeypatch.setattr(int8_pass, "int8_weight", lambda w: formed.append(w.data_ptr()) or real(w))
+
+    class Counted(int8_pass.Int8Weight):
+        def __init__(self, weight):  # noqa: ANN001
+            formed.append(weight.data_ptr())
+            super().__init__(weight)
+
+    monkeypatch.setattr(int8_pass, "Int8Weight", Counted)
     x, weight, _ = weights()
     held = int8_pass.Int8Weights()
     mode = int8_pass.Int8Pass(held, widest=WIDEST, outliers=0)
@@ -142,8 +154,13 @@ def test_learning_in_int8_learns_the_int8_pass_states_and_keeps_the_wide_linears
 
 def test_a_learn_call_rounds_each_weight_once_for_all_its_batches(monkeypatch):
     formed = []
-    real = int8_pass.int8_weight
-    monkeypatch.setattr(int8_pass, "int8_weight", lambda w: formed.append(w.data_ptr()) or real(w))
+
+    class Counted(int8_pass.Int8Weight):
+        def __init__(self, weight):  # noqa: ANN001
+            formed.append(weight.data_ptr())
+            super().__init__(weight)
+
+    monkeypatch.setattr(int8_pass, "Int8Weight", Counted)
     model = int8_model("llama")
     texts = [list(range(1, 60)), list(range(3, 50)), list(range(7, 40))]
     stats = model.learn(texts, max_length=32, batch_size=1)
@@ -155,16 +172,15 @@ def test_a_learn_call_rounds_each_weight_once_for_all_its_batches(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("native", "int8", "model_dtype", "expected"),
-    [(True, True, torch.float32, "bfloat16"), (False, True, torch.float32, "int8"),
-     (False, False, torch.float32, "model"), (False, True, torch.float64, "model")],
+    ("fastest", "model_dtype", "expected"),
+    [("torch.int8", torch.float32, "int8"), ("torch.bfloat16", torch.float32, "bfloat16"),
+     ("torch.float32", torch.float32, "model"), ("torch.int8", torch.float64, "model")],
 )  # fmt: skip
-def test_auto_takes_int8_only_for_float32_weights_on_a_cpu_with_avx2_without_native_bfloat16(
-    native, int8, model_dtype, expected, monkeypatch
-):
+def test_auto_takes_the_mode_measured_fastest_for_float32_weights_on_a_cpu(timed, fastest, model_dtype, expected,
+                                                                           monkeypatch):  # fmt: skip
+    """'auto' learns exactly what the measured fastest mode learns when pinned; float64 weights keep their dtype."""
     monkeypatch.setattr(head_module, "INT8_OUTLIERS", 4)
-    monkeypatch.setattr(learning_module, "native_bf16", lambda device: native)
-    monkeypatch.setattr(learning_module, "cpu_has_int8", lambda: int8)
+    timed.times = {"torch.float32": 1.0, "torch.bfloat16": 1.0, "torch.int8": 1.0, fastest: 0.1}
     x = ids(batch=2, seq=30)
 
     def learned(learn_dtype, dtype=model_dtype):
@@ -175,8 +191,7 @@ def test_auto_takes_int8_only_for_float32_weights_on_a_cpu_with_avx2_without_nat
 
     auto, gram = learned("auto")
     assert auto.learner.pass_precision(torch.device("cpu")) == expected
-    reference = "model" if expected == "model" else expected
-    assert torch.equal(gram, learned(reference)[1])
+    assert torch.equal(gram, learned(expected)[1])
     recorded = str(model_dtype).split(".")[-1] if expected == "model" else expected
     assert auto.learner.precision()["learn_pass"] == recorded
 
@@ -197,21 +212,22 @@ def test_int8_where_it_cannot_run_raises_before_anything_is_learned(monkeypatch)
     assert all(float(layer.memory.count) > 0 for layer in model.faast_layers())
 
 
-def test_a_decoder_without_linears_raises_for_int8_and_auto_learns_in_its_own_dtype(monkeypatch, caplog):
+def test_a_decoder_without_linears_raises_for_int8_and_auto_never_times_it(timed):
     """GPT-2's blocks multiply through Conv1D, which the int8 pass does not take: an explicit 'int8' raises before
-    anything is learned; 'auto' on a CPU that would take int8 learns exactly the float32 pass and says so once."""
+    anything is learned; 'auto' on a CPU where int8 would be fastest does not time it and learns exactly the float32
+    pass."""
     x = ids(batch=2, seq=30)
     model = int8_model("gpt2")
     with pytest.raises(ValueError, match="this model has none \\(GPT-2's blocks use Conv1D\\)"):
         model.learn(x)
     assert float(model.output_memory_layer.memory.count) == 0
-    monkeypatch.setattr(learning_module, "native_bf16", lambda device: False)
-    monkeypatch.setattr(learning_module, "cpu_has_int8", lambda: True)
+    timed.times = {"torch.float32": 1.0, "torch.bfloat16": 2.0, "torch.int8": 0.1}  # int8 would win, could it run
     auto = int8_model("gpt2", "auto")
-    with caplog.at_level("INFO", logger="faast.hf"):
-        auto.learn(x)
-        auto.learn(x)
-    assert sum("no nn.Linear the int8 pass takes" in r.message for r in caplog.records) == 1
+    auto.learn(x)
+    auto.learn(x)
+    assert auto.learner.precision()["learn_pass"] == "float32"
+    assert not any(key.startswith("learn_pass") for entries in json.loads(timed.path.read_text())["entries"].values()
+                   for key in entries)  # fmt: skip
     plain = int8_model("gpt2", "model")
     plain.learn(x)
     plain.learn(x)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from faast import Accumulator, FastWeights, hardware
+from faast import Accumulator, FastWeights
 from faast.hf import (
     EmbeddingOutput,
     FaastConfig,
@@ -508,17 +508,13 @@ def test_head_products_in_bfloat16_learn_what_float32_learns_within_the_declared
     assert torch.equal(s16, s32)  # the keys are the model's own states either way
     t_err, m_err = rel(t16, t32), rel(m16, m32)
     assert 0 < t_err <= BF16_HEAD_PRODUCTS_REL and 0 < m_err <= BF16_HEAD_PRODUCTS_REL
-    # 'auto': bfloat16 where the device multiplies it natively, else int8 on a CPU with AVX2, else float32; float32
-    # for float64 states.
-    keys32, keys64 = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float64)
-    for native, int8, expected in ((True, True, torch.bfloat16), (False, True, torch.int8),
-                                   (False, False, torch.float32)):  # fmt: skip
-        monkeypatch.setattr(hardware, "cpu_has_bf16", lambda native=native: native)
-        monkeypatch.setattr(head_module, "cpu_has_int8", lambda int8=int8: int8)
-        assert output_module.products_dtype("auto", keys32) == expected
-        assert output_module.products_dtype("auto", keys64) == torch.float32
-        assert output_module.products_dtype("float32", keys32) == torch.float32
-        assert output_module.products_dtype("bfloat16", keys64) == torch.bfloat16
+    # 'auto' on a CPU is measured (tests/test_cpu_paths.py); unmeasured it takes float32, and float32 for float64
+    # states; an explicit dtype is itself.
+    keys32, keys64, weight = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float64), torch.zeros(9, 4)
+    assert output_module.products_dtype("auto", keys32, weight) == torch.float32
+    assert output_module.products_dtype("auto", keys64, weight) == torch.float32
+    assert output_module.products_dtype("float32", keys32, weight) == torch.float32
+    assert output_module.products_dtype("bfloat16", keys64, weight) == torch.bfloat16
     with pytest.raises(
         ValueError, match="ResidualOutput.head_dtype: expected 'auto', 'float32', 'bfloat16' or 'int8'"
     ):
@@ -526,17 +522,16 @@ def test_head_products_in_bfloat16_learn_what_float32_learns_within_the_declared
 
 
 @pytest.mark.parametrize(
-    ("setting", "head_dtype", "native", "int8", "expected"),
-    [("auto", "auto", False, False, "POOL_AUTO"), ("auto", "auto", False, True, "POOL_AUTO"),
-     ("auto", "auto", True, True, "POOL_AUTO"), ("auto", "float32", True, True, "POOL_AUTO"),
-     ("auto", "bfloat16", False, False, "POOL_AUTO"), ("auto", "int8", True, False, "POOL_AUTO"),
-     (0.0, "float32", False, True, 0.0), (0.0, "bfloat16", True, True, 0.0), (0.02, "bfloat16", True, True, 0.02)],
+    ("setting", "head_dtype", "pooled_faster", "expected"),
+    [("auto", "float32", True, "POOL_AUTO"), ("auto", "float32", False, 0.0), ("auto", "bfloat16", True, "POOL_AUTO"),
+     ("auto", "int8", False, 0.0), (0.0, "float32", True, 0.0), (0.0, "bfloat16", True, 0.0),
+     (0.02, "bfloat16", False, 0.02)],
 )  # fmt: skip
-def test_learning_pools_p_h_at_the_configured_threshold(monkeypatch, setting, head_dtype, native, int8, expected):
-    """ResidualOutput.head_pool_below reaches the head products learn forms: 'auto' pools on a CPU in every dtype.
-    native: the CPU multiplies bfloat16 natively; int8: it has AVX2 ('auto' takes int8 logits without native bf16)."""
-    monkeypatch.setattr(head_module, "native_bf16", lambda device: native)
-    monkeypatch.setattr(head_module, "cpu_has_int8", lambda: int8)
+def test_learning_pools_p_h_at_the_configured_threshold(timed, monkeypatch, setting, head_dtype, pooled_faster,
+                                                        expected):  # fmt: skip
+    """ResidualOutput.head_pool_below reaches the head products learn forms: 'auto' on a CPU pools where pooling
+    measured faster on the first block (head_gradients gets None and times it), whatever the products' dtype."""
+    timed.times = {"torch.exact": 1.0, "torch.pooled": 0.5 if pooled_faster else 2.0}
     seen = []
 
     def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -549,10 +544,10 @@ def test_learning_pools_p_h_at_the_configured_threshold(monkeypatch, setting, he
     model = apply_faast(tiny_model("llama"), config)
     model.learn(ids(batch=2, seq=30))
     pool = head_module.POOL_AUTO if expected == "POOL_AUTO" else expected
-    auto = torch.bfloat16 if native else torch.int8 if int8 else torch.float32
-    products = auto if head_dtype == "auto" else getattr(torch, head_dtype)
-    assert seen and all(s == (products, pool) for s in seen)
+    given = None if setting == "auto" else setting
+    assert seen and all(s == (getattr(torch, head_dtype), given) for s in seen)
     assert model.learner.precision()["head_pool_below"] == pool
+    assert ("torch.pooled" in timed.sampled) is (setting == "auto")
 
 
 def test_a_learn_calls_batches_share_the_head_buffers_and_release_them_after(monkeypatch):
@@ -576,8 +571,8 @@ def test_a_learn_calls_batches_share_the_head_buffers_and_release_them_after(mon
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_learning_under_bfloat16_autocast_learns_the_autocast_states_and_auto_picks_it_only_where_native(
-    kind, monkeypatch
+def test_learning_under_bfloat16_autocast_learns_the_autocast_states_and_auto_picks_it_where_fastest(
+    kind, monkeypatch, tmp_path
 ):
     x = ids(batch=3, seq=40, period=11)
     mask = torch.ones_like(x, dtype=torch.bool)
@@ -597,17 +592,22 @@ def test_learning_under_bfloat16_autocast_learns_the_autocast_states_and_auto_pi
     assert 0 < rel(s16, exact) <= BF16_AUTOCAST_REL
     _, s32 = learned_gram(torch.float32, "model")
     assert rel(s32, exact) <= STAT_REL
-    # 'auto': autocast only for float32 weights on a device that multiplies bfloat16 natively.
-    for native, model_dtype, expected in ((True, torch.float32, s16), (False, torch.float32, s32),
-                                          (True, torch.float64, None)):  # fmt: skip
-        monkeypatch.setattr(learning_module, "native_bf16", lambda device, native=native: native)
-        monkeypatch.setattr(learning_module, "cpu_has_int8", lambda: False)  # int8's 'auto': test_hf_int8_pass.py
+    # 'auto' on a CPU: autocast where bfloat16 measured fastest, for float32 weights only (float64 keep theirs).
+    monkeypatch.setenv("FAAST_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    monkeypatch.setenv("FAAST_AUTOTUNE", "1")
+    for fastest, model_dtype, expected in (("torch.bfloat16", torch.float32, s16),
+                                           ("torch.float32", torch.float32, s32),
+                                           ("torch.bfloat16", torch.float64, None)):  # fmt: skip
+        pin = f"learn_pass={fastest},head_logits=torch.float32"  # the measured choice pinned: no timing here
+        monkeypatch.setenv("FAAST_BACKEND", pin)
         auto_model, auto = learned_gram(model_dtype, "auto")
         if expected is None:  # float64 weights learn exactly what the float64 model computes
             _, expected = learned_gram(torch.float64, "model")
-        assert torch.equal(auto, expected), (native, model_dtype)
+        assert torch.equal(auto, expected), (fastest, model_dtype)
         # What the learner says it runs (lm_domains records it) is what it learned.
-        assert auto_model.learner.autocasts(torch.device("cpu")) == (native and model_dtype == torch.float32)
+        autocast = fastest == "torch.bfloat16" and model_dtype == torch.float32
+        assert auto_model.learner.autocasts(torch.device("cpu")) == autocast
+    monkeypatch.delenv("FAAST_BACKEND")
     plain_model, _ = learned_gram(torch.float32, "model")
     assert model.learner.autocasts(torch.device("cpu")) and not plain_model.learner.autocasts(torch.device("cpu"))
     with pytest.raises(ValueError, match="learn_dtype: expected 'auto', 'model', 'bfloat16' or 'int8'"):
@@ -1095,7 +1095,7 @@ def test_a_head_dtype_the_device_cannot_run_raises_before_anything_is_learned(mo
     config = FaastConfig(output=ResidualOutput(step=0.5, head_dtype="int8"), middle=MiddleLayers(layers=[1, 2]))
     model = apply_faast(tiny_model("llama"), config)
     real = learning_module.products_dtype
-    monkeypatch.setattr(learning_module, "products_dtype", lambda s, _: real(s, torch.empty(0, device="meta")))
+    monkeypatch.setattr(learning_module, "products_dtype", lambda s, _, w: real(s, torch.empty(0, device="meta"), w))
     with pytest.raises(ValueError, match="ResidualOutput.head_dtype: 'int8' runs on a CPU only"):
         model.learn(ids(batch=2, seq=30))
     assert all(float(layer.memory.count) == 0 for layer in model.faast_layers())

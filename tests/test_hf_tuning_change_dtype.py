@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from faast.hf import FaastConfig, ResidualOutput, apply_faast, output_folds
-from faast.hf import head as head_module
 from hf_models import tiny_model
 from test_hf_residual import noisy_phrase
 from test_hf_tuning_documents import WINDOW
@@ -29,12 +28,14 @@ def learned(x, key_layers="auto", **learn):  # noqa: ANN001, ANN003, ANN201 - te
     return model
 
 
-@pytest.mark.parametrize("setting, native, want", [
-    ("auto", True, torch.bfloat16), ("auto", False, torch.float32),
-    ("float32", True, torch.float32), ("bfloat16", False, torch.bfloat16),
+@pytest.mark.parametrize("setting, fastest, want", [
+    ("auto", "torch.bfloat16", torch.bfloat16), ("auto", "torch.float32", torch.float32),
+    ("auto", "torch.int8", torch.float32), ("float32", "torch.bfloat16", torch.float32),
+    ("bfloat16", "torch.float32", torch.bfloat16),
 ])  # fmt: skip
-def test_the_change_is_formed_in_the_head_products_dtype(setting, native, want, monkeypatch):
-    monkeypatch.setattr(head_module, "native_bf16", lambda device: native)
+def test_the_change_is_formed_in_the_head_products_dtype(timed, setting, fastest, want):
+    """'auto' on a CPU: the head products measured fastest (int8 logits keep the change in float32)."""
+    timed.times = {"torch.float32": 1.0, "torch.bfloat16": 1.0, "torch.int8": 1.0, fastest: 0.1}
     layer = learned(noisy_phrase()).output_memory_layer
     layer.head_dtype = setting
     weight = layer.change_weight()

@@ -26,8 +26,10 @@ BF16_HEAD_PRODUCTS_REL = 5e-3
 
 # The head's logits in int8 (ResidualOutput.head_dtype='int8': rows of h̃ and of H each on its own int8 scale, int32
 # sums, h̃'s largest columns of a block in float32; p·H float32): relative error of the learned sums and of the
-# logits against float64 on the tiny test cases (measured 4.6e-3 to 8.0e-3; bfloat16 products there 2.6e-3 to 5.7e-3).
+# logits against float64 on the tiny test cases, per kernel (faast.ops.int8). torch._int_mm: measured 4.6e-3 to
+# 8.0e-3 (bfloat16 products there 2.6e-3 to 5.7e-3); fbgemm, whose inputs are 7-bit, up to 2.2e-2.
 INT8_HEAD_PRODUCTS_REL = 2e-2
+INT8_HEAD_PRODUCTS_REL_BY_KERNEL = {"torch.int_mm": INT8_HEAD_PRODUCTS_REL, "torch.fbgemm": 4e-2}
 
 # The step tuned on the held-out logits' change z1 formed in bfloat16 (ResidualOutputLayer.change_weight) against the
 # one tuned on float32 products from the same statistics, and its held-out gain: relative (measured on the tiny llama
@@ -111,3 +113,28 @@ ORDER_STEP_REL_BF16_CHANGE = 1e-4
 # The residual output layer's held-out NLL at a tuned (η, λ) (float32 logits of float16-stored keys, summed in float64)
 # against a float64 hand computation from the same stored keys, on the tiny test models.
 HELD_OUT_NLL_REL = 1e-5
+
+# faast.ops.refined_eigh (eigh's torch.refined: float32 eigh + Ogita–Aishima refinement), tests/test_refined_eigh.py.
+# Eigenpairs: residual ‖AE − EΛ‖_F in units of d·2^-52·‖A‖_F and orthogonality ‖EᵀE − I‖_F in units of d·2^-52, the
+# grade its own final check enforces (refined_eigh.CHECK_C). Measured on the test's matrices (d = 60 to 257): refined
+# at most 0.18 and 0.39, LAPACK's float64 eigh 0.10 and 0.97 (each measure carries its own product's rounding).
+EIGH_PAIR_UNITS = 4.0
+# max |λ − λ_LAPACK| (eigvalsh) in units of d·2^-52·‖A‖_2: measured at most 0.15 for refined, and 0.14 for float64
+# eigh's own eigenvalues (computed with the vectors, another path through LAPACK).
+EIGH_VALUE_UNITS = 1.0
+# Fast weights from the refined pairs against float64 eigh's, relative (Frobenius), where float64 eigh's own W is
+# determined to that accuracy: the kept spectrum's κ·2^-52 at most W_DETERMINED_KAPPA_U, 100x below REFINED_W_REL
+# (two float64 eighs, of S and of a permuted S, measured W apart by 0.2 to 1.0 times κ·2^-52). Measured refined vs
+# float64 eigh where determined: at most 1.1e-14.
+REFINED_W_REL = 1e-10
+W_DETERMINED_KAPPA_U = 1e-12
+# Elsewhere (κ·2^-52 up to 2.3e-10 for the power-law spectra, 2e-4 for λ from 1 to 1e-12), against an exact truth
+# (an S with exact float64 eigenpairs): refined W's error at most this factor times float64 eigh's own, plus this.
+# Measured ratio 0.12 to 0.77 (errors 2.3e-13 to 5.7e-6 refined, 8.7e-13 to 1.7e-5 float64 eigh).
+REFINED_W_TRUTH_FACTOR = 2.0
+REFINED_W_TRUTH_ABS = 1e-12
+
+# faast.ops.int8.int8_linear against the float64 product, per kernel, on the tests' rows (37 x 45 with two channels
+# 12-20x the others, outlier columns 0-7, and all-large rows of one sign): torch._int_mm's 8-bit rows and weights
+# measured at most MEASURED_INT_MM; fbgemm's 7-bit rows (reduce_range), twice the step, at most MEASURED_FBGEMM.
+INT8_LINEAR_REL = {"torch.int_mm": 2e-2, "torch.fbgemm": 4e-2}

@@ -11,13 +11,23 @@ import argparse
 import json
 import platform
 import sys
+from collections.abc import Callable
 
 import torch
 
 from . import __version__
 from .ops import _autotune, _dispatch
 
-OPS = ("accumulate_gram", "eigh", "residual_project", "mix_probabilities")
+OPS = (
+    "accumulate_gram",
+    "eigh",
+    "residual_project",
+    "mix_probabilities",
+    "int8_linear",
+    "learn_pass",
+    "head_logits",
+    "head_pool",
+)
 
 
 def _native_extension() -> str:
@@ -77,12 +87,21 @@ def _format(info: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m faast.env", description=__doc__.split("\n\n")[0])
+def report_main(
+    prog: str, doc: str, build: Callable[[], dict], text: Callable[[dict], str], argv: list[str] | None
+) -> dict:
+    """A report's command line (`python -m faast.env`, `python -m faast.hardware`): build() the report, print it as
+    text(report) or, with --json, as JSON; returns it."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
-    info = report()
-    sys.stdout.write((json.dumps(info, indent=2) if args.json else _format(info)) + "\n")
+    info = build()
+    sys.stdout.write((json.dumps(info, indent=2) if args.json else text(info)) + "\n")
+    return info
+
+
+def main(argv: list[str] | None = None) -> None:
+    report_main("python -m faast.env", __doc__, report, _format, argv)
 
 
 if __name__ == "__main__":

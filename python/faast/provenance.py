@@ -15,7 +15,8 @@
 - ``faast``, ``torch``, ``triton``, ``transformers``, ``python``: versions, None where a package is not installed;
 - ``device``: the GPU's name when CUDA is available, else ``"cpu"``; ``cpu_model``, ``physical_cores``,
   ``logical_cores``, ``memory_gb``, ``torch_threads``, ``blas``, ``mkl``, ``platform``, ``cpu_native_bf16`` (whether
-  the CPU multiplies bfloat16 natively, which the language-model speeds depend on); with CUDA also ``gpu``,
+  the CPU multiplies bfloat16 natively), ``cpu_flags`` (its instruction-set flags that change which kernels run,
+  faast.hardware.ISA_FLAGS); with CUDA also ``gpu``,
   ``gpu_capability``, ``gpu_sms``, ``gpu_memory_gb``, ``torch_cuda``, ``nvidia_smi``, ``nvcc``;
 - ``cpu_capability``: the vector instruction set torch's CPU kernels dispatch to (e.g. ``"AVX512"``, ``"AVX2"``);
   ``environment``: the variables set for the run that change what it computes or how fast (``FAAST_*``, the
@@ -45,7 +46,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .hardware import cpu_has_bf16
+from .hardware import cpu_flags, cpu_has_bf16, cpu_model
 
 __all__ = [
     "environment", "finish", "machine", "markdown", "physical_cores", "relative", "relative_command", "start",
@@ -89,6 +90,7 @@ def start(root: str | os.PathLike | None = None, argv: Sequence[str] | None = No
         "mkl": bool(torch.backends.mkl.is_available()),
         "platform": platform.platform(),
         "cpu_native_bf16": cpu_has_bf16(),
+        "cpu_flags": list(cpu_flags()),
         "cpu_capability": _cpu_capability(),
         "environment": {name: relative(value, root) for name, value in environment().items()},
         "loadavg_at_start": load_average(),
@@ -249,17 +251,6 @@ def physical_cores() -> int:
     except OSError:
         pass
     return os.cpu_count() or 1
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux, else what platform reports)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine(device: object = "cpu") -> str:

@@ -78,9 +78,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--float32",
         action="store_true",
-        help="learn as a CPU without native bfloat16 does, whatever this one does: where this CPU has AVX2 the"
-        " decoder's linears (learn_dtype) and the head's logits (head_dtype) in int8, the rest in float32; else all"
-        " in float32",
+        help="learn on the float32 path whatever this CPU measures fastest: the decoder's pass (learn_dtype='model')"
+        " and the head's products (head_dtype='float32') in float32",
     )
     parser.add_argument("--generate", type=int, default=40, help="new tokens of the before/after generation")
     parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
@@ -88,16 +87,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def float32_config() -> FaastConfig:
-    """The default FaastConfig as a CPU without native bfloat16 runs it ('auto' there): where this CPU has AVX2,
-    the decoder's linears of inputs up to the hidden size in int8 (learn_dtype='int8') and the head's logits in int8
-    (head_dtype='int8'; p·H float32); else the learning pass and head products in float32."""
-    from ..hardware import cpu_has_int8
+    """The default FaastConfig on the float32 path: the learning pass in the model's float32 (learn_dtype='model')
+    and the head's products in float32 (head_dtype='float32'), whatever 'auto' would measure fastest here."""
     from .config import FaastConfig
     from .config_groups import ResidualOutput
 
-    if cpu_has_int8():
-        return FaastConfig(output=ResidualOutput(head_dtype="int8"), learn_dtype="int8")
     return FaastConfig(output=ResidualOutput(head_dtype="float32"), learn_dtype="model")
+
+
+def path_line(precision: dict, pinned: bool) -> str:
+    """What learning computed in, for the line beside its speed: the pass, the head's logits and p·H."""
+    pool = precision.get("head_pool_below")
+    mean = "exact" if pool == 0 else (f"pooled below p = {pool:g}" if isinstance(pool, float) else str(pool))
+    how = "pinned by --float32" if pinned else "'auto': measured fastest on this CPU (python -m faast.hardware)"
+    return f"learning pass {precision['learn_pass']}, head logits {precision['head_products']}, p·H {mean}; {how}"
 
 
 def _load_model(args: argparse.Namespace) -> tuple[object, object]:
@@ -163,10 +166,10 @@ def _learn_and_score(model: object, args: argparse.Namespace, learn_ids: list[li
     layers = len(list(model.faast_layers()))
     state = model.fast_weight_bytes()
     keys_bf16 = stats.pairs * layers * cfg.hidden_size * 2 * 2  # keys + values, bf16, as the authors' bank holds them
+    precision = model.learner.precision()
     print(f"learned    {n_learn:,} tokens in {stats.seconds:.1f} s ({n_learn / stats.seconds:,.0f} tokens/s), "
           f"forward passes only, no gradient; solved in {solve_s:.1f} s")  # fmt: skip
-    # The speeds depend on the processor, above all on whether it multiplies bfloat16 natively: only there do the
-    # learning passes run under bfloat16 autocast (learn_dtype='auto').
+    print(f"path       {path_line(precision, args.float32)}")
     print(f"machine    {provenance.machine(next(model.parameters()).device)}")
     print(f"state      {_mb(state)} learned (statistics and buffers, fixed whatever the token count); storing "
           f"the keys and values would take {_mb(keys_bf16)} in bf16 and grow with every token")  # fmt: skip
@@ -184,7 +187,7 @@ def _learn_and_score(model: object, args: argparse.Namespace, learn_ids: list[li
         "stored_keys_bytes_bf16": keys_bf16,
         "layers": [] if cfg.middle is None else cfg.middle.layers,
         "alpha": args.alpha or cfg.regulariser.alpha,
-        "precision": model.learner.precision(),
+        "precision": precision,
     }
 
 

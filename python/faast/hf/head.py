@@ -5,19 +5,25 @@ For the head's input h̃ [d] the model predicts p = softmax(h̃ Hᵀ) (H [V, d],
 log p_y with respect to h̃ is r = H[y] − pH. Learning (faast/hf/output.py) and reading a stream (faast/hf/reading.py)
 both go through `head_gradients`; a stream passes the logits it already computed to score the text.
 
-The products' dtype (`products_dtype`): float32, bfloat16 (where it is native), or int8 for the logits alone (a CPU
-without native bfloat16 that has AVX2; `int8_logits`), whose p·H then stays float32.
+The products' dtype (`products_dtype`): float32, bfloat16, or int8 for the logits alone (faast.ops.int8), whose p·H
+then stays float32. Under ResidualOutput.head_dtype='auto' a CPU times the three on the head's own shape and keeps the
+fastest (faast.ops.paths, op head_logits); a GPU takes bfloat16 where it is native, else float32. Whether p·H pools
+the vocabulary columns no position gives much probability is timed the same way on a CPU (op head_pool), on the
+first block's own probabilities.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-from ..hardware import cpu_has_int8, native_bf16
+from ..hardware import native_bf16
+from ..ops import paths
+from ..ops.int8 import INT8_OUTLIERS, Int8Weight, int8_linear
 
 READ_CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
 # ResidualOutput.head_pool_below='auto' where the products are float32 or on a CPU. On the three validation domains
@@ -32,11 +38,10 @@ POOL_DENSE_SHARE = 0.6
 # it took 45 ms instead of 78 ms at 1,016 rows, and 5.4 ms instead of 6.2 ms at 100, but 6.0 ms instead of 2.9 ms at
 # 8 (2 Intel Xeon cores with native bfloat16, oneDNN). Float32 products keep p·H: its pooled form was faster so.
 TRANSPOSED_FROM = 512
-# int8 logits keep this many input columns of each block in float32: those largest in magnitude over its rows (h̃ has
-# a few channels 10-20× its RMS, which would coarsen every other entry of their row's int8 scale). On SmolLM2 at 1,024
-# positions of four text domains the learned gradients r erred by 7.8-9.1% against float64 with none, 1.6-1.8% with
-# 16, 1.1-1.3% with 32 (bfloat16 products: 1.1-1.9%), 1.0-1.2% with 64 (docs/design.md §6.3).
-INT8_OUTLIERS = 32
+# The measured choice of the head products' dtype times each on this many random rows through this many of the
+# head's rows (the first ones): a product of this size runs at the full rate, and a slow candidate costs under 1 s.
+HEAD_SAMPLE_ROWS = 256
+HEAD_SAMPLE_VOCAB = 4096
 
 
 def head_logits(head: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,42 +61,6 @@ def head_second_moment(weight: torch.Tensor, mass: torch.Tensor) -> torch.Tensor
         h = weight[i : i + 8192].float()
         out += ((h.T * mass[i : i + 8192].float()) @ h).double()
     return out
-
-
-def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [V, d] int8, scale [V] float32) for the head's weight [V, d]: each row on its own symmetric scale
-    max|row| / 127, so weight ≈ q · scale[:, None]."""
-    w = weight.detach().float()
-    scale = w.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    return torch.round(w / scale[:, None]).to(torch.int8), scale
-
-
-def int8_logits(
-    hidden: torch.Tensor,
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    w32: torch.Tensor,
-    out: torch.Tensor | None = None,
-    outliers: int | None = None,
-    acc: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Logits [n, V] float32 of rows hidden [n, d] float32 through the head (weight w32 [V, d] float32; its int8 form
-    q, scale from `int8_weight`), without the head's bias. The `outliers` columns of hidden (default INT8_OUTLIERS)
-    largest in magnitude over the n rows are multiplied in float32; the others, each row of hidden on its own scale
-    max|row| / 127, in int8 with int32 accumulation (torch._int_mm), exact but for the roundings of hidden and q to
-    int8. out: a [n, V] float32 tensor to write them into; acc: a [n, V] int32 one for the int8 sums."""
-    k = min(INT8_OUTLIERS if outliers is None else outliers, hidden.shape[1])
-    # nan_to_num: a masked position's NaN must not choose the block's columns (its own row is dropped after).
-    columns = hidden.abs().nan_to_num_(0).amax(0).topk(k).indices
-    rest = hidden.index_fill(1, columns, 0)
-    row_scale = rest.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    q_rows = torch.round(rest.div_(row_scale)).to(torch.int8)
-    sums = torch._int_mm(q_rows, q.T, out=acc)
-    # A copy into float32, then two in-place scalings: 29 ms for [1,024, 49,152] against 92 ms for one mixed-dtype
-    # torch.mul (2 AMD EPYC cores).
-    out = sums.float() if out is None else out.copy_(sums)
-    out.mul_(row_scale).mul_(scale)
-    return out.addmm_(hidden.index_select(1, columns), w32.index_select(1, columns).T)
 
 
 def change_logits(
@@ -148,7 +117,7 @@ class HeadBuffers(CallScoped):
     def held_bytes(self) -> int:
         """Bytes the buffers and weight casts hold now (0 outside `kept()`)."""
         held = [*self._buffers.values(), *self._casts.values()]
-        return sum(b.numel() * b.element_size() for b in held)
+        return sum(b.nbytes() if isinstance(b, Int8Weight) else b.numel() * b.element_size() for b in held)
 
     def weight(self, weight: torch.Tensor, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
         """The head's weight [V, d] cast to `dtype`, or with transposed=True its transpose [d, V] contiguous; inside
@@ -167,18 +136,17 @@ class HeadBuffers(CallScoped):
             held = self._casts[key] = _cast(weight, dtype, transposed)
         return held
 
-    def int8(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's weight [V, d] in int8 with its row scales (`int8_weight`), formed once per weight inside
+    def int8(self, weight: torch.Tensor) -> Int8Weight:
+        """The head's weight [V, d] with its int8 forms (faast.ops.int8.Int8Weight), formed once per weight inside
         `kept()` like `weight`'s casts."""
         if not self._keep:
-            return int8_weight(weight)
+            return Int8Weight(weight.detach().float())
         key = (weight.data_ptr(), weight._version, tuple(weight.shape), torch.int8, "rows")
         if key not in self._casts:
             for old in [k for k in self._casts if k[3] == torch.int8]:
                 del self._casts[old]
-            q, scale = int8_weight(weight)
-            self._casts[key], self._casts[(*key[:4], "scale")] = q, scale
-        return self._casts[key], self._casts[(*key[:4], "scale")]
+            self._casts[key] = Int8Weight(weight.detach().float())
+        return self._casts[key]
 
     def get(self, name: str, rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A [rows, vocab] `dtype` buffer for `name` (its contents are whatever the last call left)."""
@@ -195,22 +163,54 @@ def _cast(weight: torch.Tensor, dtype: torch.dtype, transposed: bool) -> torch.T
     return weight.T.to(dtype, memory_format=torch.contiguous_format) if transposed else weight.to(dtype)
 
 
-def products_dtype(setting: str, keys: torch.Tensor) -> torch.dtype:
-    """The dtype of the head products learning takes for keys [.., d] under ResidualOutput.head_dtype `setting`:
-    'auto' is bfloat16 on a CUDA device or CPU that multiplies it natively, else int8 on a CPU that multiplies int8
-    matrices well ahead of float32 ones (AVX2: `faast.hardware.cpu_has_int8`), else float32; float32 for float64 keys
-    (kept exact, as the tests' references are). int8 forms the logits alone in int8 (`int8_logits`), p·H staying
-    float32, on a CPU only (ValueError elsewhere)."""
+def products_dtype(setting: str, keys: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of the head products learning takes for keys [.., d] through the head's weight [V, d] under
+    ResidualOutput.head_dtype `setting`. 'auto': on a CPU the fastest of float32, bfloat16 and int8 on the head's own
+    shape, measured once per machine (`measured_products`); on a GPU bfloat16 where it is native, else float32;
+    float32 for float64 keys anywhere (kept exact, as the tests' references are). int8 forms the logits alone in int8
+    (faast.ops.int8), p·H staying float32, on a CPU only (ValueError elsewhere)."""
     if setting == "int8" and keys.device.type != "cpu":
-        raise ValueError(f"ResidualOutput.head_dtype: 'int8' runs on a CPU only (torch._int_mm's CPU path), got the "
-                         f"model on {keys.device}; expected 'auto', 'float32' or 'bfloat16' there")  # fmt: skip
+        raise ValueError(f"ResidualOutput.head_dtype: 'int8' runs on a CPU only (faast.ops.int8), got the model on "
+                         f"{keys.device}; expected 'auto', 'float32' or 'bfloat16' there")  # fmt: skip
     if setting != "auto":
         return getattr(torch, setting)
     if keys.dtype == torch.float64:
         return torch.float32
-    if native_bf16(keys.device):
-        return torch.bfloat16
-    return torch.int8 if keys.device.type == "cpu" and cpu_has_int8() else torch.float32
+    if keys.device.type != "cpu":
+        return torch.bfloat16 if native_bf16(keys.device) else torch.float32
+    return getattr(torch, measured_products(weight, keys.dtype))
+
+
+def head_shape_class(weight: torch.Tensor, keys_dtype: torch.dtype) -> str:
+    """What the head products' cost depends on: the head's shape and the keys' dtype (the cache's key)."""
+    vocab, d = weight.shape
+    return f"V{vocab} d{d} keys {str(keys_dtype).split('.')[-1]}"
+
+
+def measured_products(weight: torch.Tensor, keys_dtype: torch.dtype) -> str:
+    """'float32', 'bfloat16' or 'int8': the fastest head logits on this CPU for the head's weight [V, d] (CPU), timed
+    on HEAD_SAMPLE_ROWS random rows through its first HEAD_SAMPLE_VOCAB rows the first time this machine meets the
+    shape, then cached (faast.ops.paths; FAAST_BACKEND=head_logits=torch.<mode> pins it)."""
+    shape_class = head_shape_class(weight, keys_dtype)
+    runs: dict[str, Callable[[], object]] = {}
+    if paths.current("head_logits", weight.device, shape_class) is None:  # to be measured: prepare every mode
+        block = weight.detach()[:HEAD_SAMPLE_VOCAB].float()
+        rows = torch.randn(HEAD_SAMPLE_ROWS, block.shape[1])
+        for mode in paths.runnable("head_logits", weight.device):
+            if mode == "int8":
+                int8_weight = Int8Weight(block)
+                runs[mode] = functools.partial(int8_linear, rows, int8_weight)
+            else:
+                cast = block.to(getattr(torch, mode))
+                runs[mode] = functools.partial(_logits_in, rows, cast)
+            # One untimed call: the int8 kernel's own measured choice and the weight's int8 forms are made here,
+            # not inside the timing of this choice.
+            runs[mode]()
+    return paths.choose("head_logits", weight.device, shape_class, lambda mode: runs[mode]())
+
+
+def _logits_in(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(rows.to(weight.dtype), weight.T).float()
 
 
 def float_products(products: torch.dtype) -> torch.dtype:
@@ -218,17 +218,39 @@ def float_products(products: torch.dtype) -> torch.dtype:
     return torch.float32 if products == torch.int8 else products
 
 
-def pool_threshold(setting: float | str, products: torch.dtype, keys: torch.Tensor) -> float:
+def pool_threshold(setting: float | str, products: torch.dtype, keys: torch.Tensor) -> float | None:
     """The probability below which p·H pools a vocabulary column, for ResidualOutput.head_pool_below `setting` with
-    head products of dtype `products` and keys [.., d]: 'auto' is POOL_AUTO for float32 and int8 products (whose p·H is
-    float32) and for any products on a CPU, where p·H is a large share of learning's cost; 0 (exact) for 16-bit
-    products off the CPU (pooling them has not been measured on a GPU) and for float64 keys (kept exact, as the
-    tests' references are)."""
+    head products of dtype `products` and keys [.., d]. 'auto': None on a CPU (`head_gradients` times pooling against
+    the exact product on its first block, `measured_pool`); POOL_AUTO for float32 and int8 products on a GPU; 0
+    (exact) for 16-bit products on a GPU (pooling them has not been measured there) and for float64 keys anywhere
+    (kept exact, as the tests' references are)."""
     if setting != "auto":
         return float(setting)
     if keys.dtype == torch.float64:
         return 0.0
-    return POOL_AUTO if float_products(products) == torch.float32 or keys.device.type == "cpu" else 0.0
+    if keys.device.type == "cpu":
+        return None
+    return POOL_AUTO if float_products(products) == torch.float32 else 0.0
+
+
+def pool_shape_class(weight: torch.Tensor, products: torch.dtype) -> str:
+    vocab, d = weight.shape
+    return f"V{vocab} d{d} products {str(products).split('.')[-1]}"
+
+
+def measured_pool(p: torch.Tensor, weight: torch.Tensor, w32: torch.Tensor, products: torch.dtype) -> float:
+    """POOL_AUTO or 0: whether pooling p·H (`pooled_product`) is faster than the exact product on this CPU, timed on
+    one block's probabilities p [n, V] float32 with the head's weight in the products' floating dtype (`weight`) and
+    in float32, the first time this machine meets the shape, then cached (FAAST_BACKEND=head_pool=torch.exact or
+    torch.pooled pins it)."""
+
+    def run(mode: str) -> torch.Tensor:
+        if mode == "pooled":
+            return pooled_product(p, weight, w32, POOL_AUTO)
+        return (p.to(weight.dtype) @ weight).float()
+
+    mode = paths.choose("head_pool", p.device, pool_shape_class(w32, products), run)
+    return POOL_AUTO if mode == "pooled" else 0.0
 
 
 def pooled_product(
@@ -261,7 +283,7 @@ def head_gradients(
     mask: torch.Tensor,
     products: torch.dtype,
     logits: torch.Tensor | None = None,
-    pool: float = 0.0,
+    pool: float | None = 0.0,
     buffers: HeadBuffers | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the head's inputs keys [B, T-1, d] (h̃), the next tokens targets [B, T-1] and mask [B, T-1] (bool): (the
@@ -269,7 +291,8 @@ def head_gradients(
     over unmasked positions; μ = pH). products: the dtype of the head products (`products_dtype`). logits: the
     head's logits of the same positions [B, T-1, V] when already computed (a stream scored them), else they are
     formed here. pool: p·H pools the vocabulary columns whose probability stays below it in every row of a
-    READ_CHUNK block (`pooled_product`; `pool_threshold`); 0 forms it exactly. buffers: where the [chunk, V] buffers
+    READ_CHUNK block (`pooled_product`; `pool_threshold`); 0 forms it exactly; None: POOL_AUTO or 0, whichever is
+    faster on this CPU (`measured_pool`, timed on the first block). buffers: where the [chunk, V] buffers
     come from (a learn() call's batches share them); None: fresh ones."""
     weight = head.weight
     d, vocab = keys.shape[-1], weight.shape[0]
@@ -285,7 +308,7 @@ def head_gradients(
     # validation domains (docs/design.md §6.3).
     wp = source.weight(weight, float_products(products))
     # int8 products are the logits' alone: p·H stays float32 (a probability's int8 step would drop the small ones).
-    q8 = source.int8(weight) if products == torch.int8 and given is None else None
+    w8 = source.int8(weight) if products == torch.int8 and given is None else None
     # The [chunk, V] logits and probabilities go into buffers allocated once, not fresh tensors per chunk (200 MB each
     # in float32); 16-bit logits are copied into a float32 buffer before the softmax, and the probabilities into a
     # 16-bit buffer for p·H (a softmax that upcasts its 16-bit input, and p.to(bfloat16), each took twice as long);
@@ -304,8 +327,8 @@ def head_gradients(
     z_buf = buffer("z", torch.float32) if into_buffers else None
     p_buf = buffer("p", torch.float32)
     z16_buf = buffer("z16", products) if into_buffers and sixteen else None
-    p16_buf = buffer("p16", products) if sixteen and pool <= 0 else None  # the pooled product casts its own slice
-    acc_buf = buffer("acc", torch.int32) if q8 is not None else None
+    p16_buf = None  # made once p·H is known to be exact: the pooled product casts its own slice
+    acc_buf = buffer("acc", torch.int32) if w8 is not None else None
     bias = getattr(head, "bias", None)
     every_kept = bool(keep.all())  # one host sync per call, not one per chunk
     for i in range(0, flat.shape[0], READ_CHUNK):
@@ -313,8 +336,9 @@ def head_gradients(
         n = flat[rows].shape[0]
         if given is not None:
             z = given[rows]
-        elif q8 is not None:
-            z = int8_logits(flat[rows].float(), *q8, w32, out=z_buf[:n] if into_buffers else None, acc=acc_buf[:n])
+        elif w8 is not None:
+            out = z_buf[:n] if into_buffers else None
+            z = int8_linear(flat[rows].float(), w8, outliers=INT8_OUTLIERS, out=out, acc=acc_buf[:n])
             z = z if bias is None else z.add_(bias.float())
         elif into_buffers and sixteen:
             z = z_buf[:n].copy_(torch.matmul(flat[rows].to(products), wp.T, out=z16_buf[:n]))
@@ -328,6 +352,10 @@ def head_gradients(
             dropped = ~keep[rows, None]
             p.masked_fill_(dropped, 0)
         column_sum = p.sum(0)
+        if pool is None:
+            pool = measured_pool(p, wp, w32, products)
+        if sixteen and pool <= 0 and p16_buf is None:
+            p16_buf = buffer("p16", products)
         if pool > 0:
             mu = pooled_product(p, wp, w32, pool, column_sum)
         elif wp_t is not None and n >= TRANSPOSED_FROM:

@@ -1,10 +1,11 @@
-"""The learning pass's decoder products in int8 on a CPU (FaastConfig.learn_dtype='int8', and what 'auto' takes on a
-CPU without native bfloat16 that has AVX2): docs/design.md §6.4.
+"""The learning pass's decoder products in int8 on a CPU (FaastConfig.learn_dtype='int8', and what 'auto' takes where
+it measured fastest, faast/hf/pass_choice.py): docs/design.md §6.4.
 
 While an `Int8Pass` is active, every torch.nn.functional.linear call (what nn.Linear runs) with a float32 input
 [.., k] and a float32 weight [n, k] on the CPU, with k no wider than the model's hidden size and no gradient asked
-for, is formed as `faast.hf.head.int8_logits` forms the head's logits: each input row and each weight row on its own
-symmetric int8 scale, summed in int32, with the INT8_OUTLIERS input columns largest in magnitude multiplied in float32.
+for, is formed by faast.ops.int8.int8_linear, as int8 head logits are: each input row and each weight row on its own
+int8 scale, summed exactly in integers, with the INT8_OUTLIERS input columns largest in magnitude multiplied in float32
+(through whichever int8 kernel measured fastest for the shape).
 Everything else (norms, attention, the residual stream, the linears with wider inputs) keeps float32, so the states
 the hooks capture are float32 tensors as before.
 
@@ -21,34 +22,35 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..ops.int8 import Int8Input, Int8Weight, int8_linear
 from . import head
-from .head import CallScoped, int8_logits, int8_weight
+from .head import CallScoped
 
 
 class Int8Weights(CallScoped):
-    """The int8 forms (`int8_weight`: q [n, k] int8, scale [n] float32) of the weights an int8 pass multiplies. Inside
-    `kept()` (one learn() call) each weight is rounded once and reused by every batch, and again after an in-place
-    change; outside it each call rounds afresh and keeps nothing."""
+    """The int8 forms (faast.ops.int8.Int8Weight) of the weights an int8 pass multiplies. Inside `kept()` (one learn()
+    call) each weight is rounded once and reused by every batch, and again after an in-place change; outside it each
+    call rounds afresh and keeps nothing."""
 
     def __init__(self) -> None:
-        self._held: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
+        self._held: dict[int, tuple[tuple, Int8Weight]] = {}
 
     def drop(self) -> None:
         self._held.clear()
 
     def held_bytes(self) -> int:
         """Bytes of the int8 weights and scales kept now."""
-        return sum(q.numel() * q.element_size() + s.numel() * s.element_size() for _, q, s in self._held.values())
+        return sum(w.nbytes() for _, w in self._held.values())
 
-    def get(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [n, k] int8, scale [n] float32) for `weight` [n, k] float32."""
+    def get(self, weight: torch.Tensor) -> Int8Weight:
+        """The int8 forms of `weight` [n, k] float32."""
         if not self._keep:
-            return int8_weight(weight)
+            return Int8Weight(weight.detach())
         key = (weight.data_ptr(), weight._version, tuple(weight.shape))
         held = self._held.get(id(weight))
         if held is None or held[0] != key:
-            held = self._held[id(weight)] = (key, *int8_weight(weight))
-        return held[1], held[2]
+            held = self._held[id(weight)] = (key, Int8Weight(weight.detach()))
+        return held[1]
 
 
 class Int8Pass(TorchFunctionMode):
@@ -65,6 +67,8 @@ class Int8Pass(TorchFunctionMode):
         self.weights, self.widest = weights, int(widest)
         self.outliers = head.INT8_OUTLIERS if outliers is None else int(outliers)
         self.calls = 0  # linears formed in int8 while active (tests and diagnostics read it)
+        # The last input prepared for int8: a block's q, k and v projections (and gate and up) read the same tensor.
+        self._last: Int8Input | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - TorchFunctionMode's
         kwargs = kwargs or {}
@@ -91,10 +95,11 @@ class Int8Pass(TorchFunctionMode):
         )
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [.., k] · weightᵀ (+ bias) [.., n] float32 through the int8 products (`int8_logits`)."""
-        q, scale = self.weights.get(weight)
+        """x [.., k] · weightᵀ (+ bias) [.., n] float32 through the int8 products (faast.ops.int8.int8_linear)."""
         rows = x.reshape(-1, x.shape[-1])
-        out = int8_logits(rows, q, scale, weight, outliers=self.outliers)
+        if self._last is None or not self._last.same(rows, self.outliers):
+            self._last = Int8Input(rows, self.outliers)
+        out = int8_linear(self._last, self.weights.get(weight))
         if bias is not None:
             out.add_(bias)
         return out.view(*x.shape[:-1], weight.shape[0])

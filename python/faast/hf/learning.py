@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -18,17 +17,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..hardware import cpu_has_int8, native_bf16
+from ..hardware import native_bf16
+from ..ops import paths
 from .bank import MemoryBank
 from .base import eval_mode
 from .capture import BankCapture
-from .head import pool_threshold, products_dtype
+from .head import POOL_AUTO, pool_shape_class, pool_threshold, products_dtype
 from .hooks import LearnPass, ModelHooks
 from .inputs import Batch, check_batch, check_labels
 from .int8_pass import Int8Pass, Int8Weights
 from .layers import MemoryLayer, OutputMemoryLayer
 from .modules import ModuleMemories
 from .output import ResidualOutputLayer
+from .pass_choice import learn_pass_mode, linear_shapes
+from .progress import Bar, Metered, enabled
 
 _log = logging.getLogger("faast.hf")
 
@@ -147,7 +149,8 @@ class Learner:
         # A pass or head dtype the device cannot run raises here, before any statistic changes.
         self.pass_precision(input_ids.device)
         if isinstance(self.output_layer, ResidualOutputLayer):
-            products_dtype(self.output_layer.head_dtype, self.base_model.get_input_embeddings().weight)
+            layer = self.output_layer
+            products_dtype(layer.head_dtype, self.base_model.get_input_embeddings().weight, layer.head.weight)
         started = time.perf_counter()
         if documents is None:
             # Rows of unknown texts: numbered -2, -3, ... (negative: the step tuning treats them as unknown, as it
@@ -202,17 +205,17 @@ class Learner:
 
     def pass_precision(self, device: torch.device) -> str:
         """What learn() runs the decoder pass in on `device`: 'bfloat16' (autocast), 'int8' (the CPU's int8 products,
-        faast/hf/int8_pass.py) or 'model' (the model's dtype). 'auto' takes bfloat16 with float32 weights on a device
-        that multiplies it natively, else int8 with float32 weights on a CPU with AVX2 (`cpu_has_int8`) when the
-        decoder has an nn.Linear the int8 pass takes, else the model's dtype (logged once when only the last stood in
-        the way). An explicit 'int8' the model cannot run (not on a CPU, weights not float32, or no such nn.Linear:
-        GPT-2's blocks multiply through Conv1D) raises ValueError naming FaastConfig.learn_dtype."""
+        faast/hf/int8_pass.py) or 'model' (the model's dtype). 'auto' with float32 weights: on a CPU the fastest of
+        the three on the model's own linears, measured once per machine (faast/hf/pass_choice.py; FAAST_BACKEND=
+        learn_pass=torch.<mode> pins it); on a GPU bfloat16 where it is native, else the model's dtype. An explicit
+        'int8' the model cannot run (not on a CPU, weights not float32, or no nn.Linear of inputs at most the hidden
+        size: GPT-2's blocks multiply through Conv1D) raises ValueError naming FaastConfig.learn_dtype."""
         weights = self.base_model.get_input_embeddings().weight
         if self.learn_dtype == "int8":
             if device.type != "cpu" or weights.dtype != torch.float32:
                 raise ValueError(f"FaastConfig.learn_dtype: 'int8' runs the pass on a CPU with float32 weights only "
-                                 f"(torch._int_mm's CPU path), got {weights.dtype} weights on {device}; expected "
-                                 f"'auto', 'model' or 'bfloat16' there")  # fmt: skip
+                                 f"(faast.ops.int8), got {weights.dtype} weights on {device}; expected 'auto', "
+                                 f"'model' or 'bfloat16' there")  # fmt: skip
             if not self.int8_linears():
                 raise ValueError(f"FaastConfig.learn_dtype: 'int8' runs the decoder's nn.Linear layers of inputs at "
                                  f"most {self._hidden_size()} wide in int8, and this model has none (GPT-2's blocks "
@@ -222,17 +225,10 @@ class Learner:
             return self.learn_dtype
         if weights.dtype != torch.float32:
             return "model"
-        if native_bf16(device):
-            return "bfloat16"
-        if device.type != "cpu" or not cpu_has_int8():
-            return "model"
-        if not self.int8_linears():
-            if not self._said_no_int8:
-                self._said_no_int8 = True
-                _log.info("faast: learn_dtype='auto': the decoder has no nn.Linear the int8 pass takes; learning in "
-                          "the model's dtype")  # fmt: skip
-            return "model"
-        return "int8"
+        if device.type != "cpu":
+            return "bfloat16" if native_bf16(device) else "model"
+        mode = learn_pass_mode(linear_shapes(self.backbone), self._hidden_size(), self.int8_linears(), device)
+        return "model" if mode == "float32" else mode
 
     def _hidden_size(self) -> int:
         return self.base_model.get_input_embeddings().weight.shape[-1]
@@ -251,17 +247,22 @@ class Learner:
         return self.pass_precision(device) == "bfloat16"
 
     def precision(self) -> dict[str, object]:
-        """What learn() computes in on the model's device, as learn_dtype and head_dtype resolve there ('auto' follows
-        the CPU): {'learn_pass': 'bfloat16' under autocast, 'int8' for the int8 pass, else the model's dtype;
-        'head_products': the residual output layer's head products dtype and 'head_pool_below' the probability below
-        which its p·H pools a vocabulary column (0: exact; both None without that layer); 'native_bf16': whether the
-        device multiplies bfloat16 natively}. Result files record it beside the times it explains."""
+        """What learn() computes in on the model's device, as learn_dtype and head_dtype resolve there ('auto' is
+        measured on a CPU: this measures what is not cached yet): {'learn_pass': 'bfloat16' under autocast, 'int8'
+        for the int8 pass, else the model's dtype; 'head_products': the residual output layer's head products dtype
+        and 'head_pool_below' the probability below which its p·H pools a vocabulary column (0: exact; 'auto' until
+        a learn() call on this CPU has timed it; both None without that layer); 'native_bf16': whether the device
+        multiplies bfloat16 natively}. Result files record it beside the times it explains."""
         weights = self.base_model.get_input_embeddings().weight
         head = pool = None
         if isinstance(self.output_layer, ResidualOutputLayer):
-            products = products_dtype(self.output_layer.head_dtype, weights)
+            layer = self.output_layer
+            products = products_dtype(layer.head_dtype, weights, layer.head.weight)
             head = str(products).split(".")[-1]
-            pool = pool_threshold(self.output_layer.head_pool_below, products, weights)
+            pool = pool_threshold(layer.head_pool_below, products, weights)
+            if pool is None:
+                chosen = paths.current("head_pool", weights.device, pool_shape_class(layer.head.weight, products))
+                pool = "auto" if chosen is None else (0.0 if chosen == "exact" else POOL_AUTO)
         learn_pass = self.pass_precision(weights.device)
         learn_pass = str(weights.dtype).split(".")[-1] if learn_pass == "model" else learn_pass
         return {"learn_pass": learn_pass, "head_products": head, "head_pool_below": pool,
@@ -302,14 +303,18 @@ class Learner:
         finally:
             self._workspace = None  # the capture buffers live for one learn call
 
-    def learn_stream(self, batches: Iterable[Batch], progress: bool | None, continues: bool = False) -> LearnStats:
-        """Learn (input_ids, attention_mask, labels, documents) batches, consumed lazily, with an optional progress
-        bar (None: when stderr is a terminal). continues: the first text is the rest of the last text numbered before
-        this call (one document to the step's tuning); the first batch must then hold texts (documents known)."""
+    def learn_stream(
+        self, batches: Iterable[Batch], progress: bool | None, continues: bool = False, meter: Metered | None = None
+    ) -> LearnStats:
+        """Learn (input_ids, attention_mask, labels, documents) batches, consumed lazily, with a progress bar from the
+        second batch on (progress None: when stderr is a terminal; faast/hf/progress.py). continues: the first text
+        is the rest of the last text numbered before this call (one document to the step's tuning); the first batch
+        must then hold texts (documents known). meter: the input's items as they are handed to `batches`, for the
+        bar's time left."""
         if continues and self._documents == 0:
             raise ValueError("continues: no text was learned before this call, so there is none to continue")
         stats = LearnStats()
-        bar = _progress_bar(progress)
+        bar = Bar(enabled(progress), "faast learn")
         # Document numbers continue across learn() calls, so a later call's texts never share one with earlier ones,
         # except the first text of a call that continues the last one.
         first = self._documents - 1 if continues else self._documents
@@ -326,24 +331,8 @@ class Learner:
                     learned = self.learn_batch(ids, mask, labels=batch_labels, documents=documents)
                     self._ends_on_text = documents is not None
                     stats += learned
-                    if bar is not None:
-                        bar.update(learned.tokens)
-                        bar.set_postfix_str(f"{stats.tokens_per_second:,.0f} tok/s", refresh=False)
+                    bar.update(learned.tokens, None if meter is None else meter.fraction())
         finally:
             self._workspace = None
-            if bar is not None:
-                bar.close()
+            bar.close()
         return stats
-
-
-def _progress_bar(progress: bool | None):  # noqa: ANN202 - tqdm or None
-    if progress is None:
-        progress = sys.stderr.isatty()
-    if not progress:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        _log.info("faast: install tqdm for a progress bar")
-        return None
-    return tqdm(unit="tok", unit_scale=True, desc="faast learn")

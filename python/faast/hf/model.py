@@ -37,6 +37,7 @@ from .memory_store import BASE, DEFAULT, Ledger, MemoryStore, check_name
 from .modules import FaastModuleModel, ModuleMemories, wants_module_model
 from .named_memories import NamedMemories
 from .output import ResidualOutputLayer
+from .progress import Metered
 from .reading import StreamReader
 from .rows import RowMemories
 from .targets import get_submodule, residual_head, target_for
@@ -212,7 +213,7 @@ class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
                 the dataset's `input_ids` column (one token-id list per row, with its `labels` column if present,
                 -100 marking pairs not learned, and its `attention_mask` column if present, left or right padding),
                 else its only string column. Learning a dataset learns what the same texts (or rows) as a list do.
-            progress: show a tqdm bar with tokens/s (default: when learning from an iterable and stderr is a tty).
+            progress: a bar on stderr with tokens/s and time left (None: if stderr is a terminal); see solve().
             memory: the named memory to learn into, created on first use (docs/serving.md); the selected memory
                 (set_memory) does not change.
             solve: solve the memory before returning (else the first read after learning does), and return its
@@ -243,7 +244,7 @@ class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
                 self.memory_store.delete(name)
             raise
         if solve:
-            stats.tuning = self.solve(memories=[name])[name]
+            stats.tuning = self.solve(memories=[name], progress=progress)[name]
         return stats
 
     def _learn_core(
@@ -272,14 +273,14 @@ class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
             if isinstance(inputs, torch.Tensor):
                 stats = self.learner.learn_tensor(inputs, attention_mask, labels)
             else:
-                items = learn_items(inputs, attention_mask, labels, tokenizer, text_column)
+                meter = Metered(learn_items(inputs, attention_mask, labels, tokenizer, text_column))
                 device = self.base_model.get_input_embeddings().weight.device
-                stream = batches(items, tokenizer, max_length, batch_size, device)
-                stats = self.learner.learn_stream(stream, progress, continues)
+                stream = batches(meter, tokenizer, max_length, batch_size, device)
+                stats = self.learner.learn_stream(stream, progress, continues, meter)
         if stats.tokens == 0:
             raise ValueError(f"inputs: nothing to learn: the {source} held no tokens")
-        ended_on_text = self.learner.ends_on_text
-        self._continuable = (self.memory_store.bound, self.learner.documents_numbered) if ended_on_text else None
+        ended = self.learner.ends_on_text
+        self._continuable = (self.memory_store.bound, self.learner.documents_numbered) if ended else None
         return stats
 
     def _check_continues(self) -> None:
@@ -314,7 +315,7 @@ class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
         [..., d_out] or class ids [...]); the module computes its own output. Returns the rows learned."""
         return self.module_memories.learn_inputs(inputs, targets, name=name, mask=mask)
 
-    def solve(self, memories: list[str] | None = None) -> dict[str, dict | None]:
+    def solve(self, memories: list[str] | None = None, progress: bool | None = None) -> dict[str, dict | None]:
         """Solve every memory layer now, for the model's device and dtype; otherwise the first forward pass after
         learning does it. Middle layers: one batched eigendecomposition and the folded W·P; the residual output
         layer: its Newton step and the step tuned on the held-out text. Every named memory is solved (memories: only
@@ -325,24 +326,25 @@ class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
         fitted_tokens, tail_step and document_shrink (step = tail_step × document_shrink, < 1 where each held-out text
         has much fitted text of its own), off (the step or weight is 0: the memory reads as the base model),
         held_out_gain and its standard error, parts (the step each large held-out text would take alone) and warning
-        (why the memory is off or far below one of its texts' steps; also issued once as a MemoryOffWarning)."""
+        (why the memory is off or far below one of its texts' steps; also issued once as a MemoryOffWarning). progress:
+        a solve over a second says so on stderr (None: when stderr is a terminal)."""
         if memories is not None and not isinstance(memories, (list, tuple)):
             raise TypeError(f"memories: expected a list of memory names or None, got {memories!r}")
         names = self.memories if memories is None else [self.memory_store.require(n, "memories") for n in memories]
-        weight = self.base_model.get_input_embeddings().weight
-        device, dtype = weight.device, weight.dtype
-        report: dict[str, dict | None] = {}
-        for name in names:
-            with self._bound(name):
-                for layer in self.faast_layers():
-                    if isinstance(layer, OutputMemoryLayer):
-                        layer.weights(device, dtype)
-                    else:
-                        layer.folded(device, dtype)
-                self.module_memories.solve()
-                output = self.output_memory_layer
-                tuning = output.last_tuning if isinstance(output, ResidualOutputLayer) else None
-                report[name] = None if tuning is None else copy.deepcopy(tuning)
+        weight, output = self.base_model.get_input_embeddings().weight, self.output_memory_layer
+        device, dtype, report = weight.device, weight.dtype, dict[str, dict | None]()
+        residual = isinstance(output, ResidualOutputLayer)
+        with output.saying(progress) if residual else contextlib.nullcontext():
+            for name in names:
+                with self._bound(name):
+                    for layer in self.faast_layers():
+                        if isinstance(layer, OutputMemoryLayer):
+                            layer.weights(device, dtype)
+                        else:
+                            layer.folded(device, dtype)
+                    self.module_memories.solve()
+                    tuning = output.last_tuning if residual else None
+                    report[name] = None if tuning is None else copy.deepcopy(tuning)
         return report
 
     def reset_fast_weights(self) -> FaastModel:

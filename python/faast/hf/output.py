@@ -36,8 +36,11 @@ Measured on five local domains (benchmarks and choices: experiments/lm_domains.p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import time
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -52,6 +55,7 @@ from .held_out import HeldOutTail
 from .mixture import read_blocks
 from .output_state import OutputState, checked_restored
 from .output_step import StepChoice
+from .progress import enabled, say_slow
 
 _log = logging.getLogger("faast.hf")
 
@@ -156,6 +160,18 @@ class ResidualOutputLayer(StepChoice, nn.Module):
         self._folded: tuple[tuple, torch.Tensor | None, float, int, torch.Tensor | None, torch.Tensor | None] | None
         self._folded = None
         self.last_tuning: dict | None = None
+        # Whether a solve that takes over a second says so on stderr (faast/hf/progress.py; None: when stderr is a
+        # terminal): `saying` sets it for a FaastModel.solve(progress=...) call.
+        self._progress: bool | None = None
+
+    @contextlib.contextmanager
+    def saying(self, progress: bool | None) -> Iterator[None]:
+        """Inside, a solve over a second says so on stderr as `progress` asks (None: when stderr is a terminal)."""
+        outer, self._progress = self._progress, progress
+        try:
+            yield
+        finally:
+            self._progress = outer
 
     def extra_repr(self) -> str:
         weight = f", weight={self.weight}" if self.space == "probability" else ""
@@ -265,7 +281,7 @@ class ResidualOutputLayer(StepChoice, nn.Module):
         log-likelihood gradients r = H[y] − pH [B, T-1, d] float32, zero where masked; Σ μ μᵀ [d, d] and Σ p [V]
         float64 over unmasked positions); faast/hf/head.py. logits [B, T-1, V]: the head's logits of those positions
         when already computed (a stream scored them)."""
-        products = products_dtype(self.head_dtype, keys)
+        products = products_dtype(self.head_dtype, keys, self.head.weight)
         pool = pool_threshold(self.head_pool_below, products, keys)
         return head_gradients(self.head, keys, targets, mask, products, logits, pool, self.head_buffers)
 
@@ -314,6 +330,7 @@ class ResidualOutputLayer(StepChoice, nn.Module):
                self.damping, self.tune_tokens, self.default_step, self.default_weight, self.bias, self.token_bias,
                device, compute)  # fmt: skip
         if self._folded is None or self._folded[0] != key:
+            started = time.perf_counter()
             m, lam, width, bias, tokens = None, 0.0, self.hidden_size, None, None
             if float(self.memory.count) > 0:
                 curvature = self.damped_curvature()
@@ -334,6 +351,7 @@ class ResidualOutputLayer(StepChoice, nn.Module):
                     bias = None if bias is None else bias.to(compute)
                     tokens = None if tokens is None else tokens.to(torch.promote_types(compute, torch.float32))
             self._folded = (key, m, lam, width, bias, tokens)
+            say_slow("solving the output memory", time.perf_counter() - started, enabled(self._progress))
         return self._folded[1], self._folded[2]
 
     def _data_scale(self) -> float:

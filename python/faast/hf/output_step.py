@@ -59,9 +59,9 @@ class StepChoice:
 
     def change_weight(self) -> torch.Tensor:
         """The head's weight [V, d] in the dtype the step's tuning forms z1 in: the head products' (`head_dtype`;
-        'auto' is bfloat16 where the device multiplies it natively: half the time and memory, docs/design.md §6.3),
+        'auto' is the measured fastest on a CPU, bfloat16 where a GPU multiplies it natively: docs/design.md §6.3),
         float32 where they are int8 (only learning's logits are)."""
-        products = float_products(products_dtype(self.head_dtype, self.head.weight))
+        products = float_products(products_dtype(self.head_dtype, self.head.weight, self.head.weight))
         return self.head_buffers.weight(self.head.weight, products)
 
     def tail_base(self, keys: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

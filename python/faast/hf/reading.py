@@ -30,6 +30,7 @@ from . import output_tuning as tuning
 from .head import change_logits, head_logits
 from .memory_store import DEFAULT, check_name
 from .output import ResidualOutputLayer
+from .progress import Bar, enabled
 
 __all__ = ["STREAM_TUNE_ROWS", "ReadReport", "StreamReader", "chunk_windows", "read_stream"]
 
@@ -247,6 +248,7 @@ class StreamReader:
         chunk: int = 1024,
         memory: str = DEFAULT,
         on_chunk: Callable[[int, ReadReport], None] | None = None,
+        progress: bool | None = None,
     ) -> ReadReport:
         """Read a long text or token stream in order, in chunks of `chunk` tokens: score each chunk with the memory
         learned from everything before it, then learn it (module docstring). After the call the memory holds every
@@ -262,7 +264,9 @@ class StreamReader:
                 of the previous chunk).
             memory: the named memory to read into (created on first use). Text it learned before is part of what
                 the first chunk is scored with; its held-out tail is dropped (the stream tunes the step itself).
-            on_chunk: called after each chunk is learned with (its index, the report so far), e.g. for progress.
+            on_chunk: called after each chunk is learned with (its index, the report so far).
+            progress: a tqdm bar on stderr with tokens/s and the time left from the second chunk on (None: when
+                stderr is a terminal; False: never; faast/hf/progress.py).
 
         Returns a ReadReport (per-chunk NLL, every token's NLL, read and update seconds, the step used).
         Needs the residual output layer and no middle layers. Bad input raises before anything is learned; an error
@@ -286,6 +290,7 @@ class StreamReader:
         device = self.base_model.get_input_embeddings().weight.device
         ids = _stream_ids(stream, tokenizer, int(layer.head.weight.shape[0]), device)
         report = ReadReport(chunk=chunk)
+        bar = Bar(enabled(progress), "faast read")
         created = self._creating(name)
         try:
             with self._bound(name), self._learning_recorded(), torch.no_grad(), layer.head_buffers.kept():
@@ -300,6 +305,7 @@ class StreamReader:
                     report.statistics_s.append(learned - state.tuned)
                     report.solve_s.append(solved - learned)
                     report.update_s.append(solved - state.timer)
+                    bar.update(end - start - 1, (end - 1) / max(1, ids.numel() - 1))
                     if on_chunk is not None:
                         on_chunk(t, report)
                 # The model reads what the stream would read next: the last W (its statistics) with the last step.
@@ -309,6 +315,8 @@ class StreamReader:
             if created:
                 self.memory_store.delete(name)
             raise
+        finally:
+            bar.close()
         return report
 
 

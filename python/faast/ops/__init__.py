@@ -21,8 +21,11 @@ from . import (
     _triton_backend,
     _validate,
     gram_modes,
+    int8,
     mixture,
+    paths,
     reference,
+    refined_eigh,
 )  # fmt: skip
 from ._validate import (
     as_count,
@@ -68,9 +71,14 @@ _dispatch.register_variant(
     "torch", "accumulate_gram", "exact16", gram_modes.accumulate_gram_exact16,
     cannot_run=gram_modes.exact16_cannot_run, gate=gram_modes.exact16_gate,
 )  # fmt: skip
+_dispatch.register_variant(
+    "torch", "eigh", "refined", refined_eigh.eigh_refined, cannot_run=refined_eigh.refined_cannot_run,
+)  # fmt: skip
 _triton_backend.register()
 _cuda_backend.register()
 _cupy_backend.register()
+int8.register()
+paths.register()
 
 #: The environment variable that chooses backends: "torch", "triton", "cuda", or per op ("eigh=cuda,torch").
 BACKEND_ENV_VAR = _dispatch.ENV_VAR
@@ -84,8 +92,10 @@ def native_extension_error() -> str | None:
 # The measured choice (faast.ops._autotune) times candidates on this many rows / matrices of a call's inputs.
 _GRAM_SAMPLE = {"cuda": 8192}
 _GRAM_SAMPLE_DEFAULT = 2048
-# Batched eigensolvers gain with the batch, so eigh is timed on the whole batch (up to this many matrices).
+# Batched eigensolvers gain with the batch, so on a GPU eigh is timed on the whole batch (up to this many matrices); a
+# CPU solves the matrices one after another, so two stand for any batch (48 of d = 1600 take ~45 s there).
 _EIGH_SAMPLE = 64
+_EIGH_SAMPLE_CPU = 2
 _RESIDUAL_SAMPLE = 8192
 # The fused mixture runs one program per row, so its time hardly shrinks below a GPU's worth of rows while the torch
 # composition's passes shrink with the rows: a 256-row sample tied them on an H100 where 1,024-row read chunks ran
@@ -301,7 +311,7 @@ def eigh_gram(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if gram.shape[-2] != d:
         raise ValueError(f"gram: expected square matrices [*, d, d], got {list(gram.shape)}")
     flat = gram.reshape(-1, d, d)
-    sample = flat[:_EIGH_SAMPLE].to(torch.float64)
+    sample = flat[: _EIGH_SAMPLE_CPU if flat.device.type == "cpu" else _EIGH_SAMPLE].to(torch.float64)
     _, impl = _dispatch.resolve("eigh", gram.device, eigh_call(flat), lambda fn: fn(sample))
     lam, vecs = impl(flat)
     return lam.reshape(*gram.shape[:-1]), vecs.reshape(gram.shape)

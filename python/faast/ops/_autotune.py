@@ -7,8 +7,9 @@ writes the choice to a JSON file so that later processes skip the measurement:
     $FAAST_AUTOTUNE_CACHE   (default: autotune.json in faast's cache folder: $FAAST_CACHE, else
                              $XDG_CACHE_HOME/faast, else ~/.cache/faast)
 
-The file's entries are keyed by the device's name and the torch, triton and faast versions, so an upgrade or another
-GPU measures afresh. A file that cannot be read or parsed is ignored with one warning (and replaced on the next
+The file's entries are keyed by the device and the torch, triton and faast versions, so an upgrade or another machine
+measures afresh: a GPU by its name, a CPU by its model, instruction-set flags and torch threads (faast.hardware.
+machine_key). A file that cannot be read or parsed is ignored with one warning (and replaced on the next
 write); FAAST_AUTOTUNE=0 turns measuring off (auto then takes the first eligible candidate in preference order).
 
 The timer is a module-level function so that tests can substitute a fake one (`set_timer`).
@@ -16,7 +17,6 @@ The timer is a module-level function so that tests can substitute a fake one (`s
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from .. import _version
+from ..hardware import machine_key
 from ..persist import write_text_atomic
-from ..provenance import cpu_model
 
 CACHE_ENV = "FAAST_AUTOTUNE_CACHE"
 ENABLE_ENV = "FAAST_AUTOTUNE"
@@ -43,7 +43,8 @@ SLOW_S = 0.25
 Timer = Callable[[str, Callable[[], object]], float]
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing elsewhere."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -54,14 +55,14 @@ def default_timer(device: torch.device) -> Timer:
     def timer(_name: str, run: Callable[[], object]) -> float:
         start = time.perf_counter()
         run()
-        _sync(device)
+        synchronize(device)
         # A slow candidate (a float64 eigh of 48 x 1600 takes ~1 s) is timed once: the gap it loses by is wide.
         reps = 1 if time.perf_counter() - start > SLOW_S else REPS
         times = []
         for _ in range(reps):
             start = time.perf_counter()
             run()
-            _sync(device)
+            synchronize(device)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
@@ -96,14 +97,11 @@ def cache_path() -> Path:
     return Path(base) / "faast" / FILE_NAME
 
 
-_cpu_model = functools.cache(cpu_model)
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        return f"cpu: {_cpu_model()} x{os.cpu_count()}"
+        return f"cpu: {machine_key()}"
     return device.type
 
 
@@ -167,9 +165,16 @@ def forget_memory() -> None:
     _warned.clear()
 
 
+def entry(device: torch.device, op: str, shape_class: str) -> dict | None:
+    """The cached {'choice': name, 'seconds': {candidate: seconds or why it failed}} of (op, shape class) for this
+    device and versions, or None."""
+    found = _read(cache_path()).get("entries", {}).get(context_key(device), {}).get(f"{op} {shape_class}")
+    return found if isinstance(found, dict) else None
+
+
 def lookup(device: torch.device, op: str, shape_class: str) -> str | None:
-    entry = _read(cache_path()).get("entries", {}).get(context_key(device), {}).get(f"{op} {shape_class}")
-    return entry.get("choice") if isinstance(entry, dict) else None
+    found = entry(device, op, shape_class)
+    return None if found is None else found.get("choice")
 
 
 def store(device: torch.device, op: str, shape_class: str, choice: str, times: dict[str, float | str]) -> None:

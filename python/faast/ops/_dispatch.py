@@ -22,7 +22,9 @@ entries overrides it per op, with an optional bare name for the others (``FAAST_
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -117,6 +119,8 @@ def register_variant(
 
 
 PER_OP_SEPARATOR = "="
+# A candidate whose first (warm-up) call takes this many times the best time measured so far is not timed again.
+GIVE_UP = 3.0
 
 
 def _valid_name(name: str) -> bool:
@@ -195,10 +199,15 @@ def _log_once(key: tuple[str, ...], message: str, *args: object) -> None:
 
 
 def _choose(
-    op: str, call: Call, eligible: list[tuple[str, Callable]], sample: Callable[[Callable], object] | None
+    op: str,
+    call: Call,
+    eligible: list[tuple[str, Callable]],
+    sample: Callable[[Callable], object] | None,
+    prefer_first: float = 0.0,
 ) -> tuple[str, Callable]:
     """The fastest of the eligible candidates on a sample of the call (remembered), or the first when there is
-    one candidate, nothing to sample, or measuring is off."""
+    one candidate, nothing to sample, or measuring is off. prefer_first: the first candidate is kept unless another is
+    faster by more than this share of its time (modes that trade accuracy for speed must win clearly)."""
     if len(eligible) == 1 or sample is None or not _autotune.enabled():
         return eligible[0]
     by_name = dict(eligible)
@@ -209,8 +218,22 @@ def _choose(
     times: dict[str, float | str] = {}
     with torch.no_grad():
         for name, fn in eligible:
+            best = min((t for t in times.values() if isinstance(t, float)), default=math.inf)
+            first: list[float] = []
+
+            def run(fn: Callable = fn, best: float = best, first: list[float] = first) -> None:
+                # A candidate whose first call already took GIVE_UP× the best time so far has lost: the timer's
+                # repetitions skip it, and that first call's time is what is recorded.
+                if first and first[0] > GIVE_UP * best:
+                    return
+                start = time.perf_counter()
+                sample(fn)
+                _autotune.synchronize(call.device)
+                first.append(time.perf_counter() - start)
+
             try:
-                times[name] = float(timer(name, lambda fn=fn: sample(fn)))
+                seconds = float(timer(name, run))
+                times[name] = first[0] if first and first[0] > GIVE_UP * best else seconds
             except Exception as err:  # noqa: BLE001 - a candidate that fails here is dropped, with its reason
                 times[name] = f"failed: {type(err).__name__}: {err}"[:300]
                 _log_once((op, name, "failed"), "faast: %s: the %s candidate failed while being timed: %s", op,
@@ -219,6 +242,9 @@ def _choose(
     if not timed:
         return eligible[0]
     choice = min(timed, key=timed.__getitem__)
+    head = eligible[0][0]
+    if head in timed and timed[head] <= (1 + prefer_first) * timed[choice]:
+        choice = head
     _autotune.store(call.device, op, call.shape_class, choice, times)
     logger.info("faast: %s on %s (%s): auto chose %s by measurement %s", op, call.device.type, call.shape_class,
                 choice, times)  # fmt: skip
@@ -230,11 +256,13 @@ def resolve(
     device: torch.device,
     call: Call | None = None,
     sample: Callable[[Callable], object] | None = None,
+    prefer_first: float = 0.0,
 ) -> tuple[str, Callable]:
     """Return (candidate name, implementation) for `op` on `device`, following FAAST_BACKEND.
 
     call describes the inputs for gates and the cache (default: the op and device alone); sample(fn) runs a
-    candidate on a small slice of the inputs, for the measured choice (None: no measuring)."""
+    candidate on a small slice of the inputs, for the measured choice (None: no measuring); prefer_first: keep the
+    first eligible candidate unless another is faster by more than this share of its time (`_choose`)."""
     call = call or Call(op, device)
     requested = requested_backend(op)
     if requested != "auto":
@@ -259,7 +287,7 @@ def resolve(
                 raise RuntimeError(f"{ENV_VAR}={requested} was requested for {op} on {device.type}, but none of "
                                    f"the {backend_name} backend's variants of {op} can run this call")  # fmt: skip
             eligible = [(n, f) for n, f, why in own if why is None] or [(n, f) for n, f, _ in own[:1]]
-            return _choose(op, call, eligible, sample)
+            return _choose(op, call, eligible, sample, prefer_first)
         # The requested backend has no version of this op by design (e.g. eigh is not a Triton kernel): the op
         # takes the automatic choice, said once, so that FAAST_BACKEND=triton still runs a whole FastWeights.
         _log_once((op, f"{requested}-lacks"), "faast: %s=%s has no %s; %s takes the automatic choice", ENV_VAR,
@@ -277,4 +305,4 @@ def resolve(
                 _log_once((op, cand, why), "faast: %s on %s skips the %s backend: %s", op, device.type, cand, why)
     if not eligible:
         raise RuntimeError(f"no faast backend can run {op} on {device.type}")
-    return _choose(op, call, eligible, sample)
+    return _choose(op, call, eligible, sample, prefer_first)
