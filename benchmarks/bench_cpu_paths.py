@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = run(args)
     stem = args.out or H.REPO / "benchmarks" / "results" / f"cpu_paths_{_machine_slug()}"
     body = markdown(result)
-    H.write(stem, record, result, "# The CPU paths on the default model", body)
+    H.write(stem, record, result, "The CPU paths on the default model", body)
     print("\n".join(body))
     return result
 
