@@ -28,3 +28,13 @@ def test_command_line_json_and_text():
     assert {"faast", "torch", "triton_installed", "backends"} <= set(info)
     text = subprocess.run([sys.executable, "-m", "faast.env"], capture_output=True, text=True, timeout=120)
     assert text.returncode == 0 and "eigh on cpu" in text.stdout
+
+
+def test_a_report_can_be_written_as_a_result_record_with_its_provenance(tmp_path, capsys):
+    from faast import env
+
+    info = env.main(["--out", str(tmp_path / "report")]) or json.loads((tmp_path / "report.json").read_text())
+    record = json.loads((tmp_path / "report.json").read_text())
+    assert "-m faast.env --out" in record["provenance"]["command"] and "backends" in record
+    assert "eigh on cpu" in (tmp_path / "report.md").read_text() and "eigh on cpu" in capsys.readouterr().out
+    assert info["faast"] == record["faast"]

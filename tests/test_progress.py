@@ -104,3 +104,31 @@ def test_a_slow_solve_says_so_on_stderr_only_when_asked(monkeypatch, capsys, pro
     out, err = capsys.readouterr()
     assert out == ""
     assert ("faast: solving the output memory took" in err) is progress
+
+
+def test_the_first_learn_says_once_what_it_measured_and_only_when_asked(timed, capsys):
+    timed.times = {"torch.float32": 1.0, "torch.bfloat16": 2.0, "torch.int8": 0.5}
+    _model().learn(_texts(), max_length=16, batch_size=2, progress=False)
+    assert capsys.readouterr() == ("", "")  # measured, not said
+    timed.path.unlink()
+    from faast.ops import _autotune
+
+    _autotune.forget_memory()
+    model = _model()
+    model.learn(_texts(), max_length=16, batch_size=2, progress=True)
+    said = [line for line in capsys.readouterr().err.splitlines() if "measured this CPU's learning paths" in line]
+    assert len(said) == 1 and "pass int8, head logits int8" in said[0]
+    model.learn(_texts(), max_length=16, batch_size=2, progress=True)  # cached: nothing more to say
+    assert "measured this CPU" not in capsys.readouterr().err
+
+
+def test_scoring_shows_a_bar_when_asked(capsys):
+    from faast.hf.evaluate import perplexity
+
+    windows = _texts(6, 20)
+    quiet = perplexity(_model(), windows, batch_size=2, progress=False)
+    assert capsys.readouterr() == ("", "")
+    shown = perplexity(_model(), windows, batch_size=2, progress=True)
+    out, err = capsys.readouterr()
+    assert out == "" and "faast score" in err and re.search(r"120(\.0)?/120(\.0)? ", err)
+    assert shown.nll == quiet.nll and shown.tokens == quiet.tokens

@@ -91,12 +91,22 @@ def report_main(
     prog: str, doc: str, build: Callable[[], dict], text: Callable[[dict], str], argv: list[str] | None
 ) -> dict:
     """A report's command line (`python -m faast.env`, `python -m faast.hardware`): build() the report, print it as
-    text(report) or, with --json, as JSON; returns it."""
+    text(report) or, with --json, as JSON; with --out STEM also write it as a result record (STEM.json and STEM.md,
+    with the run's provenance: faast.provenance.write). Returns the report."""
     parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--out", default=None, help="also write STEM.json and STEM.md with the run's provenance")
     args = parser.parse_args(argv)
+    record = None
+    if args.out:
+        from . import provenance
+
+        record = provenance.start(argv=[*prog.split()[1:], *(sys.argv[1:] if argv is None else argv)])
     info = build()
-    sys.stdout.write((json.dumps(info, indent=2) if args.json else text(info)) + "\n")
+    shown = text(info)
+    sys.stdout.write((json.dumps(info, indent=2) if args.json else shown) + "\n")
+    if record is not None:
+        provenance.write(args.out, record, info, prog, ["```", shown, "```"])
     return info
 
 

@@ -36,14 +36,22 @@ def token_windows(ids: Sequence[int], length: int) -> list[list[int]]:
 
 @torch.no_grad()
 def perplexity(
-    model: nn.Module, windows: Sequence[Sequence[int]], *, batch_size: int = 4, context: Sequence[int] = ()
+    model: nn.Module,
+    windows: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 4,
+    context: Sequence[int] = (),
+    progress: bool | None = None,
 ) -> Perplexity:
     """Sum the next-token NLL over every window (right padded in batches; padding is never scored).
 
     `context` (in-context learning): token ids put before every window. Only the window's own tokens after its
-    first are scored, so the scored tokens are the same with and without a context.
+    first are scored, so the scored tokens are the same with and without a context. progress: a bar on stderr with
+    tokens/s and the time left from the second batch (None: when stderr is a terminal; faast/hf/progress.py).
     """
     import time
+
+    from .progress import Bar, enabled
 
     if not windows:
         raise ValueError("windows: expected at least one window of >= 2 tokens, got none")
@@ -51,6 +59,7 @@ def perplexity(
     prefix = list(context)
     nll, tokens = 0.0, 0
     started = time.perf_counter()
+    bar, total, done = Bar(enabled(progress), "faast score"), max(1, sum(len(w) for w in windows)), 0
     for start in range(0, len(windows), batch_size):
         rows = [prefix + list(w) for w in windows[start : start + batch_size]]
         ids, mask = pad_rows(rows)
@@ -62,6 +71,10 @@ def perplexity(
         logp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
         nll -= float(logp[valid].sum())
         tokens += int(valid.sum())
+        scored = sum(len(w) for w in windows[start : start + batch_size])
+        done += scored
+        bar.update(scored, done / total)
+    bar.close()
     return Perplexity(nll=nll, tokens=tokens, seconds=time.perf_counter() - started)
 
 

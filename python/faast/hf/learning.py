@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -22,14 +23,14 @@ from ..ops import paths
 from .bank import MemoryBank
 from .base import eval_mode
 from .capture import BankCapture
-from .head import POOL_AUTO, pool_shape_class, pool_threshold, products_dtype
+from .head import POOL_AUTO, head_shape_class, pool_shape_class, pool_threshold, products_dtype
 from .hooks import LearnPass, ModelHooks
 from .inputs import Batch, check_batch, check_labels
 from .int8_pass import Int8Pass, Int8Weights
 from .layers import MemoryLayer, OutputMemoryLayer
 from .modules import ModuleMemories
 from .output import ResidualOutputLayer
-from .pass_choice import learn_pass_mode, linear_shapes
+from .pass_choice import learn_pass_mode, linear_shapes, shape_class
 from .progress import Bar, Metered, enabled
 
 _log = logging.getLogger("faast.hf")
@@ -268,6 +269,26 @@ class Learner:
         return {"learn_pass": learn_pass, "head_products": head, "head_pool_below": pool,
                 "native_bf16": native_bf16(weights.device)}  # fmt: skip
 
+    def measure_paths(self, show: bool) -> None:
+        """Make the CPU's measured choices for this model now, before its first batch (the first learn() on a machine
+        times them: a few seconds), and when one was measured and `show`, say on stderr what it chose."""
+        weights = self.base_model.get_input_embeddings().weight
+        if weights.device.type != "cpu":
+            return
+        pending = self.learn_dtype == "auto" and weights.dtype == torch.float32 and paths.current(
+            "learn_pass", weights.device, shape_class(linear_shapes(self.backbone)),
+            {"int8_linears": self.int8_linears()}) is None  # fmt: skip
+        layer = self.output_layer
+        if isinstance(layer, ResidualOutputLayer) and layer.head_dtype == "auto":
+            shape = head_shape_class(layer.head.weight, weights.dtype)
+            pending = pending or paths.current("head_logits", weights.device, shape) is None
+        started = time.perf_counter()
+        chosen = self.precision()
+        if pending and show:
+            print(f"faast: measured this CPU's learning paths in {time.perf_counter() - started:.1f} s: pass "
+                  f"{chosen['learn_pass']}, head logits {chosen['head_products']} (cached; python -m faast.hardware "
+                  f"shows the times)", file=sys.stderr, flush=True)  # fmt: skip
+
     @contextlib.contextmanager
     def _call_buffers_kept(self) -> Iterator[None]:
         """What this call's batches share: the residual output layer's [chunk, V] head buffers (faast/hf/head.py)
@@ -313,8 +334,9 @@ class Learner:
         bar's time left."""
         if continues and self._documents == 0:
             raise ValueError("continues: no text was learned before this call, so there is none to continue")
-        stats = LearnStats()
-        bar = Bar(enabled(progress), "faast learn")
+        stats, show = LearnStats(), enabled(progress)
+        self.measure_paths(show)
+        bar = Bar(show, "faast learn")
         # Document numbers continue across learn() calls, so a later call's texts never share one with earlier ones,
         # except the first text of a call that continues the last one.
         first = self._documents - 1 if continues else self._documents
