@@ -47,6 +47,12 @@ EXTRAS = {
         # The experiments' tests run LoRA, BLEU, the plot and the datasets-library path on tiny models and local files.
         *EXPERIMENTS,
         "datasets>=2.19",
+        # scripts/lint.sh: the linter and the type checker, pinned so that a new release cannot fail CI on its own,
+        # and the stubs of the third-party packages faast imports that ship without types (pyproject.toml [tool.mypy]).
+        "ruff==0.17.6",
+        "mypy==1.19.0",
+        "types-psutil==7.2.2.20261122",
+        "types-tqdm==4.70.0.20261106",
     ],
     "demo": HF,
     "classify-demo": ENCODER,

@@ -59,16 +59,16 @@ def start() -> dict:
 
 
 def gated(op: str, candidate: str, call: object) -> str | None:
-    """Why faast's auto keeps `candidate` (a backend or backend.variant name) out of `call` (a faast.ops._dispatch
-    Call) on a GPU, as the note a skipped case records ("auto's gate: ... (--all-cases runs it)"), None when it
+    """Why faast's auto keeps `candidate` (a backend or backend.variant name) out of `call` (a faast.ops.backends.Call)
+    on a GPU, as the note a skipped case records ("auto's gate: ... (--all-cases runs it)"), None when it
     competes there. The gates cite the GPU runs that measured the candidate failing to
     compile or losing, so a benchmark on a lent GPU skips such a case unless asked for every case (--all-cases) and
     spends its minutes on the rest. Off a CUDA device nothing is gated here: smoke runs exercise every case."""
     if call.device.type != "cuda":
         return None
-    from faast.ops import _dispatch
+    from faast.ops import backends
 
-    reason = dict(_dispatch.explain(op, call.device, call)).get(candidate)
+    reason = dict(backends.explain(op, call.device, call)).get(candidate)
     return None if reason is None else f"auto's gate: {reason} (--all-cases runs it)"
 
 

@@ -6,13 +6,12 @@ choose, then time every candidate it considered on the full inputs, each forced 
 Shapes (GPU): the Gram at N = 65,536, d = dv = 1600 in bf16 (compute float64 and float32) and the 48-layer x 8,192
 batch; eigh of 48 float64 matrices at n = 64, 256, 576, 1152, 1600; the residual read at 8,192 x 1600 in bf16.
 --smoke: tiny shapes on the CPU (the interpreter is never a candidate there, so most rows have one candidate).
-The choice auto made is read from its cache file (faast.ops._autotune), which this script points at a fresh folder.
+The choice auto made is read from its cache file (faast.ops.backends), which this script points at a fresh folder.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import _harness as H  # noqa: E402
 import torch  # noqa: E402
 
 from faast import ops  # noqa: E402
-from faast.ops import _autotune, _dispatch  # noqa: E402
+from faast.ops import backends  # noqa: E402
 
 
 def _cases(device: str, smoke: bool) -> list[tuple[str, str, dict]]:
@@ -59,7 +58,7 @@ def _run(op: str, inputs: dict) -> object:
     return ops.residual_project(inputs["x"], inputs["m"])
 
 
-def _call(op: str, inputs: dict) -> _dispatch.Call:
+def _call(op: str, inputs: dict) -> backends.Call:
     """What the dispatch sees of the op's call (so that gates apply as in the real call)."""
     if op == "accumulate_gram":
         return ops.gram_call(inputs["keys"], inputs["values"], compute_dtype=inputs["compute_dtype"])
@@ -69,10 +68,7 @@ def _call(op: str, inputs: dict) -> _dispatch.Call:
 
 
 def _choices(path: Path) -> dict[str, dict]:
-    if not path.exists():
-        return {}
-    data = json.loads(path.read_text())
-    return {k: v for entries in data["entries"].values() for k, v in entries.items()}
+    return backends.measured_choices(path)
 
 
 def main() -> int:
@@ -84,10 +80,10 @@ def main() -> int:
     H.QUIET["enabled"] = not args.no_wait_quiet
     device = "cuda" if torch.cuda.is_available() else "cpu"
     record = H.start()
-    cache = Path(tempfile.mkdtemp(prefix="faast-auto-")) / _autotune.FILE_NAME
-    os.environ[_autotune.CACHE_ENV] = str(cache)
-    os.environ.pop(_dispatch.ENV_VAR, None)
-    _autotune.forget_memory()
+    cache = Path(tempfile.mkdtemp(prefix="faast-auto-")) / backends.AUTOTUNE_FILE_NAME
+    os.environ[backends.AUTOTUNE_CACHE_ENV] = str(cache)
+    os.environ.pop(backends.BACKEND_ENV_VAR, None)
+    backends.forget_measurements()
     results = []
     for op, label, inputs in _cases(device, args.smoke):
         before = set(_choices(cache))
@@ -99,12 +95,12 @@ def main() -> int:
             row["auto"], row["auto_sample_seconds"] = entry["choice"], entry["seconds"]
             considered = [n for n, t in entry["seconds"].items() if isinstance(t, float)]
         else:
-            eligible = [n for n, why in _dispatch.explain(op, torch.device(device), _call(op, inputs)) if why is None]
+            eligible = [n for n, why in backends.explain(op, torch.device(device), _call(op, inputs)) if why is None]
             row["auto"], considered = (eligible[0] if eligible else None), eligible[:1]
             row["note"] = "one eligible candidate: nothing to choose"
 
         def force(name: str, op: str = op) -> None:
-            os.environ[_dispatch.ENV_VAR] = f"{op}={name}"
+            os.environ[backends.BACKEND_ENV_VAR] = f"{op}={name}"
 
         timings: dict[str, float | str] = {}
         try:
@@ -116,7 +112,7 @@ def main() -> int:
         except Exception as err:  # noqa: BLE001 - a candidate that fails at full size is a result
             timings = {n: f"failed: {type(err).__name__}: {err}"[:200] for n in considered}
         finally:
-            os.environ.pop(_dispatch.ENV_VAR, None)
+            os.environ.pop(backends.BACKEND_ENV_VAR, None)
         row["full_seconds"] = timings
         ok = {n: t for n, t in timings.items() if isinstance(t, float)}
         row["fastest"] = min(ok, key=ok.__getitem__) if ok else None

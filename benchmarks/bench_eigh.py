@@ -9,7 +9,7 @@ allows (float64, power-law spectra λ = 10^[0, -10]). Cases, each where it can r
   torch.linalg.eigh                      the baseline: torch's per-matrix loop (syevd) above n = 32
   faast._C <algorithm>                   torch.ops.faast.batched_eigh: auto, syev_batched, syevd_streams, and
                                          syevj_batched for d <= 32 (needs the built extension)
-  cupy syevjBatched (faast backend)      faast.ops._cupy_backend.eigh: one batched Jacobi call plus its accuracy check
+  cupy syevjBatched (faast backend)      the cupy backend's eigh: one batched Jacobi call plus its accuracy check
                                          (matrices that miss it are recomputed by torch: column "recomputed");
                                          where auto's gate keeps it out (d >= 576, measured to lose on an H100)
                                          only with --all-cases (it took 11 s at 48 x 1600 in gpu_h100_run5)
@@ -94,7 +94,7 @@ def _eigh_cases(
     """({case: fn}, {case: why it is skipped}): cupy's eigh where auto's gate keeps it out (it loses from d = 576 on
     an H100) is skipped unless all_cases."""
     from faast import ops
-    from faast.ops import _cupy_backend
+    from faast.ops import backends
 
     cases = {"torch.linalg.eigh": lambda: torch.linalg.eigh(gram)}
     skipped = {}
@@ -105,7 +105,7 @@ def _eigh_cases(
         name = "cupy syevjBatched (faast backend)"
         reason = None if all_cases else H.gated("eigh", "cupy", ops.eigh_call(gram))
         if reason is None:
-            cases[name] = lambda: _cupy_backend.eigh(gram)
+            cases[name] = lambda: backends.implementation("cupy", "eigh")(gram)
         else:
             skipped[name] = reason
     return cases, skipped
@@ -145,7 +145,7 @@ def measure(
     layers: int, d: int, device: str, errors: tuple, deadline: float, records: list, all_cases: bool = False
 ) -> None:
     """Every case at one size, appended to records."""
-    from faast.ops import _cupy_backend
+    from faast.ops import backends
 
     gram, cross = _statistics(layers, d, device)
     base = spectrum = None
@@ -161,7 +161,7 @@ def measure(
         entry.update(_quality(gram, *out, None if spectrum is None else spectrum[0]))
         entry["speedup"] = base / entry["seconds"] if base else None
         if name.startswith("cupy syevjBatched"):
-            entry["recomputed"] = _cupy_backend.recomputed_in_last_call()
+            entry["recomputed"] = backends.cupy_eigh_recomputed()
     path_seconds = path_weights = None
     for name, fn in _solve_cases(gram, cross, spectrum).items():
         done = _run(name, fn, layers, d, deadline, records)
@@ -227,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_eigh: needs a CUDA device (there is nothing meaningful to time on a CPU)", file=sys.stderr)
         return 2
     from faast import ops
-    from faast.ops import _cupy_backend
+    from faast.ops import backends
 
     native_error = ops.native_extension_error() if device == "cuda" else "no CUDA device"
-    cupy_error = _cupy_backend.unavailable_reason() if device == "cuda" else "no CUDA device"
+    cupy_error = backends.unavailable_reason("cupy") if device == "cuda" else "no CUDA device"
     errors = (native_error, cupy_error)
     record = H.start()
     # Every case once at a tiny size first: library loading and handle creation stay out of the first size's times.

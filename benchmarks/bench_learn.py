@@ -102,17 +102,17 @@ def syrk_candidate() -> str | None:
 
     faast.ops registers it once the dispatch lists it; until then this benchmark registers faast.ops.gram_modes's
     function itself (benchmark-only), so that the learn goes through FastWeights like the others."""
-    from faast.ops import _dispatch, gram_modes
+    from faast.ops import backends, gram_modes
 
     cpu = torch.device("cpu")
     reason = gram_modes.syrk_unavailable_reason(cpu)
     if reason is not None:
         return reason
-    call = _dispatch.Call(
+    call = backends.Call(
         "accumulate_gram", cpu, (torch.float32, torch.float32), options={"compute_dtype": torch.float64}
     )
-    if "torch.syrk" not in [name for name, _ in _dispatch.explain("accumulate_gram", cpu, call)]:
-        _dispatch.register_variant("torch", "accumulate_gram", "syrk", gram_modes.accumulate_gram_syrk,
+    if "torch.syrk" not in [name for name, _ in backends.explain("accumulate_gram", cpu, call)]:
+        backends.register_variant("torch", "accumulate_gram", "syrk", gram_modes.accumulate_gram_syrk,
                                    cannot_run=gram_modes.syrk_cannot_run, gate=gram_modes.syrk_gate)  # fmt: skip
     return None
 

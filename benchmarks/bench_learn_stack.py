@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import os
 import sys
 import tempfile
@@ -429,14 +428,9 @@ def markdown(p: dict) -> str:
 
 
 def _autotune_entries() -> dict:
-    from faast.ops import _autotune
+    from faast.ops import backends
 
-    path = _autotune.cache_path()
-    try:
-        data = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        return {}
-    return {k: v for entries in data.get("entries", {}).values() for k, v in entries.items()}
+    return backends.measured_choices()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -347,7 +347,7 @@ def step_environment(cache_dir: Path, smoke: bool) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(
         os.pathsep
     )
-    # auto measures afresh in this run (faast.ops._autotune's cache), and the report records what it chose.
+    # auto measures afresh in this run (the cache of faast.ops.backends), and the report records what it chose.
     env["FAAST_AUTOTUNE_CACHE"] = str(cache_dir / "autotune.json")
     if smoke and not _has_cuda():
         env["TRITON_INTERPRET"] = "1"

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -108,7 +107,7 @@ def time_mixture(n: int, v: int, dtype: torch.dtype, device: str, reps: int) -> 
     """The mixture alone on [n, V] logits and products of `dtype`: faast.ops' torch composition against
     faast_kernels' fused kernel (called directly, not through the dispatch), median ms of `reps` calls each, and the
     kernel's largest difference from the composition. The kernel needs a CUDA device (or TRITON_INTERPRET=1)."""
-    from faast.ops import _triton_backend
+    from faast.ops import backends
     from faast.ops.mixture import mix_probabilities_torch
 
     g = torch.Generator().manual_seed(0)
@@ -117,7 +116,7 @@ def time_mixture(n: int, v: int, dtype: torch.dtype, device: str, reps: int) -> 
     odds = torch.zeros(n, device=device)
     rest = torch.full((n,), -0.6931, device=device)
     result: dict = {"rows": n, "vocab": v, "dtype": str(dtype).replace("torch.", "")}
-    candidates = {"torch": mix_probabilities_torch, "triton": _triton_backend.mix_probabilities}
+    candidates = {"torch": mix_probabilities_torch, "triton": backends.implementation("triton", "mix_probabilities")}
     outs = {}
     for name, fn in candidates.items():
         if name == "triton" and not device.startswith("cuda") and not interpreting():
@@ -209,14 +208,9 @@ def _backend(request: str | None) -> Iterator[None]:
 def _auto_mixture_choices() -> dict:
     """What auto chose for the mixture and the seconds it measured, by shape class, from this run's autotune cache
     ({} where it timed nothing: a CPU's read does not dispatch the mixture)."""
-    from faast.ops import _autotune
+    from faast.ops import backends
 
-    path = _autotune.cache_path()
-    if not path.exists():
-        return {}
-    entries = json.loads(path.read_text()).get("entries", {})
-    return {key: entry for context in entries.values() for key, entry in context.items()
-            if key.startswith("mix_probabilities ")}  # fmt: skip
+    return {key: entry for key, entry in backends.measured_choices().items() if key.startswith("mix_probabilities ")}
 
 
 def report(payload: dict) -> list[str]:

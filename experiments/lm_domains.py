@@ -51,7 +51,7 @@ METHODS = ("default", "narrow", "fp32learn", "int8learn", "int8pass", "folds", "
 # "int8pass": the default as a CPU without native bfloat16 but with AVX2 runs it now: the decoder's linears of inputs
 # up to the hidden size in int8 (learn_dtype='int8', faast/hf/int8_pass.py) and the head's logits in int8.
 # "folds": the default with the step from the held-out ends in folds taken at --fold-ratio times the one fit's
-# (faast.hf.output_folds.FOLD_STEP_RATIO for that row; inf: the one fit alone), to weigh the fold rule in one run.
+# (OutputPolicy.fold_step_ratio of that row's layer; inf: the one fit alone), to weigh the fold rule in one run.
 # "narrow": the default with the output layer's keys h̃ alone (output_key_layers=[]: the default before wider keys).
 # "logit": the residual output layer read in logit space (the default before probability space), along the curve.
 # "faast" (the shipped middle layers + the residual output layer, both variants along the curve) and "paper" (the
@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--score-tokens", type=int, default=8192)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"subset of {','.join(METHODS)}")
     p.add_argument("--fold-ratio", type=float, default=1.6,
-                   help="the 'folds' row's FOLD_STEP_RATIO (faast.hf.output_folds): the fold step is taken where it is"
+                   help="the 'folds' row's OutputPolicy.fold_step_ratio: the fold step is taken where it is"
                         " at least this many times the one fit's; inf: never")  # fmt: skip
     p.add_argument("--ablations", action="store_true", help="also score FAAST's middle layers alone")
     p.add_argument("--parts-as-documents", action="store_true",
@@ -268,19 +268,13 @@ def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
         model.remove_faast()
 
 
-@contextlib.contextmanager
-def fold_ratio(ratio: float):  # noqa: ANN201 - a context manager
-    """faast.hf.output_folds.FOLD_STEP_RATIO set to `ratio` inside, the shipped value restored after."""
-    from faast.hf import output_folds
+def fold_policy(ratio: float):  # noqa: ANN201 - a faast.hf.OutputPolicy
+    """The shipped OutputPolicy with fold_step_ratio `ratio` (the folds row's layer is given it)."""
+    from faast.hf import OutputPolicy
 
     if not ratio > 0:
         raise ValueError(f"fold_ratio: expected a ratio > 0 (inf: never take the fold step), got {ratio!r}")
-    shipped = output_folds.FOLD_STEP_RATIO
-    output_folds.FOLD_STEP_RATIO = ratio
-    try:
-        yield
-    finally:
-        output_folds.FOLD_STEP_RATIO = shipped
+    return dataclasses.replace(OutputPolicy(), fold_step_ratio=ratio)
 
 
 def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "output", residual: dict | None = None,  # noqa: ANN001
@@ -391,8 +385,8 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
     if "int8pass" in args.methods:
         run_default(domain, base, args, "int8pass", residual={"head_dtype": "int8"}, learn_dtype="int8")
     if "folds" in args.methods:
-        with fold_ratio(args.fold_ratio):
-            run_default(domain, base, args, "folds", extra={"fold_ratio": args.fold_ratio})
+        run_default(domain, base, args, "folds", residual={"policy": fold_policy(args.fold_ratio)},
+                    extra={"fold_ratio": args.fold_ratio})  # fmt: skip
     if "logit" in args.methods:
         run_default(domain, base, args, "logit", residual={"space": "logit"})
     if "faast" in args.methods:

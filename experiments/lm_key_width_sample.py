@@ -8,8 +8,9 @@ For each domain, FaastConfig()'s model (SmolLM2, keys h̃ and an early block's i
 rerun solves without learning again). Each repetition solves a fresh copy of it under each variant, in a rotating
 order:
 
-- `previous`: both widths formed and tuned on every held-out row (WIDTH_SAMPLE_MIN_ROWS above their number) and the
-  key solves through the spectrum (FAAST_BACKEND=eigh=torch), as before;
+- `previous`: both widths formed and tuned on every held-out row (the layer given an OutputPolicy whose
+  width_sample_min_rows is above their number) and the key solves through the spectrum (FAAST_BACKEND=eigh=torch),
+  as before;
 - `sample`: the width chosen on the sample, the key solves still through the spectrum;
 - `shipped`: the width chosen on the sample, and the key solves by Cholesky where nothing is cut.
 
@@ -72,13 +73,18 @@ def learned_layer(name: str, args: argparse.Namespace, base, tokenizer) -> bytes
 
 def solve(blob: bytes, variant: str) -> dict:
     """A fresh copy of the learned layer solved under `variant`: its time, choice and held-out NLL on every row."""
+    import dataclasses
+
     import torch
 
+    from faast.hf import OutputPolicy
     from faast.hf import output_tuning as tuning
 
     layer = torch.load(io.BytesIO(blob), weights_only=False)
-    shipped, backend = tuning.WIDTH_SAMPLE_MIN_ROWS, os.environ.get("FAAST_BACKEND")
-    tuning.WIDTH_SAMPLE_MIN_ROWS = 10**9 if variant == "previous" else shipped
+    policy = OutputPolicy()
+    # every layer is given its policy: a layer cached before the policy existed has none
+    layer.policy = dataclasses.replace(policy, width_sample_min_rows=10**9) if variant == "previous" else policy
+    backend = os.environ.get("FAAST_BACKEND")
     if variant != "shipped":
         os.environ["FAAST_BACKEND"] = "eigh=torch"
     try:
@@ -86,7 +92,6 @@ def solve(blob: bytes, variant: str) -> dict:
         layer.solution(torch.device("cpu"), torch.float32)
         seconds = time.perf_counter() - started
     finally:
-        tuning.WIDTH_SAMPLE_MIN_ROWS = shipped
         if backend is None:
             os.environ.pop("FAAST_BACKEND", None)
         else:

@@ -152,12 +152,10 @@ def space(name: str, weight: float | str = "auto"):  # noqa: ANN201
     """The shipped rule read in another space, or with the mixture weight fixed: (M, step, weight)."""
 
     def variant(layer, scorer):  # noqa: ANN001, ANN202
-        from faast.hf.output import DEFAULT_STEP
-
         shipped_as = layer.space, layer.weight, layer.default_step
         # The untuned step is per space (what output_default_step=None gives a layer configured in that space).
         # The layer's solution is cached under its settings, so changing them re-solves.
-        layer.space, layer.weight, layer.default_step = name, weight, DEFAULT_STEP[name]
+        layer.space, layer.weight, layer.default_step = name, weight, layer.policy.default_step(name)
         try:
             m, lam = layer.solution(layer.memory.gram.device, torch_float32())
             return m, (layer.last_tuning or {}).get("step"), lam

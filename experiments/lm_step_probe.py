@@ -179,24 +179,15 @@ def base_ppl(layer, states: tuple) -> float:  # noqa: ANN001
 
 def oracle_step(ppl, eta: float, curve: list[tuple[float, float]] | None = None) -> tuple[float, float]:  # noqa: ANN001
     """(η, perplexity) minimising ppl(η) (λ fixed): golden section on log η between the neighbours of the best point of
-    the curve [(η, ppl)] (by default eta × CURVE_STEPS)."""
+    the curve [(η, ppl)] (by default eta × CURVE_STEPS), the layer's own (faast.hf.output_tuning.golden_section)."""
+    from faast.hf.output_tuning import golden_section
+
     curve = curve or [(f * eta, ppl(f * eta)) for f in CURVE_STEPS]
     k = min(range(len(curve)), key=lambda i: curve[i][1])
     lo = math.log(curve[k - 1][0]) if k > 0 else math.log(curve[0][0] / 64)
     hi = math.log(curve[k + 1][0]) if k < len(curve) - 1 else math.log(curve[-1][0] * 64)
-    g = (math.sqrt(5) - 1) / 2
-    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
-    fa, fb = ppl(math.exp(a)), ppl(math.exp(b))
-    for _ in range(GOLDEN):
-        if fa < fb:
-            hi, b, fb = b, a, fa
-            a = hi - g * (hi - lo)
-            fa = ppl(math.exp(a))
-        else:
-            lo, a, fa = a, b, fb
-            b = lo + g * (hi - lo)
-            fb = ppl(math.exp(b))
-    return (math.exp(a), fa) if fa < fb else (math.exp(b), fb)
+    log_eta, best = golden_section(lambda u: ppl(math.exp(u)), lo, hi, GOLDEN)
+    return math.exp(log_eta), best
 
 
 def probe(model, windows: list[list[int]], pairs: bool = False) -> tuple[dict, tuple]:  # noqa: ANN001
@@ -224,7 +215,7 @@ def probe(model, windows: list[list[int]], pairs: bool = False) -> tuple[dict, t
     # the oracle step at the shipped weight
     row["oracle_step"], row["oracle_ppl"] = oracle_step(lambda e: ppl(e, lam), eta, row["curve"])
     # the oracle step and weight together: the layer's own search (tune_mixture), run on the held-out files
-    _, _, trace = tuning.tune_mixture(logits)
+    _, _, trace = tuning.tune_mixture(logits, policy=layer.policy)
     joint = min(trace, key=lambda t: t[2])  # the best point, whether or not it passes the significance test
     row["joint_step"], row["joint_weight"], row["joint_ppl"] = joint[0], joint[1], math.exp(joint[2])
     if pairs and not last.get("tuned"):
@@ -392,7 +383,7 @@ def tail_bias_step(layer, sums: dict) -> dict:  # noqa: ANN001
     for kappa in BIAS_KAPPAS:
         z = torch.add(z1, zb, alpha=kappa)
         logits = with_targets(base[0], base[1], z, ys)
-        eta, trace, _ = tuning.tune_step_rows(logits, weight)
+        eta, trace, _ = tuning.tune_step_rows(logits, weight, policy=layer.policy)
         nll = min(t[1] for t in trace) if eta > 0 else float(-tuning.base_log_targets(logits).mean())
         if best is None or nll < best["tail_nll"]:
             best = {"kappa": kappa, "step": eta, "tail_nll": nll, "document_shrink": shrink}
@@ -455,19 +446,20 @@ def tail_rows(layer, sums: dict) -> tuple:  # noqa: ANN001
 
 
 def gap_steps(layer) -> dict:  # noqa: ANN001
-    """The step (and key width) the layer tunes with the fit leaving out GAP_MULTIPLE × the held-out rows of each
-    document before them, for GAP_MULTIPLE 0, 1 and 2 (the shipped 2); the layer is left as shipped."""
-    from faast.hf import output_tuning as tuning
+    """The step (and key width) the layer tunes with the fit leaving out gap_multiple × the held-out rows of each
+    document before them, for gap_multiple 0, 1 and 2 (the shipped 2), each given to the layer as its OutputPolicy;
+    the layer is given its own policy back after."""
+    import dataclasses
 
-    shipped, out = tuning.GAP_MULTIPLE, {}
+    shipped, out = layer.policy, {}
     try:
         for gap in (0, 1, 2):
-            tuning.GAP_MULTIPLE = gap
+            layer.policy = dataclasses.replace(shipped, gap_multiple=gap)
             layer.restore_step(None)
             out[str(gap)] = {"step": layer.chosen_step(), "key_width": layer.chosen_key_width(),
                              "fitted_tokens": (layer.last_tuning or {}).get("fitted_tokens")}  # fmt: skip
     finally:
-        tuning.GAP_MULTIPLE = shipped
+        layer.policy = shipped
         layer.restore_step(None)
         layer.chosen_step()
     return out
@@ -491,14 +483,15 @@ def fold_steps(layer) -> dict:  # noqa: ANN001
     if not last.get("tuned"):
         return {}
     memory, width, weight = layer.memory, layer.chosen_key_width(), layer.chosen_weight() or layer.default_weight
-    count, min_fit, dt = int(memory.count), faast_min_fit(layer.hidden_size), memory.gram.dtype
+    count, min_fit, dt = int(memory.count), faast_min_fit(layer.hidden_size, layer.policy), memory.gram.dtype
     keys, ys, docs, out_k, out_v, _, _ = layer.held_out.split(count, min_fit)
     out_docs = layer.held_out.left_out_documents(count, min_fit)
     order = sorted(set(out_docs.tolist()))
     curvature = layer.damped_curvature()
     base = layer.tail_base(keys, ys)
     log_base = tuning.base_log_targets((base[0], None, base[1], None))
-    shrink = document_shrink(int(last["fitted_tokens"]), int(last["held_out_documents"]), layer.hidden_size)
+    shrink = document_shrink(int(last["fitted_tokens"]), int(last["held_out_documents"]), layer.hidden_size,
+                             layer.policy)  # fmt: skip
     out = {}
     for k in FOLDS:
         fold = {d: i % k for i, d in enumerate(order)}
@@ -511,7 +504,8 @@ def fold_steps(layer) -> dict:  # noqa: ANN001
             n_f = memory.count - float(left.sum())
             w = layer.newton(memory.gram - s_f, memory.cross - t_f, n_f, curvature, width)
             z1[rows] = layer.tail_logits(keys[rows], ys[rows], w, (base[0][rows], base[1][rows]))[1]
-        eta, _, _ = tuning.tune_step_rows(with_targets(base[0], base[1], z1, ys), weight, log_base)
+        logits = with_targets(base[0], base[1], z1, ys)
+        eta, _, _ = tuning.tune_step_rows(logits, weight, log_base, policy=layer.policy)
         out[str(k)] = {"step": eta * shrink, "tail_step": eta}
     layer.restore_step(None)
     layer.chosen_step()

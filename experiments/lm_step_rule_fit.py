@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         p = pts[r["left_out"]]
         lines.append(f"| {p['file'].removeprefix('lm_step_probe_').removesuffix('.json')} {p['domain']} "
                      f"{p['tokens']:,} | {r['threshold']}, {r['power']:g} | {r['margin']:+.3%} |")  # fmt: skip
-    # The gap the tuning fit leaves before each held-out end (GAP_MULTIPLE 0, 1, 2), where the probe recorded the step
+    # The gap the tuning fit leaves before each held-out end (gap_multiple 0, 1, 2), where the probe recorded the step
     # each gap tunes (its shrink applied) and every gap kept the curve's key width.
     gaps = {}
     for p in pts:

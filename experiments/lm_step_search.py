@@ -5,11 +5,13 @@ held-out NLL, the shipped search against the one before it, on cached states (ex
     python experiments/lm_step_search.py --cache /tmp/faast_states --domains email multiprocessing licenses
 
 For each cached domain and amount of learned text, the layer (faast/hf/output.py, keys h̃ alone: the cache holds the
-final-norm states only) learns the cached states through its own `learn`; at its solve, the held-out logits it tunes
-the step on are handed to both searches in turn, and the layer goes on with the shipped one. `previous` is the search
-before the sampled start and the Gauss-Newton fallback (a Newton step that left the bracket was replaced by
-arithmetic bisection, and every pass read all rows), kept here to measure against. A pass over a quarter of the rows
-counts a quarter in `row passes`.
+final-norm states only) learns the cached states through its own `learn`; at each curve point the held-out logits its
+solve tunes the step on (the tail's rows, scored by the W fitted without them: the layer's public tail_statistics,
+newton and tail_logits) are handed to both searches in turn. `previous` is the search before the sampled start and
+the Gauss-Newton fallback (a Newton step that left the bracket was replaced by arithmetic bisection, and every pass
+read all rows), kept here to measure against. Every pass of either search appends one point to its trace, so the
+passes are counted from the traces (the shipped search's sample pass is replayed untimed for its trace). A pass over
+a quarter of the rows counts a quarter in `row passes`.
 """
 
 from __future__ import annotations
@@ -36,13 +38,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def previous_search(tuning, logits, weight: float, log_base, start: float):  # noqa: ANN001, ANN201
-    """The search as it was before the sample start and the Gauss-Newton fallback: (η, trace, rows)."""
+def previous_search(tuning, logits, weight: float, log_base, start: float, policy=None):  # noqa: ANN001, ANN201
+    """The search as it was before the sample start and the Gauss-Newton fallback, under `policy` (an OutputPolicy;
+    None: the shipped one): (η, trace, rows)."""
     import math
 
-    eta, low, high, trace = min(max(float(start), 0.0), tuning.MAX_STEP), 0.0, tuning.MAX_STEP, []
+    from faast.hf import OutputPolicy
+
+    policy = OutputPolicy() if policy is None else policy
+    tol = policy.step_tol
+    eta, low, high, trace = min(max(float(start), 0.0), policy.max_step), 0.0, policy.max_step, []
     rows = None
-    for _ in range(tuning.STEP_ITERATIONS):
+    for _ in range(policy.step_iterations):
         rows = tuning.step_rows(logits, eta)
         log_mix = tuning.log_mixture(log_base, rows.log_memory, weight)
         share = (rows.log_memory - log_mix).exp() * weight
@@ -60,13 +67,13 @@ def previous_search(tuning, logits, weight: float, log_base, start: float):  # n
             new = 0.0
         elif not low < new < high:
             new = 0.5 * (low + high)
-        if abs(new - eta) <= tuning.STEP_TOL * max(eta, 1e-2) or high - low <= tuning.STEP_TOL * max(high, 1e-2):
+        if abs(new - eta) <= tol * max(eta, 1e-2) or high - low <= tol * max(high, 1e-2):
             break
         eta = new
     if rows.eta != eta:
         rows = tuning.step_rows(logits, eta)
         trace.append((eta, float(-tuning.log_mixture(log_base, rows.log_memory, weight).mean())))
-    if weight < 1.0 and eta > 0.0 and not tuning.significant(log_base, rows.log_memory, weight):
+    if weight < 1.0 and eta > 0.0 and not tuning.significant(log_base, rows.log_memory, weight, policy):
         eta = 0.0
     return eta, trace, rows
 
@@ -82,54 +89,63 @@ def main(argv: list[str] | None = None) -> dict:
     record = provenance.start(ROOT)
     base, tokenizer, description = load_base_model("smollm2")
     head = base.get_output_embeddings()
-    shipped, count = tuning.tune_step_rows, {"rows": 0, "passes": 0}
-    step_rows = tuning.step_rows
     rows_out: list[dict] = []
-    context: dict = {}
 
-    def counted(logits, eta):  # noqa: ANN001, ANN202
-        count["rows"] += int(logits[0].shape[0])
-        count["passes"] += 1
-        return step_rows(logits, eta)
+    def shipped_passes(layer, logits, weight, log_base, start, trace) -> tuple[int, float]:  # noqa: ANN001
+        """(passes, rows read / n) of the shipped search whose full rows' trace is `trace`: one pass per point, and
+        first, with enough rows, the sample's search, replayed here for its trace."""
+        n, policy = int(logits[0].shape[0]), layer.policy
+        passes, rows = len(trace), float(len(trace))
+        if n >= policy.search_sample_min_rows:
+            pick = slice(None, None, policy.search_sample_stride)
+            sample = tuple(part[pick] for part in logits)
+            _, sample_trace, _ = tuning.tune_step_rows(sample, weight, log_base[pick], start, True, policy)
+            passes += len(sample_trace)
+            rows += len(sample_trace) * sample[0].shape[0] / n
+        return passes, rows
 
-    def both(logits, weight=1.0, log_base=None, start=0.0):  # noqa: ANN001, ANN202
-        if log_base is None:
-            log_base = tuning.base_log_targets(logits)
-        n = int(logits[0].shape[0])
-        result = None
-        for name, search in (("previous", lambda *a: previous_search(tuning, *a)), ("shipped", shipped)):
-            count.update(rows=0, passes=0)
+    def compare(layer, context: dict) -> None:  # noqa: ANN001
+        """Both searches on the held-out logits the layer's solve tunes its step on now (keys h̃ alone, from 0)."""
+        if not layer.held_out_positions():
+            return
+        keys, ys, _, s_tail, t_tail, n_tail, _, _ = layer.tail_statistics()
+        memory, curvature = layer.memory, layer.damped_curvature()
+        dt = memory.gram.dtype
+        w = layer.newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
+                         curvature, layer.hidden_size)  # fmt: skip
+        logits = layer.tail_logits(keys, ys, w)
+        log_base, weight, start, n = tuning.base_log_targets(logits), float(layer.weight), 0.0, int(keys.shape[0])
+        searches = (("previous", lambda *a: previous_search(tuning, *a, policy=layer.policy)),
+                    ("shipped", lambda *a: tuning.tune_step_rows(*a, policy=layer.policy)))  # fmt: skip
+        for name, search in searches:
             started = time.perf_counter()
             eta, trace, rows = search(logits, weight, log_base, start)
             seconds = time.perf_counter() - started
-            passes, row_passes = count["passes"], count["rows"] / n
-            log_memory = step_rows(logits, eta).log_memory if eta > 0 else log_base
+            if name == "shipped":
+                passes, row_passes = shipped_passes(layer, logits, weight, log_base, start, trace)
+            else:
+                passes, row_passes = len(trace), float(len(trace))
+            log_memory = tuning.step_rows(logits, eta).log_memory if eta > 0 else log_base
             nll = float(-tuning.log_mixture(log_base, log_memory, weight).mean())
             rows_out.append({**context, "search": name, "held_out_rows": n, "start": start, "step": eta,
                              "held_out_nll": nll, "passes": passes, "row_passes": row_passes, "seconds": seconds,
                              "full_rows_trace": [point for point, _ in trace]})  # fmt: skip
             print(f"{context['domain']:>15} {context['tokens']:>6} {name:>8}: η {eta:.4f}  NLL {nll:.6f}  "
                   f"{passes} passes, {row_passes:.2f} row passes, {seconds:.1f} s", flush=True)  # fmt: skip
-            result = (eta, trace, rows) if name == "shipped" else result
-        return result
 
-    tuning.step_rows, tuning.tune_step_rows = counted, both
-    try:
-        for name in args.domains:
-            data = torch.load(args.cache / f"{name}.pt")
-            keys, targets = data["learn"]
-            budget = int(data["settings"].get("learn_tokens", 32768))
-            starts = variants.doc_starts(name, tokenizer, len(targets), budget)
-            layer = variants.layer_for(head, keys.shape[1], head.weight.shape[0])
-            done = 0
-            for point in [int(x) for x in args.curve.split(",")]:
-                amount = min(point, len(targets))
-                variants.feed(layer, keys[done:amount], targets[done:amount], starts, done)
-                done = amount
-                context.update(domain=name, tokens=amount)
-                layer.solution(torch.device("cpu"), torch.float32)
-    finally:
-        tuning.step_rows, tuning.tune_step_rows = step_rows, shipped
+    for name in args.domains:
+        data = torch.load(args.cache / f"{name}.pt")
+        keys, targets = data["learn"]
+        budget = int(data["settings"].get("learn_tokens", 32768))
+        starts = variants.doc_starts(name, tokenizer, len(targets), budget)
+        layer = variants.layer_for(head, keys.shape[1], head.weight.shape[0])
+        done = 0
+        for point in [int(x) for x in args.curve.split(",")]:
+            amount = min(point, len(targets))
+            variants.feed(layer, keys[done:amount], targets[done:amount], starts, done)
+            done = amount
+            with torch.no_grad():  # the head's products, outside any autograd the loaded model may have on
+                compare(layer, {"domain": name, "tokens": amount})
     lines = ["Each search runs on the same held-out logits of the layer's solve (probability space, λ 0.5, keys h̃"
              " alone); `row passes` counts a pass over a quarter of the rows as a quarter. NLL: mean held-out NLL at"
              " the step found (nats).", "",

@@ -8,8 +8,9 @@ curve's parts, a text cut at a curve point continued into the next), solved afte
 read once through the model's own read (lm_step_probe.read_states). From the kept states the probe forms the base
 logits z0 and the memory's change per unit step z1, and reads the held-out perplexity of the mixture
 (1 − λ)·softmax(z0 + b) + λ·softmax(z0 + b + η·z1) at the tuned η and λ for the token bias
-b = γ'·log((c + κ)/(P + κ)) on a grid of κ and γ (γ' = γ·min(1, N/TOKEN_BIAS_FULL), as the layer ramps it), and
-without it. The grid's point at the shipped κ and γ must equal the model's own read (`rebuilt` against `read`).
+b = γ'·log((c + κ)/(P + κ)) on a grid of κ and γ (γ' = γ·min(1, N/OutputPolicy.token_bias_full), as the layer ramps
+it), and without it. The grid's point at the shipped κ and γ must equal the model's own read (`rebuilt` against
+`read`).
 
 The step is the one the layer tuned (without the token bias, as it tunes); only the bias changes. κ and γ are chosen
 on the validation domains alone: the report's mean over them is the choice, other domains are listed apart.
@@ -139,11 +140,10 @@ def report(rows: list[dict], shipped: str) -> list[str]:
 
 
 def shipped_key() -> str:
-    """The grid key of the shipped κ (TOKEN_PRIOR) and γ (ResidualOutput().token_bias)."""
-    from faast.hf import ResidualOutput
-    from faast.hf.output_bias import TOKEN_PRIOR
+    """The grid key of the shipped κ (OutputPolicy().token_prior) and γ (ResidualOutput().token_bias)."""
+    from faast.hf import OutputPolicy, ResidualOutput
 
-    return grid_key(TOKEN_PRIOR, ResidualOutput().token_bias)
+    return grid_key(OutputPolicy().token_prior, ResidualOutput().token_bias)
 
 
 def run_domain(name: str, base, tokenizer, args: argparse.Namespace) -> dict:  # noqa: ANN001

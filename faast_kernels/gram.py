@@ -409,7 +409,7 @@ def _accumulators(
     if given and len(given) != 3:
         raise ValueError("gram, cross, sqnorm: pass all three accumulators or none")
     accumulate = bool(given)
-    if accumulate:
+    if gram is not None and cross is not None and sqnorm is not None:  # accumulate (all three or none, as checked)
         for name, t, shape in (("gram", gram, (L, dk, dk)), ("cross", cross, (L, dk, dv)), ("sqnorm", sqnorm, (L,))):
             if t.dtype != torch.float64 or tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
                 raise ValueError(f"{name}: expected a contiguous float64 tensor {list(shape)} on {device}")

@@ -17,6 +17,8 @@ through T = Kᵀ diag(s) V); keys come from a frozen model and get no gradient.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import gram as _gram
@@ -50,7 +52,7 @@ def _(keys, values, scores, mask, weighted_least_squares, precision):  # noqa: A
     )
 
 
-def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+def _setup_context(ctx: Any, inputs: tuple, output: object) -> None:  # torch.library's setup_context
     keys, values, scores, mask, wls, _ = inputs
     ctx.save_for_backward(keys, values, scores, mask)
     ctx.wls = wls

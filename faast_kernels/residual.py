@@ -93,9 +93,9 @@ def residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _tuned(f64: bool):  # noqa: ANN202 - a triton Autotuner
-    return triton.autotune(
-        configs=_f64_configs() if f64 else _configs(), key=["D", "F64", "NATIVE_DOT"]
-    )(_residual_project_kernel)
+    return triton.autotune(configs=_f64_configs() if f64 else _configs(), key=["D", "F64", "NATIVE_DOT"])(
+        _residual_project_kernel
+    )
 
 
 def naive_residual_project(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 
 from faast import hardware
 from faast.hardware import report as report_module
-from faast.hf import FaastConfig, ResidualOutput, apply_faast, pass_choice
+from faast.hf import FaastConfig, OutputPolicy, ResidualOutput, apply_faast, pass_choice
 from faast.hf import head as head_module
 from faast.ops import _autotune, _dispatch, paths
 from hf_models import tiny_model
@@ -204,7 +204,7 @@ def test_p_h_pooling_auto_is_timed_on_the_first_blocks_own_probabilities(timed, 
     model = apply_faast(tiny_model("llama"), config)
     model.learn(ids(batch=2, seq=30))
     assert seen and all(s is None for s in seen)  # 'auto' on a CPU: measured inside head_gradients
-    pool = head_module.POOL_AUTO if expected == "POOL_AUTO" else expected
+    pool = OutputPolicy().pool_auto if expected == "POOL_AUTO" else expected
     assert model.learner.precision()["head_pool_below"] == pool
     assert [s for s in timed.sampled if "pool" in s or "exact" in s] == ["torch.exact", "torch.pooled"]
 

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -72,7 +73,9 @@ def test_lm_demo_steps_on_a_tiny_model(monkeypatch, tmp_path, capsys):
     text = capsys.readouterr().out
     saved = json.loads(out.read_text())
     record = saved.pop("provenance")  # faast.provenance's record of the run
-    assert record["command"].startswith("python -m faast.demo --package json --learn-tokens 600") and "torch" in record
+    # The command starts with the interpreter's own name (python or python3, as it was invoked).
+    command = f"{Path(sys.executable).name} -m faast.demo --package json --learn-tokens 600"
+    assert record["command"].startswith(command) and "torch" in record
     assert saved == result  # floats round-trip through JSON exactly
     assert result["package"] == "json" and result["learn_tokens"] == 600
     assert math.isclose(result["ppl_before"], base, rel_tol=1e-6)  # an empty memory is a no-op
@@ -101,8 +104,7 @@ def test_lm_demo_float32_pins_the_float32_path_and_says_which_path_it_took(
     line says it beside the speed."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    from faast.hf import FaastConfig, apply_faast, default, demo
-    from faast.hf import head as head_module
+    from faast.hf import FaastConfig, OutputPolicy, apply_faast, default, demo
     from hf_models import save_tiny_checkpoint, tiny_model
 
     timed.times = {"torch.float32": 1.0, "torch.bfloat16": 1.0, "torch.int8": 1.0, "torch.exact": 1.0,
@@ -127,7 +129,8 @@ def test_lm_demo_float32_pins_the_float32_path_and_says_which_path_it_took(
     else:
         assert configs == [None]
     want = "float32" if float32 else mode
-    assert result["precision"] == {"learn_pass": want, "head_products": want, "head_pool_below": head_module.POOL_AUTO,
+    pool = OutputPolicy().pool_auto
+    assert result["precision"] == {"learn_pass": want, "head_products": want, "head_pool_below": pool,
                                    "native_bf16": result["precision"]["native_bf16"]}  # fmt: skip
     path = next(line for line in text.splitlines() if line.startswith("path "))
     assert f"learning pass {want}, head logits {want}, p·H pooled" in path

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from faast.hf import OutputPolicy
 from faast.hf import head as head_module
 from tolerances import BF16_HEAD_PRODUCTS_REL, FLOAT32_COMPUTE_REL, assert_close, rel
 
@@ -207,7 +208,7 @@ def test_pool_threshold_auto_is_measured_on_a_cpu_and_pools_float32_products_els
     off_cpu = torch.empty(2, 4, device="meta")  # stands in for a GPU: only the device type is read
     assert head_module.pool_threshold("auto", torch.float32, keys32) is None  # head_gradients times it (CPU)
     assert head_module.pool_threshold("auto", torch.bfloat16, keys32) is None
-    assert head_module.pool_threshold("auto", torch.float32, off_cpu) == head_module.POOL_AUTO
+    assert head_module.pool_threshold("auto", torch.float32, off_cpu) == OutputPolicy().pool_auto
     assert head_module.pool_threshold("auto", torch.bfloat16, off_cpu) == 0.0
     assert head_module.pool_threshold("auto", torch.float32, keys64) == 0.0
     assert head_module.pool_threshold("auto", torch.bfloat16, keys64) == 0.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from faast.hf import OutputPolicy
 from faast.hf import head as head_module
 from faast.ops.int8 import Int8Weight, int8_linear
 from test_hf_head import DIM, VOCAB, case, reference
@@ -165,7 +166,7 @@ def test_int8_products_keep_p_h_and_the_tuning_in_float32():
     assert head_module.float_products(torch.int8) == torch.float32
     assert head_module.float_products(torch.bfloat16) == torch.bfloat16
     assert head_module.pool_threshold("auto", torch.int8, keys32) is None  # a CPU times pooling on the first block
-    assert head_module.pool_threshold("auto", torch.int8, off_cpu) == head_module.POOL_AUTO  # its p·H is float32
+    assert head_module.pool_threshold("auto", torch.int8, off_cpu) == OutputPolicy().pool_auto  # its p·H is float32
 
 
 def test_a_masked_positions_nan_does_not_choose_the_float32_columns(monkeypatch):

@@ -4,6 +4,8 @@ a brute-force search, ablations, persistence, fixed state size and configuration
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from faast.hf import (
     FaastConfig,
     MemoryOffWarning,
     MiddleLayers,
+    OutputPolicy,
     ResidualOutput,
     apply_faast,
     output_bias,
@@ -22,7 +25,7 @@ from faast.hf import held_out as held_out_module
 from faast.hf import learning as learning_module
 from faast.hf import output as output_module
 from faast.hf import output_tuning as tuning_module
-from faast.hf.output_tuning import HELD_OUT_SHARE
+from faast.hf.output_policy import DEFAULT_POLICY
 from faast.hf.persistence import per_layer_holder
 from faast.hf.targets import TARGETS
 from hf_models import KINDS, VOCAB, tiny_model
@@ -122,22 +125,22 @@ def newton(s, t, n, mu_gram, mass, head, damping, alpha=1.0, n_curvature=None):
 def mean_gradient_bias(y, mass, mu_gram, head, n, damping, beta):
     """β'·C⁻¹·r̄ [d] float64: the residual output layer's bias for the learned targets y [n] (Σp = mass, Σμμᵀ =
     mu_gram), r̄ = (Σ H[y] − Σ pH)/n, C damped as in `newton`, β' = β scaled like the untuned step below
-    DEFAULT_STEP_PER_DIM positions per hidden dimension."""
+    OutputPolicy.default_step_per_dim positions per hidden dimension."""
     d = head.shape[1]
     c = ((head.T * mass) @ head - mu_gram) / n
     c = c + damping * c.diagonal().mean() * torch.eye(d, dtype=torch.float64)
     r_mean = (head[y].sum(0) - mass @ head) / n
-    return beta * min(1.0, n / (output_module.DEFAULT_STEP_PER_DIM * d)) * torch.linalg.solve(c, r_mean)
+    return beta * min(1.0, n / (DEFAULT_POLICY.default_step_per_dim * d)) * torch.linalg.solve(c, r_mean)
 
 
-def token_bias(y, mass, n, vocab, gamma, prior=output_bias.TOKEN_PRIOR, full=output_bias.TOKEN_BIAS_FULL):
+def token_bias(y, mass, n, vocab, gamma, prior=DEFAULT_POLICY.token_prior, full=DEFAULT_POLICY.token_bias_full):
     """γ'·log((c + κ) / (P + κ)) [V] float64: the residual output layer's token bias for the learned targets y [n]
     (c their counts, P = mass the summed probabilities), γ' = γ·min(1, n / full)."""
     counts = torch.bincount(y, minlength=vocab).double()
     return gamma * min(1.0, n / full) * torch.log((counts + prior) / (mass + prior))
 
 
-def tail_split(lengths, tune_tokens, gap_multiple=2, min_fit=256, share=HELD_OUT_SHARE):
+def tail_split(lengths, tune_tokens, gap_multiple=2, min_fit=256, share=DEFAULT_POLICY.held_out_share):
     """A hand reference of the step's held-out choice for documents of `lengths` learned positions in stream order:
     (held-out indices, left-out indices) into the flattened positions. Each document holds out its last
     round(f·n) positions, f = min(tune_tokens, share·N) / N, and leaves out up to gap_multiple times as many just
@@ -229,7 +232,7 @@ def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(
         assert tokens is None and layer.last_tuning["token_bias_off"] == "ResidualOutput.token_bias is 0"
     else:
         assert rel(tokens, expected_tokens) < 1e-6 and layer.last_tuning["token_bias_off"] is None
-    assert layer.last_tuning["token_bias_step"] == pytest.approx(gamma * n / output_bias.TOKEN_BIAS_FULL)
+    assert layer.last_tuning["token_bias_step"] == pytest.approx(gamma * n / DEFAULT_POLICY.token_bias_full)
     probe = ids(batch=1, seq=9, seed=3)
     keys = full_keys(model, probe, torch.ones_like(probe, dtype=torch.bool))
     h = keys[..., :32]
@@ -245,12 +248,11 @@ def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(
 
 
 @pytest.mark.parametrize("sample", [None, 37])
-def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force(sample, monkeypatch):
-    # sample: the NLL is evaluated on `sample` positions spread evenly over the held-out span (TUNE_SAMPLE), while the
+def test_the_tuned_step_minimises_the_held_out_loss_found_by_brute_force(sample):
+    # sample: the NLL is evaluated on `sample` positions spread evenly over the held-out span (tune_sample), while the
     # fit still leaves out the whole span.
-    if sample is not None:
-        monkeypatch.setattr(tuning_module, "TUNE_SAMPLE", sample)
-    config = FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=4096, space="logit"))
+    policy = OutputPolicy() if sample is None else OutputPolicy(tune_sample=sample)
+    config = FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=4096, space="logit", policy=policy))
     model = apply_faast(tiny_model("llama"), config)
     x = ids(batch=8, seq=100, period=23)
     model.learn(x)
@@ -363,18 +365,18 @@ def test_the_best_weight_is_the_minimum_of_the_convex_mixture_loss():
 
 
 @pytest.mark.parametrize("multiple", [1, 2])
-def test_every_text_holds_out_its_end_and_the_fit_leaves_out_the_text_before_it(multiple, monkeypatch):
+def test_every_text_holds_out_its_end_and_the_fit_leaves_out_the_text_before_it(multiple):
     # Five texts (a repeated phrase at different offsets, 700 pairs) learned two windows per batch. Each text holds
     # out its last round(0.2·n) positions (28, 24, 32, 22, 35: 141) and the fit leaves out `multiple` times as many
-    # just before them (the buffer keeps them for either multiple).
-    monkeypatch.setattr(tuning_module, "GAP_MULTIPLE", multiple)
+    # just before them.
     lengths = (140, 120, 160, 110, 175)
     phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
     texts = [phrase.roll(5 * i).repeat(8)[:n].tolist() for i, n in enumerate(lengths)]
     model = apply_faast(
         tiny_model("llama"),
-        FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=160, space="logit")),
-    )
+        FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=160, space="logit",
+                                          policy=OutputPolicy(gap_multiple=multiple))),
+    )  # fmt: skip
     model.learn(texts, max_length=200, batch_size=2)
     layer = model.output_memory_layer
     layer.folded(torch.device("cpu"), torch.float32)
@@ -402,19 +404,19 @@ def test_every_text_holds_out_its_end_and_the_fit_leaves_out_the_text_before_it(
     best = min(torch.linspace(0, 4, 801).tolist(), key=nll)
     assert tuning["step"] > 0.05
     assert abs(tuning["step"] - best) <= 0.01 + 0.02 * best
-    # The same tokens as one text: its last 140 positions are held out and GAP_MULTIPLE times as many before them
-    # left out (704 learned); when that would leave fewer than MIN_FIT_TOKENS to fit on, only the held-out ones are.
-    monkeypatch.setattr(tuning_module, "GAP_MULTIPLE", 1)
+    # The same tokens as one text: its last 140 positions are held out and gap_multiple times as many before them
+    # left out (704 learned); when that would leave fewer than min_fit_tokens to fit on, only the held-out ones are.
     for min_fit, gap in ((256, 140), (500, 0)):
-        monkeypatch.setattr(tuning_module, "MIN_FIT_TOKENS", min_fit)
-        one = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(tune_tokens=160)))
+        policy = OutputPolicy(gap_multiple=1, min_fit_tokens=min_fit)
+        one = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(tune_tokens=160, policy=policy)))
         one.learn([sum(texts, [])], max_length=200, batch_size=2)
         one.output_memory_layer.folded(torch.device("cpu"), torch.float32)
         tuning = one.output_memory_layer.last_tuning
         assert (tuning["held_out_tokens"], tuning["document_gap_tokens"]) == (140, gap)
     # A tensor batch's rows are documents of their own: the same split as the five texts (no gaps at min_fit 500:
     # 700 − 141 − 141 < 500).
-    rows = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(tune_tokens=160)))
+    policy = OutputPolicy(gap_multiple=1, min_fit_tokens=500)
+    rows = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(tune_tokens=160, policy=policy)))
     rows.learn(x, mask)
     rows.output_memory_layer.folded(torch.device("cpu"), torch.float32)
     tuning = rows.output_memory_layer.last_tuning
@@ -422,15 +424,13 @@ def test_every_text_holds_out_its_end_and_the_fit_leaves_out_the_text_before_it(
 
 
 @pytest.mark.parametrize(("per_dim", "tuned"), [(16, True), (18, False)])
-def test_the_step_is_tuned_only_on_a_fit_of_at_least_fit_per_key_dim_positions_per_key_dimension(
-    per_dim, tuned, monkeypatch
-):
+def test_the_step_is_tuned_only_on_a_fit_of_at_least_fit_per_key_dim_positions_per_key_dimension(per_dim, tuned):
     # 704 learned positions of one text, 140 held out: 564 left to fit. With d = 32, 16 per dimension (512) allows
     # tuning, but no gap (the 140 positions before the tail would leave 424); 18 per dimension (576) does not.
-    monkeypatch.setattr(tuning_module, "FIT_PER_KEY_DIM", per_dim)
     phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
     text = phrase.repeat(40)[:705].tolist()
-    config = FaastConfig(output=ResidualOutput(tune_tokens=160, default_step=0.03, key_layers=[]))
+    config = FaastConfig(output=ResidualOutput(tune_tokens=160, default_step=0.03, key_layers=[],
+                                               policy=OutputPolicy(fit_per_key_dim=per_dim)))  # fmt: skip
     model = apply_faast(tiny_model("llama"), config)
     model.learn([text], max_length=200, batch_size=2)
     layer = model.output_memory_layer
@@ -440,21 +440,20 @@ def test_the_step_is_tuned_only_on_a_fit_of_at_least_fit_per_key_dim_positions_p
         assert layer.last_tuning["tuned"] and layer.last_tuning["fitted_tokens"] == 564
         assert layer.last_tuning["document_gap_tokens"] == 0 and layer.last_tuning["step"] > 0.05
     else:
-        default = {"step": 0.03, "weight": output_module.DEFAULT_WEIGHT, "tuned": False, "saved_step": False,
+        default = {"step": 0.03, "weight": DEFAULT_POLICY.default_weight, "tuned": False, "saved_step": False,
                    "key_width": 32, "bias_step": 0.5, "bias_off": None,
                    "token_bias_step": pytest.approx(output_bias.token_step(ResidualOutput().token_bias, 704)),
                    "token_bias_off": None}  # fmt: skip
         assert layer.last_tuning == default
 
 
-def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exactly_like_the_saved_one(
-    tmp_path, monkeypatch
-):
+def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exactly_like_the_saved_one(tmp_path):
     from faast.checkpoint import save_state
 
-    monkeypatch.setattr(tuning_module, "FIT_PER_KEY_DIM", 16)  # lets the tiny model tune (see the test above)
     phrase = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
-    config = FaastConfig(output=ResidualOutput(tune_tokens=160, default_step=0.03))
+    # fit_per_key_dim 16 lets the tiny model tune (see the test above)
+    config = FaastConfig(output=ResidualOutput(tune_tokens=160, default_step=0.03,
+                                               policy=OutputPolicy(fit_per_key_dim=16)))  # fmt: skip
     model = apply_faast(tiny_model("llama"), config)
     model.learn([phrase.repeat(40)[:705].tolist()], max_length=200, batch_size=2)
     step, weight = model.output_memory_layer.chosen_step(), model.output_memory_layer.chosen_weight()
@@ -483,9 +482,9 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
     fresh.reset_fast_weights()
     assert fresh.output_memory_layer.chosen_step() is None and fresh.output_memory_layer.chosen_weight() is None
     fresh.learn(ids(batch=1, seq=30))  # 29 positions: the default step scaled to them
-    full = output_module.DEFAULT_STEP_PER_DIM * fresh.output_memory_layer.hidden_size
+    full = DEFAULT_POLICY.default_step_per_dim * fresh.output_memory_layer.hidden_size
     assert fresh.output_memory_layer.chosen_step() == pytest.approx(config.output.default_step * 29 / full, rel=1e-12)
-    assert fresh.output_memory_layer.chosen_weight() == output_module.DEFAULT_WEIGHT
+    assert fresh.output_memory_layer.chosen_weight() == DEFAULT_POLICY.default_weight
     assert not fresh.output_memory_layer.last_tuning["saved_step"]
     # A fixed step is the configuration's: nothing extra is saved.
     fixed = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(step=0.2)))
@@ -543,7 +542,7 @@ def test_learning_pools_p_h_at_the_configured_threshold(timed, monkeypatch, sett
                          learn_dtype="model")  # fmt: skip
     model = apply_faast(tiny_model("llama"), config)
     model.learn(ids(batch=2, seq=30))
-    pool = head_module.POOL_AUTO if expected == "POOL_AUTO" else expected
+    pool = DEFAULT_POLICY.pool_auto if expected == "POOL_AUTO" else expected
     given = None if setting == "auto" else setting
     assert seen and all(s == (getattr(torch, head_dtype), given) for s in seen)
     assert model.learner.precision()["head_pool_below"] == pool
@@ -631,20 +630,20 @@ def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tu
     assert torch.equal(model(x).logits, base)
     # Too little text to hold any out: the configured default step and weight, else the space's own defaults; the
     # step scaled by the positions learned below DEFAULT_STEP_PER_DIM per hidden dimension (29 of 3.5 × 32 here).
-    scale = 29 / (output_module.DEFAULT_STEP_PER_DIM * 32)
+    scale = 29 / (DEFAULT_POLICY.default_step_per_dim * 32)
     for space, kwargs, expected in (
         (
             "probability",
             {"default_step": 0.02, "default_weight": 0.6, "weight": "auto"},
             (0.02, 0.6),
         ),
-        ("probability", {"default_weight": 0.6}, (output_module.DEFAULT_STEP["probability"], 0.5)),
+        ("probability", {"default_weight": 0.6}, (DEFAULT_POLICY.default_step_probability, 0.5)),
         (
             "probability",
             {"weight": "auto"},
-            (output_module.DEFAULT_STEP["probability"], output_module.DEFAULT_WEIGHT),
+            (DEFAULT_POLICY.default_step_probability, DEFAULT_POLICY.default_weight),
         ),
-        ("logit", {}, (output_module.DEFAULT_STEP["logit"], 1.0)),
+        ("logit", {}, (DEFAULT_POLICY.default_step_logit, 1.0)),
     ):
         few = apply_faast(tiny_model("qwen2"), FaastConfig(output=ResidualOutput(space=space, **kwargs)))
         few.learn(ids(batch=1, seq=30))
@@ -980,9 +979,9 @@ def noisy_phrase():
     return torch.where(torch.rand(x.shape, generator=torch.Generator().manual_seed(1)) < 0.8, x, noise)
 
 
-def test_the_key_width_is_the_one_whose_tuned_correction_predicts_the_held_out_tail_best(monkeypatch):
+def test_the_key_width_is_the_one_whose_tuned_correction_predicts_the_held_out_tail_best():
     # The keys h̃ (32) and block 0's input ('auto' on 4 blocks: 64 in all). 792 positions, 160 held out and 320 left
-    # out before them: 312 fitted, enough for either width (FIT_PER_KEY_DIM × 64 = 256), so (η, λ) is tuned for both
+    # out before them: 312 fitted, enough for either width (fit_per_key_dim × 64 = 256), so (η, λ) is tuned for both
     # and the lower held-out NLL wins; each width's recorded NLL is checked against a float64 hand computation at its
     # (η, λ).
     x = noisy_phrase()
@@ -1008,8 +1007,8 @@ def test_the_key_width_is_the_one_whose_tuned_correction_predicts_the_held_out_t
     assert m is not None and m.shape == (width, 32)
     # Too little fitted for the full keys (16 per dimension: the gaps would leave 312 < 512, so none; 632 < 1024):
     # tuned for h̃ alone, no choice made.
-    monkeypatch.setattr(tuning_module, "FIT_PER_KEY_DIM", 16)
-    few = apply_faast(tiny_model("llama"), config)
+    few = apply_faast(tiny_model("llama"), FaastConfig(output=dataclasses.replace(output, policy=OutputPolicy(
+        fit_per_key_dim=16)), learn_dtype="model"))  # fmt: skip
     few.learn(x)
     few.output_memory_layer.folded(torch.device("cpu"), torch.float32)
     assert few.output_memory_layer.last_tuning["key_width"] == 32 and few.output_memory_layer.last_tuning["tuned"]
@@ -1066,7 +1065,7 @@ def test_the_untuned_step_grows_with_the_positions_learned_up_to_the_default():
     """Below DEFAULT_STEP_PER_DIM positions per hidden dimension the untuned step is default_step × positions /
     (DEFAULT_STEP_PER_DIM · d), and default_step from there on; a fixed step and a saved step are used as they are."""
     layer_of = lambda m: m.output_memory_layer  # noqa: E731
-    full = output_module.DEFAULT_STEP_PER_DIM * 32  # the tiny Qwen2's hidden size is 32
+    full = DEFAULT_POLICY.default_step_per_dim * 32  # the tiny Qwen2's hidden size is 32
     steps = {}
     for positions in (29, 59, 111, 199, 399):  # all too few to tune on (the tail needs a 256-position fit)
         model = apply_faast(tiny_model("qwen2"), FaastConfig(output=ResidualOutput(default_step=0.04)))

@@ -4,12 +4,13 @@ the memory off, and a memory that ends up off, or far below what one of its text
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 import torch
 
-from faast.hf import FaastConfig, MemoryOffWarning, ResidualOutput, apply_faast
+from faast.hf import FaastConfig, MemoryOffWarning, OutputPolicy, ResidualOutput, apply_faast
 from faast.hf import output_diagnosis as diagnosis_module
 from faast.hf import output_tuning as tuning_module
 from faast.hf.held_out import tail_plan
@@ -34,9 +35,15 @@ def random_text(length: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def learned(*calls: list[list[int]]):
-    """A fresh model that learned each call's texts in one learn() call, in order, and solved."""
-    model = apply_faast(tiny_model("llama"), CONFIG)
+def learned(*calls: list[list[int]], policy: OutputPolicy | None = None):
+    """A fresh model (CONFIG, with `policy` when given) that learned each call's texts in one learn() call, in order,
+    and solved."""
+    config = (
+        CONFIG
+        if policy is None
+        else dataclasses.replace(CONFIG, output=dataclasses.replace(CONFIG.output, policy=policy))
+    )
+    model = apply_faast(tiny_model("llama"), config)
     for texts in calls:
         model.learn(texts, max_length=WINDOW, batch_size=2)
     model.output_memory_layer.folded(torch.device("cpu"), torch.float32)
@@ -83,14 +90,14 @@ def test_two_texts_learned_in_either_order_or_together_tune_the_same_step():
         assert max(nll) - min(nll) < 1e-4 * max(nll)
 
 
-def test_the_sampled_step_search_tunes_the_same_step_in_either_order(monkeypatch):
-    # With many held-out rows the step is tuned on a spread of TUNE_SAMPLE of them and its search starts from every
-    # SEARCH_SAMPLE_STRIDE-th of those. Both samples are drawn with the documents in an order of their own content,
+def test_the_sampled_step_search_tunes_the_same_step_in_either_order():
+    # With many held-out rows the step is tuned on a spread of tune_sample of them and its search starts from every
+    # search_sample_stride-th of those. Both samples are drawn with the documents in an order of their own content,
     # so the two orders pick the same rows, and the steps agree to rounding, not merely to the search's tolerance.
-    monkeypatch.setattr(tuning_module, "TUNE_SAMPLE", 150)
-    monkeypatch.setattr(tuning_module, "SEARCH_SAMPLE_MIN_ROWS", 64)
+    policy = OutputPolicy(tune_sample=150, search_sample_min_rows=64)
     a, b = noisy_phrase(700, seed=1), noisy_phrase(400, seed=2)
-    first, second = (learned(*calls).output_memory_layer.last_tuning for calls in (([a], [b]), ([b], [a])))
+    first, second = (learned(*calls, policy=policy).output_memory_layer.last_tuning
+                     for calls in (([a], [b]), ([b], [a])))  # fmt: skip
     assert first["tuned"] and first["held_out_tokens"] > 150 and first["step"] > 0.05
     assert second["step"] == pytest.approx(first["step"], rel=ORDER_STEP_REL)
 
@@ -106,7 +113,7 @@ def test_a_last_text_unlike_the_others_does_not_switch_the_memory_off():
     base, adapted = base_and_memory_nll(model, noisy_phrase(300, seed=1)[11:])
     assert adapted < base - 0.05
     alone = learned([phrase]).output_memory_layer.last_tuning["step"]
-    assert tuning["step"] > alone / diagnosis_module.PART_STEP_RATIO  # no warning: the step serves the phrase too
+    assert tuning["step"] > alone / OutputPolicy().part_step_ratio  # no warning: the step serves the phrase too
 
 
 def disagreeing_logits(right: int, wrong: int, seed: int = 0):
@@ -146,8 +153,9 @@ def test_a_memory_whose_texts_disagree_says_its_step_is_far_below_what_one_would
     parts = {p["document"]: p for p in diagnosis["parts"]}
     assert sorted(parts) == [0, 1] and parts[0]["positions"] == right and parts[1]["positions"] == wrong
     own = min(torch.linspace(0, 4, 401).tolist(), key=lambda e: nll_at(logits, documents == 0, e, 1.0))
-    assert own > diagnosis_module.PART_STEP_RATIO * eta
-    assert parts[0]["step"] > diagnosis_module.PART_STEP_RATIO * eta and parts[1]["step"] <= eta
+    ratio = OutputPolicy().part_step_ratio
+    assert own > ratio * eta
+    assert parts[0]["step"] > ratio * eta and parts[1]["step"] <= eta
     # Document 0's step is confirmed on its own rows (it gains there, significantly); document 1's is not checked.
     assert parts[0]["confirmed"] is True and parts[1]["confirmed"] is None
     assert nll_at(logits, documents == 0, parts[0]["step"], 1.0) < nll_at(logits, documents == 0, eta, 1.0)
@@ -190,7 +198,7 @@ def test_a_memory_that_ends_up_off_says_so_once_in_what_learn_and_solve_return()
 
 def test_the_document_shrink_is_one_up_to_six_positions_per_dimension_then_their_square_root():
     shrink, d = diagnosis_module.document_shrink, 32
-    assert diagnosis_module.DOCUMENT_POSITIONS_PER_DIM == 6 and diagnosis_module.DOCUMENT_SHRINK_POWER == 0.5
+    assert OutputPolicy().document_positions_per_dim == 6 and OutputPolicy().document_shrink_power == 0.5
     assert shrink(6 * d * 3, 3, d) == 1.0 and shrink(100, 1, d) == 1.0 and shrink(0, 0, d) == 1.0
     assert shrink(6 * d * 3 + 3, 3, d) == pytest.approx(((6 * d * 3) / (6 * d * 3 + 3)) ** 0.5, rel=1e-15)
     assert shrink(24 * d, 1, d) == pytest.approx(0.5, rel=1e-15)
@@ -198,9 +206,7 @@ def test_the_document_shrink_is_one_up_to_six_positions_per_dimension_then_their
     assert shrink(24 * d, 0, d) == shrink(24 * d, 1, d)  # no held-out document counts as one
 
 
-def test_one_long_text_reads_at_the_tails_step_times_the_document_shrink_and_many_short_ones_at_the_tails(
-    monkeypatch, caplog
-):
+def test_one_long_text_reads_at_the_tails_step_times_the_document_shrink_and_many_short_ones_at_the_tails(caplog):
     text = noisy_phrase(3000, seed=3)
     with caplog.at_level(logging.INFO, logger="faast.hf"):
         layer = learned([text]).output_memory_layer
@@ -214,12 +220,10 @@ def test_one_long_text_reads_at_the_tails_step_times_the_document_shrink_and_man
     assert tuned["step"] == pytest.approx(tuned["tail_step"] * expected, rel=1e-12)
     m = layer.folded(torch.device("cpu"), torch.float32)
     # Without the shrink the tail tunes the same step, and what is read is M / shrink: the shrink scales M alone.
-    monkeypatch.setattr(diagnosis_module, "DOCUMENT_POSITIONS_PER_DIM", 10**9)
-    unshrunk = learned([text]).output_memory_layer
+    unshrunk = learned([text], policy=OutputPolicy(document_positions_per_dim=10**9)).output_memory_layer
     assert unshrunk.last_tuning["document_shrink"] == 1.0
     assert unshrunk.last_tuning["step"] == pytest.approx(tuned["tail_step"], rel=1e-9)
     torch.testing.assert_close(m, expected * unshrunk.folded(torch.device("cpu"), torch.float32), rtol=1e-5, atol=1e-7)
-    monkeypatch.undo()
     # The same amount of text as 12 documents: each held-out one has under 6·d fitted positions of its own.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="faast.hf"):

@@ -1,20 +1,23 @@
 """The residual output layer's held-out ends in folds (faast/hf/output_folds.py, docs/design.md §6.3): each
 document's held-out rows scored by a W fitted without its own fold's left-out positions, folds dealt by the documents'
-content, and the fold step taken only where it is FOLD_STEP_RATIO times the one fit's, which a sample of the rows
-checks at that threshold before any search."""
+content, and the fold step taken only where it is OutputPolicy.fold_step_ratio times the one fit's, which a sample of
+the rows checks at that threshold before any search. Each variation of the rule is an OutputPolicy given to the
+layer."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from faast.hf import FaastConfig, MemoryOffWarning, ResidualOutput, apply_faast, output_folds
-from faast.hf import output_tuning as tuning
+from faast.hf import FaastConfig, MemoryOffWarning, OutputPolicy, ResidualOutput, apply_faast, output_folds
 from hf_models import tiny_model
 from test_hf_tuning_documents import WINDOW, noisy_phrase
 from tolerances import ORDER_STEP_REL, STEP_SEARCH_REL, TRUTH_REL_W, rel
 
 CONFIG = FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=4096, head_dtype="float32"), learn_dtype="model")
+SHIPPED = OutputPolicy()
 # The end every document shares: a fixed phrase, repeated (licence versions end alike). The held-out end and the gap
 # before it lie inside it, so the one fit, which leaves every document's end out, never sees it.
 SHARED = noisy_phrase(160, seed=99, noise=0.0)
@@ -30,16 +33,21 @@ def plain(seeds: list[int]) -> list[list[int]]:
     return [noisy_phrase(440, seed=s) for s in seeds]
 
 
-def learned(texts: list[list[int]]):
-    model = apply_faast(tiny_model("llama"), CONFIG)
+def learned(texts: list[list[int]], policy: OutputPolicy = SHIPPED, config: FaastConfig = CONFIG):
+    """A model of `config` with `policy` that learned `texts` and solved."""
+    model = apply_faast(tiny_model("llama"), config_with(config, policy))
     model.learn(texts, max_length=WINDOW, batch_size=2)
     model.output_memory_layer.folded(torch.device("cpu"), torch.float32)
     return model
 
 
+def config_with(config: FaastConfig, policy: OutputPolicy) -> FaastConfig:
+    return dataclasses.replace(config, output=dataclasses.replace(config.output, policy=policy))
+
+
 def min_fit_of(layer) -> int:  # noqa: ANN001
     """The fewest positions the layer's tuning fit may keep (as ResidualOutputLayer computes it)."""
-    return max(tuning.MIN_FIT_TOKENS, tuning.FIT_PER_KEY_DIM * layer.hidden_size)
+    return max(layer.policy.min_fit_tokens, layer.policy.fit_per_key_dim * layer.hidden_size)
 
 
 def test_the_folds_statistics_split_the_left_out_positions_by_document():
@@ -60,23 +68,22 @@ def test_the_folds_statistics_split_the_left_out_positions_by_document():
 
 
 @pytest.mark.parametrize("sampled, spare", [(False, False), (True, False), (True, True)])
-def test_each_held_out_row_is_scored_by_the_fit_without_its_own_folds_ends(monkeypatch, sampled, spare):
+def test_each_held_out_row_is_scored_by_the_fit_without_its_own_folds_ends(sampled, spare):
     """Every row's change, whether all rows are one set or the sample and the other row sets are written in place as
     strided views, into a fresh buffer or into the layer's spare one (NaN-filled: a row left unwritten fails)."""
-    if sampled:
-        monkeypatch.setattr(tuning, "SEARCH_SAMPLE_MIN_ROWS", 8)
     layer = learned(plain([1, 2, 3, 4])).output_memory_layer
+    # taken: every row's logits are formed
+    layer.policy = OutputPolicy(fold_step_ratio=1e-9, search_sample_min_rows=8 if sampled else 1024)
     min_fit = min_fit_of(layer)
     keys, ys, docs, *_ = layer.tail_statistics()
     base = layer.tail_base(keys, ys)
     log_base = torch.log_softmax(base[0].double(), -1).gather(-1, ys[:, None]).squeeze(-1)
     curvature, width = layer.damped_curvature(), layer.hidden_size
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)  # taken: every row's logits are formed
     buffer = torch.full_like(base[0], float("nan")) if spare else None
     fold = output_folds.fold_tuning(layer, keys, ys, docs, base, log_base, width, curvature, 0.5, 0.05, min_fit,
                                     spare=buffer)  # fmt: skip
     eta, _, _, logits = fold.taken
-    assert keys.shape[0] >= 8 * tuning.SEARCH_SAMPLE_STRIDE or not sampled
+    assert keys.shape[0] >= 8 * layer.policy.search_sample_stride or not sampled
     assert not spare or logits[1].data_ptr() == buffer.data_ptr()
     assert eta == fold.step > 0 and fold.check == "searched"
     assert torch.equal(logits[3], logits[1].gather(-1, ys[:, None]).squeeze(-1))
@@ -93,29 +100,27 @@ def test_each_held_out_row_is_scored_by_the_fit_without_its_own_folds_ends(monke
         assert rel(logits[1][rows].double(), keys[rows].double() @ w @ head.T) < TRUTH_REL_W
 
 
-def test_the_folds_come_from_the_documents_content_so_learning_order_does_not_change_the_step(monkeypatch):
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)  # always the fold step
+def test_the_folds_come_from_the_documents_content_so_learning_order_does_not_change_the_step():
+    always = OutputPolicy(fold_step_ratio=1e-9)  # always the fold step
     texts = documents([1, 2, 3, 4])
-    first = learned(texts).output_memory_layer.last_tuning
+    first = learned(texts, always).output_memory_layer.last_tuning
     # dealt by the order of learning, this order would put texts 2 and 3 in one fold and 1 and 4 in the other
-    second = learned([texts[0], texts[1], texts[3], texts[2]]).output_memory_layer.last_tuning
+    second = learned([texts[0], texts[1], texts[3], texts[2]], always).output_memory_layer.last_tuning
     assert first["fold_step"] > 0 and first["tail_step"] == first["fold_step"]
     assert second["fold_step"] == pytest.approx(first["fold_step"], rel=ORDER_STEP_REL)
     assert second["step"] == pytest.approx(first["step"], rel=ORDER_STEP_REL)
 
 
-def test_a_memory_the_one_fit_leaves_off_is_turned_on_where_the_folds_find_a_step(monkeypatch):
+def test_a_memory_the_one_fit_leaves_off_is_turned_on_where_the_folds_find_a_step():
     """Every text ends in SHARED, which the one fit never sees: it leaves the memory off. The folds fit it from the
-    other fold's texts and find a step, infinitely many times the one fit's 0, so the shipped FOLD_STEP_RATIO (any
+    other fold's texts and find a step, infinitely many times the one fit's 0, so the shipped fold_step_ratio (any
     finite one) takes it; the shared end of a new text then reads better than under the base model."""
     texts = documents([1, 2, 3, 4])
-    with monkeypatch.context() as one_fit_alone:
-        one_fit_alone.setattr(output_folds, "FOLD_STEP_RATIO", float("inf"))
-        with pytest.warns(MemoryOffWarning, match="off"):
-            alone = learned(texts).output_memory_layer.last_tuning
+    with pytest.warns(MemoryOffWarning, match="off"):
+        alone = learned(texts, OutputPolicy(fold_step_ratio=float("inf"))).output_memory_layer.last_tuning
     assert alone["fold_step"] is None and alone["fold_check"] == "off"
     assert alone["one_fit_step"] == alone["tail_step"] == alone["step"] == 0.0
-    assert 1.0 < output_folds.FOLD_STEP_RATIO < float("inf")  # the shipped rule: on, and only for a larger step
+    assert 1.0 < SHIPPED.fold_step_ratio < float("inf")  # the shipped rule: on, and only for a larger step
     model = learned(texts)
     taken = model.output_memory_layer.last_tuning
     assert not taken["off"] and taken["one_fit_step"] == 0.0 and taken["tail_step"] == taken["fold_step"] > 0
@@ -129,52 +134,49 @@ def test_a_memory_the_one_fit_leaves_off_is_turned_on_where_the_folds_find_a_ste
     assert adapted < base
 
 
-def test_with_folds_a_memory_the_one_fit_leaves_on_keeps_the_larger_step_only_past_the_ratio(monkeypatch):
+def test_with_folds_a_memory_the_one_fit_leaves_on_keeps_the_larger_step_only_past_the_ratio():
     """Below the folds' own ratio to the one fit's step the fold step is taken; just above it the rows' NLL rises at
     the threshold, so no search runs and the one fit's step stays (every held-out row is the sample here)."""
     texts = plain([1, 2, 3, 4])
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)
-    always = learned(texts).output_memory_layer.last_tuning
+
+    def ratio_of(ratio: float) -> OutputPolicy:
+        return OutputPolicy(fold_step_ratio=ratio)
+
+    always = learned(texts, ratio_of(1e-9)).output_memory_layer.last_tuning
     assert always["one_fit_step"] > 0 and always["tail_step"] == always["fold_step"] > 0
-    assert always["held_out_tokens"] < tuning.SEARCH_SAMPLE_MIN_ROWS
+    assert always["held_out_tokens"] < SHIPPED.search_sample_min_rows
     ratio = always["fold_step"] / always["one_fit_step"]
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", ratio * 0.99)
-    below = learned(texts).output_memory_layer.last_tuning
+    below = learned(texts, ratio_of(ratio * 0.99)).output_memory_layer.last_tuning
     assert below["fold_check"] == "searched"
     assert below["tail_step"] == below["fold_step"] == pytest.approx(always["fold_step"], rel=STEP_SEARCH_REL)
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", ratio * 1.01)
-    above = learned(texts).output_memory_layer.last_tuning
+    above = learned(texts, ratio_of(ratio * 1.01)).output_memory_layer.last_tuning
     assert above["fold_check"] == "below ratio" and above["fold_step"] is None
     assert above["tail_step"] == above["one_fit_step"] == always["one_fit_step"]
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1.01 * tuning.MAX_STEP / always["one_fit_step"])
-    assert learned(texts).output_memory_layer.last_tuning["fold_check"] == "above range"
+    past = ratio_of(1.01 * SHIPPED.max_step / always["one_fit_step"])
+    assert learned(texts, past).output_memory_layer.last_tuning["fold_check"] == "above range"
 
 
-def test_the_threshold_is_checked_on_a_sample_of_rows_and_the_search_then_ends_at_the_full_rows_step(monkeypatch):
-    """With the rows sampled (every SEARCH_SAMPLE_STRIDE-th), a threshold well below the folds' step still searches
+def test_the_threshold_is_checked_on_a_sample_of_rows_and_the_search_then_ends_at_the_full_rows_step():
+    """With the rows sampled (every search_sample_stride-th), a threshold well below the folds' step still searches
     and ends at the step every row gives, its search on every row starting from the sample's best step rather than
     the threshold, and one well above it stops at the sample's check."""
     texts = plain([1, 2, 3, 4])
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)
-    always = learned(texts).output_memory_layer.last_tuning
+    always = learned(texts, OutputPolicy(fold_step_ratio=1e-9)).output_memory_layer.last_tuning
     ratio = always["fold_step"] / always["one_fit_step"]
-    monkeypatch.setattr(tuning, "SEARCH_SAMPLE_MIN_ROWS", 8)
-    assert always["held_out_tokens"] >= 8 * tuning.SEARCH_SAMPLE_STRIDE
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", ratio * 0.5)
-    low = learned(texts).output_memory_layer.last_tuning
+    sampled = OutputPolicy(search_sample_min_rows=8)
+    assert always["held_out_tokens"] >= 8 * sampled.search_sample_stride
+    low = learned(texts, dataclasses.replace(sampled, fold_step_ratio=ratio * 0.5)).output_memory_layer.last_tuning
     assert low["fold_check"] == "searched" and low["tail_step"] == low["fold_step"]
     assert low["fold_step"] == pytest.approx(always["fold_step"], rel=STEP_SEARCH_REL)
     threshold = ratio * 0.5 * low["one_fit_step"]
     first = low["held_out_nll"][0][0]  # the full rows' search trace: [(η, NLL)]
     assert first != pytest.approx(threshold, rel=1e-6) and first == pytest.approx(low["fold_step"], rel=0.5)
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", ratio * 2.0)
-    high = learned(texts).output_memory_layer.last_tuning
+    high = learned(texts, dataclasses.replace(sampled, fold_step_ratio=ratio * 2.0)).output_memory_layer.last_tuning
     assert high["fold_check"] == "below ratio" and high["tail_step"] == high["one_fit_step"]
 
 
-def test_a_single_text_is_left_to_the_one_fit_whose_fit_its_one_fold_would_repeat(monkeypatch):
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)
-    one = learned([noisy_phrase(1800, seed=1)]).output_memory_layer.last_tuning
+def test_a_single_text_is_left_to_the_one_fit_whose_fit_its_one_fold_would_repeat():
+    one = learned([noisy_phrase(1800, seed=1)], OutputPolicy(fold_step_ratio=1e-9)).output_memory_layer.last_tuning
     assert one["fold_check"] == "one document" and one["fold_step"] is None
     assert one["held_out_documents"] == 1 and one["tail_step"] == one["one_fit_step"] > 0
 
@@ -184,16 +186,16 @@ def test_the_layer_writes_the_folds_change_into_the_key_width_it_did_not_choose(
     """With two key widths and sampled rows the layer hands the folds the unchosen width's [m, V] buffer; what it
     tunes (step, trace, held-out gain, whether the fold step is taken or the one fit's kept) equals what it tunes
     with the folds' change in a fresh buffer."""
-    config = FaastConfig(output=ResidualOutput(tune_tokens=4096, head_dtype="float32"), learn_dtype="model")
-    monkeypatch.setattr(tuning, "SEARCH_SAMPLE_MIN_ROWS", 8)
-    monkeypatch.setattr(tuning, "WIDTH_SAMPLE_MIN_ROWS", 8)
-    monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1e-9)
+    policy = OutputPolicy(search_sample_min_rows=8, width_sample_min_rows=8, fold_step_ratio=1e-9)
+    config = FaastConfig(output=ResidualOutput(tune_tokens=4096, head_dtype="float32", policy=policy),
+                         learn_dtype="model")  # fmt: skip
     if check == "below ratio":  # just above the folds' own ratio: the check stops and the one fit's rows are kept
         model = apply_faast(tiny_model("llama"), config)
         model.learn(plain([1, 2, 3, 4]), max_length=WINDOW, batch_size=2)
         model.output_memory_layer.folded(torch.device("cpu"), torch.float32)
         always = model.output_memory_layer.last_tuning
-        monkeypatch.setattr(output_folds, "FOLD_STEP_RATIO", 1.01 * always["fold_step"] / always["one_fit_step"])
+        ratio = 1.01 * always["fold_step"] / always["one_fit_step"]
+        config = config_with(config, dataclasses.replace(policy, fold_step_ratio=ratio))
     shipped, spares = output_folds.fold_tuning, []
 
     def recording(*args, drop: bool):  # noqa: ANN002, ANN202 - the layer's positional call; spare comes last

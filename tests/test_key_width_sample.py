@@ -1,12 +1,14 @@
 """The residual output layer's key width chosen on a sample of the held-out rows (faast.hf.output._choose_step with
-WIDTH_SAMPLE_MIN_ROWS rows or more): each width's recorded NLL against a float64 hand computation on the sampled
-rows, and the chosen width then tuned on every row exactly as a layer offered that width alone would tune it; and
-the blocked logsumexp the tuning reads its rows with."""
+OutputPolicy.width_sample_min_rows rows or more): each width's recorded NLL against a float64 hand computation on the
+sampled rows, and the chosen width then tuned on every row exactly as a layer offered that width alone would tune it;
+and the blocked logsumexp the tuning reads its rows with."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from faast.hf import FaastConfig, ResidualOutput, apply_faast
+from faast.hf import FaastConfig, OutputPolicy, ResidualOutput, apply_faast
 from faast.hf import output as output_module
 from faast.hf import output_tuning as tuning
 from hf_models import tiny_model
@@ -32,7 +34,7 @@ def test_row_logsumexp_equals_a_float64_reference_on_odd_shapes(shape, eta, chan
 @pytest.mark.parametrize("n", [1, 4, 5, 161])
 def test_sample_first_puts_every_stride_th_row_first_and_keeps_every_row_once(n):
     order, m = tuning.sample_first(n, CPU)
-    stride = tuning.SEARCH_SAMPLE_STRIDE
+    stride = OutputPolicy().search_sample_stride
     assert m == len(range(0, n, stride))
     assert order[:m].tolist() == list(range(0, n, stride))
     assert sorted(order.tolist()) == list(range(n))
@@ -41,10 +43,10 @@ def test_sample_first_puts_every_stride_th_row_first_and_keeps_every_row_once(n)
 @pytest.mark.parametrize("weight", ["auto", 0.5])
 def test_the_key_width_is_chosen_on_a_sample_and_the_chosen_width_is_then_tuned_on_every_row(weight, monkeypatch):
     # noisy_phrase: 792 positions, 160 held out (all in the tuning sample), 312 fitted: enough for both widths (32,
-    # 64). With WIDTH_SAMPLE_MIN_ROWS at 64 the widths are compared on every 4th held-out row (40 rows).
-    monkeypatch.setattr(tuning, "WIDTH_SAMPLE_MIN_ROWS", 64)
+    # 64). With width_sample_min_rows at 64 the widths are compared on every 4th held-out row (40 rows).
     x = noisy_phrase()
-    output = ResidualOutput(tune_tokens=4096, head_dtype="float32", weight=weight)
+    output = ResidualOutput(tune_tokens=4096, head_dtype="float32", weight=weight,
+                            policy=OutputPolicy(width_sample_min_rows=64))  # fmt: skip
     config = FaastConfig(output=output, learn_dtype="model")
     model = apply_faast(tiny_model("llama"), config)
     model.learn(x)
@@ -56,7 +58,7 @@ def test_the_key_width_is_chosen_on_a_sample_and_the_chosen_width_is_then_tuned_
     k, y, _, _, mu_gram, mass = reference_statistics(model, x, torch.ones_like(x, dtype=torch.bool))
     held, out = tail_split([99] * 8, 4096)
     assert tuning_info["held_out_tokens"] == held.numel() == 160
-    sampled = held[:: tuning.SEARCH_SAMPLE_STRIDE]
+    sampled = held[:: output.policy.search_sample_stride]
     head = model.base_model.get_output_embeddings().weight.double()
     for width, chosen in by_width.items():
         assert chosen["rows"] == sampled.numel() == 40
@@ -65,9 +67,9 @@ def test_the_key_width_is_chosen_on_a_sample_and_the_chosen_width_is_then_tuned_
     width = min(by_width, key=lambda v: (by_width[v]["held_out_nll"], v))
     assert tuning_info["key_width"] == width == layer.chosen_key_width()
     # The chosen width on all 160 rows: what a layer offered that width alone, with no sample, tunes.
-    monkeypatch.setattr(tuning, "WIDTH_SAMPLE_MIN_ROWS", 10**6)
     monkeypatch.setattr(output_module.ResidualOutputLayer, "_widths", lambda self, fitted: [width])
-    alone = apply_faast(tiny_model("llama"), config)
+    unsampled = dataclasses.replace(output, policy=OutputPolicy(width_sample_min_rows=10**6))
+    alone = apply_faast(tiny_model("llama"), FaastConfig(output=unsampled, learn_dtype="model"))
     alone.learn(x)
     m_alone, _ = alone.output_memory_layer.solution(CPU, torch.float64)
     want = alone.output_memory_layer.last_tuning

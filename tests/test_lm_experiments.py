@@ -722,22 +722,21 @@ def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_
     assert module.solve_report(report, module) == {"off": False, "parts": [1]}
 
 
-def test_the_folds_row_takes_the_fold_step_at_its_ratio_and_restores_the_shipped_rule(tmp_path, monkeypatch):
-    """--methods default,folds: the folds row computes the held-out ends' fold step and, at a ratio below any the
-    search can give, takes it; the default row keeps the shipped rule, which is restored after the row."""
-    from faast.hf import output_folds
+def test_the_folds_row_takes_the_fold_step_at_the_ratio_of_the_policy_it_is_given(tmp_path, monkeypatch):
+    """--methods default,folds: the folds row's layer is given a policy whose fold ratio is below any the search can
+    give, so it computes the held-out ends' fold step and takes it; the default row keeps the shipped rule."""
+    from faast.hf import OutputPolicy
 
     module = load_script("lm_domains")
     with pytest.raises(ValueError, match="fold_ratio: expected a ratio > 0"):
-        with module.fold_ratio(0.0):
-            pass
+        module.fold_policy(0.0)
+    assert module.fold_policy(2.5) == OutputPolicy(fold_step_ratio=2.5)
     _made_up_domain(module, monkeypatch, seed=1, texts=6)
-    shipped = output_folds.FOLD_STEP_RATIO
+    shipped = OutputPolicy().fold_step_ratio
     payload = module.main([
         "--domains", "info", "--methods", "default,folds", "--fold-ratio", "1e-9", "--learn-tokens", "3000",
         "--score-tokens", "400", "--window", "64", "--results-dir", str(tmp_path), "--out", "d",
     ])  # fmt: skip
-    assert output_folds.FOLD_STEP_RATIO == shipped
     rows = {r["method"]: r for r in payload["domains"][0]["rows"]}
     default, folds = rows["FAAST: residual output only"], rows["FAAST: residual output only, fold step rule"]
     assert folds["fold_ratio"] == 1e-9 and "fold_ratio" not in default
@@ -765,16 +764,17 @@ def _variants_layer(positions: int):  # noqa: ANN202 - (the script, its head, a 
 def test_output_variants_space_uses_that_space_default_and_restores_the_layer():
     # lm_output_variants scores the logit-space rule on the layer the shipped rule uses: with too few positions to
     # tune, it must read at logit space's own default step, and leave the shipped layer's settings as they were.
-    from faast.hf.output import DEFAULT_STEP
+    from faast.hf import OutputPolicy
 
+    logit, probability = OutputPolicy().default_step_logit, OutputPolicy().default_step_probability
     variants, head, layer, _ = _variants_layer(40)
     before = layer.space, layer.weight, layer.default_step
     m, step, weight = variants.VARIANTS["logit"](layer, None)
-    assert step == DEFAULT_STEP["logit"] and weight == 1.0
+    assert step == logit and weight == 1.0
     assert (layer.space, layer.weight, layer.default_step) == before
     m_shipped, step_shipped, weight_shipped = variants.shipped(layer, None)
-    assert step_shipped == DEFAULT_STEP["probability"] and weight_shipped == layer.weight
-    torch.testing.assert_close(m, m_shipped * DEFAULT_STEP["logit"] / DEFAULT_STEP["probability"])
+    assert step_shipped == probability and weight_shipped == layer.weight
+    torch.testing.assert_close(m, m_shipped * logit / probability)
 
 
 def test_output_variants_leverage_is_the_float64_hand_computation_and_gates_per_position():
@@ -817,8 +817,7 @@ def test_the_step_probe_rebuilds_the_models_read_and_leaves_the_layer_as_shipped
     read, the oracle is no worse than any step on the curve; gap_steps restores the shipped gap and step. The read is
     the model's learning the curve's parts as the benchmark does (a cut text continued) with --key-layers' keys."""
     import faast.hf.default
-    from faast.hf import FaastConfig, ResidualOutput, apply_faast
-    from faast.hf import output_tuning as tuning
+    from faast.hf import FaastConfig, OutputPolicy, ResidualOutput, apply_faast
     from faast.hf.evaluate import token_windows
     from faast.hf.tokens import split_continuing, token_lists
 
@@ -870,7 +869,7 @@ def test_the_step_probe_rebuilds_the_models_read_and_leaves_the_layer_as_shipped
         layer = model.output_memory_layer
         shipped = layer.chosen_step()
         steps = module.gap_steps(layer)
-        assert tuning.GAP_MULTIPLE == 2 and layer.chosen_step() == shipped == steps["2"]["step"]
+        assert layer.policy == OutputPolicy() and layer.chosen_step() == shipped == steps["2"]["step"]
         assert steps["0"]["fitted_tokens"] > steps["2"]["fitted_tokens"]  # no gap: more of the text is fitted
         memory_alpha, damping = layer.memory.alpha, layer.damping
         module.w_variants(layer, module.read_states(model, scored[:1]))

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from faast.hf.output_diagnosis import DOCUMENT_POSITIONS_PER_DIM, DOCUMENT_SHRINK_POWER, document_shrink
+from faast.hf import OutputPolicy
+from faast.hf.output_diagnosis import document_shrink
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = tuple(2 ** (k / 4) for k in range(-8, 9))  # the probe's curve: the tuned step times these
@@ -29,9 +30,10 @@ def load_fit():  # noqa: ANN202 - the experiment module
 
 def test_the_fits_shrink_at_the_shipped_constants_is_the_layers():
     fit = load_fit()
-    threshold = DOCUMENT_POSITIONS_PER_DIM * fit.HIDDEN
+    shipped = OutputPolicy()
+    threshold = shipped.document_positions_per_dim * fit.HIDDEN
     for fitted, docs in [(1000, 1), (3456, 1), (3457, 1), (26620, 4), (26614, 10), (21927, 1), (5000, 0)]:
-        assert fit.shrink(fitted, docs, threshold, DOCUMENT_SHRINK_POWER) == pytest.approx(
+        assert fit.shrink(fitted, docs, threshold, shipped.document_shrink_power) == pytest.approx(
             document_shrink(fitted, docs, fit.HIDDEN), rel=1e-12
         )
 

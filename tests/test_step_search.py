@@ -6,8 +6,11 @@ import math
 import pytest
 import torch
 
+from faast.hf import OutputPolicy
 from faast.hf import output_tuning as tuning
 from tolerances import STEP_SEARCH_NLL_ABS, STEP_SEARCH_REL, assert_close
+
+POLICY = OutputPolicy()
 
 
 def held_out_logits(n: int, vocab: int = 96, signal: float = 2.0, noise: float = 1.5, seed: int = 0):
@@ -34,8 +37,8 @@ def nll_float64(logits, eta: float, weight: float) -> float:
 
 
 def brute_force_minimum(logits, weight: float) -> tuple[float, float]:
-    """(η, NLL) of the grid minimum on [0, MAX_STEP]: 81 points, then 81 around the best, twice (spacing ~1e-4)."""
-    low, high = 0.0, tuning.MAX_STEP
+    """(η, NLL) of the grid minimum on [0, max_step]: 81 points, then 81 around the best, twice (spacing ~1e-4)."""
+    low, high = 0.0, POLICY.max_step
     for _ in range(3):
         grid = torch.linspace(low, high, 81).tolist()
         values = [nll_float64(logits, e, weight) for e in grid]
@@ -58,13 +61,13 @@ def counting(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("weight", [0.5, 1.0])
-@pytest.mark.parametrize("n", [300, 1100])  # below and above SEARCH_SAMPLE_MIN_ROWS
+@pytest.mark.parametrize("n", [300, 1100])  # below and above search_sample_min_rows
 @pytest.mark.parametrize("start", [0.0, 3.0])
 def test_the_searched_step_is_the_brute_force_minimum_of_the_held_out_nll(weight, n, start):
     logits, log_base = held_out_logits(n)
     eta, trace, rows = tuning.tune_step_rows(logits, weight, log_base, start)
     best, best_nll = brute_force_minimum(logits, weight)
-    assert 0.05 < best < 0.9 * tuning.MAX_STEP  # an interior minimum: the search is really tested
+    assert 0.05 < best < 0.9 * POLICY.max_step  # an interior minimum: the search is really tested
     assert abs(eta - best) <= STEP_SEARCH_REL * best
     assert nll_float64(logits, eta, weight) <= best_nll + STEP_SEARCH_NLL_ABS
     assert rows.eta == eta and trace[-1][0] == eta  # the rows returned are the last point's, over all rows
@@ -76,7 +79,7 @@ def test_above_the_sample_size_the_search_reads_the_full_logits_at_most_three_ti
     logits, log_base = held_out_logits(n)
     passes = counting(monkeypatch)
     tuning.tune_step_rows(logits, 0.5, log_base, 0.0)
-    sampled = [p for p in passes if p == n // tuning.SEARCH_SAMPLE_STRIDE]
+    sampled = [p for p in passes if p == n // POLICY.search_sample_stride]
     full = [p for p in passes if p == n]
     assert len(sampled) + len(full) == len(passes) and sampled and passes[: len(sampled)] == sampled
     assert len(full) <= 3
@@ -84,11 +87,39 @@ def test_above_the_sample_size_the_search_reads_the_full_logits_at_most_three_ti
 
 
 def test_below_the_sample_size_every_pass_reads_all_rows(monkeypatch):
-    n = tuning.SEARCH_SAMPLE_MIN_ROWS - 1
+    n = POLICY.search_sample_min_rows - 1
     logits, log_base = held_out_logits(n)
     passes = counting(monkeypatch)
     tuning.tune_step_rows(logits, 0.5, log_base, 0.0)
     assert passes and set(passes) == {n}
+
+
+def test_the_policy_given_sets_the_sample_size_and_the_range(monkeypatch):
+    # The shipped policy samples 2048 rows; one whose sample starts above them reads every row in every pass, and a
+    # range below the interior minimum ends the search at its top.
+    n = 2048
+    logits, log_base = held_out_logits(n)
+    passes = counting(monkeypatch)
+    unsampled = OutputPolicy(search_sample_min_rows=n + 1)
+    best, _, _ = tuning.tune_step_rows(logits, 0.5, log_base, 0.0, policy=unsampled)
+    assert passes and set(passes) == {n}
+    capped, _, _ = tuning.tune_step_rows(logits, 0.5, log_base, 0.0, policy=OutputPolicy(max_step=best / 2))
+    assert best / 2 * (1 - 3 * POLICY.step_tol) <= capped <= best / 2  # the bracket closes within a few step_tol
+
+
+def test_golden_section_finds_a_unimodal_minimum_with_one_new_point_per_step():
+    calls = []
+
+    def f(x: float) -> float:
+        calls.append(x)
+        return (x - 0.3) ** 2 + 1.0
+
+    x, fx = tuning.golden_section(f, -2.0, 2.0, 30)
+    assert len(calls) == 32 and fx == (x - 0.3) ** 2 + 1.0 and abs(x - 0.3) < 4.0 * 0.618**30
+    assert tuning.golden_section(f, -2.0, 2.0, 0)[0] == calls[33] > 0  # no step: the better of the two first points
+    # A monotone function ends at the bracket's low end, within the bracket's width after the steps.
+    low, _ = tuning.golden_section(lambda u: u, 1.0, 5.0, 20)
+    assert 1.0 <= low < 1.0 + 4.0 * 0.618**20
 
 
 def test_a_step_that_does_not_help_is_zero_with_or_without_the_sample():

@@ -166,3 +166,102 @@ def test_a_planted_private_write_is_found(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text("def f(layer, memory):\n    layer._tail = []\n    memory._buffers['gram'][0] = 1\n")
     assert _private_writes(planted) == ["planted.py:2 layer._tail", "planted.py:3 memory._buffers"]
+
+
+# ---------------------------------------------------------------------------------------------------- the lab's code
+
+LAB = ("experiments", "benchmarks", "examples")
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _lab_violations(path: Path) -> list[str]:
+    """What a file of the lab (experiments/, benchmarks/, examples/) does outside faast's public API: importing a
+    private faast module or name (a dotted component after `faast`, or an imported name, starting with `_`; dunders
+    such as __version__ are public), and assigning to an attribute of a faast module (`output.MAX_STEP = ...`, also
+    augmented, deleted, or through setattr/delattr) where the module was imported under that name (`import faast.x as
+    m`, `from faast.x import m`, or the dotted `faast.x.y`). A tuned constant is varied by passing an OutputPolicy, not
+    by rebinding the library's globals."""
+    found: list[str] = []
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    modules: set[str] = set()  # local names bound to faast modules anywhere in the file
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] != "faast":
+                    continue
+                if any(_private(p) for p in parts[1:]):
+                    found.append(f"{path.name}:{node.lineno} import {alias.name}")
+                modules.add(alias.asname or "faast")
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            parts = node.module.split(".")
+            if parts[0] != "faast":
+                continue
+            if any(_private(p) for p in parts[1:]):
+                found.append(f"{path.name}:{node.lineno} from {node.module} import ...")
+            for alias in node.names:
+                if _private(alias.name):
+                    found.append(f"{path.name}:{node.lineno} from {node.module} import {alias.name}")
+                elif f"{node.module}.{alias.name}" in MODULES:
+                    modules.add(alias.asname or alias.name)
+
+    def is_module(expr: ast.expr) -> bool:
+        # a name bound to a faast module, or an attribute chain down from one (faast.hf.output_folds)
+        while isinstance(expr, ast.Attribute):
+            expr = expr.value
+        return isinstance(expr, ast.Name) and expr.id in modules
+
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [
+                t for target in node.targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+            ]
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = list(node.targets)
+        elif isinstance(node, ast.Call) and node.args:
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if name in ("setattr", "delattr") and is_module(node.args[0]):
+                found.append(f"{path.name}:{node.lineno} {name}({ast.unparse(node.args[0])}, ...)")
+            continue
+        for target in targets:
+            if isinstance(target, ast.Attribute) and is_module(target.value):
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(target)} =")
+    return found
+
+
+def test_the_lab_uses_only_faasts_public_api():
+    files = [p for folder in LAB for p in sorted((ROOT / folder).rglob("*.py")) if "results" not in p.parts]
+    assert len(files) > 20
+    found = [v for path in files for v in _lab_violations(path)]
+    assert not found, found
+
+
+def test_a_planted_lab_violation_is_found(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "import faast.ops._dispatch\n"
+        "from faast.hf import output_tuning as tuning, OutputPolicy\n"
+        "from faast.ops import _autotune\n"
+        "from faast.hf.output_tuning import _search\n"
+        "import faast.hf.output_folds\n"
+        "tuning.MAX_STEP = 8.0\n"
+        "faast.hf.output_folds.FOLD_STEP_RATIO += 1\n"
+        "setattr(tuning, 'GAP_MULTIPLE', 0)\n"
+        "policy = OutputPolicy()\n"
+        "policy.max_step = 1.0\n"  # an object, not a module: not this rule's
+        "from faast import __version__\n"
+    )
+    assert _lab_violations(planted) == [
+        "planted.py:1 import faast.ops._dispatch",
+        "planted.py:3 from faast.ops import _autotune",
+        "planted.py:4 from faast.hf.output_tuning import _search",
+        "planted.py:6 tuning.MAX_STEP =",
+        "planted.py:7 faast.hf.output_folds.FOLD_STEP_RATIO =",
+        "planted.py:8 setattr(tuning, ...)",
+    ]

@@ -10,6 +10,7 @@ empty packages (so nothing is downloaded or installed and the torch installer is
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -143,6 +144,18 @@ def test_ci_requires_triton_on_linux_and_the_test_extra_installs_it():
     assert "export FAAST_REQUIRE_TRITON=1" in ci and "bash scripts/test.sh" in ci
     setup = (ROOT / "setup.py").read_text()
     assert "\"triton==3.9.*; platform_system == 'Linux'\"" in setup
+
+
+def test_ci_lints_before_the_tests_with_the_tools_pinned_in_the_test_extra():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci.index("bash scripts/lint.sh") < ci.index("bash scripts/test.sh")
+    lint = (ROOT / "scripts" / "lint.sh").read_text()
+    assert "set -euo pipefail" in lint and "faast_env test" in lint
+    for check in ('ruff check "${PATHS[@]}"', 'ruff format --check "${PATHS[@]}"', "\nmypy\n"):
+        assert check in lint, check
+    setup = (ROOT / "setup.py").read_text()
+    test_extra = setup[setup.index('"test": [') : setup.index('"demo": HF')]
+    assert re.search(r'"ruff==[\d.]+"', test_extra) and re.search(r'"mypy==[\d.]+"', test_extra)
 
 
 # ---------------------------------------------------------------------------------------------------- warnings

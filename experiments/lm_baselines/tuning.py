@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from faast.hf import OutputPolicy
 from faast.hf.held_out import tail_plan
-from faast.hf.output_tuning import FIT_PER_KEY_DIM, MIN_FIT_TOKENS
 from faast.hf.tokens import pad_rows
 
 from .backprop import apply_lora, fit_causal_lm
@@ -30,10 +30,11 @@ from .knnlm import KNNLM, KNNConfig
 DEFAULT_TEMPERATURES = (1.0, 3.0, 10.0, 30.0, 100.0)
 
 
-def faast_min_fit(hidden_size: int) -> int:
+def faast_min_fit(hidden_size: int, policy: OutputPolicy | None = None) -> int:
     """The fewest positions FAAST's step tuning fits on for a model of this hidden size (its key width): the
-    residual output layer's rule (faast.hf.output's min_fit), 2304 for SmolLM2 (576)."""
-    return max(MIN_FIT_TOKENS, FIT_PER_KEY_DIM * int(hidden_size))
+    residual output layer's rule under `policy` (None: the shipped OutputPolicy), 2304 for SmolLM2 (576)."""
+    policy = OutputPolicy() if policy is None else policy
+    return max(policy.min_fit_tokens, policy.fit_per_key_dim * int(hidden_size))
 
 
 @dataclass

@@ -11,6 +11,7 @@ checkpoint, classify, distributed and hf are imported on first use (`faast.hf`, 
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 
 from . import ops
 from ._version import __version__
@@ -33,7 +34,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # noqa: ANN202 - a module attribute
+def __getattr__(name: str) -> ModuleType:  # the lazy subpackages
     if name in _LAZY:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'faast' has no attribute {name!r}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -49,12 +49,23 @@ StatisticsFn = Callable[
 ]
 
 
+def check_options(window: int, chunk: int, discount: float, drop_nonfinite: bool) -> None:
+    """Raise ValueError, naming the argument, when FastWeights(mode='blend') is given options it cannot honour."""
+    if window < chunk:
+        raise ValueError(f"blend_window: expected >= blend_chunk ({chunk}), got {window}")
+    if discount != 1.0:
+        raise ValueError("discount: mode='blend' discounts through blend_discount; leave discount at 1.0")
+    if drop_nonfinite:
+        raise ValueError("drop_nonfinite: not supported with mode='blend' (its chunks count rows exactly)")
+
+
 class WindowSums(NamedTuple):
     """The statistics of the rows in the window (what FastWeights holds in gram, cross, count, target_sqnorm)."""
 
     gram: torch.Tensor  # [*batch, dk, dk] float64
     cross: torch.Tensor  # [*batch, dk, dv] float64
-    count: torch.Tensor  # [*batch] float64
+    # Not `count`: a NamedTuple field of that name would shadow tuple.count.
+    row_count: torch.Tensor  # [*batch] float64
     target_sqnorm: torch.Tensor  # [*batch] float64
 
 
@@ -72,6 +83,15 @@ class BlendWindow(Float64Module):
     the memory's window sums, its solver and its statistics function, and returns the new window sums.
     """
 
+    # The buffers registered in __init__ (nn.Module resolves them through __getattr__, which types them loosely).
+    gram: torch.Tensor
+    cross: torch.Tensor
+    sqnorm: torch.Tensor
+    rows: torch.Tensor
+    cursor: torch.Tensor
+    folded_weights: torch.Tensor
+    folded_count: torch.Tensor
+
     def __init__(
         self,
         dim_key: int,
@@ -87,7 +107,7 @@ class BlendWindow(Float64Module):
         self.window, self.chunk, self.discount, self.batch_shape = window, chunk, discount, batch_shape
         slots = capacity(window, chunk)
         dk, dv, batch = dim_key, dim_value, batch_shape
-        f64 = {"dtype": torch.float64, "device": device}
+        f64: dict[str, Any] = {"dtype": torch.float64, "device": device}
         self.register_buffer("gram", torch.zeros((slots, *batch, dk, dk), **f64))
         self.register_buffer("cross", torch.zeros((slots, *batch, dk, dv), **f64))
         self.register_buffer("sqnorm", torch.zeros((slots, *batch), **f64))
@@ -135,7 +155,7 @@ class BlendWindow(Float64Module):
         sums.gram.copy_(self.gram.index_select(0, occupied).sum(0))
         sums.cross.copy_(self.cross.index_select(0, occupied).sum(0))
         sums.target_sqnorm.copy_(self.sqnorm.index_select(0, occupied).sum(0))
-        sums.count.fill_(float(self.rows.index_select(0, occupied).sum()))
+        sums.row_count.fill_(float(self.rows.index_select(0, occupied).sum()))
 
     def _fold_oldest(self, sums: WindowSums, solve: SolveFn, options: dict) -> None:
         head, used = self._cursor()
@@ -187,7 +207,7 @@ class BlendWindow(Float64Module):
                     per_slot[slot] += delta
                     total += delta
                 self.rows[slot] += stop - pos
-                sums.count.add_(stop - pos)
+                sums.row_count.add_(stop - pos)
                 pos = stop
         return sums
 

@@ -111,6 +111,7 @@ class StoredKeyMemory:
             self.keys, self.values = keys.clone(), values.clone()
         else:
             # Their MemoryBank.update_memory: cat([old.clone(), new]) on every call.
+            assert self.values is not None  # for the type checker: set together with self.keys
             self.keys = torch.cat([self.keys.clone(), keys])
             self.values = torch.cat([self.values.clone(), values])
 
@@ -126,6 +127,7 @@ class StoredKeyMemory:
 
     def _fold(self) -> None:
         u = self.fold_rows
+        assert self.keys is not None and self.values is not None  # for the type checker: folded only when full
         chunk = self._solve(self.keys[:u], self.values[:u])
         self.folded_weights = self._blend(chunk, u)
         self.folded_count = self.discount * self.folded_count + u
@@ -134,6 +136,6 @@ class StoredKeyMemory:
     @property
     def weights(self) -> torch.Tensor | None:
         """W [dk, dv], or the folded W0 (None if nothing was ever learned) when the buffer is empty."""
-        if self.size == 0:
+        if self.keys is None or self.values is None or self.size == 0:
             return self.folded_weights
         return self._blend(self._solve(self.keys, self.values), self.size)

@@ -22,6 +22,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import cast
 
 import torch.distributed as dist
 from torch import nn
@@ -239,7 +240,7 @@ def _write(path: Path, obj: object, position_json: str, rank: int, world_size: i
 def save_state(path: str | Path, obj: object, extra: Mapping[str, object] | None = None) -> Path:
     """Write the statistics of every memory in `obj` to one file, atomically (missing parent folders are created);
     load_checkpoint reads it back and returns `extra` (JSON-serialisable settings of the owner) in its position."""
-    position = {"batches": 0}
+    position: dict[str, object] = {"batches": 0}
     if extra:
         if "batches" in extra:
             raise ValueError("extra: 'batches' is the stream position's own key")
@@ -323,7 +324,7 @@ def learn_stream(
     if step is None:
         if not isinstance(obj, FastWeights):
             raise TypeError(f"step: required to learn into a {type(obj).__name__} (the default handles a FastWeights)")
-        step = _update_memory
+        step = cast(Step, _update_memory)  # obj is a FastWeights: checked just above
     if every is not None:
         every = require_positive_int("every", every)
     if every_seconds is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,15 @@ S = TypeVar("S", bound=SummedStatistics)
 DEFAULT_BUCKET_MB = 256.0
 
 
-def find_memories(obj: object, kind: type[S] = SummedStatistics) -> list[tuple[str, S]]:
+@overload
+def find_memories(obj: object) -> list[tuple[str, SummedStatistics]]: ...
+
+
+@overload
+def find_memories(obj: object, kind: type[S]) -> list[tuple[str, S]]: ...
+
+
+def find_memories(obj: object, kind: type[Any] = SummedStatistics) -> list[tuple[str, Any]]:
     """The statistics modules held by `obj` with their names: a faast.FastWeights or faast.Accumulator, a module
     containing some, or a list of them.
 
@@ -48,7 +56,7 @@ def find_memories(obj: object, kind: type[S] = SummedStatistics) -> list[tuple[s
         if not all(isinstance(m, SummedStatistics) for m in obj):
             bad = next(type(m).__name__ for m in obj if not isinstance(m, SummedStatistics))
             raise TypeError(f"obj: expected a list of faast.FastWeights or faast.Accumulator, found a {bad}")
-        seen: dict[int, tuple[str, S]] = {}
+        seen: dict[int, tuple[str, SummedStatistics]] = {}
         for i, m in enumerate(obj):
             if isinstance(m, kind):
                 seen.setdefault(id(m), (str(i), m))
@@ -76,7 +84,7 @@ def _fingerprint(memories: list[tuple[str, SummedStatistics]]) -> str:
     return json.dumps(parts, sort_keys=True)
 
 
-def _check_group(group: object) -> None:
+def _check_group(group: dist.ProcessGroup | None) -> None:
     if not dist.is_available():
         raise RuntimeError("faast.distributed: this torch build has no torch.distributed support")
     if not dist.is_initialized():
@@ -86,7 +94,7 @@ def _check_group(group: object) -> None:
         )
 
 
-def _local_problem(memories: list[tuple[str, SummedStatistics]], group: object) -> str | None:
+def _local_problem(memories: list[tuple[str, SummedStatistics]], group: dist.ProcessGroup | None) -> str | None:
     """Why this rank's memories cannot be reduced, or None. Checked here, reported after the probe collective."""
     devices = {m.device for _, m in memories}
     if len(devices) != 1:
@@ -100,13 +108,13 @@ def _local_problem(memories: list[tuple[str, SummedStatistics]], group: object) 
     return None
 
 
-def _probe_device(group: object) -> torch.device:
+def _probe_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _agree(memories: list[tuple[str, SummedStatistics]], group: object) -> None:
+def _agree(memories: list[tuple[str, SummedStatistics]], group: dist.ProcessGroup | None) -> None:
     """One small collective before any data moves, so that a problem on one rank fails every rank instead of
     leaving the others blocked in a collective it never joins, or summing unrelated numbers."""
     problem = _local_problem(memories, group)

@@ -9,8 +9,8 @@ addition, unlearning is subtraction, and discounting is a scale.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, overload
 
 import torch
 
@@ -26,6 +26,10 @@ FLOAT32_EPS2_FLOOR = 1e-7
 _STATISTICS = ("gram", "cross", "count", "target_sqnorm")
 # Configuration that fixes the shape or meaning of the statistics: a file must match it to be loaded into a memory.
 _STRUCTURE = ("dim_key", "dim_value", "batch_shape", "mode", "blend_window", "blend_chunk", "weighted_least_squares")
+
+
+# alpha and ridge: a value, "auto" (chosen by GCV) or None (the configuration's).
+_Reg = float | Literal["auto"] | None
 
 
 class FastWeights(SummedStatistics):
@@ -71,6 +75,13 @@ class FastWeights(SummedStatistics):
 
     FORMAT = "faast.FastWeights"
     NONNEGATIVE = ("count", "target_sqnorm", "num_dropped", "blend.sqnorm", "blend.rows", "blend.folded_count")
+    # The buffers registered in __init__ (nn.Module resolves them through __getattr__, which types them loosely).
+    gram: torch.Tensor
+    cross: torch.Tensor
+    target_sqnorm: torch.Tensor
+    num_dropped: torch.Tensor
+    prior: torch.Tensor | None
+    _rejected: torch.Tensor
 
     def __init__(
         self,
@@ -119,18 +130,13 @@ class FastWeights(SummedStatistics):
         self.blend_chunk = _validate.require_positive_int("blend_chunk", blend_chunk)
         self.blend_discount = _validate.require_fraction("blend_discount", blend_discount)
         if mode == "blend":
-            if self.blend_window < self.blend_chunk:
-                raise ValueError(f"blend_window: expected >= blend_chunk ({blend_chunk}), got {blend_window}")
-            if self.discount != 1.0:
-                raise ValueError("discount: mode='blend' discounts through blend_discount; leave discount at 1.0")
-            if self.drop_nonfinite:
-                raise ValueError("drop_nonfinite: not supported with mode='blend' (its chunks count rows exactly)")
+            _blend.check_options(self.blend_window, self.blend_chunk, self.discount, self.drop_nonfinite)
         if dtype not in _validate.FLOAT_DTYPES:
             raise TypeError(f"dtype: expected a floating dtype for the weights, got {dtype!r}")
         self.dtype = dtype
 
         dk, dv, batch = self.dim_key, self.dim_value, self.batch_shape
-        f64 = {"dtype": torch.float64, "device": device}
+        f64: dict[str, Any] = {"dtype": torch.float64, "device": device}
         self.register_buffer("gram", torch.zeros((*batch, dk, dk), **f64))
         self.register_buffer("cross", torch.zeros((*batch, dk, dv), **f64))
         self.register_buffer("count", torch.zeros(batch, **f64))
@@ -214,29 +220,31 @@ class FastWeights(SummedStatistics):
 
     # ------------------------------------------------------------------ saved states (faast.statistics)
 
-    def _current_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _current_names(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Files written before the blend window became the submodule `blend` hold its buffers under flat names.
         return {_blend.LEGACY_NAMES.get(name, name): t for name, t in tensors.items()}
 
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args) -> None:  # noqa: ANN002 - nn.Module's
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:  # nn.Module's signature
         for old, new in _blend.LEGACY_NAMES.items():
             if prefix + old in state_dict:  # renamed before the submodule `blend` reads its part of state_dict
                 state_dict[prefix + new] = state_dict.pop(prefix + old)
         super()._load_from_state_dict(state_dict, prefix, *args)
 
-    def _check_structure(self, config: dict, tensors: dict[str, torch.Tensor], source: object) -> None:
+    def _check_structure(self, config: Mapping, tensors: Mapping[str, torch.Tensor], source: object) -> None:
         _persist.check_config(config, self.config(), _STRUCTURE, source, "this memory")
         if ("prior" in tensors) != (self.prior is not None):
             saved = "with" if "prior" in tensors else "without"
             raise ValueError(f"{source}: saved {saved} a prior, this memory differs")
 
-    def _check_tensors(self, tensors: dict[str, torch.Tensor], source: object) -> None:
+    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], source: object) -> None:
         super()._check_tensors(tensors, source)
         if self.blend is not None:
             _blend.check_cursor(tensors["blend.cursor"], self.blend.slots, source)
 
     @classmethod
-    def _from_config(cls, config: dict, tensors: dict[str, torch.Tensor], device: object) -> FastWeights:
+    def _from_config(
+        cls, config: dict, tensors: Mapping[str, torch.Tensor], device: torch.device | str | None
+    ) -> FastWeights:
         config = {**config, "compute_dtype": getattr(torch, config["compute_dtype"]),
                   "dtype": getattr(torch, config["dtype"])}  # fmt: skip
         return cls(**config, prior=tensors.get("prior"), device=device)
@@ -244,14 +252,9 @@ class FastWeights(SummedStatistics):
     # ------------------------------------------------------------------ learning
 
     def _checked_rows(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scores: torch.Tensor | None,
-        mask: torch.Tensor | None,
-        *,
+        self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, mask: torch.Tensor | None, *,
         eager: bool,
-    ) -> _validate.Rows:
+    ) -> _validate.Rows:  # fmt: skip
         """The door of update and forget: every check of the rows, once (see faast.ops._validate.memory_rows)."""
         blend = self.mode == "blend"
         return _validate.memory_rows(
@@ -278,13 +281,9 @@ class FastWeights(SummedStatistics):
 
     @torch.no_grad()
     def update(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scores: torch.Tensor | None = None,
-        *,
+        self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None = None, *,
         mask: torch.Tensor | None = None,
-    ) -> FastWeights:
+    ) -> FastWeights:  # fmt: skip
         """Learn a batch of rows: S += K^T K, T += K^T diag(s) V, N += rows (after the discount, if any).
 
         Args:
@@ -329,6 +328,7 @@ class FastWeights(SummedStatistics):
         """update without a host synchronisation: a memory whose batch holds a bad learned row (NaN/Inf, a negative
         score) learns nothing from that batch (decided on the device by the door), and the error is raised by the
         next solve."""
+        assert rows.rejected is not None  # for the type checker: update comes here only for rows checked on the device
         ok = rows.rejected == 0
         first = (self._rejected[..., 0] == 0) & ~ok
         self._rejected[..., 0] = torch.where(first, rows.rejected, self._rejected[..., 0])
@@ -365,13 +365,9 @@ class FastWeights(SummedStatistics):
 
     @torch.no_grad()
     def forget(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scores: torch.Tensor | None = None,
-        *,
+        self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None = None, *,
         mask: torch.Tensor | None = None,
-    ) -> FastWeights:
+    ) -> FastWeights:  # fmt: skip
         """Unlearn rows that were learned before, exactly: S -= K^T K, T -= K^T diag(s) V, N -= rows.
 
         Exact when the rows were learned with the same scores and no discount was applied since. Raises ValueError
@@ -460,6 +456,7 @@ class FastWeights(SummedStatistics):
         ridge, dk, dv = options.get("ridge"), self.dim_key, self.dim_value
         fixed = isinstance(ridge, (int, float)) and not isinstance(ridge, bool) and ridge > 0
         if fixed and not (gram is self.gram and ("eigh", self.state_key) in self._cache):
+            assert isinstance(ridge, (int, float))  # for the type checker: `fixed` says so
             f64 = count.reshape(-1).to(torch.float64)
             solved = solve_fixed_ridge(gram.reshape(-1, dk, dk), cross.reshape(-1, dk, dv), f64, float(ridge))
             if solved is not None:
@@ -504,13 +501,16 @@ class FastWeights(SummedStatistics):
         check_solve_options(**options, target_sqnorm=True)
         return options
 
+    @overload
     def solve(
-        self,
-        *,
-        alpha: float | Literal["auto"] | None = None,
-        rtol: float | None = None,
-        ridge: float | Literal["auto"] | None = None,
-        return_info: bool = False,
+        self, *, alpha: _Reg = ..., rtol: float | None = ..., ridge: _Reg = ..., return_info: Literal[False] = ...
+    ) -> torch.Tensor: ...
+    @overload
+    def solve(
+        self, *, alpha: _Reg = ..., rtol: float | None = ..., ridge: _Reg = ..., return_info: Literal[True]
+    ) -> tuple[torch.Tensor, SolveInfo]: ...
+    def solve(
+        self, *, alpha: _Reg = None, rtol: float | None = None, ridge: _Reg = None, return_info: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, SolveInfo]:
         """Fast weights [*batch_shape, dk, dv] in `dtype`, solved lazily and cached until the statistics change.
 

@@ -45,8 +45,12 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from .hardware import cpu_flags, cpu_has_bf16, cpu_model
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "environment", "finish", "machine", "markdown", "physical_cores", "relative", "relative_command", "start",
@@ -127,7 +131,8 @@ def markdown(record: dict) -> str:
     """The header block of a Markdown result: bullet lines for the run, versions, device and load, and the
     environment when a recorded variable was set."""
     flag = record.get("git_dirty")
-    dirty = {True: " (working tree differs from it)", False: ""}.get(flag, " (tree state unknown)")
+    states: dict[object, str] = {True: " (working tree differs from it)", False: ""}
+    dirty = states.get(flag, " (tree state unknown)")
     versions = ", ".join(f"{name} {record.get(name) or 'not installed'}" for name in (*VERSIONED, "python"))
     cores = f"{record.get('physical_cores')} physical / {record.get('logical_cores')} logical cores"
     device = f"CPU {record.get('cpu_model')} ({cores}, {record.get('memory_gb')} GB), {record.get('torch_threads')} "
@@ -253,7 +258,7 @@ def physical_cores() -> int:
     return os.cpu_count() or 1
 
 
-def machine(device: object = "cpu") -> str:
+def machine(device: torch.device | str = "cpu") -> str:
     """The processor behind `device` (a torch.device or its name) in one line, to print beside a speed: its name,
     for a CPU the cores and torch threads, and whether it multiplies bfloat16 natively (faast.hardware.native_bf16:
     a CPU without AVX512-BF16 or AMX emulates it, slower than float32)."""
@@ -341,5 +346,5 @@ def _jsonable(x: object) -> object:
     if hasattr(x, "__dataclass_fields__"):
         from dataclasses import asdict
 
-        return _jsonable(asdict(x))
+        return _jsonable(asdict(cast(Any, x)))  # a dataclass instance: it has __dataclass_fields__
     return x

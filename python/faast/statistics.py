@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -57,6 +57,8 @@ class SummedStatistics(Float64Module):
     FORMAT: ClassVar[str] = "faast.SummedStatistics"
     # Buffers whose entries are counts or sums of squares: a saved state with a negative entry is refused.
     NONNEGATIVE: ClassVar[tuple[str, ...]] = ("count",)
+    # Every subclass registers a float64 buffer `count` (the rows summed); declared so that it types as a tensor.
+    count: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -142,7 +144,7 @@ class SummedStatistics(Float64Module):
         self.mark_changed()
         return self
 
-    def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - nn.Module's signature
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:  # nn.Module's signature
         super()._load_from_state_dict(*args, **kwargs)
         self.mark_changed()
 
@@ -190,7 +192,8 @@ class SummedStatistics(Float64Module):
         cls: type[Self], config: dict, tensors: Mapping[str, torch.Tensor], device: torch.device | str | None
     ) -> Self:
         """A new, empty module built from a saved config (and the saved configuration tensors, e.g. a prior)."""
-        return cls(**config, device=device)
+        build: Callable[..., Self] = cls  # each subclass's constructor takes its config() and device=
+        return build(**config, device=device)
 
     @classmethod
     def load(cls: type[Self], path: str | Path, *, device: torch.device | str | None = None) -> Self:

@@ -17,6 +17,7 @@ import gzip
 import io
 from dataclasses import dataclass
 from importlib.resources import files
+from typing import cast
 
 import torch
 
@@ -124,7 +125,7 @@ def _read_debian_rows() -> tuple[tuple[str, str, str, str], ...]:
     bad = [r for r in rows if len(r) != 4 or r[0] not in _SPLITS or r[1] not in DEBIAN_SECTIONS]
     if bad:
         raise ValueError(f"{_DEBIAN_FILE}: {len(bad)} malformed rows, first {bad[0]!r}")
-    return rows
+    return cast("tuple[tuple[str, str, str, str], ...]", rows)  # every row has 4 fields: checked above
 
 
 def load_debian_sections(split: str) -> TextClassificationData:

@@ -12,6 +12,7 @@ p·H's pooling is timed on a learning pass's own probabilities, so only its cach
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -87,7 +88,7 @@ def measure(shapes: dict = DEFAULT_SHAPES) -> list[dict]:
         if i <= hidden:
             weight = Int8Weight(torch.randn(o, i))
             out.append(_choice("int8_linear", f"rows{_autotune.size_class(INT8_ROWS)} k{i} m{_autotune.size_class(o)}",
-                               lambda weight=weight: int8_kernel(INT8_ROWS, weight),
+                               functools.partial(int8_kernel, INT8_ROWS, weight),
                                2 * INT8_ROWS * i * o / 1e9, "GOP/s"))  # fmt: skip
     keys = torch.randn(shapes["gram_rows"], max(shapes["key_widths"]))
     values = torch.randn(shapes["gram_rows"], hidden)
@@ -97,7 +98,7 @@ def measure(shapes: dict = DEFAULT_SHAPES) -> list[dict]:
     for d in shapes["key_widths"]:
         k = torch.randn(4 * d, d, dtype=torch.float64)
         gram = (k.T @ k)[None]
-        out.append(_choice("eigh", eigh_call(gram).shape_class, lambda gram=gram: eigh_gram(gram), 1.0,
+        out.append(_choice("eigh", eigh_call(gram).shape_class, functools.partial(eigh_gram, gram), 1.0,
                            "decompositions/s"))  # fmt: skip
     for products in ("float32", "int8", "bfloat16"):
         shape_class = head_module.pool_shape_class(head, getattr(torch, products))

@@ -5,13 +5,14 @@ faast.hf.targets.TARGETS, others through discovery) by hooking its own modules (
 returned model learns from text in forward passes (`learn`, or `read_stream` while reading a long text), and
 `generate` reads the fast weights.
 FaastConfig groups the settings: `output` (ResidualOutput, the default; EmbeddingOutput, the paper's; or None),
-`middle` (MiddleLayers, an opt-in) and `regulariser` (Regulariser). `FaastConfig(target_modules=...)` puts a memory
-on any module, PEFT-style (an encoder's classification head, an LM head: faast.hf.modules), and
-`apply_faast_to_peft` does the same inside a PEFT model (faast.hf.peft_method).
+`middle` (MiddleLayers, an opt-in) and `regulariser` (Regulariser); the residual output layer's tuned constants are one
+OutputPolicy (ResidualOutput.policy). `FaastConfig(target_modules=...)` puts a memory on any module, PEFT-style (an
+encoder's classification head, an LM head: faast.hf.modules), and `apply_faast_to_peft` does the same inside a PEFT
+model (faast.hf.peft_method).
 transformers is imported only by the functions that load models (faast.hf.default), not by importing this package.
 """
 
-from .config import EmbeddingOutput, FaastConfig, MiddleLayers, Regulariser, ResidualOutput
+from .config import EmbeddingOutput, FaastConfig, MiddleLayers, OutputPolicy, Regulariser, ResidualOutput
 from .layers import MemoryLayer, OutputMemoryLayer
 from .model import FaastModel, LearnStats, apply_faast, from_pretrained
 from .modules import FaastModuleModel
@@ -21,7 +22,7 @@ from .reading import ReadReport, chunk_windows, read_stream
 from .targets import TARGETS, discover_target
 
 
-def __getattr__(name: str):  # noqa: ANN202 - lazy: `python -m faast.hf.train` must not find it imported already
+def __getattr__(name: str) -> object:  # lazy: `python -m faast.hf.train` must not find it imported already
     if name in ("TrainConfig", "train_readout"):
         from . import train
 
@@ -40,6 +41,7 @@ __all__ = [
     "MemoryOffWarning",
     "MiddleLayers",
     "OutputMemoryLayer",
+    "OutputPolicy",
     "ReadReport",
     "Regulariser",
     "ResidualOutput",

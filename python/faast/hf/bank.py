@@ -13,7 +13,7 @@ had when each owned a FastWeights (count, weights, solve_info, state_dict, updat
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -34,7 +34,7 @@ class MemoryBank(FastWeights):
     of the device once per change of the statistics rather than once per layer and forward pass.
     """
 
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - FastWeights' signature (load() uses it)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # FastWeights' signature (load() uses it)
         super().__init__(*args, **kwargs)
         if len(self.batch_shape) != 1:
             raise ValueError(f"batch_shape: a MemoryBank holds one memory per layer, (L,); got {self.batch_shape}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 from torch import nn
 
@@ -19,7 +20,7 @@ WRAPPED_BASE_MODELS: weakref.WeakSet = weakref.WeakSet()
 class BaseModelDelegate(nn.Module):
     """An nn.Module wrapping `self.base_model`: unknown attributes, forward and generate go to the base model."""
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - any attribute of the base model
+    def __getattr__(self, name: str) -> Any:  # any attribute of the base model
         try:
             return super().__getattr__(name)
         except AttributeError:

@@ -93,7 +93,7 @@ class BankCapture:
         self.seen = [False] * len(self.scorers)
 
     def _buffers(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None:
+        if self.keys is None or self.values is None:  # set together
             shape = (len(self.scorers), hidden.shape[0], hidden.shape[1] - 1, hidden.shape[2])
             reuse = self.workspace
             if (
@@ -122,7 +122,7 @@ class BankCapture:
     def update(self, bank: MemoryBank) -> torch.Tensor | None:
         """Add every captured layer to `bank` in one update. Returns the step's T [L, dk, dv] float64 with the graph
         to the scorers when differentiable (else None)."""
-        if self.keys is None:  # no block hook ran (e.g. FAAST disabled mid-pass): nothing to learn
+        if self.keys is None or self.values is None:  # no block hook ran (e.g. FAAST disabled mid-pass): no rows
             return None
         keys, values = self.keys, self.values
         slots = len(self.scorers)
@@ -146,6 +146,6 @@ class BankCapture:
 
     def release(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The buffers, for the next capture to reuse (None when they must not be reused)."""
-        if self.differentiable or self.keys is None:
+        if self.differentiable or self.keys is None or self.values is None:
             return None
         return self.keys, self.values

@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from .._version import __version__
 from .config_groups import (
@@ -29,6 +29,7 @@ from .config_groups import (
     refuse,
 )
 from .config_legacy import FLAT_ONLY, flat_keyword_error, upgrade_v1
+from .output_policy import OutputPolicy
 
 # The layout FaastConfig.to_dict() writes. 1: the flat fields of faast 0.1 (config_legacy); 2: the groups.
 CONFIG_VERSION = 2
@@ -36,10 +37,6 @@ CONFIG_VERSION = 2
 # The paper (appendix, "Impact of model size and number of layers"): a memory layer before every block for models
 # below about 1B parameters, before every other block above.
 PAPER_SMALL_MODEL_PARAMS = 1_000_000_000
-# ResidualOutput.key_layers='auto' widens the residual output layer's keys with the input of block L // 7: an early
-# block. On SmolLM2 (30 blocks) blocks 4 and 10 gave the same held-out perplexity within 0.5 points on three validation
-# domains after 32K tokens (docs/design.md §6.3).
-AUTO_KEY_BLOCK_DIVISOR = 7
 
 
 def _check_target_modules(value: object) -> list[str] | str | None:
@@ -171,12 +168,13 @@ class FaastConfig:
 
     def output_key_blocks(self, num_blocks: int) -> list[int]:
         """The blocks whose input states widen the residual output layer's keys, for a model with `num_blocks`
-        blocks: [] for the embedding output layer or without an output layer."""
+        blocks: [] for the embedding output layer or without an output layer. 'auto': block num_blocks //
+        OutputPolicy.auto_key_block_divisor (of the layer's policy), an early block."""
         if not isinstance(self.output, ResidualOutput):
             return []
         keys = self.output.key_layers
         if keys == "auto":
-            return [num_blocks // AUTO_KEY_BLOCK_DIVISOR]
+            return [num_blocks // self.output.policy.auto_key_block_divisor]
         bad = [i for i in keys if i >= num_blocks]
         if bad:
             raise ValueError(
@@ -235,7 +233,7 @@ class FaastConfig:
                     "FaastConfig.load / from_json, which take the version it records)"
                 )
             raise ValueError(f"FaastConfig: unknown fields {unknown}; known: {sorted(known)}{hint}")
-        groups = {}
+        groups: dict[str, Any] = {}
         if "output" in data:
             groups["output"] = output_from_dict(data.pop("output"))
         if "middle" in data:
@@ -274,6 +272,7 @@ __all__ = [
     "EmbeddingOutput",
     "FaastConfig",
     "MiddleLayers",
+    "OutputPolicy",
     "Regulariser",
     "ResidualOutput",
 ]

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal, NoReturn
+
+from .output_policy import OutputPolicy
 
 
 def is_real(value: object) -> bool:
@@ -91,6 +93,8 @@ class _Group:
 
 
 def _plain(value: object) -> object:
+    if isinstance(value, OutputPolicy):
+        return value.to_dict()
     return list(value) if isinstance(value, list) else value
 
 
@@ -113,9 +117,10 @@ class ResidualOutput(_Group):
         tune_tokens: learned positions held out to tune the step (0: no tuning, use default_step).
         default_step: η when the step cannot be tuned: too little text learned (fewer than about 5 positions per
             hidden dimension), and no step saved with loaded statistics. None: the space's own, chosen after 2K
-            tokens on three validation domains (faast.hf.output.DEFAULT_STEP). Below DEFAULT_STEP_PER_DIM (3.5)
-            learned positions per hidden dimension it is scaled by the positions learned over that many.
-        default_weight: λ when it cannot be tuned (probability space); None: faast.hf.output.DEFAULT_WEIGHT.
+            tokens on three validation domains (OutputPolicy.default_step_probability / default_step_logit). Below
+            OutputPolicy.default_step_per_dim (3.5) learned positions per hidden dimension it is scaled by the
+            positions learned over that many.
+        default_weight: λ when it cannot be tuned (probability space); None: OutputPolicy.default_weight.
         key_layers: what else the keys hold besides h̃: block indices ℓ whose input hidden state (RMS-normalised, no
             learned scale) is concatenated to h̃, so the correction reads [h̃; x_ℓ]W with W of shape
             [d·(1 + len), d]. 'auto' (the default): one early block, ℓ = L // 7 (4 of SmolLM2's 30), chosen on three
@@ -124,13 +129,13 @@ class ResidualOutput(_Group):
             better than h̃ alone; else the h̃ block of the statistics is solved alone.
         bias: β, the step of a bias added to every corrected position: β·curvature⁻¹·r̄, r̄ the mean learned
             gradient (the Newton step on it alone), with η·h̃W in both spaces; scaled like default_step below
-            DEFAULT_STEP_PER_DIM learned positions per hidden dimension. 0.5 was chosen on three validation domains
-            with η as tuned (docs/design.md §6.3); 0 turns it off.
+            OutputPolicy.default_step_per_dim learned positions per hidden dimension. 0.5 was chosen on three
+            validation domains with η as tuned (docs/design.md §6.3); 0 turns it off.
         token_bias: γ, the step of a bias added to the logits of every corrected position: γ·log((c_v + κ) /
             (P_v + κ)) for each token v, c_v how often v was a learned target and P_v the probability the model gave
-            it summed over the learned positions (κ: faast.hf.output_bias.TOKEN_PRIOR): one iterative-scaling update
-            of a per-token logit bias toward the learned text's token counts. Scaled by positions / 32,768 below
-            that many learned positions (output_bias.TOKEN_BIAS_FULL). Chosen on three validation domains with η as
+            it summed over the learned positions (κ: OutputPolicy.token_prior): one iterative-scaling update of a
+            per-token logit bias toward the learned text's token counts. Scaled by positions / 32,768 below that
+            many learned positions (OutputPolicy.token_bias_full). Chosen on three validation domains with η as
             tuned (docs/design.md §6.3); 0 turns it off.
         head_dtype: dtype of the LM-head products while learning (logits and p·H per position, float32
             accumulation, statistics in float64) and of the logits' change the solve tunes the step on (the base
@@ -140,8 +145,12 @@ class ResidualOutput(_Group):
             each block in float32, int32 sums): p·H and the tuning's logits stay float32 (docs/design.md §6.3).
         head_pool_below: p·H while learning pools the vocabulary columns whose probability stays below this in
             every position of a 1,024-position block onto their probability-weighted mean row of H (the gradients'
-            sum stays exact): a number in [0, 1], 0 exact; 'auto' (the default) is 3e-4 where the head products are
-            float32 and on a CPU in either dtype, 0 for 16-bit products on a GPU (docs/design.md §6.3).
+            sum stays exact): a number in [0, 1], 0 exact; 'auto' (the default) is 3e-4 (OutputPolicy.pool_auto)
+            where the head products are float32 and, where timing finds it faster, on a CPU in either dtype; 0 for
+            16-bit products on a GPU (docs/design.md §6.3).
+        policy: the layer's tuned constants (faast.hf.OutputPolicy: the step rule's thresholds, the biases' priors,
+            the held-out tail's shares, ...), saved with the configuration; OutputPolicy() (the default) is the
+            shipped one. Experiments vary it by passing another (dataclasses.replace(OutputPolicy(), ...)).
     """
 
     kind: ClassVar[str] = "residual"
@@ -159,6 +168,7 @@ class ResidualOutput(_Group):
     bias: float = 0.5
     token_bias: float = 0.3
     head_pool_below: float | Literal["auto"] = "auto"
+    policy: OutputPolicy = field(default_factory=OutputPolicy)
 
     def __post_init__(self) -> None:
         check_choice("ResidualOutput.space", self.space, ("probability", "logit"))
@@ -175,6 +185,8 @@ class ResidualOutput(_Group):
         check_real("ResidualOutput.bias", self.bias, low=0)
         check_real("ResidualOutput.token_bias", self.token_bias, low=0)
         check_real("ResidualOutput.head_pool_below", self.head_pool_below, low=0, high=1, allow=("auto",))
+        if not isinstance(self.policy, OutputPolicy):
+            refuse("ResidualOutput.policy", "an OutputPolicy", self.policy)
 
 
 @dataclass
@@ -290,4 +302,6 @@ def output_from_dict(data: object) -> ResidualOutput | EmbeddingOutput | None:
     for name in sorted(fields):
         if name not in own:
             raise ValueError(f"output.{name}: does not apply to kind={kind!r} (its fields: {', '.join(own)})")
+    if "policy" in fields:  # saved as its dict; a configuration saved before the field takes the default
+        fields["policy"] = OutputPolicy.from_dict(fields["policy"])
     return cls(**fields)

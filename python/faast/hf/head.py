@@ -9,7 +9,7 @@ The products' dtype (`products_dtype`): float32, bfloat16, or int8 for the logit
 then stays float32. Under ResidualOutput.head_dtype='auto' a CPU times the three on the head's own shape and keeps the
 fastest (faast.ops.paths, op head_logits); a GPU takes bfloat16 where it is native, else float32. Whether p·H pools
 the vocabulary columns no position gives much probability is timed the same way on a CPU (op head_pool), on the
-first block's own probabilities.
+first block's own probabilities; the threshold 'auto' pools at is OutputPolicy.pool_auto.
 """
 
 from __future__ import annotations
@@ -24,14 +24,9 @@ from torch import nn
 from ..hardware import native_bf16
 from ..ops import paths
 from ..ops.int8 import INT8_OUTLIERS, Int8Weight, int8_linear
+from .output_policy import DEFAULT_POLICY, OutputPolicy
 
 READ_CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
-# ResidualOutput.head_pool_below='auto' where the products are float32 or on a CPU. On the three validation domains
-# (2K, 8K and 32K tokens learned) pooling below 3e-4 moved held-out perplexity by at most 0.012% with float32 products
-# (1e-3: 0.023%, 1e-2: 0.25%) and 0.023% with bfloat16 ones. It erred by 0.3-0.4% of r with float32 products and
-# added 0.03-0.05 point to the bfloat16 products' own 1.1-1.9%, and took the float32 head products to 0.78-0.87x their
-# time and the bfloat16 ones on a CPU to 0.77-0.86x (docs/design.md §6.3).
-POOL_AUTO = 3e-4
 # Past this share of the vocabulary kept, the gathers cost more than the columns they save: the full product.
 POOL_DENSE_SHARE = 0.6
 # From this many rows in a block, 16-bit p·H runs as (Hᵀ pᵀ)ᵀ against a contiguous Hᵀ [d, V]: for SmolLM2 in bfloat16
@@ -218,10 +213,12 @@ def float_products(products: torch.dtype) -> torch.dtype:
     return torch.float32 if products == torch.int8 else products
 
 
-def pool_threshold(setting: float | str, products: torch.dtype, keys: torch.Tensor) -> float | None:
+def pool_threshold(
+    setting: float | str, products: torch.dtype, keys: torch.Tensor, policy: OutputPolicy = DEFAULT_POLICY
+) -> float | None:
     """The probability below which p·H pools a vocabulary column, for ResidualOutput.head_pool_below `setting` with
     head products of dtype `products` and keys [.., d]. 'auto': None on a CPU (`head_gradients` times pooling against
-    the exact product on its first block, `measured_pool`); POOL_AUTO for float32 and int8 products on a GPU; 0
+    the exact product on its first block, `measured_pool`); policy.pool_auto for float32 and int8 products on a GPU; 0
     (exact) for 16-bit products on a GPU (pooling them has not been measured there) and for float64 keys anywhere
     (kept exact, as the tests' references are)."""
     if setting != "auto":
@@ -230,7 +227,7 @@ def pool_threshold(setting: float | str, products: torch.dtype, keys: torch.Tens
         return 0.0
     if keys.device.type == "cpu":
         return None
-    return POOL_AUTO if float_products(products) == torch.float32 else 0.0
+    return policy.pool_auto if float_products(products) == torch.float32 else 0.0
 
 
 def pool_shape_class(weight: torch.Tensor, products: torch.dtype) -> str:
@@ -238,19 +235,25 @@ def pool_shape_class(weight: torch.Tensor, products: torch.dtype) -> str:
     return f"V{vocab} d{d} products {str(products).split('.')[-1]}"
 
 
-def measured_pool(p: torch.Tensor, weight: torch.Tensor, w32: torch.Tensor, products: torch.dtype) -> float:
-    """POOL_AUTO or 0: whether pooling p·H (`pooled_product`) is faster than the exact product on this CPU, timed on
-    one block's probabilities p [n, V] float32 with the head's weight in the products' floating dtype (`weight`) and
-    in float32, the first time this machine meets the shape, then cached (FAAST_BACKEND=head_pool=torch.exact or
-    torch.pooled pins it)."""
+def measured_pool(
+    p: torch.Tensor,
+    weight: torch.Tensor,
+    w32: torch.Tensor,
+    products: torch.dtype,
+    policy: OutputPolicy = DEFAULT_POLICY,
+) -> float:
+    """policy.pool_auto or 0: whether pooling p·H (`pooled_product`) is faster than the exact product on this CPU,
+    timed on one block's probabilities p [n, V] float32 with the head's weight in the products' floating dtype
+    (`weight`) and in float32, the first time this machine meets the shape, then cached
+    (FAAST_BACKEND=head_pool=torch.exact or torch.pooled pins it)."""
 
     def run(mode: str) -> torch.Tensor:
         if mode == "pooled":
-            return pooled_product(p, weight, w32, POOL_AUTO)
+            return pooled_product(p, weight, w32, policy.pool_auto)
         return (p.to(weight.dtype) @ weight).float()
 
     mode = paths.choose("head_pool", p.device, pool_shape_class(w32, products), run)
-    return POOL_AUTO if mode == "pooled" else 0.0
+    return policy.pool_auto if mode == "pooled" else 0.0
 
 
 def pooled_product(
@@ -285,14 +288,15 @@ def head_gradients(
     logits: torch.Tensor | None = None,
     pool: float | None = 0.0,
     buffers: HeadBuffers | None = None,
+    policy: OutputPolicy = DEFAULT_POLICY,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the head's inputs keys [B, T-1, d] (h̃), the next tokens targets [B, T-1] and mask [B, T-1] (bool): (the
     log-likelihood gradients r = H[y] − pH [B, T-1, d] float32, zero where masked; Σ μ μᵀ [d, d] and Σ p [V] float64
     over unmasked positions; μ = pH). products: the dtype of the head products (`products_dtype`). logits: the
     head's logits of the same positions [B, T-1, V] when already computed (a stream scored them), else they are
     formed here. pool: p·H pools the vocabulary columns whose probability stays below it in every row of a
-    READ_CHUNK block (`pooled_product`; `pool_threshold`); 0 forms it exactly; None: POOL_AUTO or 0, whichever is
-    faster on this CPU (`measured_pool`, timed on the first block). buffers: where the [chunk, V] buffers
+    READ_CHUNK block (`pooled_product`; `pool_threshold`); 0 forms it exactly; None: policy.pool_auto or 0, whichever
+    is faster on this CPU (`measured_pool`, timed on the first block). buffers: where the [chunk, V] buffers
     come from (a learn() call's batches share them); None: fresh ones."""
     weight = head.weight
     d, vocab = keys.shape[-1], weight.shape[0]
@@ -353,7 +357,7 @@ def head_gradients(
             p.masked_fill_(dropped, 0)
         column_sum = p.sum(0)
         if pool is None:
-            pool = measured_pool(p, wp, w32, products)
+            pool = measured_pool(p, wp, w32, products, policy)
         if sixteen and pool <= 0 and p16_buf is None:
             p16_buf = buffer("p16", products)
         if pool > 0:

@@ -1,6 +1,7 @@
 """The residual output layer's held-out tail (docs/design.md §6.3): which learned positions tune its step
 (`tail_plan`: the end of every learned text, in proportion to its length) and the bounded buffer that keeps them
-(`HeldOutTail`). The step and weight are tuned on them in faast/hf/output_tuning.py."""
+(`HeldOutTail`). The step and weight are tuned on them in faast/hf/output_tuning.py. The shares and thresholds are the
+layer's OutputPolicy's (held_out_share, min_held_out, gap_multiple, tune_sample)."""
 
 from __future__ import annotations
 
@@ -9,36 +10,41 @@ import math
 
 import torch
 
-# The constants by module, so that the tests' monkeypatching of output_tuning reaches the tail.
-from . import output_tuning as tuning
+from .output_policy import DEFAULT_POLICY, OutputPolicy
 
 
 def tail_plan(
-    counts: list[int], learned: int, tune_tokens: int, min_fit: int, gap_allowed: list[bool] | None = None
+    counts: list[int],
+    learned: int,
+    tune_tokens: int,
+    min_fit: int,
+    gap_allowed: list[bool] | None = None,
+    policy: OutputPolicy = DEFAULT_POLICY,
 ) -> list[tuple[int, int]]:
     """Which positions tune the step, per document: [(held_i, gap_i)] for documents with counts[i] learned positions
     (stream order), out of `learned` positions in all (the memory's count: it may include text whose positions were
     not kept, e.g. loaded statistics).
 
     Every document holds out its last held_i = round(f·n_i) positions, f = H / learned with H = min(tune_tokens,
-    HELD_OUT_SHARE·learned): the held-out text is drawn from every document in proportion to its length, so a text
-    learned last does not decide the step alone (learning A then B tunes on what B then A tunes on). The fit also
-    leaves out the gap_i = min(GAP_MULTIPLE·held_i, n_i − held_i) positions just before each document's held-out
-    ones: text next to them shares their names and phrasing. When the gaps would leave fewer than `min_fit`
-    positions to fit on, no gaps; when fewer than MIN_HELD_OUT positions would be held out, or fewer than `min_fit`
+    policy.held_out_share·learned): the held-out text is drawn from every document in proportion to its length, so a
+    text learned last does not decide the step alone (learning A then B tunes on what B then A tunes on). The fit also
+    leaves out the gap_i = min(policy.gap_multiple·held_i, n_i − held_i) positions just before each document's
+    held-out ones: text next to them shares their names and phrasing. When the gaps would leave fewer than `min_fit`
+    positions to fit on, no gaps; when fewer than policy.min_held_out would be held out, or fewer than `min_fit`
     left, nothing is (the step is not tuned). gap_allowed[i] False: document i gets no gap (HeldOutTail pools the
     rows of unknown documents into one, whose end is not one text's). Pure: the baselines of experiments/
     lm_domains.py hold out the same.
     """
     if learned <= 0 or not counts:
         return [(0, 0)] * len(counts)
-    total = min(tune_tokens, int(learned * tuning.HELD_OUT_SHARE))
+    total = min(tune_tokens, int(learned * policy.held_out_share))
     fraction = total / learned
     held = [min(n, math.floor(fraction * n + 0.5)) for n in counts]
-    if sum(held) < tuning.MIN_HELD_OUT or learned - sum(held) < min_fit:
+    if sum(held) < policy.min_held_out or learned - sum(held) < min_fit:
         return [(0, 0)] * len(counts)
     allowed = [True] * len(counts) if gap_allowed is None else gap_allowed
-    gaps = [min(tuning.GAP_MULTIPLE * h, n - h) if ok else 0 for h, n, ok in zip(held, counts, allowed, strict=True)]
+    multiple = policy.gap_multiple
+    gaps = [min(multiple * h, n - h) if ok else 0 for h, n, ok in zip(held, counts, allowed, strict=True)]
     if learned - sum(held) - sum(gaps) < min_fit:
         gaps = [0] * len(counts)
     return list(zip(held, gaps, strict=True))
@@ -85,10 +91,11 @@ class HeldOutTail:
     position count. Each row of an unknown document (negative number) is a document of its own. Learning state of
     this process, not saved.
 
-    Bounded: as more text is learned the held-out fraction f = min(HELD_OUT_SHARE, tune_tokens / learned) only
-    falls, so a document never needs more than the (1 + GAP_MULTIPLE)·round(f·n) last positions it keeps now. In all
-    about (1 + GAP_MULTIPLE)·tune_tokens positions (rounding up to half a position per document adds at most as many
-    again, for text of many documents of 1/(2f) to 1/f positions).
+    Bounded: as more text is learned the held-out fraction f = min(held_out_share, tune_tokens / learned) only
+    falls, so a document never needs more than the (1 + gap_multiple)·round(f·n) last positions it keeps now. In all
+    about (1 + gap_multiple)·tune_tokens positions (rounding up to half a position per document adds at most as many
+    again, for text of many documents of 1/(2f) to 1/f positions). The shares are `policy`'s (the layer's
+    OutputPolicy; the layer sets it when its own changes).
     """
 
     def __init__(
@@ -97,8 +104,10 @@ class HeldOutTail:
         kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         counts: dict[int, int] | None = None,
         seen: int = 0,
+        policy: OutputPolicy = DEFAULT_POLICY,
     ) -> None:
         self.tune_tokens = tune_tokens
+        self.policy = policy
         self._kept = kept
         self._counts = dict(counts or {})  # document -> learned positions, for the documents with kept positions
         self._seen = seen  # positions learned into this buffer in all
@@ -138,11 +147,11 @@ class HeldOutTail:
         kept, counts, seen = later.snapshot()
         parts = [k for k in (self._kept, kept) if k is not None]
         if not parts or not self.tune_tokens:
-            return HeldOutTail(self.tune_tokens)
+            return HeldOutTail(self.tune_tokens, policy=self.policy)
         dtype = torch.promote_types(parts[0][0].dtype, parts[-1][0].dtype)
         joined = tuple(torch.cat([p[i].to(parts[-1][i].device, dtype if i in (0, 3) else p[i].dtype) for p in parts])
                        for i in range(4))  # fmt: skip
-        merged = HeldOutTail(self.tune_tokens, joined, {**self._counts, **counts}, self._seen + seen)
+        merged = HeldOutTail(self.tune_tokens, joined, {**self._counts, **counts}, self._seen + seen, self.policy)
         merged._trim()
         return merged
 
@@ -192,19 +201,19 @@ class HeldOutTail:
         return ids.tolist(), counts.tolist()
 
     def _trim(self) -> None:
-        """Keep each document's last (1 + GAP_MULTIPLE)·round(f·n) positions (the last document, which may still
-        grow: (1 + GAP_MULTIPLE)·(round(f·n) + 1)) and forget the documents that keep none."""
+        """Keep each document's last (1 + gap_multiple)·round(f·n) positions (the last document, which may still
+        grow: (1 + gap_multiple)·(round(f·n) + 1)) and forget the documents that keep none."""
         if self._kept is None:
             return
-        fraction = min(tuning.HELD_OUT_SHARE, self.tune_tokens / max(self._seen, 1))
+        fraction = min(self.policy.held_out_share, self.tune_tokens / max(self._seen, 1))
         docs, runs = self._runs()
         wanted = []
         for i, (doc, run) in enumerate(zip(docs, runs, strict=True)):
             n = self._counts.get(doc, run)
             # The document learned last may still grow: one position more per multiple covers what it can need
-            # after any append (f only falls, and (1 + GAP_MULTIPLE)·f < 1).
+            # after any append (f only falls, and (1 + gap_multiple)·f < 1).
             extra = 1 if i == len(docs) - 1 else 0
-            wanted.append(min(run, (1 + tuning.GAP_MULTIPLE) * (math.floor(fraction * n + 0.5) + extra)))
+            wanted.append(min(run, (1 + self.policy.gap_multiple) * (math.floor(fraction * n + 0.5) + extra)))
         if wanted == runs:
             return
         keep = _from_end(runs, self._kept[2].device) < _per_position(wanted, runs, self._kept[2].device)
@@ -219,7 +228,7 @@ class HeldOutTail:
             return [], [], []
         docs, runs = self._runs()
         counts = [self._counts.get(doc, run) for doc, run in zip(docs, runs, strict=True)]
-        plan = tail_plan(counts, learned, self.tune_tokens, min_fit)
+        plan = tail_plan(counts, learned, self.tune_tokens, min_fit, policy=self.policy)
         # A document never holds out more than it kept (the buffer keeps what the plan can ask for; this guards it).
         plan = [(min(h, run), min(g, run - min(h, run))) for (h, g), run in zip(plan, runs, strict=True)]
         return docs, runs, plan
@@ -228,16 +237,17 @@ class HeldOutTail:
         self, learned: int, min_fit: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
         """The positions `plan` chooses: (keys [m, d_key] float32, targets [m] and documents [m] of at most
-        TUNE_SAMPLE held-out positions spread evenly over all of them; keys [k, d_key] and values [k, d] (as kept:
-        float16 or float32) of every position the fit leaves out (held out and gaps); how many are held out; how many
-        are gaps)."""
+        policy.tune_sample held-out positions spread evenly over all of them; keys [k, d_key] and values [k, d] (as
+        kept: float16 or float32) of every position the fit leaves out (held out and gaps); how many are held out; how
+        many are gaps)."""
         keys, ys, docs, values = self._kept
         held_mask, out_mask = self._masks(learned, min_fit)
         device = docs.device
         held = int(held_mask.sum())
         gap = int(out_mask.sum()) - held
         held_index = _canonical_order(held_mask.nonzero().squeeze(-1), keys, ys, docs)
-        sample = held_index[torch.linspace(0, held - 1, min(held, tuning.TUNE_SAMPLE), device=device).round().long()]
+        count = min(held, self.policy.tune_sample)
+        sample = held_index[torch.linspace(0, held - 1, count, device=device).round().long()]
         return (keys[sample].float(), ys[sample], docs[sample], keys[out_mask], values[out_mask], held, gap)
 
     def left_out_documents(self, learned: int, min_fit: int) -> torch.Tensor:
@@ -290,7 +300,7 @@ class HeldOutTail:
         return sum(1 for held, _ in self.plan(learned, min_fit)[2] if held)
 
     def capacity_bytes(self, dim_key: int, dim_value: int) -> int:
-        """Bytes the buffer takes at its usual fullest, (1 + GAP_MULTIPLE)·tune_tokens positions: float16 keys and
+        """Bytes the buffer takes at its usual fullest, (1 + gap_multiple)·tune_tokens positions: float16 keys and
         values (dim_value wide), int64 targets and documents (float32 keys, or text of many short documents, take up
         to twice or thrice that)."""
-        return (1 + tuning.GAP_MULTIPLE) * self.tune_tokens * ((dim_key + dim_value) * 2 + 8 + 8)
+        return (1 + self.policy.gap_multiple) * self.tune_tokens * ((dim_key + dim_value) * 2 + 8 + 8)

@@ -136,12 +136,13 @@ class MemoryLayer(nn.Module):
     def extra_repr(self) -> str:
         return f"index={self.index}, slot={self.slot}"
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MemoryLayer:
         self._folded.clear()
         return super()._apply(_keep_dtype(fn), recurse)
 
     def scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """s = sigmoid(a·[k; v]) [..., ] float32 from keys/values [..., d]; the inputs are detached."""
+        assert self.scorer is not None, "this layer has no scorer (config.middle.scorer is off)"
         features = torch.cat([keys.detach(), values.detach()], dim=-1).to(self.scorer.weight.dtype)
         return torch.sigmoid(self.scorer(features)).squeeze(-1)
 
@@ -245,7 +246,7 @@ class OutputMemoryLayer(nn.Module):
     def extra_repr(self) -> str:
         return f"mix={self.mix}"
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> OutputMemoryLayer:
         self._weights = None
         return super()._apply(_keep_dtype(fn), recurse)
 

@@ -23,7 +23,7 @@ from ..ops import paths
 from .bank import MemoryBank
 from .base import eval_mode
 from .capture import BankCapture
-from .head import POOL_AUTO, head_shape_class, pool_shape_class, pool_threshold, products_dtype
+from .head import head_shape_class, pool_shape_class, pool_threshold, products_dtype
 from .hooks import LearnPass, ModelHooks
 from .inputs import Batch, check_batch, check_labels
 from .int8_pass import Int8Pass, Int8Weights
@@ -260,10 +260,10 @@ class Learner:
             layer = self.output_layer
             products = products_dtype(layer.head_dtype, weights, layer.head.weight)
             head = str(products).split(".")[-1]
-            pool = pool_threshold(layer.head_pool_below, products, weights)
+            pool = pool_threshold(layer.head_pool_below, products, weights, layer.policy)
             if pool is None:
                 chosen = paths.current("head_pool", weights.device, pool_shape_class(layer.head.weight, products))
-                pool = "auto" if chosen is None else (0.0 if chosen == "exact" else POOL_AUTO)
+                pool = "auto" if chosen is None else (0.0 if chosen == "exact" else layer.policy.pool_auto)
         learn_pass = self.pass_precision(weights.device)
         learn_pass = str(weights.dtype).split(".")[-1] if learn_pass == "model" else learn_pass
         return {"learn_pass": learn_pass, "head_products": head, "head_pool_below": pool,

@@ -14,6 +14,7 @@ import hashlib
 import re
 from collections import Counter
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -105,7 +106,7 @@ class Ledger:
         )
         if not ok:
             raise ValueError(f"{source}: the ledger must be a list of [fingerprint, document] pairs")
-        return cls((f, d) for f, d in data)
+        return cls((f, d) for f, d in cast(list, data))  # a list of pairs: checked above
 
 
 class StoredMemory(nn.Module):
@@ -129,7 +130,8 @@ class StoredMemory(nn.Module):
         self.module_keys = list(modules)
 
     def module_states(self) -> dict[str, FastWeights | None]:
-        return {k: self.module_memories[k] if k in self.module_memories else None for k in self.module_keys}
+        memories = cast("dict[str, FastWeights]", self.module_memories)  # an nn.ModuleDict of FastWeights
+        return {k: memories[k] if k in memories else None for k in self.module_keys}
 
 
 class MemoryStore(nn.Module):
@@ -172,7 +174,7 @@ class MemoryStore(nn.Module):
 
     def take(self, name: str) -> StoredMemory:
         """Remove and return the state of unbound memory `name` (to bind it)."""
-        return self.stored.pop(name)
+        return cast(StoredMemory, self.stored.pop(name))  # self.stored holds StoredMemory modules
 
     def put(self, name: str, state: StoredMemory) -> None:
         """Keep the state of memory `name`, just unbound."""
@@ -180,7 +182,7 @@ class MemoryStore(nn.Module):
 
     def get(self, name: str) -> StoredMemory:
         """The state of unbound memory `name` (read it; it stays here)."""
-        return self.stored[name]
+        return cast(StoredMemory, self.stored[name])
 
     def delete(self, name: str) -> None:
         """Remove unbound memory `name` and its ledger."""

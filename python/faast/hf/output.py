@@ -24,12 +24,13 @@ learned text's token counts against the model's summed probabilities, log((c + �
 ResidualOutput.token_bias); neither is tuned (output_bias).
 
 The step η (and λ with weight='auto') is tuned on the end of every learned text (held_out.HeldOutTail; together at
-most `tune_tokens` positions), scored by W fitted without those ends and up to GAP_MULTIPLE times as many positions
+most `tune_tokens` positions), scored by W fitted without those ends and up to gap_multiple times as many positions
 before each (statistics subtract exactly): a 1-D Newton search on the held-out mixture's NLL (output_tuning), whose
 mixture bounds what a wrong correction costs a token (at most −log(1−λ)). Where each held-out text has much fitted
 text of its own, η is shrunk (output_diagnosis.document_shrink); output_folds scores the ends in folds instead. State
-has a fixed size: d_key×d_key, d_key×d and d×d sums, two V-vectors, a d-vector and a (1 + GAP_MULTIPLE)·`tune_tokens`
-buffer.
+has a fixed size: d_key×d_key, d_key×d and d×d sums, two V-vectors, a d-vector and a (1 + gap_multiple)·`tune_tokens`
+buffer. Every tuned constant of these rules is a field of the layer's OutputPolicy (ResidualOutput.policy,
+faast/hf/output_policy.py).
 
 Measured on five local domains (benchmarks and choices: experiments/lm_domains.py, docs/design.md §6.3).
 """
@@ -53,23 +54,13 @@ from .config import FaastConfig, ResidualOutput
 from .head import READ_CHUNK, HeadBuffers, head_gradients, head_second_moment, pool_threshold, products_dtype
 from .held_out import HeldOutTail
 from .mixture import read_blocks
+from .output_policy import OutputPolicy
 from .output_state import OutputState, checked_restored
 from .output_step import StepChoice
 from .progress import enabled, say_slow
 
 _log = logging.getLogger("faast.hf")
 
-# η when it cannot be tuned (too little text learned, nothing saved), per space, and λ when it is 'auto' and cannot be
-# tuned: chosen on the validation domains after 2K tokens, for probability space at the default weight 0.5 (docs/
-# design.md §6.3). ResidualOutput.default_step / default_weight override them.
-DEFAULT_STEP = {"logit": 0.015, "probability": 0.03}
-# ... chosen at 2K tokens, about DEFAULT_STEP_PER_DIM positions per hidden dimension of SmolLM2 (d = 576). A W fitted
-# on fewer positions holds more noise, and the step that suits other text falls with the positions: after 1K tokens
-# it was 0.012-0.016 on the three validation domains, where 0.03 made two of them worse than the base model. Below
-# DEFAULT_STEP_PER_DIM·d learned positions the default step is scaled by positions / (DEFAULT_STEP_PER_DIM·d)
-# (docs/design.md §6.3).
-DEFAULT_STEP_PER_DIM = 3.5
-DEFAULT_WEIGHT = 0.5
 KEY_STATE_EPS = 1e-6  # key_state's guard against an all-zero state
 MIX_ROWS = 32  # positions per block of the reading mixture's elementwise passes ([32, V] float32: 6 MB for V = 49K)
 
@@ -103,6 +94,8 @@ class ResidualOutputLayer(StepChoice, nn.Module):
         step: 'auto' (tuned on the held-out tail at each solve) or a fixed η.
         weight: the mixture weight λ in probability space: 'auto' (tuned with η) or a fixed number in [0, 1].
         damping: δ, added as δ·mean(diag(C/N))·I before inverting the curvature.
+        policy: the OutputPolicy whose tuned constants the layer's rules read (ResidualOutput.policy); setting it
+            makes the next solve use the new one (an experiment probing a learned state).
         last_tuning: dict of the most recent solve: step, weight, held-out loss per step, tokens fitted / held out.
     """
 
@@ -139,16 +132,18 @@ class ResidualOutputLayer(StepChoice, nn.Module):
         self.bias, self.token_bias = float(output.bias), float(output.token_bias)
         self.step, self.damping = output.step, float(output.damping)
         self.space, self.weight = output.space, output.weight
+        policy = output.policy
         default_step = output.default_step
-        self.default_step = float(DEFAULT_STEP[self.space] if default_step is None else default_step)
+        self.default_step = float(policy.default_step(self.space) if default_step is None else default_step)
         default_weight = output.default_weight
-        self.default_weight = float(DEFAULT_WEIGHT if default_weight is None else default_weight)
+        self.default_weight = float(policy.default_weight if default_weight is None else default_weight)
         self.tune_tokens = output.tune_tokens
         self.head_dtype, self.head_pool_below = output.head_dtype, output.head_pool_below
         self.head_buffers = HeadBuffers()  # kept across a learn() call's batches (Learner), empty between calls
         # The held-out tail: the last tune_tokens learned positions (h̃ [n, d] float32, y [n], mask [n]). Learning
         # state of this process (not saved): after a load, step='auto' uses default_step until more text is learned.
-        self.held_out = HeldOutTail(self.tune_tokens)
+        self.held_out = HeldOutTail(self.tune_tokens, policy=policy)
+        self._policy = policy
         # The step and weight saved with the statistics (FaastModel.save_fast_weights writes the ones in use): after
         # a load they stand in for the defaults until they can be tuned again, so a loaded model reads like the saved
         # one.
@@ -163,6 +158,20 @@ class ResidualOutputLayer(StepChoice, nn.Module):
         # Whether a solve that takes over a second says so on stderr (faast/hf/progress.py; None: when stderr is a
         # terminal): `saying` sets it for a FaastModel.solve(progress=...) call.
         self._progress: bool | None = None
+
+    @property
+    def policy(self) -> OutputPolicy:
+        """The tuned constants the layer's rules read (ResidualOutput.policy)."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: OutputPolicy) -> None:
+        """Read `policy` from the next solve on (the held-out tail too). The untuned step and weight stay the ones
+        the layer was built with; a tail kept under a smaller gap_multiple or held_out_share holds less than a larger
+        one would ask for."""
+        if not isinstance(policy, OutputPolicy):
+            raise ValueError(f"policy: expected an OutputPolicy, got {policy!r}")
+        self._policy, self.held_out.policy, self._folded = policy, policy, None
 
     @contextlib.contextmanager
     def saying(self, progress: bool | None) -> Iterator[None]:
@@ -199,7 +208,7 @@ class ResidualOutputLayer(StepChoice, nn.Module):
     def new_state(self) -> OutputState:
         """An empty OutputState of this layer's shapes: another named memory."""
         return OutputState(self.memory.empty_like(), self.curvature.empty_like(), self.token_mass.empty_like(),
-                           self.gradient_sum.empty_like(), HeldOutTail(self.tune_tokens),
+                           self.gradient_sum.empty_like(), HeldOutTail(self.tune_tokens, policy=self._policy),
                            target_count=self.target_count.empty_like())  # fmt: skip
 
     def current_state(self) -> OutputState:
@@ -217,6 +226,7 @@ class ResidualOutputLayer(StepChoice, nn.Module):
         self.memory, self.curvature, self.token_mass = state.memory, state.curvature, state.token_mass
         self.gradient_sum, self.target_count = state.gradient_sum, state.target_count
         self.held_out, self._folded, self.last_tuning = state.held_out, state.folded, state.last_tuning
+        self.held_out.policy = self._policy
         self._restored_step, self._restored_weight, self._restored_width = state.restored
         return previous
 
@@ -282,8 +292,8 @@ class ResidualOutputLayer(StepChoice, nn.Module):
         float64 over unmasked positions); faast/hf/head.py. logits [B, T-1, V]: the head's logits of those positions
         when already computed (a stream scored them)."""
         products = products_dtype(self.head_dtype, keys, self.head.weight)
-        pool = pool_threshold(self.head_pool_below, products, keys)
-        return head_gradients(self.head, keys, targets, mask, products, logits, pool, self.head_buffers)
+        pool = pool_threshold(self.head_pool_below, products, keys, self._policy)
+        return head_gradients(self.head, keys, targets, mask, products, logits, pool, self.head_buffers, self._policy)
 
     # ------------------------------------------------------------------ solving
 
@@ -314,9 +324,9 @@ class ResidualOutputLayer(StepChoice, nn.Module):
 
     def untuned_step(self) -> float:
         """The step used when none can be tuned or was saved: default_step, scaled by positions /
-        (DEFAULT_STEP_PER_DIM·d) while fewer positions than that are learned (d: the hidden size, the width an
+        (policy.default_step_per_dim·d) while fewer positions than that are learned (d: the hidden size, the width an
         untuned correction reads)."""
-        full = DEFAULT_STEP_PER_DIM * self.hidden_size
+        full = self._policy.default_step_per_dim * self.hidden_size
         return self.default_step * min(1.0, float(self.memory.count) / full)
 
     def solution(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor | None, float]:
@@ -328,7 +338,7 @@ class ResidualOutputLayer(StepChoice, nn.Module):
         key = (self.memory.solution_key, self.curvature.state_key, self.token_mass.state_key,
                self.gradient_sum.state_key, self.target_count.state_key, self.step, self.weight, self.space,
                self.damping, self.tune_tokens, self.default_step, self.default_weight, self.bias, self.token_bias,
-               device, compute)  # fmt: skip
+               self._policy, device, compute)  # fmt: skip
         if self._folded is None or self._folded[0] != key:
             started = time.perf_counter()
             m, lam, width, bias, tokens = None, 0.0, self.hidden_size, None, None
@@ -355,8 +365,8 @@ class ResidualOutputLayer(StepChoice, nn.Module):
         return self._folded[1], self._folded[2]
 
     def _data_scale(self) -> float:
-        """How far the untuned settings are scaled down: positions / (DEFAULT_STEP_PER_DIM·d), at most 1."""
-        return min(1.0, float(self.memory.count) / (DEFAULT_STEP_PER_DIM * self.hidden_size))
+        """How far the untuned settings are scaled down: positions / (policy.default_step_per_dim·d), at most 1."""
+        return min(1.0, float(self.memory.count) / (self._policy.default_step_per_dim * self.hidden_size))
 
     def mean_gradient_bias(self, curvature: torch.Tensor) -> tuple[torch.Tensor | None, float, str | None]:
         """(β'·curvature⁻¹·r̄ [d] float64 or None, β', why it is None): r̄ = Σ r / N the mean learned gradient, β' =
@@ -370,10 +380,11 @@ class ResidualOutputLayer(StepChoice, nn.Module):
     def token_logit_bias(self) -> tuple[torch.Tensor | None, float, str | None]:
         """(γ'·log((c + κ) / (P + κ)) [V] float64 or None, γ', why it is None): the token bias added to the logits
         of every corrected position (output_bias.token_bias), γ' = `token_bias` scaled down below
-        output_bias.TOKEN_BIAS_FULL learned positions (`token_step`). None when γ' is 0 or the token counts do not
-        cover every learned position (statistics from an older file)."""
-        gamma = output_bias.token_step(self.token_bias, float(self.memory.count))
-        tokens, why = output_bias.token_bias(gamma, self.target_count, self.token_mass, float(self.memory.count))
+        policy.token_bias_full learned positions (`token_step`). None when γ' is 0 or the token counts do not cover
+        every learned position (statistics from an older file)."""
+        count, policy = float(self.memory.count), self._policy
+        gamma = output_bias.token_step(self.token_bias, count, policy)
+        tokens, why = output_bias.token_bias(gamma, self.target_count, self.token_mass, count, policy)
         return tokens, gamma, why
 
     def folded_bias(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
@@ -493,6 +504,6 @@ class ResidualOutputLayer(StepChoice, nn.Module):
         return out.reshape(logits.shape)
 
     def tail_capacity_bytes(self) -> int:
-        """Bytes the held-out buffer takes at its usual fullest: (1 + GAP_MULTIPLE)·tune_tokens positions (float16
+        """Bytes the held-out buffer takes at its usual fullest: (1 + gap_multiple)·tune_tokens positions (float16
         keys and gradients, int64 ids and documents; HeldOutTail.capacity_bytes)."""
         return self.held_out.capacity_bytes(self.memory.dim_key, self.hidden_size)

@@ -12,7 +12,8 @@
 
 Both are sums the layer already keeps or keeps beside them (gradient_sum, target_count, token_mass), so they add,
 subtract and merge with the statistics, and both need every learned position covered: statistics loaded from a file
-written before a sum was kept read without that bias, and the layer says why.
+written before a sum was kept read without that bias, and the layer says why. κ and the ramp of γ are the layer's
+OutputPolicy's token_prior and token_bias_full.
 """
 
 from __future__ import annotations
@@ -20,14 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..accumulator import Accumulator
-
-# κ, the pseudo-count added to both the learned count and the model's summed probability of every token. Chosen on
-# the three validation domains with γ (docs/design.md §6.3).
-TOKEN_PRIOR = 0.3
-# Below this many learned positions γ is scaled by positions / TOKEN_BIAS_FULL. A few files' counts are not the
-# domain's: on the validation domains the bias gained nothing at any γ after 8K learned tokens (each then a few
-# files), and 0.7-1.7% after 32K (docs/design.md §6.3).
-TOKEN_BIAS_FULL = 32_768
+from .output_policy import DEFAULT_POLICY, OutputPolicy
 
 
 def covers(sums: Accumulator, count: float) -> str | None:
@@ -51,26 +45,35 @@ def mean_gradient(beta: float, gradient_sum: Accumulator, count: float, curvatur
     return beta * torch.linalg.solve(curvature, mean), None
 
 
-def token_log_ratio(targets: torch.Tensor, mass: torch.Tensor, prior: float = TOKEN_PRIOR) -> torch.Tensor:
+def token_log_ratio(
+    targets: torch.Tensor, mass: torch.Tensor, prior: float = DEFAULT_POLICY.token_prior
+) -> torch.Tensor:
     """log((c + κ) / (P + κ)) [V] float64 for the learned targets' counts c [V] and the summed probabilities P [V]."""
     return torch.log((targets.double() + prior) / (mass.double() + prior))
 
 
-def token_step(gamma: float, count: float) -> float:
-    """γ' = γ·min(1, count / TOKEN_BIAS_FULL): the token bias's step after `count` learned positions."""
-    return gamma * min(1.0, count / TOKEN_BIAS_FULL)
+def token_step(gamma: float, count: float, policy: OutputPolicy = DEFAULT_POLICY) -> float:
+    """γ' = γ·min(1, count / policy.token_bias_full): the token bias's step after `count` learned positions."""
+    return gamma * min(1.0, count / policy.token_bias_full)
 
 
-def token_bias(gamma: float, target_count: Accumulator, token_mass: Accumulator, count: float) -> tuple:
+def token_bias(
+    gamma: float,
+    target_count: Accumulator,
+    token_mass: Accumulator,
+    count: float,
+    policy: OutputPolicy = DEFAULT_POLICY,
+) -> tuple:
     """(γ·log((c + κ) / (P + κ)) [V] float64 or None, why it is None): c = target_count's `targets`, P = token_mass's
-    `probability`, both over the `count` learned positions; γ as given (`token_step` scales it)."""
+    `probability`, both over the `count` learned positions, κ = policy.token_prior; γ as given (`token_step` scales
+    it)."""
     if gamma <= 0.0:
         return None, "ResidualOutput.token_bias is 0"
     for name, sums in (("token counts", target_count), ("token mass", token_mass)):
         short = covers(sums, count)
         if short is not None:
             return None, f"the {name} cover {short}"
-    return gamma * token_log_ratio(target_count.targets, token_mass.probability), None
+    return gamma * token_log_ratio(target_count.targets, token_mass.probability, policy.token_prior), None
 
 
 def with_token_bias(logits: torch.Tensor, tokens: torch.Tensor | None, scale: float, overwrite: bool) -> torch.Tensor:

@@ -5,42 +5,25 @@ tail's step is shrunk when its documents each have much fitted text of their own
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 
-from .output_tuning import (
-    MAX_STEP,
-    MIN_GAIN_SE,
-    MIN_HELD_OUT,
-    Logits,
-    StepRows,
-    base_log_targets,
-    log_mixture,
-    log_targets,
-    step_rows,
-)
-
-# A held-out document takes part in the diagnosis of a tuned step (`diagnose`) when at least PART_MIN_POSITIONS of its
-# positions are in the tuning sample; its own step is "much larger" beyond PART_STEP_RATIO times the chosen one.
-PART_MIN_POSITIONS = MIN_HELD_OUT
-PART_STEP_RATIO = 4.0
-# The tail's step is multiplied by min(1, (DOCUMENT_POSITIONS_PER_DIM·d / L)^DOCUMENT_SHRINK_POWER), L the positions
-# fitted per held-out document and d the hidden size (`document_shrink`). Where each held-out document has much fitted
-# text of its own (one long file), the tail rewards what is particular to that text, and its step overshoots on
-# other files: 0.39× to 0.77× of the tail's step was best for them on 32K tokens of tkinter, info, copyright and email.
-# Chosen on the validation domains (docs/design.md §6.3): 6 and 0.5 were best of 2,500-8,000 positions × 0.25-1.5.
-DOCUMENT_POSITIONS_PER_DIM = 6
-DOCUMENT_SHRINK_POWER = 0.5
+from .output_policy import DEFAULT_POLICY, OutputPolicy
+from .output_tuning import Logits, StepRows, base_log_targets, log_mixture, log_targets, step_rows
 
 
-def document_shrink(fitted: int, documents: int, hidden_size: int) -> float:
+def document_shrink(fitted: int, documents: int, hidden_size: int, policy: OutputPolicy = DEFAULT_POLICY) -> float:
     """The factor (0, 1] on the tail's tuned step when `fitted` positions were fitted and the held-out rows come from
-    `documents` documents (see DOCUMENT_POSITIONS_PER_DIM): 1 while at most DOCUMENT_POSITIONS_PER_DIM·hidden_size
-    positions are fitted per held-out document."""
+    `documents` documents: min(1, (P·hidden_size / L)^power), L = fitted / documents, P and power the policy's
+    document_positions_per_dim and document_shrink_power. Where each held-out document has much fitted text of its
+    own (one long file), the tail rewards what is particular to that text, and its step overshoots on other files
+    (docs/design.md §6.3)."""
     per_document = fitted / max(documents, 1)
-    if per_document <= DOCUMENT_POSITIONS_PER_DIM * hidden_size:
+    threshold = policy.document_positions_per_dim * hidden_size
+    if per_document <= threshold:
         return 1.0
-    return (DOCUMENT_POSITIONS_PER_DIM * hidden_size / per_document) ** DOCUMENT_SHRINK_POWER
+    return (threshold / per_document) ** policy.document_shrink_power
 
 
 class MemoryOffWarning(UserWarning):
@@ -56,17 +39,18 @@ def diagnose(
     candidate: float,
     rows: StepRows | None = None,
     log_base: torch.Tensor | None = None,
+    policy: OutputPolicy = DEFAULT_POLICY,
 ) -> dict:
     """Why a tuned (η, λ) is what it is, from the held-out logits (`Logits`, m rows) and each row's document [m]:
 
     - off: η or λ is 0; held_out_gain / held_out_gain_se: the mean gain in log-likelihood per held-out position,
       and its standard error, at (η, λ) or, when off, at `candidate` (the best step the search found);
-    - parts: for every document with PART_MIN_POSITIONS or more rows, the step it alone would take, estimated by
-      one Newton step on its rows' mean NLL from η (their gradient and curvature in η at weight λ), and, where that
-      step is over PART_STEP_RATIO times η, whether its rows gain there significantly over η (`confirmed`: one pass
-      over those rows; None where not checked);
-    - warning: a message when the memory is off, or when a confirmed part's step is over PART_STEP_RATIO times η
-      (else None).
+    - parts: for every document with policy.part_min_positions or more rows, the step it alone would take, estimated
+      by one Newton step on its rows' mean NLL from η (their gradient and curvature in η at weight λ), and, where
+      that step is over policy.part_step_ratio times η, whether its rows gain there significantly over η
+      (`confirmed`: one pass over those rows; None where not checked);
+    - warning: a message when the memory is off, or when a confirmed part's step is over policy.part_step_ratio
+      times η (else None).
 
     rows, log_base: what `tune_step_rows` and `base_log_targets` computed (rows at η or at `candidate`), reused.
     """
@@ -88,29 +72,29 @@ def diagnose(
     ids, counts = torch.unique(documents, return_counts=True)
     if ids.numel() > 1:
         for doc, n in zip(ids.tolist(), counts.tolist(), strict=True):
-            if n < PART_MIN_POSITIONS:
+            if n < policy.part_min_positions:
                 continue
-            rows = documents == doc
-            g, c = float(grad[rows].mean()), float(curv[rows].mean())
+            part = documents == doc
+            g, c = float(grad[part].mean()), float(curv[part].mean())
             if c > 0:
-                step = min(MAX_STEP, max(0.0, eta - g / c))
+                step = min(policy.max_step, max(0.0, eta - g / c))
             else:  # not convex here: only the direction is known
-                step = MAX_STEP if g < 0 else 0.0
+                step = policy.max_step if g < 0 else 0.0
             # A step far from η is a one-step extrapolation: it counts only if the part's rows really gain there,
             # significantly, over what they read at η (one pass over those rows alone).
             confirmed = None
-            if step > PART_STEP_RATIO * eta:
-                part_logits = tuple(v[rows] for v in logits)
-                there = log_mixture(log_base[rows], log_targets(*part_logits, step), lam)
-                better = there - log_mix[rows]
-                confirmed = float(better.mean()) > MIN_GAIN_SE * float(better.std()) / math.sqrt(n)
+            if step > policy.part_step_ratio * eta:
+                part_logits = cast(Logits, tuple(v[part] for v in logits))  # the same 4 tensors, this part's rows
+                there = log_mixture(log_base[part], log_targets(*part_logits, step), lam)
+                better = there - log_mix[part]
+                confirmed = float(better.mean()) > policy.min_gain_se * float(better.std()) / math.sqrt(n)
             parts.append({"document": doc, "positions": n, "step": step, "confirmed": confirmed})
     n, docs = int(documents.numel()), int(ids.numel())
     warning = None
     if off:
         found = ("the loss rose with any step" if at <= 0 else
                  f"best step {at:.3g}: mean gain {mean:+.4f} ± {se:.4f} nats per position, needs over "
-                 f"{MIN_GAIN_SE:g} standard errors")  # fmt: skip
+                 f"{policy.min_gain_se:g} standard errors")  # fmt: skip
         wanting = [p for p in parts if p["step"] > 0 and p["confirmed"]]
         alone = ""
         if wanting:
@@ -123,7 +107,7 @@ def diagnose(
                    f"model.{alone} Learn more text like what it will read, or set ResidualOutput(step=...) to force "
                    f"a step.")  # fmt: skip
     else:
-        larger = [p for p in parts if p["step"] > PART_STEP_RATIO * eta and p["confirmed"]]
+        larger = [p for p in parts if p["step"] > policy.part_step_ratio * eta and p["confirmed"]]
         if larger:
             top = max(larger, key=lambda p: p["step"])
             warning = (f"faast: the residual output memory's step {eta:.3g} is much smaller than {len(larger)} of "

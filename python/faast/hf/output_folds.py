@@ -4,14 +4,15 @@ folds").
 The residual output layer tunes its step on the end of every learned text, scored by one W fitted without all of those
 ends. Where the ends of several texts repeat one another (versions of a licence, shared boilerplate), that fit has lost
 every copy, and the step it tunes is too small for later text that repeats the learned text. Here the documents that
-hold out an end are dealt into FOLDS folds by their content, and each document's held-out rows are scored by a W fitted
-without its own fold's left-out positions only, so the fit keeps the other folds' ends. The layer takes this step when
-it is at least FOLD_STEP_RATIO times the one fit's: a step that much larger says the texts' ends repeat one another.
-A memory the one fit leaves off (no significant gain on the ends) is turned on where the folds find one.
+hold out an end are dealt into OutputPolicy.folds folds by their content, and each document's held-out rows are scored
+by a W fitted without its own fold's left-out positions only, so the fit keeps the other folds' ends. The layer takes
+this step when it is at least OutputPolicy.fold_step_ratio times the one fit's: a step that much larger says the
+texts' ends repeat one another. A memory the one fit leaves off (no significant gain on the ends) is turned on where
+the folds find one. The numbers are the layer's policy's (`layer.policy`).
 
-Only whether the folds' step clears FOLD_STEP_RATIO × the one fit's matters, so the folds' NLL is first read at that
+Only whether the folds' step clears fold_step_ratio × the one fit's matters, so the folds' NLL is first read at that
 threshold on a sample of the held-out rows: where it rises there, the folds' minimum lies below the threshold (the
-search's own premise, one minimum on [0, MAX_STEP]) and neither the other rows' logits nor a search are computed.
+search's own premise, one minimum on [0, max_step]) and neither the other rows' logits nor a search are computed.
 Where it falls, the search runs on that sample from the threshold, and its best point starts the search on every row.
 """
 
@@ -24,21 +25,13 @@ import torch
 from . import output_tuning as tuning
 from .head import change_logits
 
-FOLDS = 2
-# The two-fold step is taken where it is at least this many times the one fit's. On the validation domains' 12 tuned
-# points (experiments/results/lm_step_rule_fit_folds_validation_cpu.md) the ratio was 2.08-2.24 at the two licence
-# points, whose held-out files repeat the learned licences, and 1.00-1.38 elsewhere; any R from 1.41 to 2 gave -15.09%
-# against -13.37% with the one fit. The benchmark's 14 points read 1.00-1.55, so 1.6 leaves them to the one fit
-# (docs/results.md, "The held-out ends in two folds"). inf: the one fit alone.
-FOLD_STEP_RATIO = 1.6
-
 
 class FoldTuning(NamedTuple):
     """What the folds found: `step`, their searched step (None where no search ran); `check`, why: 'off'
-    (FOLD_STEP_RATIO is inf), 'fixed step or weight 0' (the layer tunes no mixture step), 'one document' (a single
-    text holds out every row: its fold's fit is the one fit), 'above range' (FOLD_STEP_RATIO × the one fit's step
-    exceeds MAX_STEP), 'below ratio' (the sample's NLL rises at the threshold), 'searched'; `taken`, (η, the search's
-    trace, the rows at η, the held-out logits) where the layer takes the step, else None."""
+    (OutputPolicy.fold_step_ratio is inf), 'fixed step or weight 0' (the layer tunes no mixture step), 'one document'
+    (a single text holds out every row: its fold's fit is the one fit), 'above range' (fold_step_ratio × the one fit's
+    step exceeds max_step), 'below ratio' (the sample's NLL rises at the threshold), 'searched'; `taken`, (η, the
+    search's trace, the rows at η, the held-out logits) where the layer takes the step, else None."""
 
     step: float | None
     check: str
@@ -63,14 +56,15 @@ def fold_tuning(
     `layer.tail_statistics`, their base logits (`tail_base`) and log-likelihoods (`base_log_targets`), at key width
     `width` and weight λ `weight`, against the one fit's step `start`. spare: a [m, V] buffer in the change's dtype
     (`layer.change_weight`) the layer no longer reads (the key width it did not choose), written with the folds'
-    change instead of fresh pages."""
-    if FOLD_STEP_RATIO == float("inf"):
+    change instead of fresh pages. The folds, the ratio and the search's settings are `layer.policy`'s."""
+    policy = layer.policy
+    if policy.fold_step_ratio == float("inf"):
         return FoldTuning(None, "off")
-    threshold = FOLD_STEP_RATIO * start
-    if threshold > tuning.MAX_STEP:
+    threshold = policy.fold_step_ratio * start
+    if threshold > policy.max_step:
         return FoldTuning(None, "above range")
     memory = layer.memory
-    documents, fold, stats = layer.held_out.fold_statistics(int(memory.count), min_fit, FOLDS)
+    documents, fold, stats = layer.held_out.fold_statistics(int(memory.count), min_fit, policy.folds)
     if documents.numel() < 2:
         return FoldTuning(None, "one document")
     ranked = torch.argsort(documents)
@@ -87,7 +81,7 @@ def fold_tuning(
     z1 = base[0].new_empty(base[0].shape, dtype=head_weight.dtype) if spare is None else spare
     target1 = torch.empty_like(base[1])
     m = keys.shape[0]
-    stride = tuning.SEARCH_SAMPLE_STRIDE if m >= tuning.SEARCH_SAMPLE_MIN_ROWS else 1
+    stride = policy.search_sample_stride if m >= policy.search_sample_min_rows else 1
     # Row sets j::stride are strided views of z1 that the products write in place: no [r, V] copies or scatters,
     # whose fresh pages cost as much as the products (0.5 s per 400 MB in a 32K solve, 2 AMD EPYC cores).
     _fill(layer.head, head_weight, change, ys, z1, target1, 0, stride)
@@ -100,7 +94,7 @@ def fold_tuning(
     logits = (base[0], z1, base[1], target1)
     # Sampled rows: the search runs on the check's sample from the threshold and its best point starts the one on every
     # row, which then ends in 1-3 passes over the [m, V] logits rather than the 4-6 it takes from the threshold
-    eta, trace, rows = tuning.tune_step_rows(logits, weight, log_base, threshold, sampled=stride == 1)
+    eta, trace, rows = tuning.tune_step_rows(logits, weight, log_base, threshold, sampled=stride == 1, policy=policy)
     if eta > 0 and eta >= threshold:
         return FoldTuning(eta, "searched", (eta, trace, rows, logits))
     return FoldTuning(eta, "searched")

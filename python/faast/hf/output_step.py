@@ -4,7 +4,8 @@
 texts: the fit leaves those positions out (their statistics subtract exactly), the head forms their base logits and
 the logits' change per unit step, output_tuning searches the step, output_folds checks it on the ends in folds,
 output_diagnosis says when the memory ends up off and output_diagnosis.document_shrink shrinks the step of long texts.
-It is a base class of the layer and reads the layer's own state (statistics, held-out tail, settings).
+It is a base class of the layer and reads the layer's own state (statistics, held-out tail, settings, and the
+thresholds of its OutputPolicy, `self.policy`).
 """
 
 from __future__ import annotations
@@ -70,11 +71,12 @@ class StepChoice:
         return z0, z0.gather(-1, ys[:, None]).squeeze(-1)
 
     def _min_fit(self) -> int:
-        """Fewest positions the step's tuning fit may have: MIN_FIT_TOKENS, and FIT_PER_KEY_DIM per key dimension."""
-        return max(tuning.MIN_FIT_TOKENS, tuning.FIT_PER_KEY_DIM * self.hidden_size)
+        """Fewest positions the step's tuning fit may have: policy.min_fit_tokens, and policy.fit_per_key_dim per key
+        dimension."""
+        return max(self.policy.min_fit_tokens, self.policy.fit_per_key_dim * self.hidden_size)
 
     def held_out_positions(self) -> int:
-        """Positions the step is tuned on: the last round(f·n) of every learned document, f = min(HELD_OUT_SHARE,
+        """Positions the step is tuned on: the last round(f·n) of every learned document, f = min(held_out_share,
         tune_tokens / learned) (held_out.tail_plan); 0 when too little text was learned to fit on the rest, or
         after a load (the tail is learning state of this process)."""
         return self.held_out.held_positions(int(self.memory.count), self._min_fit())
@@ -88,14 +90,15 @@ class StepChoice:
 
     def _widths(self, fitted: int) -> list[int]:
         """Key widths a fit on `fitted` positions may use: h̃ alone (d), and the full keys when they are wider and
-        at least FIT_PER_KEY_DIM positions per key dimension are fitted."""
+        at least policy.fit_per_key_dim positions per key dimension are fitted."""
         d, full = self.hidden_size, self.memory.dim_key
-        return [d, full] if full > d and fitted >= tuning.FIT_PER_KEY_DIM * full else [d]
+        return [d, full] if full > d and fitted >= self.policy.fit_per_key_dim * full else [d]
 
     def _choose_step(self, curvature: torch.Tensor) -> tuple[float, float, int]:
         """(η, λ, key width) for the current statistics: fixed ones, tuned ones, or the saved/default ones when too
         little text was learned to tune them. The width is the full keys' where enough text was fitted to tune them
         and they give the lower held-out NLL; else h̃ alone (d)."""
+        policy = self.policy
         fixed_step = None if self.step == "auto" else float(self.step)
         fixed_weight = self._fixed_weight()
         held = self.held_out_positions()
@@ -122,8 +125,8 @@ class StepChoice:
         # With two widths and many held-out rows, the width is chosen on a sample (its rows first), and only the chosen
         # width's change is formed for the rest: the [n, V] head products are most of the solve's time.
         sampled = keys.shape[0]
-        if len(widths) > 1 and keys.shape[0] >= tuning.WIDTH_SAMPLE_MIN_ROWS:
-            order, sampled = tuning.sample_first(keys.shape[0], keys.device)
+        if len(widths) > 1 and keys.shape[0] >= policy.width_sample_min_rows:
+            order, sampled = tuning.sample_first(keys.shape[0], keys.device, policy)
             keys, ys, docs = keys[order], ys[order], docs[order]
         base = self.tail_base(keys, ys)  # the base logits are the same for every width
         log_base = tuning.base_log_targets((base[0], None, base[1], None))
@@ -136,7 +139,8 @@ class StepChoice:
             out = base[0].new_empty(base[0].shape, dtype=self.change_weight().dtype)  # z1 [n, V]: sample, then rest
             logits = self.tail_logits(keys, ys, w, base, sample_rows, out)
             start = max((r[1] for r in results.values()), default=0.0)  # the narrower keys' step
-            tuned = tuning.tune_width(logits, log_base[sample_rows], fixed_step, fixed_weight, start, len(widths) > 1)
+            tuned = tuning.tune_width(logits, log_base[sample_rows], fixed_step, fixed_weight, start, len(widths) > 1,
+                                      policy=policy)  # fmt: skip
             results[width] = (*tuned, logits, w, out)
         # The narrower keys win ties: a wider W fitted on the same text is the noisier one.
         width = min(results, key=lambda k: (results[k][0], k))
@@ -145,7 +149,8 @@ class StepChoice:
             rest = self.tail_logits(keys, ys, w, base, slice(sampled, None), out)
             logits = (base[0], out, base[1], torch.cat([logits[3], rest[3]]))
             start = min(trace, key=lambda t: t[-1])[0]  # the sample's best step, before its significance test
-            tuned = tuning.tune_width(logits, log_base, fixed_step, fixed_weight, start, compare=False, sampled=True)
+            tuned = tuning.tune_width(logits, log_base, fixed_step, fixed_weight, start, compare=False, sampled=True,
+                                      policy=policy)  # fmt: skip
             _, eta, lam, trace, rows = tuned
         one_fit, fold = eta, output_folds.FoldTuning(None, "fixed step or weight 0")
         if lam > 0 and fixed_step is None:  # the held-out ends in folds (also where η is 0), taken where much larger
@@ -155,9 +160,9 @@ class StepChoice:
             eta, trace, rows, logits = fold.taken or (eta, trace, rows, logits)
         check_weight = lam if lam > 0 else (fixed_weight if fixed_weight is not None else self.default_weight)
         candidate = min(trace, key=lambda t: t[-1])[0]  # the search's best step, before the significance test
-        diagnosis = diagnose(logits, docs, eta, check_weight, candidate, rows, log_base)
+        diagnosis = diagnose(logits, docs, eta, check_weight, candidate, rows, log_base, policy)
         documents = self.held_out.documents(int(memory.count), self._min_fit())
-        shrink = document_shrink(fitted, documents, self.hidden_size) if fixed_step is None else 1.0
+        shrink = document_shrink(fitted, documents, self.hidden_size, policy) if fixed_step is None else 1.0
         tail_step, eta = eta, eta * shrink
         if shrink < 1.0:
             _log.info("faast: output layer: %.0f fitted positions per held-out text, so the tail's step %.3g is "

@@ -1,62 +1,29 @@
 """How the residual output layer chooses its step η and mixture weight λ on the held-out tail of the learned text
 (docs/design.md §6.3); the tail buffer it is tuned on is faast/hf/held_out.py.
 
-The last HELD_OUT_SHARE of the learned positions (at most `tune_tokens`) are held out; the layer fits its correction
-on the rest (statistics subtract exactly) and hands the held-out positions' logits here as `Logits`: z0 [n, V] the base
-logits, z1 [n, V] their change per unit step, and both at the targets [n]. The functions below minimise the held-out
-NLL of (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1): in logit space (λ = 1) it is convex in η (a safeguarded 1-D
-Newton search, `tune_step`); in probability space it is convex in λ for each η (bisection), and η is searched on a
-geometric grid refined by golden section (`tune_mixture`). A mixture is used only when its gain is significant.
+The last OutputPolicy.held_out_share of the learned positions (at most `tune_tokens`) are held out; the layer fits its
+correction on the rest (statistics subtract exactly) and hands the held-out positions' logits here as `Logits`: z0
+[n, V] the base logits, z1 [n, V] their change per unit step, and both at the targets [n]. The functions below
+minimise the held-out NLL of (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1): in logit space (λ = 1) it is convex in η (a
+safeguarded 1-D Newton search, `tune_step`); in probability space it is convex in λ for each η (bisection), and η is
+searched on a geometric grid refined by golden section (`tune_mixture`, `golden_section`). A mixture is used only when
+its gain is significant. Every threshold and iteration count comes from the `policy` argument (an OutputPolicy;
+default the shipped one), which the layer passes as its own.
+
+Public: `golden_section(f, low, high, iterations)`, the golden-section minimisation of a unimodal function on an
+interval that `tune_mixture` refines log η with (experiments/lm_step_probe.py uses it too).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-# The step's Newton iteration on the held-out NLL: at most this many passes, stopping once the next step would move η
-# by less than STEP_TOL relative (the NLL is quadratic at its minimum: a 1% error in η costs ~1e-4 of the gain);
-# η stays in [0, MAX_STEP] (0 keeps the base model when no step helps).
-STEP_ITERATIONS = 12
-STEP_TOL = 1e-2
-MAX_STEP = 4.0
-# The step is tuned on the last HELD_OUT_SHARE of the learned positions (at most tune_tokens of them), and only when
-# at least MIN_HELD_OUT are held out and MIN_FIT_TOKENS remain to fit on.
-HELD_OUT_SHARE = 0.2
-MIN_HELD_OUT = 128
-MIN_FIT_TOKENS = 256
-# ... and at least FIT_PER_KEY_DIM × d positions (d = the key width). A d×d map fitted on fewer is mostly noise, and a
-# tail cut from the same text cannot tell: SmolLM2 (d = 576) learning one 2K-token file chose a step 5× the one that
-# suits other files and doubled their perplexity, while three validation domains lost at most 2.4% by not stepping
-# (docs/design.md §6.3).
-FIT_PER_KEY_DIM = 4
-# The step's search first runs on every SEARCH_SAMPLE_STRIDE-th held-out row when there are at least
-# SEARCH_SAMPLE_MIN_ROWS, and its best point starts the search on all rows: on SmolLM2's held-out logits (2,048 rows ×
-# 49,152) the whole search then read the [n, V] logits 3–4.25 times instead of 7–8 (docs/design.md §6.3).
-SEARCH_SAMPLE_STRIDE = 4
-SEARCH_SAMPLE_MIN_ROWS = 1024
-# With two key widths to compare on at least WIDTH_SAMPLE_MIN_ROWS held-out rows, the width is chosen on the same
-# sample (each width tuned on it), and only the chosen width's change is formed for every row: on SmolLM2 at 32K tokens
-# one [2048, 576] × [576, 49,152] product and one full search fewer (docs/design.md §6.3).
-WIDTH_SAMPLE_MIN_ROWS = 1024
-# With ResidualOutput.tune_tokens above TUNE_SAMPLE, the held-out NLL is evaluated on TUNE_SAMPLE positions spread
-# evenly over the held-out span (the fit still leaves out all of it): bounds the cost of the [n, V] logits. A longer
-# span is not better by default: 8192 chose a better step than 2048 on one domain and a worse one on another
-# (docs/design.md §6.3).
-TUNE_SAMPLE = 2048
-# The fit that tunes the step also leaves out up to GAP_MULTIPLE × (held-out positions) of the tail's document just
-# before the tail: nearby text of the same document shares its names and phrasing (docs/design.md §6.3).
-GAP_MULTIPLE = 2
-# Probability space: η is searched on a geometric grid (factor 2, from MIN_GRID_STEP to MAX_STEP), then refined by
-# GOLDEN_ITERATIONS golden-section steps on log η between the best grid point's neighbours; for each η, λ in [0, 1] is
-# the exact minimiser of the held-out NLL (convex in λ), found by WEIGHT_ITERATIONS bisections of its derivative.
-MIN_GRID_STEP = 1 / 256
-GOLDEN_ITERATIONS = 8
-WEIGHT_ITERATIONS = 40
-# ... and a mixture is used only when its mean held-out gain per position exceeds MIN_GAIN_SE standard errors.
-MIN_GAIN_SE = 2.0
+from .output_policy import DEFAULT_POLICY, OutputPolicy
+
 # The held-out logits the layer computes: (z0 [n, V] float32, z1 [n, V] float32 or bfloat16 (the head products'
 # dtype, ResidualOutputLayer.change_weight), z0 and z1 at the targets [n] float32).
 Logits = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -111,17 +78,19 @@ def log_targets(
     return (target0 + eta * target1 - row_logsumexp(z0, z1, eta)).double()
 
 
-def significant(log_base: torch.Tensor, log_memory: torch.Tensor, lam: float) -> bool:
+def significant(
+    log_base: torch.Tensor, log_memory: torch.Tensor, lam: float, policy: OutputPolicy = DEFAULT_POLICY
+) -> bool:
     """Whether mixing in log_memory with weight λ raises the mean log-likelihood of log_base [n] by more than
-    MIN_GAIN_SE standard errors of the gain per position: a sharp correction mixed in with a small weight raises the
-    held-out likelihood of random text a little, by chance."""
+    policy.min_gain_se standard errors of the gain per position: a sharp correction mixed in with a small weight
+    raises the held-out likelihood of random text a little, by chance."""
     gain = log_mixture(log_base, log_memory, lam) - log_base
-    return float(gain.mean()) > MIN_GAIN_SE * float(gain.std()) / math.sqrt(gain.numel())
+    return float(gain.mean()) > policy.min_gain_se * float(gain.std()) / math.sqrt(gain.numel())
 
 
-def best_weight(log_base: torch.Tensor, log_memory: torch.Tensor) -> float:
+def best_weight(log_base: torch.Tensor, log_memory: torch.Tensor, policy: OutputPolicy = DEFAULT_POLICY) -> float:
     """argmin over λ in [0, 1] of −mean log((1 − λ)·a + λ·b), a = exp(log_base), b = exp(log_memory) [n] float64:
-    convex in λ, so bisection of the derivative −mean((b − a) / mix)."""
+    convex in λ, so policy.weight_iterations bisections of the derivative −mean((b − a) / mix)."""
 
     def slope(lam: float) -> float:
         log_mix = log_mixture(log_base, log_memory, lam)
@@ -132,7 +101,7 @@ def best_weight(log_base: torch.Tensor, log_memory: torch.Tensor) -> float:
     if slope(1.0) <= 0.0:
         return 1.0
     low, high = 0.0, 1.0
-    for _ in range(WEIGHT_ITERATIONS):
+    for _ in range(policy.weight_iterations):
         mid = 0.5 * (low + high)
         low, high = (low, mid) if slope(mid) > 0.0 else (mid, high)
     return 0.5 * (low + high)
@@ -151,14 +120,16 @@ def mixture_nll(log_base: torch.Tensor, log_memory: torch.Tensor, lam: float) ->
     return float(-log_mixture(log_base, log_memory, lam).mean())
 
 
-def tune_step(logits: Logits, weight: float = 1.0) -> tuple[float, list[tuple[float, float]]]:
+def tune_step(
+    logits: Logits, weight: float = 1.0, policy: OutputPolicy = DEFAULT_POLICY
+) -> tuple[float, list[tuple[float, float]]]:
     """The step η >= 0 minimising the mean NLL of targets ys [n] under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1)
     (λ = weight; at 1, the logits z0 + η·z1), z1 the logits' change for the correction keys·w. A safeguarded
     1-D Newton iteration from η = 0, each pass giving the NLL and its first two derivatives in η: at λ = 1 the NLL
     is convex in η; a mixture's need not be, and the bracket from the derivative's sign keeps the iteration on
     the minimum it starts towards. A mixture's η is 0 unless it helps (`significant`). Returns (η, [(η_i, NLL_i)
     per iteration]). logits: the held-out logits (`Logits`)."""
-    eta, trace, _ = tune_step_rows(logits, weight)
+    eta, trace, _ = tune_step_rows(logits, weight, policy=policy)
     return eta, trace
 
 
@@ -168,24 +139,26 @@ def tune_step_rows(
     log_base: torch.Tensor | None = None,
     start: float = 0.0,
     sampled: bool = False,
+    policy: OutputPolicy = DEFAULT_POLICY,
 ) -> tuple[float, list[tuple[float, float]], StepRows]:
     """`tune_step`, also returning the rows' state at the step the search ended on (before the significance test
     may set η to 0): what `diagnose` and the key width's choice read without another pass over the [n, V] logits.
     log_base: log softmax(z0) at the targets [n] float64 (`base_log_targets`), when already computed. start: the
     first point of the search (e.g. the step the narrower keys took: the wider keys' is near it, so the search takes
     fewer passes); from a start above 0 a minimum at 0 is approached by the bracket and cut by the significance
-    test. With SEARCH_SAMPLE_MIN_ROWS rows or more the search first runs on every SEARCH_SAMPLE_STRIDE-th row, and
-    its best point starts the search on all of them: that one then ends in 1–3 passes over the [n, V] logits, and
-    the result is the full rows' minimum as before (within STEP_TOL). sampled: `start` is already a sample's best
-    point (the key width's choice searched one): no sampled search first. The trace is the full rows' search."""
+    test. With policy.search_sample_min_rows rows or more the search first runs on every
+    policy.search_sample_stride-th row, and its best point starts the search on all of them: that one then ends in
+    1–3 passes over the [n, V] logits, and the result is the full rows' minimum as before (within policy.step_tol).
+    sampled: `start` is already a sample's best point (the key width's choice searched one): no sampled search first.
+    The trace is the full rows' search."""
     if log_base is None:
         log_base = base_log_targets(logits)
-    if logits[0].shape[0] >= SEARCH_SAMPLE_MIN_ROWS and not sampled:
-        pick = slice(None, None, SEARCH_SAMPLE_STRIDE)
-        _, sample_trace, _ = _search(tuple(part[pick] for part in logits), weight, log_base[pick], start)
+    if logits[0].shape[0] >= policy.search_sample_min_rows and not sampled:
+        pick = slice(None, None, policy.search_sample_stride)
+        _, sample_trace, _ = _search(tuple(part[pick] for part in logits), weight, log_base[pick], start, policy)
         start = min(sample_trace, key=lambda point: point[1])[0]
-    eta, trace, rows = _search(logits, weight, log_base, start)
-    if weight < 1.0 and eta > 0.0 and not significant(log_base, rows.log_memory, weight):
+    eta, trace, rows = _search(logits, weight, log_base, start, policy)
+    if weight < 1.0 and eta > 0.0 and not significant(log_base, rows.log_memory, weight, policy):
         eta = 0.0
     return eta, trace, rows
 
@@ -198,6 +171,7 @@ def tune_width(
     start: float = 0.0,
     compare: bool = True,
     sampled: bool = False,
+    policy: OutputPolicy = DEFAULT_POLICY,
 ) -> tuple[float, float, float, list, StepRows | None]:
     """One key width's tuning on these held-out rows: (the held-out NLL it would read, η, λ, the search's trace, the
     rows at η or None). weight None ('auto'): η and λ together (`tune_mixture`, η held at `step` when not None); else
@@ -205,27 +179,28 @@ def tune_width(
     NLL is not needed (no other width to compare with) and is 0 where it would take another pass. sampled: `start` is
     a sample's best step (`tune_step_rows`)."""
     if weight is None:
-        eta, lam, trace = tune_mixture(logits, step)
+        eta, lam, trace = tune_mixture(logits, step, policy=policy)
         if not compare:
             return 0.0, eta, lam, trace, None
         if eta <= 0 or lam <= 0:
             return float(-log_base.mean()), eta, lam, trace, None
         return mixture_nll(log_base, log_targets(*logits, eta), lam), eta, lam, trace, None
-    eta, trace, rows = tune_step_rows(logits, weight, log_base, start, sampled)
+    eta, trace, rows = tune_step_rows(logits, weight, log_base, start, sampled, policy)
     nll = float(-log_base.mean()) if eta <= 0 else float(-log_mixture(log_base, rows.log_memory, weight).mean())
     return nll, eta, weight, trace, rows
 
 
-def sample_first(n: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """(an order [n] int64 of n rows with every SEARCH_SAMPLE_STRIDE-th row first, how many those are): the sample a
-    choice is made on comes first, so that its [rows, V] products are the leading rows of the full ones."""
+def sample_first(n: int, device: torch.device, policy: OutputPolicy = DEFAULT_POLICY) -> tuple[torch.Tensor, int]:
+    """(an order [n] int64 of n rows with every policy.search_sample_stride-th row first, how many those are): the
+    sample a choice is made on comes first, so that its [rows, V] products are the leading rows of the full ones."""
+    stride = policy.search_sample_stride
     index = torch.arange(n, device=device)
-    picked = index[::SEARCH_SAMPLE_STRIDE]
-    return torch.cat([picked, index[index % SEARCH_SAMPLE_STRIDE != 0]]), picked.numel()
+    picked = index[::stride]
+    return torch.cat([picked, index[index % stride != 0]]), picked.numel()
 
 
 def _search(
-    logits: Logits, weight: float, log_base: torch.Tensor, start: float
+    logits: Logits, weight: float, log_base: torch.Tensor, start: float, policy: OutputPolicy
 ) -> tuple[float, list[tuple[float, float]], StepRows]:
     """The safeguarded 1-D Newton search of `tune_step_rows` on these rows, from `start`: (the last point η, [(η_i,
     NLL_i)], the rows at η), with no significance test.
@@ -236,9 +211,10 @@ def _search(
     logits) is replaced by the step of the Gauss-Newton part of the curvature (λ·p_y/mixture · Var_p(z1), never
     below the full curvature, so a shorter step), else by bisection: geometric once the bracket's low end is above
     0 (the step's scale is unknown). In logit space (λ = 1) both curvatures are Var_p(z1)."""
-    eta, low, high, trace = min(max(float(start), 0.0), MAX_STEP), 0.0, MAX_STEP, []
+    max_step, tol = policy.max_step, policy.step_tol
+    eta, low, high, trace = min(max(float(start), 0.0), max_step), 0.0, max_step, []
     rows = None
-    for _ in range(STEP_ITERATIONS):
+    for _ in range(policy.step_iterations):
         rows = step_rows(logits, eta)
         nll, grad, gauss_newton, curv = derivatives(rows, weight, log_base)
         trace.append((eta, nll))
@@ -253,8 +229,8 @@ def _search(
             new = 0.0  # from a start above 0, a minimum at 0 itself is tested rather than approached
         elif not low < new < high:
             new = _fallback_step(eta, grad, gauss_newton, low, high)
-        if abs(new - eta) <= STEP_TOL * max(eta, 1e-2) or high - low <= STEP_TOL * max(high, 1e-2):
-            break  # converged: η, already evaluated, is within STEP_TOL of the next point
+        if abs(new - eta) <= tol * max(eta, 1e-2) or high - low <= tol * max(high, 1e-2):
+            break  # converged: η, already evaluated, is within policy.step_tol of the next point
         eta = new
     if rows.eta != eta:  # the iterations ran out before converging: evaluate the last point
         rows = step_rows(logits, eta)
@@ -318,12 +294,37 @@ def held_out_nll(logits: Logits, eta: float, lam: float) -> float:
     return mixture_nll(log_base, log_targets(z0, z1, target0, target1, eta), lam)
 
 
-def tune_mixture(logits: Logits, step: float | None = None, log_base: torch.Tensor | None = None) -> tuple:
+def golden_section(f: Callable[[float], float], low: float, high: float, iterations: int) -> tuple[float, float]:
+    """(x, f(x)): the better end of the bracket after `iterations` golden-section steps minimising f on [low, high]
+    (f unimodal there; f is called iterations + 2 times, one new point per step). The bracket shrinks by
+    (√5 − 1)/2 ≈ 0.618 per step."""
+    ratio = (math.sqrt(5.0) - 1.0) / 2.0
+    left, right = high - ratio * (high - low), low + ratio * (high - low)
+    f_left, f_right = f(left), f(right)
+    for _ in range(iterations):  # one new point per iteration
+        if f_left < f_right:
+            high, right, f_right = right, left, f_left
+            left = high - ratio * (high - low)
+            f_left = f(left)
+        else:
+            low, left, f_left = left, right, f_right
+            right = low + ratio * (high - low)
+            f_right = f(right)
+    return (left, f_left) if f_left < f_right else (right, f_right)
+
+
+def tune_mixture(
+    logits: Logits,
+    step: float | None = None,
+    log_base: torch.Tensor | None = None,
+    policy: OutputPolicy = DEFAULT_POLICY,
+) -> tuple:
     """(η, λ) minimising the mean NLL of targets ys [n] under (1 − λ)·softmax(z0) + λ·softmax(z0 + η·z1), with
     η held at `step` when not None (ResidualOutput.weight='auto'). For each η the NLL is convex in λ (bisection of its
-    derivative); η is searched on a geometric grid, then by golden section on log η around the best grid point.
-    Returns (η, λ, [(η_i, λ_i, NLL_i)] sorted by η); (0, 0) when no mixture helps (`significant`). logits: the
-    held-out logits (`Logits`); log_base: the base component's log-likelihoods when its logits are not z0."""
+    derivative); η is searched on a geometric grid (factor 2 from policy.min_grid_step to policy.max_step), then by
+    policy.golden_iterations golden-section steps on log η between the best grid point's neighbours. Returns (η, λ,
+    [(η_i, λ_i, NLL_i)] sorted by η); (0, 0) when no mixture helps (`significant`). logits: the held-out logits
+    (`Logits`); log_base: the base component's log-likelihoods when its logits are not z0."""
     z0, z1, target0, target1 = logits
     log_base = (target0 - row_logsumexp(z0)).double() if log_base is None else log_base
     seen: dict[float, tuple[float, float]] = {}
@@ -334,31 +335,21 @@ def tune_mixture(logits: Logits, step: float | None = None, log_base: torch.Tens
     def nll(eta: float) -> float:
         if eta not in seen:
             log_memory_eta = log_memory(eta)
-            lam = best_weight(log_base, log_memory_eta)
+            lam = best_weight(log_base, log_memory_eta, policy)
             seen[eta] = (mixture_nll(log_base, log_memory_eta, lam), lam)
         return seen[eta][0]
 
     if step is not None:
         nll(step)
     else:
-        grid = [MIN_GRID_STEP * 2.0**i for i in range(int(math.log2(MAX_STEP / MIN_GRID_STEP)) + 1)]
+        smallest = policy.min_grid_step
+        grid = [smallest * 2.0**i for i in range(int(math.log2(policy.max_step / smallest)) + 1)]
         best = min(range(len(grid)), key=lambda i: nll(grid[i]))
         low, high = math.log(grid[max(best - 1, 0)]), math.log(grid[min(best + 1, len(grid) - 1)])
-        ratio = (math.sqrt(5.0) - 1.0) / 2.0
-        left, right = high - ratio * (high - low), low + ratio * (high - low)
-        f_left, f_right = nll(math.exp(left)), nll(math.exp(right))
-        for _ in range(GOLDEN_ITERATIONS):  # one new point per iteration
-            if f_left < f_right:
-                high, right, f_right = right, left, f_left
-                left = high - ratio * (high - low)
-                f_left = nll(math.exp(left))
-            else:
-                low, left, f_left = left, right, f_right
-                right = low + ratio * (high - low)
-                f_right = nll(math.exp(right))
+        golden_section(lambda u: nll(math.exp(u)), low, high, policy.golden_iterations)  # every point lands in `seen`
     eta = min(seen, key=lambda e: seen[e][0])
     lam = seen[eta][1]
     trace = [(e, seen[e][1], seen[e][0]) for e in sorted(seen)]
-    if lam <= 0.0 or not significant(log_base, log_memory(eta), lam):
+    if lam <= 0.0 or not significant(log_base, log_memory(eta), lam, policy):
         return 0.0, 0.0, trace
     return eta, lam, trace

@@ -68,6 +68,7 @@ def learn_pass_mode(
     held = Int8Weights()
 
     def run(mode: str) -> None:
+        context: contextlib.AbstractContextManager[object]
         if mode == "bfloat16":
             context = torch.autocast(device.type, dtype=torch.bfloat16)
         elif mode == "int8":

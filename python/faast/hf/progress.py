@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sized
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 __all__ = ["Bar", "Metered", "enabled", "say_slow"]
 
@@ -62,9 +66,9 @@ class Metered:
         if isinstance(items, list | tuple):
             works = [_work(x) for x in items]
             self.by_work = all(w is not None for w in works)
-            self.total = sum(works) if self.by_work else len(items)
+            self.total = sum(w for w in works if w is not None) if self.by_work else len(items)
         elif hasattr(items, "__len__"):
-            self.total = len(items)
+            self.total = len(cast(Sized, items))
 
     def __iter__(self) -> Iterator:
         for item in self.items:
@@ -83,7 +87,7 @@ class Bar:
     def __init__(self, show: bool, desc: str) -> None:
         self.show, self.desc = show, desc
         self.tokens, self.updates = 0, 0
-        self._bar = None
+        self._bar: tqdm[Any] | None = None
 
     def update(self, tokens: int, fraction: float | None = None) -> None:
         """Add `tokens` done; fraction: the share of the input done so far (None: unknown)."""
@@ -106,7 +110,7 @@ class Bar:
             self._bar = None
 
 
-def _open(desc: str, initial: int, total: int | None):  # noqa: ANN202 - a tqdm or None
+def _open(desc: str, initial: int, total: int | None) -> tqdm[Any] | None:
     try:
         from tqdm.auto import tqdm
     except ImportError:

@@ -10,8 +10,8 @@ V-vector), and generation after reading uses it.
 The step is tuned prequentially: after chunk t is scored with W_{t−1} (fitted on chunks < t), the step and weight
 that would have scored it best are chosen on STREAM_TUNE_ROWS of its positions (W_{t−1} never saw them), and chunk
 t + 1 is read with them and W_t. Nothing is ever tuned on the chunk being scored. Until the first tuning the memory is
-off (step 0). The keys widen to the full keys (ResidualOutput.key_layers) once FIT_PER_KEY_DIM positions per key
-dimension are learned, as the layer's own solve allows.
+off (step 0). The keys widen to the full keys (ResidualOutput.key_layers) once OutputPolicy.fit_per_key_dim positions
+per key dimension are learned, as the layer's own solve allows; the step's search reads the layer's policy too.
 
 Windows: chunk t predicts tokens [max(1, tC), (t + 1)C) of the stream from the window ids[max(0, tC − 1):(t + 1)C],
 so every pair is predicted once and each window holds one token of the previous chunk (`chunk_windows`).
@@ -157,7 +157,7 @@ class _Reading:
         """W of the statistics learned so far at the key width their count allows."""
         layer, memory = self.layer, self.layer.memory
         full = memory.dim_key
-        if full > layer.hidden_size and float(memory.count) >= tuning.FIT_PER_KEY_DIM * full:
+        if full > layer.hidden_size and float(memory.count) >= layer.policy.fit_per_key_dim * full:
             self.width = full
         curvature = layer.damped_curvature()
         self.w = layer.newton(memory.gram, memory.cross, memory.count, curvature, self.width)
@@ -226,14 +226,14 @@ class _Reading:
         if rows.numel() > STREAM_TUNE_ROWS:
             rows = rows[torch.linspace(0, rows.numel() - 1, STREAM_TUNE_ROWS, device=rows.device).round().long()]
         sample = tuple(part[rows] for part in logits)
-        base = log_base[rows]
+        base, policy = log_base[rows], self.layer.policy
         if self.fixed_weight is None and self.fixed_step is None:
-            self.eta, self.lam, _ = tuning.tune_mixture(sample, log_base=base)
+            self.eta, self.lam, _ = tuning.tune_mixture(sample, log_base=base, policy=policy)
         elif self.fixed_weight is None:
-            self.lam = tuning.best_weight(base, tuning.log_targets(*sample, self.fixed_step))
+            self.lam = tuning.best_weight(base, tuning.log_targets(*sample, self.fixed_step), policy)
         else:
             start = self.eta if self.eta > 0 else self.layer.default_step
-            self.eta, _, _ = tuning.tune_step_rows(sample, self.fixed_weight, base, start)
+            self.eta, _, _ = tuning.tune_step_rows(sample, self.fixed_weight, base, start, policy=policy)
 
 
 class StreamReader:

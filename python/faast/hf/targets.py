@@ -33,10 +33,15 @@ residual output layer is refused for that model. Anything not found is refused w
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _log = logging.getLogger("faast.hf")
 
@@ -55,8 +60,14 @@ class Target:
     discovered: bool = False  # found by discover_target, not taken from TARGETS
 
 
-def _decoder(backbone: str = "model", blocks: str = "layers", final_norm: str = "norm", **logits: str) -> Target:
-    return Target(backbone=backbone, blocks=f"{backbone}.{blocks}", final_norm=f"{backbone}.{final_norm}", **logits)
+def _decoder(
+    backbone: str = "model", blocks: str = "layers", final_norm: str = "norm", *,
+    logit_multiplier: str | None = None, logit_divisor: str | None = None, logit_softcap: str | None = None,
+) -> Target:  # fmt: skip
+    return Target(
+        backbone=backbone, blocks=f"{backbone}.{blocks}", final_norm=f"{backbone}.{final_norm}",
+        logit_multiplier=logit_multiplier, logit_divisor=logit_divisor, logit_softcap=logit_softcap,
+    )  # fmt: skip
 
 
 _LLAMA = _decoder()  # model.layers, model.norm: Llama's layout, shared by most decoder LMs
@@ -105,7 +116,7 @@ TARGETS: dict[str, Target] = {
 }
 
 
-def target_for(model: nn.Module) -> Target:
+def target_for(model: PreTrainedModel) -> Target:
     """The table entry for `model.config.model_type`, or `discover_target(model)` for a type not in the table."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -114,7 +125,7 @@ def target_for(model: nn.Module) -> Target:
     return discover_target(model)
 
 
-def get_submodule(model: nn.Module, path: str, what: str) -> nn.Module:
+def get_submodule(model: PreTrainedModel, path: str, what: str) -> nn.Module:
     try:
         return model.get_submodule(path)
     except AttributeError:
@@ -143,7 +154,7 @@ class ScaledHead:
 
     @property
     def weight(self) -> torch.Tensor:
-        return self._scaled(self.head.weight)
+        return self._scaled(cast(torch.Tensor, self.head.weight))  # an LM head's weight parameter
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -151,7 +162,7 @@ class ScaledHead:
         return None if bias is None else self._scaled(bias)
 
 
-def logit_scale(model: nn.Module, target: Target) -> float:
+def logit_scale(model: PreTrainedModel, target: Target) -> float:
     """The constant the model multiplies `lm_head(h̃)` by to get its logits (1.0 for most types)."""
     scale = 1.0
     for name, invert in ((target.logit_multiplier, False), (target.logit_divisor, True)):
@@ -165,7 +176,7 @@ def logit_scale(model: nn.Module, target: Target) -> float:
     return scale
 
 
-def residual_head(model: nn.Module, target: Target) -> nn.Module | ScaledHead | None:
+def residual_head(model: PreTrainedModel, target: Target) -> nn.Module | ScaledHead | None:
     """The LM head the residual output layer fits: the model's output embedding (None when it has none), wrapped in
     ScaledHead when the type scales its logits. A model whose logits are not linear in the final norm's output
     (softcapping, or an unknown transform found by discovery) is refused: the layer's p and its Newton step would be
@@ -190,7 +201,7 @@ def residual_head(model: nn.Module, target: Target) -> nn.Module | ScaledHead | 
 
 # ---------------------------------------------------------------------------------------------------- discovery
 
-_DISCOVERY_LOGGED: set[str] = set()
+_DISCOVERY_LOGGED: set[str | None] = set()  # model types; None for a config without one
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -208,7 +219,7 @@ def _first_tensor(x: object) -> torch.Tensor | None:
     return getattr(x, "last_hidden_state", None)
 
 
-def discover_target(model: nn.Module) -> Target:
+def discover_target(model: PreTrainedModel) -> Target:
     """Find the backbone, block list and final norm of a causal LM whose model type is not in TARGETS.
 
     The backbone is the submodule named by `model.base_model_prefix`; the blocks are the nn.ModuleList under it with
@@ -261,6 +272,7 @@ def discover_target(model: nn.Module) -> Target:
         raise refuse(f"no final norm: no norm module under '{prefix}' outside '{prefix}.{block_path}'")
 
     norm_path, from_head = _trace(model, blocks, norms, refuse)
+    assert isinstance(prefix, str)  # for the type checker: a backbone was found under it
     target = Target(
         backbone=prefix, blocks=f"{prefix}.{block_path}", final_norm=f"{prefix}.{norm_path}",
         logits_from_head=from_head, discovered=True,
@@ -275,14 +287,16 @@ def discover_target(model: nn.Module) -> Target:
     return target
 
 
-def _trace(model: nn.Module, blocks: nn.ModuleList, norms: list, refuse) -> tuple[str, bool]:  # noqa: ANN001
+def _trace(
+    model: PreTrainedModel, blocks: nn.ModuleList, norms: list, refuse: Callable[[str], ValueError]
+) -> tuple[str, bool]:
     """Run 3 tokens through `model` with hooks on the blocks and on the candidate norms [(path, module)]: (the final
     norm's path, whether the logits equal the LM head applied to its output). `refuse(reason)` makes the error."""
     calls: list[int] = []
-    seen: dict[str, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor | str | None] = {}  # "last" and "out": tensors (or None); "norm": a path
     handles = []
 
-    def after_block(i: int):  # noqa: ANN202 - a hook closure
+    def after_block(i: int) -> Callable[..., None]:  # a forward hook
         def hook(module: nn.Module, args: tuple, output: object) -> None:  # noqa: ARG001
             calls.append(i)
             if i == len(blocks) - 1:
@@ -290,7 +304,7 @@ def _trace(model: nn.Module, blocks: nn.ModuleList, norms: list, refuse) -> tupl
 
         return hook
 
-    def at_norm(path: str):  # noqa: ANN202 - a hook closure
+    def at_norm(path: str) -> Callable[..., None]:  # a forward hook with kwargs
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:  # noqa: ARG001
             hidden = args[0] if args else kwargs.get("hidden_states")
             # The first norm to read the last block's output, bit for bit, is the final norm.
@@ -307,7 +321,7 @@ def _trace(model: nn.Module, blocks: nn.ModuleList, norms: list, refuse) -> tupl
         handles.append(norm.register_forward_hook(at_norm(path), with_kwargs=True))
     embeddings = model.get_input_embeddings()
     vocab = getattr(embeddings, "num_embeddings", None) or int(model.config.vocab_size)
-    ids = torch.arange(3, device=embeddings.weight.device).remainder(vocab).unsqueeze(0)
+    ids = torch.arange(3, device=cast(torch.Tensor, embeddings.weight).device).remainder(vocab).unsqueeze(0)
     was = model.training
     model.eval()
     try:
@@ -324,8 +338,9 @@ def _trace(model: nn.Module, blocks: nn.ModuleList, norms: list, refuse) -> tupl
     if "norm" not in seen:
         raise refuse("no final norm: no norm module reads the last block's output")
     with torch.no_grad():
-        from_head = _logits_from_head(logits, seen["out"], model.get_output_embeddings())
-    return seen["norm"], from_head
+        # seen["out"]: the final norm's output, a tensor for every norm module (typed loosely by `seen`).
+        from_head = _logits_from_head(logits, cast(torch.Tensor, seen["out"]), model.get_output_embeddings())
+    return cast(str, seen["norm"]), from_head
 
 
 def _logits_from_head(logits: torch.Tensor | None, out: torch.Tensor, head: nn.Module | None) -> bool:

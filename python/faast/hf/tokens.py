@@ -7,7 +7,8 @@ that share one token (`overlapping_windows`), and a sequence of tokenised texts 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ def pad_rows(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tens
     return ids, mask
 
 
-def token_lists(texts: Iterable[str], tokenizer: object, limit: int) -> list[list[int]]:
+def token_lists(texts: Iterable[str], tokenizer: Callable[..., Any], limit: int) -> list[list[int]]:
     """Token ids per text, stopping once `limit` tokens are collected (the last text is cut at the limit)."""
     out, total = [], 0
     for text in texts:

@@ -155,7 +155,7 @@ def _gram_call(flat: tuple, options: dict) -> _dispatch.Call:
     )  # fmt: skip
 
 
-def _gram_sample(flat: tuple, options: dict):  # noqa: ANN202 - a closure for faast.ops._dispatch
+def _gram_sample(flat: tuple, options: dict) -> Callable[[Callable], object]:  # a closure for faast.ops._dispatch
     rows = _GRAM_SAMPLE.get(flat[0].device.type, _GRAM_SAMPLE_DEFAULT)
     part = tuple(None if t is None else t[:, :rows] for t in flat)
     return lambda fn: fn(*part, **options)
@@ -278,9 +278,12 @@ def accumulate_gram_unchecked(
     name, impl = _dispatch.resolve(
         "accumulate_gram", keys.device, _gram_call(flat, options), None if needs_grad else _gram_sample(flat, options)
     )
-    accumulators = (gram, cross, target_sqnorm)
     in_place = _dispatch.implementation(name, "accumulate_gram_") if all(given) and not needs_grad else None
-    if in_place is not None and all(t.dtype == torch.float64 and t.is_contiguous() for t in accumulators):
+    # The None tests repeat what `given` says, for the type checker.
+    if (
+        in_place is not None and gram is not None and cross is not None and target_sqnorm is not None
+        and all(t.dtype == torch.float64 and t.is_contiguous() for t in (gram, cross, target_sqnorm))
+    ):  # fmt: skip
         in_place(*flat, gram.reshape(size, dk, dk), cross.reshape(size, dk, dv), target_sqnorm.reshape(size),
                  **options)  # fmt: skip
         return gram, cross, target_sqnorm
@@ -291,7 +294,7 @@ def accumulate_gram_unchecked(
     d_gram = d_gram.to(torch.float64).reshape(*batch, dk, dk)
     d_cross = d_cross.to(torch.float64).reshape(*batch, dk, dv)
     d_sqnorm = d_sqnorm.to(torch.float64).reshape(batch)
-    if not all(given):
+    if gram is None or cross is None or target_sqnorm is None:  # none given (checked above: all or none)
         return d_gram, d_cross, d_sqnorm
     gram.add_(d_gram)
     cross.add_(d_cross)
@@ -361,7 +364,7 @@ def solve_fast_weights_ex(
     flat_cross = cross.reshape(-1, dk, cross.shape[-1])
     # The gradient flows through T only: S^+ is a constant, as in the authors' detached pinv (docs/design.md §6).
     solved = None
-    if ridge is not None and ridge != "auto" and ridge > 0:
+    if ridge is not None and not isinstance(ridge, str) and ridge > 0:  # a str is 'auto' (check_solve_options)
         solved = solve_fixed_ridge(gram.detach().reshape(-1, dk, dk), flat_cross, counts, float(ridge))
     elif ridge is None and alpha != "auto" and _dispatch.requested_backend("eigh") == "auto":
         # An eigensolver named in FAAST_BACKEND is a request for the spectrum (to use or measure it): honoured.

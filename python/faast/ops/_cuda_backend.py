@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import re
 from types import ModuleType
+from typing import cast
 
 import torch
 
@@ -102,13 +103,13 @@ def load_error() -> str | None:
     """None when faast._C is loaded and matches the running torch; otherwise why not (tried once, then remembered)."""
     if "error" not in _state:
         _state["error"] = _load()
-    return _state["error"]  # type: ignore[return-value]
+    return cast("str | None", _state["error"])
 
 
 def build_record() -> dict | None:
     """What the loaded faast._C was built with (torch_version, cuda_version, cusolver_version, compiler); None when it
     is not loaded."""
-    return None if load_error() is not None else _state.get("build")  # type: ignore[return-value]
+    return None if load_error() is not None else cast("dict | None", _state.get("build"))
 
 
 def _register_fake(lib: torch.library.Library | None = None) -> None:

@@ -182,7 +182,7 @@ def explain(op: str, device: torch.device, call: Call | None = None) -> list[tup
     """For reports (python -m faast.env): each candidate of the device's preference list and why auto would pass
     over it (None for those it would choose among). Logs nothing, measures nothing."""
     call = call or Call(op, device)
-    out = []
+    out: list[tuple[str, str | None]] = []
     for name in _PREFERENCE.get(device.type, _DEFAULT_PREFERENCE):
         reason = _why_not(name, op, device)
         if reason is not None:
@@ -274,8 +274,9 @@ def resolve(
             if reason is None and found is None:
                 known = sorted(backend.variants.get(op, {})) if backend else []
                 reason = f"the {backend_name} backend has no variant {variant!r} of {op} (it has: {known})"
-            reason = reason or found.cannot_run(call)
-            if reason is not None:
+            if reason is None and found is not None:  # found is None only with a reason set above
+                reason = found.cannot_run(call)
+            if reason is not None or found is None:
                 raise RuntimeError(f"{ENV_VAR}={requested} was requested for {op} on {device.type}, but {reason}")
             return requested, found.fn
         if backend is None or op in backend.ops or op in backend.variants:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 
@@ -181,7 +182,7 @@ def gate(op: str, call: _dispatch.Call) -> str | None:
         return None
     keys, values = call.dtypes[0], call.dtypes[-1]
     same16 = keys == values and keys in (torch.float16, torch.bfloat16)
-    compute = call.options.get("compute_dtype", torch.float64)
+    compute = cast(torch.dtype, call.options.get("compute_dtype", torch.float64))
     precision = precision_for(compute, keys if same16 else torch.float32)
     if precision == "tf32x3":
         return "its tf32x3 mode (float32 compute on float32 inputs) fails the float64 fidelity suite (0/26 on an H100)"

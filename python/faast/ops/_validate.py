@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -286,7 +286,8 @@ def memory_rows(
         return _eager_tail(keys, values, scores, mask, dropped, n=n, max_abs=max_abs, same_mask=same_mask)
     # One scan for NaN/Inf serves all three uses: dropping rows, the deferred codes and the eager error.
     flags = _bad_row_flags(keys, values, scores)
-    bad = flags[0] | flags[1] if flags[2] is None else flags[0] | flags[1] | flags[2]
+    key_bad, value_bad = cast(torch.Tensor, flags[0]), cast(torch.Tensor, flags[1])  # only scores' may be None
+    bad = key_bad | value_bad if flags[2] is None else key_bad | value_bad | flags[2]
     if drop_nonfinite:
         considered = torch.ones_like(bad) if mask is None else mask
         dropped = (considered & bad).sum(-1)
@@ -366,7 +367,7 @@ def rejected_error(rejected: torch.Tensor, batch_shape: tuple[int, ...]) -> Valu
 
 
 def memory_prior(
-    prior: object, *, dim_key: int, dim_value: int, batch_shape: tuple[int, ...], device: object
+    prior: object, *, dim_key: int, dim_value: int, batch_shape: tuple[int, ...], device: torch.device | str | None
 ) -> torch.Tensor | None:
     """FastWeights' prior argument as float64 [*batch_shape, dk, dv] on `device` (None stays None): a tensor
     [dk, dv] or [*batch_shape, dk, dv] (finite), or 'identity' (dk == dv)."""
@@ -379,7 +380,7 @@ def memory_prior(
         if dk != dv:
             raise ValueError(f"prior: 'identity' needs dim_key == dim_value, got {dk} and {dv}")
         return torch.eye(dk, dtype=torch.float64, device=device).expand(*batch, dk, dk).clone()
-    require_tensor("prior", prior)
+    prior = require_tensor("prior", prior)
     if tuple(prior.shape) not in ((dk, dv), (*batch, dk, dv)):
         raise ValueError(
             f"prior: expected shape [dim_key, dim_value] = {[dk, dv]} or {[*batch, dk, dv]}, got {list(prior.shape)}"

@@ -333,7 +333,7 @@ def accumulate_gram_syrk(
     if weights is not None and weighted_least_squares:
         weights = weights.sqrt()  # applied to keys and values: S = Kᵀ diag(s) K, T = Kᵀ diag(s) V
     keep = None if mask is None else mask.numpy()
-    weights = None if weights is None else weights.numpy()
+    weights_np = None if weights is None else weights.numpy()
     with np.errstate(all="ignore"):  # inf / NaN rows overflow like reference's; the caller checks finiteness
         for b in range(batch):
             # Fortran views of the C-ordered [dk, dk] / [dk, dv] results: BLAS writes through them (checked below).
@@ -348,8 +348,8 @@ def accumulate_gram_syrk(
                     drop = ~keep[b, start : start + n]
                     k[drop] = 0
                     v[drop] = 0
-                if weights is not None:
-                    w = weights[b, start : start + n, None]
+                if weights_np is not None:
+                    w = weights_np[b, start : start + n, None]
                     if weighted_least_squares:
                         k *= w
                     v *= w

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -194,7 +195,7 @@ def _call(device: torch.device, n: int, weight: Int8Weight) -> _dispatch.Call:
                           shape_class=f"rows{rows} k{k} m{cols}")  # fmt: skip
 
 
-def _resolve(rows: Int8Input, weight: Int8Weight) -> tuple[str, object]:
+def _resolve(rows: Int8Input, weight: Int8Weight) -> tuple[str, Callable]:
     sample = Int8Input(rows.x[:SAMPLE_ROWS], rows.outliers)
     sample_w = weight.head(SAMPLE_WEIGHT_ROWS)
     return _dispatch.resolve(

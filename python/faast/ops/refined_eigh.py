@@ -38,7 +38,7 @@ import logging
 
 import torch
 
-from . import _validate
+from . import _dispatch, _validate
 
 logger = logging.getLogger("faast")
 _logged: set[str] = set()
@@ -59,7 +59,7 @@ _SEPARATED = 2.0**-26
 CHECK_C = 4.0
 
 
-def refined_cannot_run(call: object) -> str | None:
+def refined_cannot_run(call: _dispatch.Call) -> str | None:
     """faast.ops._dispatch cannot_run for eigh's torch.refined (call: a _dispatch.Call): CPU and CUDA only."""
     device_type = call.device.type
     if device_type in ("cpu", "cuda"):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -62,7 +62,7 @@ class SolveInfo(NamedTuple):
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SolveInfo:
         """The same info with fn applied to every tensor field (e.g. a reshape to the batch shape, or one slot)."""
-        return SolveInfo(*(f if f is None or isinstance(f, str) else fn(f) for f in self))
+        return SolveInfo._make(f if f is None or isinstance(f, str) else fn(f) for f in self)
 
 
 def _safe_inverse(lam: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -88,7 +88,9 @@ def _explained(lam: torch.Tensor, coef_sq: torch.Tensor, floor: float) -> tuple[
     return valid, gain
 
 
-def _unexplained(gain: torch.Tensor, valid: torch.Tensor, count: torch.Tensor, target_sqnorm: torch.Tensor):
+def _unexplained(
+    gain: torch.Tensor, valid: torch.Tensor, count: torch.Tensor, target_sqnorm: torch.Tensor
+) -> torch.Tensor:
     """RSS⊥ [B]: the residual of the full fit; exactly 0 when the valid directions reach the row count."""
     residual = (target_sqnorm - gain.sum(-1)).clamp_min(0)
     return torch.where(valid.sum(-1).to(count.dtype) >= count, torch.zeros_like(residual), residual)
@@ -183,13 +185,14 @@ def solve_from_eigh(
     gcv_score = None
     ridge_used = None
     if ridge is None and alpha != "auto":
-        cut = _truncation_cut(count, alpha, rtol, floor)
+        cut = _truncation_cut(count, cast(float, alpha), rtol, floor)  # not 'auto' here: a number
         keep = (lam > (cut * lam_max).unsqueeze(-1)) & live
         inverse = _safe_inverse(lam, keep)
         rtol_used = cut.sqrt()
     elif ridge is None:
         coef_sq = coef.square().sum(-1)
-        rank, gcv_score = gcv_truncation(lam, coef_sq, count, target_sqnorm, floor)
+        # alpha='auto' comes with target_sqnorm (the callers' check_solve_options).
+        rank, gcv_score = gcv_truncation(lam, coef_sq, count, cast(torch.Tensor, target_sqnorm), floor)
         position = torch.arange(dim, device=lam.device)
         keep = (position >= dim - rank.unsqueeze(-1)) & live
         inverse = _safe_inverse(lam, keep)
@@ -201,7 +204,8 @@ def solve_from_eigh(
         keep = (lam > floor * lam_max.unsqueeze(-1)) & live
         if ridge == "auto":
             coef_sq = coef.square().sum(-1)
-            mu, gcv_score = gcv_ridge(lam, coef_sq, count, target_sqnorm, floor)
+            # ridge='auto' comes with target_sqnorm (the callers' check_solve_options).
+            mu, gcv_score = gcv_ridge(lam, coef_sq, count, cast(torch.Tensor, target_sqnorm), floor)
         else:
             mu = torch.full_like(count, float(ridge))
         ridge_used = mu

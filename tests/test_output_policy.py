@@ -1,0 +1,140 @@
+"""The residual output layer's tuned constants as one OutputPolicy (faast/hf/output_policy.py, docs/design.md §6.3):
+checked when built, saved with the configuration and loaded back (older configurations take the default), read by
+the layer in place of module globals, and replaceable on a learned layer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from faast.hf import (
+    FaastConfig,
+    OutputPolicy,
+    ResidualOutput,
+    apply_faast,
+    from_pretrained,
+    output_bias,
+    output_diagnosis,
+    output_folds,
+)
+from faast.hf import config as config_module
+from faast.hf import head as head_module
+from faast.hf import output as output_module
+from faast.hf import output_tuning as tuning_module
+from faast.hf.output_policy import DEFAULT_POLICY
+from hf_models import tiny_model
+from test_hf_residual import ids
+
+# The module globals the policy replaced: none may come back, or an experiment could rebind it again.
+REPLACED = {
+    output_module: ("DEFAULT_STEP", "DEFAULT_STEP_PER_DIM", "DEFAULT_WEIGHT"),
+    output_bias: ("TOKEN_PRIOR", "TOKEN_BIAS_FULL"),
+    output_diagnosis: ("PART_MIN_POSITIONS", "PART_STEP_RATIO", "DOCUMENT_POSITIONS_PER_DIM", "DOCUMENT_SHRINK_POWER"),
+    output_folds: ("FOLDS", "FOLD_STEP_RATIO"),
+    tuning_module: ("STEP_ITERATIONS", "STEP_TOL", "MAX_STEP", "HELD_OUT_SHARE", "MIN_HELD_OUT", "MIN_FIT_TOKENS",
+                    "FIT_PER_KEY_DIM", "SEARCH_SAMPLE_STRIDE", "SEARCH_SAMPLE_MIN_ROWS", "WIDTH_SAMPLE_MIN_ROWS",
+                    "TUNE_SAMPLE", "GAP_MULTIPLE", "MIN_GRID_STEP", "GOLDEN_ITERATIONS", "WEIGHT_ITERATIONS",
+                    "MIN_GAIN_SE"),
+    head_module: ("POOL_AUTO",),
+    config_module: ("AUTO_KEY_BLOCK_DIVISOR",),
+}  # fmt: skip
+
+
+def test_no_module_keeps_a_tuned_constant_of_the_policy():
+    left = [f"{m.__name__}.{n}" for m, names in REPLACED.items() for n in names if hasattr(m, n)]
+    assert not left, left
+    assert len(dataclasses.fields(OutputPolicy)) == sum(map(len, REPLACED.values())) + 1  # DEFAULT_STEP: two fields
+
+
+def test_the_default_policy_holds_the_shipped_choices():
+    p = OutputPolicy()
+    assert p == DEFAULT_POLICY and hash(p) == hash(DEFAULT_POLICY)
+    assert (p.default_step("probability"), p.default_step("logit"), p.default_weight) == (0.03, 0.015, 0.5)
+    assert (p.held_out_share, p.min_held_out, p.min_fit_tokens, p.fit_per_key_dim, p.gap_multiple) == (
+        0.2,
+        128,
+        256,
+        4,
+        2,
+    )
+    assert (p.fold_step_ratio, p.folds, p.pool_auto, p.auto_key_block_divisor) == (1.6, 2, 3e-4, 7)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.max_step = 8.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [("folds", 1), ("folds", 2.0), ("gap_multiple", -1), ("gap_multiple", True), ("tune_sample", 0),
+     ("max_step", 0.0), ("step_tol", math.nan), ("held_out_share", 1.0), ("held_out_share", 0.0),
+     ("default_weight", 1.5), ("min_grid_step", 8.0), ("pool_auto", -1e-4), ("fold_step_ratio", 0.0),
+     ("fold_step_ratio", math.nan), ("default_step_per_dim", 0), ("token_prior", "0.3")],
+)  # fmt: skip
+def test_a_value_out_of_range_is_refused_naming_its_field(field, bad):
+    with pytest.raises(ValueError, match=f"OutputPolicy.{field}: expected"):
+        OutputPolicy(**{field: bad})
+
+
+def test_the_policy_is_saved_with_the_configuration_and_older_ones_load_the_default(tmp_path):
+    policy = OutputPolicy(fold_step_ratio=math.inf, gap_multiple=1, token_prior=0.1)
+    config = FaastConfig(output=ResidualOutput(policy=policy))
+    data = json.loads(config.to_json())
+    assert data["output"]["policy"]["gap_multiple"] == 1 and data["output"]["policy"]["fold_step_ratio"] == math.inf
+    assert FaastConfig.from_json(config.to_json()) == config
+    del data["output"]["policy"]  # as a configuration saved before the policy existed
+    assert FaastConfig.from_dict(data).output.policy == OutputPolicy()
+    data["output"]["policy"] = {"gap_multiple": 3}  # fields missing take today's defaults
+    assert FaastConfig.from_dict(data).output.policy == OutputPolicy(gap_multiple=3)
+    data["output"]["policy"] = {"gap_multiples": 3}
+    with pytest.raises(ValueError, match=r"ResidualOutput.policy: unknown fields \['gap_multiples'\]"):
+        FaastConfig.from_dict(data)
+    with pytest.raises(ValueError, match="ResidualOutput.policy: expected an OutputPolicy"):
+        ResidualOutput(policy={"gap_multiple": 3})
+    # A saved model loads with the policy it was saved with.
+    model = apply_faast(tiny_model("llama"), config)
+    model.learn(ids(batch=2, seq=30))
+    model.save_pretrained(tmp_path / "saved")
+    loaded = from_pretrained(tiny_model("llama"), tmp_path / "saved")
+    assert loaded.faast_config.output.policy == policy == loaded.output_memory_layer.policy
+    assert loaded.output_memory_layer.held_out.policy == policy
+
+
+def test_the_layer_reads_its_policy():
+    # The untuned step and weight, their ramp, the token bias's κ and ramp, and the block 'auto' widens the keys with.
+    policy = OutputPolicy(default_step_probability=0.07, default_step_per_dim=1.0, token_prior=1.0,
+                          token_bias_full=32, auto_key_block_divisor=2)  # fmt: skip
+    x = ids(batch=2, seq=30)
+    layers = {}
+    for name, p in (("shipped", OutputPolicy()), ("given", policy)):
+        model = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(policy=p), learn_dtype="model"))
+        model.learn(x)
+        layers[name] = model.output_memory_layer
+        assert model.faast_config.output.key_layers == [4 // p.auto_key_block_divisor]
+    given, shipped = layers["given"], layers["shipped"]
+    n = float(given.memory.count)  # 58 positions, d = 32: above 1 per dimension, below 3.5
+    assert given.chosen_step() == pytest.approx(0.07) and given.default_step == 0.07
+    assert shipped.chosen_step() == pytest.approx(0.03 * n / (3.5 * 32))
+    assert given.last_tuning["token_bias_step"] == pytest.approx(0.3) and given.last_tuning["bias_step"] == 0.5
+    counts, mass = given.target_count.targets.double(), given.token_mass.probability.double()
+    want = 0.3 * torch.log((counts + 1.0) / (mass + 1.0))
+    torch.testing.assert_close(given.folded_token_bias(torch.device("cpu"), torch.float64), want)
+
+
+def test_a_learned_layer_given_another_policy_solves_again_with_it():
+    model = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(step=0.5), learn_dtype="model"))
+    model.learn(ids(batch=2, seq=30))
+    layer = model.output_memory_layer
+    first = layer.folded_token_bias(torch.device("cpu"), torch.float64)
+    layer.policy = OutputPolicy(token_prior=3.0, gap_multiple=0)
+    assert layer.held_out.policy == layer.policy  # the tail reads it too
+    again = layer.folded_token_bias(torch.device("cpu"), torch.float64)
+    assert not torch.equal(first, again)
+    with pytest.raises(ValueError, match="policy: expected an OutputPolicy"):
+        layer.policy = {"gap_multiple": 0}
+    # Another named memory, made afterwards, is read and learned under the layer's policy too.
+    model.learn(ids(batch=2, seq=30, seed=4), memory="other")
+    model.set_memory("other")
+    assert model.output_memory_layer.held_out.policy == layer.policy == OutputPolicy(token_prior=3.0, gap_multiple=0)
