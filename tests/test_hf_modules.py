@@ -3,6 +3,7 @@ BERT classifier's head with a new label set, a causal LM's lm_head, module match
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -338,3 +339,52 @@ def test_a_module_run_twice_in_one_pass_is_refused():
     with pytest.raises(ValueError, match="the module ran 2 times"):
         model.module_memories.learn_forward(lambda: twice(input_ids=ids), targets)
     assert float(model.module_memories.entry().memory.count) == 0
+
+
+def _accepts(base: inspect.Signature, sub: inspect.Signature) -> list[str]:
+    """What of `base`'s call contract `sub` breaks: a parameter missing, of another kind or default, or an extra
+    parameter without a default (a call written against the base would fail)."""
+    broken = []
+    params = sub.parameters
+    for name, p in base.parameters.items():
+        q = params.get(name)
+        if q is None and not (p.kind is p.VAR_KEYWORD and any(x.kind is x.VAR_KEYWORD for x in params.values())):
+            broken.append(f"{name} missing")
+        elif q is not None and (q.kind != p.kind or q.default != p.default):
+            broken.append(f"{name}: {q} against {p}")
+    extra = [
+        q for n, q in params.items() if n not in base.parameters and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)
+    ]
+    broken += [f"{q.name} has no default" for q in extra if q.default is q.empty]
+    return broken
+
+
+@pytest.mark.parametrize("model_class", ["FaastModel", "FaastModuleModel"])
+def test_both_model_classes_implement_the_shared_api_with_its_parameters(model_class: str) -> None:
+    from faast.hf import base, model, modules
+
+    cls = {"FaastModel": model.FaastModel, "FaastModuleModel": modules.FaastModuleModel}[model_class]
+    assert issubclass(cls, base.FaastModelBase) and not cls.__abstractmethods__
+    shared = sorted(base.FaastModelBase.__abstractmethods__)
+    assert {"learn_module", "learn_modules", "save_pretrained", "load_adapter", "disable_faast"} <= set(shared)
+    broken = {
+        name: b
+        for name in shared
+        if (
+            b := _accepts(inspect.signature(getattr(base.FaastModelBase, name)), inspect.signature(getattr(cls, name)))
+        )
+    }
+    assert not broken, f"{model_class} drifted from FaastModelBase: {broken}"
+
+
+def test_the_shared_api_check_finds_a_drifted_signature() -> None:
+    def base(self, directory, *, memories=True): ...  # noqa: ANN001, ANN202
+    def renamed(self, folder, *, memories=True): ...  # noqa: ANN001, ANN202
+    def new_default(self, directory, *, memories=False): ...  # noqa: ANN001, ANN202
+    def required_extra(self, directory, strict, *, memories=True): ...  # noqa: ANN001, ANN202
+    def optional_extra(self, directory, *, memories=True, which="all"): ...  # noqa: ANN001, ANN202
+
+    sig = inspect.signature
+    assert _accepts(sig(base), sig(renamed)) and _accepts(sig(base), sig(new_default))
+    assert _accepts(sig(base), sig(required_extra))
+    assert _accepts(sig(base), sig(optional_extra)) == []

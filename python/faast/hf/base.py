@@ -1,14 +1,21 @@
-"""What every faast model shares about the frozen model it wraps: the delegating wrapper, freezing, eval mode while
-learning, and the name of the configuration file both model kinds save."""
+"""What every faast model shares about the frozen model it wraps: the delegating wrapper, the API both model kinds
+implement (FaastModelBase), freezing, eval mode while learning, and the name of the configuration file both save."""
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..memory import FastWeights
 
 # FaastModel and FaastModuleModel save their FaastConfig under this name; faast.hf.from_pretrained reads it for both.
 CONFIG_NAME = "faast_config.json"
@@ -54,6 +61,60 @@ class BaseModelDelegate(nn.Module):
 
     def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
         return self.base_model.generate(*args, **kwargs)
+
+
+class FaastModelBase(BaseModelDelegate, abc.ABC):
+    """The API FaastModel (a causal LM) and FaastModuleModel (any other model) share, declared once so that the two
+    cannot drift: each subclass implements every method below and accepts at least these parameters, with these
+    defaults (tests/test_hf_modules.py checks the signatures). Why there are two classes: docs/design.md §6.6.
+
+    `learn` and `solve` are not part of it: an LM learns texts (strings, token ids, datasets) into named memories and
+    its solve tunes the output layer's step, while a module model learns a batch's labels into its target modules."""
+
+    @abc.abstractmethod
+    def learn_modules(
+        self, *args: object, targets: torch.Tensor | Mapping[str, torch.Tensor],
+        mask: torch.Tensor | Mapping[str, torch.Tensor] | None = None, **model_inputs: object,
+    ) -> int:  # fmt: skip
+        """Run the base model on model_inputs and learn each target module from its captured inputs; the rows."""
+
+    @abc.abstractmethod
+    def learn_module(
+        self, inputs: torch.Tensor, *, targets: torch.Tensor, name: str | None = None, mask: torch.Tensor | None = None
+    ) -> int:
+        """Learn one target module from its inputs [..., d_in] and targets [..., d_out] (or class ids); the rows."""
+
+    @abc.abstractmethod
+    def fast_weights(self) -> list[FastWeights]:
+        """Every FastWeights this model learns into."""
+
+    @abc.abstractmethod
+    def reset_fast_weights(self) -> FaastModelBase:
+        """Forget everything learned; returns self."""
+
+    @abc.abstractmethod
+    def disable_faast(self) -> contextlib.AbstractContextManager[None]:
+        """A context inside which the model computes exactly what the base model does."""
+
+    @abc.abstractmethod
+    def remove_faast(self) -> nn.Module:
+        """Detach faast for good and return the base model."""
+
+    @abc.abstractmethod
+    def save_fast_weights(self, path: str | Path) -> Path:
+        """Write what was learned to one file, atomically; it loads back bit for bit."""
+
+    @abc.abstractmethod
+    def load_fast_weights(self, path: str | Path) -> FaastModelBase:
+        """Load a file written by save_fast_weights; returns self."""
+
+    @abc.abstractmethod
+    def save_pretrained(self, directory: str | Path, *, memories: bool = True) -> Path:
+        """Write the configuration and, with memories=True, what was learned; faast.hf.from_pretrained reads it."""
+
+    @abc.abstractmethod
+    def load_adapter(self, directory: str | Path) -> FaastModelBase:
+        """Load a folder written by save_pretrained into this model; returns self."""
 
 
 def freeze(model: nn.Module) -> None:

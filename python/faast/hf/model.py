@@ -27,7 +27,7 @@ from torch import nn
 from .._version import __version__
 from ..memory import FastWeights
 from . import persistence
-from .base import CONFIG_NAME, WRAPPED_BASE_MODELS, BaseModelDelegate, eval_mode, freeze
+from .base import CONFIG_NAME, WRAPPED_BASE_MODELS, FaastModelBase, eval_mode, freeze
 from .config import EmbeddingOutput, FaastConfig, ResidualOutput
 from .hooks import ModelHooks
 from .inputs import batches, describe, learn_items, learn_source
@@ -45,7 +45,7 @@ from .targets import get_submodule, residual_head, target_for
 __all__ = ["FaastModel", "LearnStats", "apply_faast", "from_pretrained"]
 
 
-class FaastModel(NamedMemories, StreamReader, BaseModelDelegate):
+class FaastModel(NamedMemories, StreamReader, FaastModelBase):
     """A causal LM with FAAST memory layers. Build it with `apply_faast(model, config)`.
 
     Attributes:

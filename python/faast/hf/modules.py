@@ -26,7 +26,7 @@ from torch import nn
 from .._version import __version__
 from ..checkpoint import load_checkpoint, save_state
 from ..memory import FastWeights
-from .base import CONFIG_NAME, WRAPPED_BASE_MODELS, BaseModelDelegate, eval_mode, freeze
+from .base import CONFIG_NAME, WRAPPED_BASE_MODELS, FaastModelBase, eval_mode, freeze
 from .config import FaastConfig
 from .inputs import describe
 from .layers import memory_options
@@ -391,7 +391,7 @@ def wants_module_model(model: nn.Module, config: FaastConfig) -> bool:
     return model_type not in TARGETS and (get_head is None or get_head() is None)
 
 
-class FaastModuleModel(BaseModelDelegate):
+class FaastModuleModel(FaastModelBase):
     """Any model with memories on its target modules and nothing else; built by apply_faast (wants_module_model).
 
     Attributes:

@@ -110,7 +110,9 @@ def register_variant(
     cannot_run: Callable[[Call], str | None] | None = None,
     gate: Callable[[Call], str | None] | None = None,
 ) -> None:
-    """Add `backend.variant` as a candidate for op (the backend must be registered first)."""
+    """Add `backend.variant` as a candidate for op in this process (the backend must be registered first): fn takes
+    the op's arguments; cannot_run(call) and gate(call) say why it cannot run, or why auto must not pick it, for a
+    call (None: it can). Public as faast.ops.backends.register_variant."""
     if backend not in _REGISTRY:
         raise ValueError(f"backend: expected a registered backend among {sorted(_REGISTRY)}, got {backend!r}")
     if not variant or VARIANT_SEPARATOR in variant:

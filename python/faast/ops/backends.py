@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from . import _autotune, _cupy_backend, _dispatch
+from ._dispatch import register_variant  # the public name of the dispatch's own function (documented there)
 
 __all__ = [
     "AUTOTUNE_CACHE_ENV",
@@ -69,20 +70,6 @@ def unavailable_reason(backend: str) -> str | None:
 def implementation(backend: str, op: str) -> Callable | None:
     """`backend`'s function for `op`, None where it has none."""
     return _dispatch.implementation(backend, op)
-
-
-def register_variant(
-    backend: str,
-    op: str,
-    variant: str,
-    fn: Callable,
-    *,
-    cannot_run: Callable[[Call], str | None] | None = None,
-    gate: Callable[[Call], str | None] | None = None,
-) -> None:
-    """Add `backend.variant` as a candidate of `op` in this process: fn takes the op's arguments; cannot_run(call)
-    and gate(call) say why it cannot run, or why auto must not pick it, for a call (None: it can)."""
-    _dispatch.register_variant(backend, op, variant, fn, cannot_run=cannot_run, gate=gate)
 
 
 def autotune_cache_path() -> Path:
