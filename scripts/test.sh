@@ -8,4 +8,8 @@ case " $* " in
   *) faast_env test ;;
 esac
 cd "$ROOT"
+# The whole default run (no arguments) is what CI runs: the lint first, so a lint failure is reported at once.
+if [ $# -eq 0 ]; then
+  bash "$ROOT/scripts/lint.sh"
+fi
 python -m pytest "$@"

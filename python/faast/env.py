@@ -91,11 +91,13 @@ def report_main(
     prog: str, doc: str, build: Callable[[], dict], text: Callable[[dict], str], argv: list[str] | None
 ) -> dict:
     """A report's command line (`python -m faast.env`, `python -m faast.hardware`): build() the report, print it as
-    text(report) or, with --json, as JSON; with --out STEM also write it as a result record (STEM.json and STEM.md,
-    with the run's provenance: faast.provenance.write). Returns the report."""
+    text(report) or, with --json, as JSON; with --out STEM also write it as a result record with the run's
+    provenance (faast.provenance.write: a JSON and a Markdown file named by STEM). Returns the report."""
     parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--out", default=None, help="also write STEM.json and STEM.md with the run's provenance")
+    parser.add_argument(
+        "--out", default=None, help="also write the report and the run's provenance as JSON and Markdown named by STEM"
+    )
     args = parser.parse_args(argv)
     record = None
     if args.out:
