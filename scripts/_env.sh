@@ -5,8 +5,9 @@
 # PyTorch CPU index). Overrides: FAAST_VENV, PYTHON, FAAST_TORCH_SPEC, FAAST_TORCH_CPU_INDEX.
 #
 # faast itself is installed editable, so source edits need no reinstall; what does is a change of its packaging
-# (setup.py, pyproject.toml, the version in python/faast/_version.py), of the extras asked for, of the torch spec or
-# of the venv's Python. A stamp file in the venv records each such install, and a run whose install is already
+# (setup.py, pyproject.toml, the version in python/faast/_version.py, the lab's lab/pyproject.toml), of the extras asked
+# for, of the torch spec or of the venv's Python. With the test or experiments extra the lab (lab/: the package
+# faast_lab, its experiments and benchmarks) is installed editable too, without dependencies: the extras hold them. A stamp file in the venv records each such install, and a run whose install is already
 # recorded skips pip (seconds instead of ~20 s). Delete $VENV/faast-install.stamp to force a reinstall.
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -47,7 +48,8 @@ PY
 STAMP_NAME=faast-install.stamp
 
 # _faast_stamp check|record EXTRAS: "check" succeeds when the stamp in the venv records an install of these extras
-# with today's packaging, torch spec and Python, and faast still imports from $ROOT; "record" adds this install. One
+# with today's packaging, torch spec and Python, and faast (and the lab, where these extras install it) still imports
+# from $ROOT; "record" adds this install. One
 # line per extras set, "<packaging key> <extras>": installing "demo" keeps "test" installed, so both stay recorded,
 # and a packaging change drops every line.
 _faast_stamp() {
@@ -56,7 +58,7 @@ import hashlib, importlib.util, os, sys
 action, extras, root, torch_spec, stamp = sys.argv[1:]
 digest = hashlib.sha256()
 # setup.py reads the version from _version.py: a new version is new package metadata.
-for name in ("setup.py", "pyproject.toml", "python/faast/_version.py"):
+for name in ("setup.py", "pyproject.toml", "python/faast/_version.py", "lab/pyproject.toml"):
     path = os.path.join(root, name)
     digest.update(name.encode() + b"\0")
     if os.path.exists(path):
@@ -75,6 +77,10 @@ if action == "check":
     # The venv may have lost the editable install (pip uninstall, another checkout installed over it).
     spec = importlib.util.find_spec("faast")
     here = spec is not None and spec.origin == os.path.join(root, "python", "faast", "__init__.py")
+    if {"test", "experiments"} & set(want.split(",")):
+        lab = importlib.util.find_spec("faast_lab")
+        want_lab = os.path.realpath(os.path.join(root, "lab", "__init__.py"))
+        here = here and lab is not None and lab.origin is not None and os.path.realpath(lab.origin) == want_lab
     sys.exit(0 if here and [key, want] in kept else 1)
 rows = [line for line in kept if line != [key, want]] + [[key, want]]
 with open(stamp, "w") as f:
@@ -93,6 +99,9 @@ faast_env() {
   if ! _faast_stamp check "$1"; then
     # Recorded only once pip succeeded, so a failed install is retried on the next run.
     pip install --quiet -e "$ROOT[$1]" || return
+    case ",$1," in
+      *,test,* | *,experiments,*) pip install --quiet --no-deps -e "$ROOT/lab" || return ;;
+    esac
     _faast_stamp record "$1"
   fi
   case ",$1," in

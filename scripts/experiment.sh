@@ -20,4 +20,4 @@ esac
 . "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 faast_env "demo,experiments"
 cd "$ROOT"
-python "experiments/$name.py" "$@"
+python -m "faast_lab.experiments.$name" "$@"

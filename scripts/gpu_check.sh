@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Every GPU claim of faast in one command (benchmarks/gpu_check.py): build faast._C, the GPU tests, the Gram fidelity
+# Every GPU claim of faast in one command (lab/benchmarks/gpu_check.py): build faast._C, the GPU tests, the Gram fidelity
 # per precision mode, the kernel / eigh / learn-stack / HF-overhead benchmarks, then the goals table. Written for the
 # lent GPU machine: its system python3 holds torch (CUDA), triton, cupy, ninja and nvcc; there is no network, no venv
-# and faast is not installed (python/ and the repository root go on PYTHONPATH here).
+# and neither faast nor the lab is installed: python/ and the repository root go on PYTHONPATH here, and so does a
+# temporary folder holding only the link faast_lab -> lab/ (the lab's package, lab/pyproject.toml).
 #
 #   bash scripts/gpu_check.sh OUTDIR [--steps build,tests,...] [--budget-s 320]   # the GPU machine, < 6 min on an H100
 #   bash scripts/gpu_check.sh OUTDIR --smoke                                      # anywhere: tiny sizes, CPU
@@ -18,5 +19,7 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
     || { echo "gpu_check: installing the wheels in .whl/ failed" >&2; exit 2; }
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-cd "$ROOT" && exec "$PY" benchmarks/gpu_check.py "$@"
+LAB_LINK=$(mktemp -d "${TMPDIR:-/tmp}/faast-lab.XXXXXX") && ln -s "$ROOT/lab" "$LAB_LINK/faast_lab" \
+  || { echo "gpu_check: cannot link the lab into a temporary folder" >&2; exit 2; }
+export PYTHONPATH="$ROOT/python:$ROOT:$LAB_LINK${PYTHONPATH:+:$PYTHONPATH}"
+cd "$ROOT" && exec "$PY" -m faast_lab.benchmarks.gpu_check "$@"

@@ -6,7 +6,7 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 faast_env test
 cd "$ROOT"
-PATHS=(python faast_kernels tests experiments benchmarks examples scripts setup.py)
+PATHS=(python faast_kernels tests lab examples scripts setup.py conftest.py)
 echo "lint: ruff check" >&2
 ruff check "${PATHS[@]}"
 echo "lint: ruff format --check" >&2

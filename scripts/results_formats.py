@@ -75,7 +75,8 @@ def fmt_demo(records: list[tuple[str, dict]]) -> list[str]:
 
 
 def fmt_cpu_paths(records: list[tuple[str, dict]]) -> list[str]:
-    """benchmarks/bench_cpu_paths.py: each learning path's best rate against the float32 forward and the fastest."""
+    """lab/benchmarks/bench_cpu_paths.py: each learning path's best rate against the float32 forward and the
+    fastest."""
     (_, r), out = records[0], []
     best, forward = r["best_tokens_per_s"], r["best_tokens_per_s"].get("forward float32")
     fastest = max(v for k, v in best.items() if k != "forward float32")
@@ -230,7 +231,8 @@ def _lm_curve(r: dict, names: list[str]) -> list[str]:
 
 
 def fmt_lm_stream(records: list[tuple[str, dict]]) -> list[str]:
-    """experiments/lm_stream.py: prequential perplexity per stream and method, update time, FAAST's chunk latency."""
+    """lab/experiments/lm_stream.py: prequential perplexity per stream and method, update time, FAAST's chunk
+    latency."""
     lines = []
     for _, r in records:
         streams = list(r["streams"])
@@ -257,7 +259,7 @@ def fmt_lm_stream(records: list[tuple[str, dict]]) -> list[str]:
 
 
 def fmt_hf_overhead(records: list[tuple[str, dict]]) -> list[str]:
-    """benchmarks/bench_hf_overhead.py: the record's own overhead rows (learning and reading against the base)."""
+    """lab/benchmarks/bench_hf_overhead.py: the record's own overhead rows (learning and reading against the base)."""
     lines = []
     for _, r in records:
         for m in r.get("models", [r]):
@@ -268,7 +270,7 @@ def fmt_hf_overhead(records: list[tuple[str, dict]]) -> list[str]:
 
 
 def fmt_serving(records: list[tuple[str, dict]]) -> list[str]:
-    """benchmarks/bench_serving.py: medians of every case, the ratios the goals use, switching and disk sizes."""
+    """lab/benchmarks/bench_serving.py: medians of every case, the ratios the goals use, switching and disk sizes."""
     (_, r), rows = records[0], []
     for name, s in r["median_s"].items():
         rows.append([name, num(s, 2)])
@@ -285,7 +287,7 @@ def fmt_serving(records: list[tuple[str, dict]]) -> list[str]:
 
 
 def fmt_learn(records: list[tuple[str, dict]]) -> list[str]:
-    """benchmarks/bench_learn.py: full learn and incremental re-solve against the authors' algorithm, and goals."""
+    """lab/benchmarks/bench_learn.py: full learn and incremental re-solve against the authors' algorithm, and goals."""
     (_, r), rows = records[0], []
     for x in r["rows"]:
         median = {
@@ -310,7 +312,7 @@ def fmt_learn(records: list[tuple[str, dict]]) -> list[str]:
 
 
 def fmt_long_stream(records: list[tuple[str, dict]]) -> list[str]:
-    """benchmarks/bench_long_stream.py: relative errors of S and W and resident memory at each checkpoint."""
+    """lab/benchmarks/bench_long_stream.py: relative errors of S and W and resident memory at each checkpoint."""
     (_, r), rows = records[0], []
     for x in r["result"]["reports"]:
         rows.append(
@@ -370,7 +372,7 @@ def fmt_rows(records: list[tuple[str, dict]], columns: dict[str, str]) -> list[s
 
 
 def fmt_gpu_learn_stack(records: list[tuple[str, dict]]) -> list[str]:
-    """benchmarks/bench_learn_stack.py: learn → W of the layer stack per setting, and the solve per eigensolver."""
+    """lab/benchmarks/bench_learn_stack.py: learn → W of the layer stack per setting, and the solve per eigensolver."""
     (_, r), c = records[0], records[0][1]["config"]
     rows = [
         [k, num(v["update_s"]), num(v["solve_s"]), num(v["total_s"]), f"{r['authors_total_s'] / v['total_s']:.1f}×"]

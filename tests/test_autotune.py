@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 import pytest
 import torch
@@ -197,26 +196,6 @@ def test_size_classes_share_a_choice_within_a_factor_of_two():
     assert [_autotune.size_class(n) for n in (0, 1, 3, 4, 5, 8192, 8193)] == [0, 1, 4, 4, 8, 8192, 16384]
 
 
-def test_bench_auto_choice_smoke_reports_a_choice_for_every_op(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != _dispatch.ENV_VAR}
-    subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "bench_auto_choice.py"), "--out", str(tmp_path), "--smoke",
-         "--no-wait-quiet"],
-        check=True, cwd=root, env=env, capture_output=True, timeout=600,
-    )  # fmt: skip
-    data = json.loads((tmp_path / "auto_choice_cpu.json").read_text())
-    rows = data["payload"]["rows"] if "payload" in data else data["rows"]
-    assert {r["op"] for r in rows} == {"accumulate_gram", "eigh", "residual_project"}
-    for row in rows:
-        assert row["auto"] in row["full_seconds"] and isinstance(row["full_seconds"][row["auto"]], float)
-        assert row["auto_is_fastest"] is (row["fastest"] == row["auto"])
-
-
 def test_a_backend_whose_only_variants_cannot_run_the_call_raises_when_requested(world, monkeypatch):
     _dispatch.register_backend(_dispatch.Backend("cupy"))
     _dispatch.register_variant("cupy", "eigh", "gpu_only", lambda g: torch.linalg.eigh(g), cannot_run=lambda c: "no")
@@ -228,8 +207,8 @@ def test_a_backend_whose_only_variants_cannot_run_the_call_raises_when_requested
 @pytest.mark.parametrize(("rows", "sampled_rows", "size_class"), [(1500, 1024, 1024), (300, 300, 512)])
 def test_the_mixture_is_timed_on_one_whole_read_chunk(world, rows, sampled_rows, size_class):
     # The fused kernel's time hardly shrinks below a GPU's worth of rows, so a smaller sample than the 1,024-row
-    # chunks a read sends would misjudge it (benchmarks/results/gpu_h100_run5.md): the sample is the call's rows up to
-    # one chunk.
+    # chunks a read sends would misjudge it (lab/benchmarks/results/gpu_h100_run5.md): the sample is the call's rows up
+    # to one chunk.
     seen: list[int] = []
 
     def fake_mixture(z, dz, log_odds, log_rest, full, scale):

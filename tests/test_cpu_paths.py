@@ -15,7 +15,7 @@ import torch
 from faast import hardware
 from faast.hardware import report as report_module
 from faast.hf import FaastConfig, OutputPolicy, ResidualOutput, apply_faast, pass_choice
-from faast.hf import head as head_module
+from faast.hf.output import head as head_module
 from faast.ops import _autotune, _dispatch, paths
 from hf_models import tiny_model
 from test_hf_residual import ids
@@ -196,7 +196,7 @@ def test_p_h_pooling_auto_is_timed_on_the_first_blocks_own_probabilities(timed, 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(head_module, "head_gradients", spy)
-    import faast.hf.output as output_module
+    import faast.hf.output.layer as output_module
 
     monkeypatch.setattr(output_module, "head_gradients", spy)
     timed.times = {"torch.exact": 1.0, "torch.pooled": 1.0, faster: 0.1}

@@ -3,7 +3,7 @@ glue around cuSOLVER's syevjBatched, run against a fake cupy whose solver works 
 
 The fake receives raw pointers, as cuSOLVER does, and finds the arrays only through what the backend exported by
 DLPack: a copy anywhere in the plumbing leaves the result unwritten (NaN-poisoned) and the tests fail. Its numerics on
-a GPU are measured by benchmarks/bench_eigh.py.
+a GPU are measured by lab/benchmarks/bench_eigh.py.
 """
 
 from __future__ import annotations

@@ -3,12 +3,10 @@
 import dataclasses
 import os
 import re
-import runpy
 import subprocess
 import sys
 from collections import Counter
 from importlib.resources import files
-from pathlib import Path
 
 import pytest
 import torch
@@ -144,13 +142,6 @@ def test_loading_data_does_not_import_transformers():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-
-
-def test_the_builder_uses_the_package_section_table():
-    """One definition of the 16 sections: benchmarks/data/make_debian_sections.py imports the package's."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "make_debian_sections.py"
-    builder = runpy.run_path(str(path), run_name="make_debian_sections")  # defines, does not run main()
-    assert builder["SECTIONS"] is DEBIAN_SECTIONS
 
 
 def test_the_loader_is_public_in_faast_classify():

@@ -14,7 +14,7 @@ import torch
 
 from faast.hf import EmbeddingOutput, FaastConfig, MiddleLayers, ResidualOutput, apply_faast
 from faast.hf import targets as targets_module
-from faast.hf.head import head_logits, head_second_moment
+from faast.hf.output.head import head_logits, head_second_moment
 from faast.hf.targets import TARGETS, discover_target, target_for
 from hf_models import arch_model, transformers
 from test_hf import ids, randomize_readouts

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -232,7 +233,6 @@ def test_learn_needs_no_datasets_for_lists_and_tensors():
     code = """
 import sys
 sys.modules["datasets"] = None
-sys.path.insert(0, "tests")
 import torch
 from faast.hf import FaastConfig, MiddleLayers, apply_faast
 from hf_models import CharTokenizer, tiny_model
@@ -242,7 +242,11 @@ b = model.learn([[5, 6, 7, 8]], progress=False)
 c = model.learn(torch.tensor([[5, 6, 7]]))
 print(a.pairs + b.pairs + c.pairs)
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")])),
+    }
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == str(8 + 3 + 3 + 2)
 

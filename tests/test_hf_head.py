@@ -1,6 +1,7 @@
-"""faast.hf.head.head_gradients against a float64 hand computation: r = H[y] − softmax(h̃Hᵀ + b)·H, Σ μμᵀ and Σ p over
-the learned positions, for every path through it (own logits into reused buffers, a head with a bias, logits given by
-a stream, masked positions, several chunks with a ragged last one, bfloat16 products, p·H with pooled columns)."""
+"""faast.hf.output.head.head_gradients against a float64 hand computation: r = H[y] − softmax(h̃Hᵀ + b)·H, Σ μμᵀ and
+Σ p over the learned positions, for every path through it (own logits into reused buffers, a head with a bias, logits
+given by a stream, masked positions, several chunks with a ragged last one, bfloat16 products, p·H with pooled
+columns)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from faast.hf import OutputPolicy
-from faast.hf import head as head_module
+from faast.hf.output import head as head_module
 from tolerances import BF16_HEAD_PRODUCTS_REL, FLOAT32_COMPUTE_REL, assert_close, rel
 
 VOCAB, DIM = 97, 24

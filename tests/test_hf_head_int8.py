@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from faast.hf import OutputPolicy
-from faast.hf import head as head_module
+from faast.hf.output import head as head_module
 from faast.ops.int8 import Int8Weight, int8_linear
 from test_hf_head import DIM, VOCAB, case, reference
 from test_int8 import KERNELS, _pin

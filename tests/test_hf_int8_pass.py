@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from faast.hf import FaastConfig, MiddleLayers, ResidualOutput, apply_faast, int8_pass
-from faast.hf import head as head_module
 from faast.hf import learning as learning_module
+from faast.hf.output import head as head_module
 from hf_models import KINDS, tiny_model
 from test_hf_residual import STAT_REL, full_keys, ids, reference_statistics
 from test_int8 import _pin

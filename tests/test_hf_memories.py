@@ -5,6 +5,7 @@ process reloads bit for bit); and the errors, each leaving the state as it was."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -339,7 +340,6 @@ def test_a_saved_model_without_the_default_memory_reloads_without_it(tmp_path):
 
 RELOAD = """
 import sys, torch
-sys.path.insert(0, "tests")
 from faast.hf import FaastModel
 from hf_models import tiny_model
 torch.set_num_threads({threads})  # the parent's: bit-for-bit needs the same GEMM kernels and summation order
@@ -361,7 +361,11 @@ def test_a_fresh_process_reloads_every_memory_bit_for_bit(kind, config, tmp_path
     torch.save(x, tmp_path / "x.pt")
     code = RELOAD.format(kind=kind, threads=torch.get_num_threads())
     args = [sys.executable, "-c", code, str(tmp_path / "saved"), str(tmp_path / "x.pt"), str(tmp_path / "out.pt")]
-    run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")])),
+    }
+    run = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     out = torch.load(tmp_path / "out.pt")
     assert set(out) == {*model.memories, "__selected__"}

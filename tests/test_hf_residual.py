@@ -1,4 +1,4 @@
-"""The residual output layer (faast/hf/output.py, docs/design.md §6.3) on tiny models built in-process: its statistics
+"""The residual output layer (faast/hf/output/, docs/design.md §6.3) on tiny models built in-process: its statistics
 against a float64 hand computation from hooked states, the Newton step, the step tuned on the held-out tail against
 a brute-force search, ablations, persistence, fixed state size and configuration errors."""
 
@@ -18,14 +18,14 @@ from faast.hf import (
     OutputPolicy,
     ResidualOutput,
     apply_faast,
-    output_bias,
 )
-from faast.hf import head as head_module
 from faast.hf import held_out as held_out_module
 from faast.hf import learning as learning_module
-from faast.hf import output as output_module
-from faast.hf import output_tuning as tuning_module
-from faast.hf.output_policy import DEFAULT_POLICY
+from faast.hf.output import DEFAULT_POLICY, StepChoice
+from faast.hf.output import bias as output_bias
+from faast.hf.output import head as head_module
+from faast.hf.output import layer as output_module
+from faast.hf.output import tuning as tuning_module
 from faast.hf.persistence import per_layer_holder
 from faast.hf.targets import TARGETS
 from hf_models import KINDS, VOCAB, tiny_model
@@ -1018,7 +1018,7 @@ def test_the_key_width_is_the_one_whose_tuned_correction_predicts_the_held_out_t
 @pytest.mark.parametrize("width", [32, 64])
 def test_the_chosen_key_width_is_saved_with_the_step_and_a_loaded_model_reads_the_same(width, tmp_path, monkeypatch):
     # One width offered to the tuning, so that each is saved and restored once.
-    monkeypatch.setattr(output_module.ResidualOutputLayer, "_widths", lambda self, fitted: [width])
+    monkeypatch.setattr(StepChoice, "widths", lambda self, fitted: [width])
     config = FaastConfig(output=ResidualOutput(tune_tokens=4096))
     model = apply_faast(tiny_model("llama"), config)
     model.learn(noisy_phrase())

@@ -132,7 +132,8 @@ def test_two_texts_learned_in_either_order_gain_the_same_on_both():
                 adapted.learn(json_ids if name == "json" else [licence[:cut]], max_length=256, batch_size=8)
             tuning = adapted.solve()["default"]
             results.append((tuning, {name: perplexity(adapted, w).ppl for name, w in scored.items()}))
-            change = adapted.output_memory_layer.change_weight().dtype  # z1's dtype follows the CPU ('auto')
+            # z1's dtype follows the CPU ('auto')
+            change = adapted.output_memory_layer.step_choice().change_weight().dtype
         finally:
             adapted.remove_faast()
     (first, ppl_a), (second, ppl_b) = results

@@ -1,4 +1,4 @@
-"""The dtype the residual output layer's step tuning forms the logits' change z1 in (ResidualOutputLayer.change_weight,
+"""The dtype the residual output layer's step tuning forms the logits' change z1 in (StepChoice.change_weight,
 docs/design.md §6.3): the head products' (head_dtype; 'auto' bfloat16 where the CPU multiplies it natively). z1
 against a float64 hand computation, and the step tuned on a bfloat16 z1 against the one tuned on float32 products
 from the same statistics, by one fit and by the folds. The row passes on a bfloat16 z1 are checked against float64
@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from faast.hf import FaastConfig, ResidualOutput, apply_faast, output_folds
+from faast.hf import FaastConfig, ResidualOutput, apply_faast
+from faast.hf.output import folds as output_folds
 from hf_models import tiny_model
 from test_hf_residual import noisy_phrase
 from test_hf_tuning_documents import WINDOW
@@ -38,7 +39,7 @@ def test_the_change_is_formed_in_the_head_products_dtype(timed, setting, fastest
     timed.times = {"torch.float32": 1.0, "torch.bfloat16": 1.0, "torch.int8": 1.0, fastest: 0.1}
     layer = learned(noisy_phrase()).output_memory_layer
     layer.head_dtype = setting
-    weight = layer.change_weight()
+    weight = layer.step_choice().change_weight()
     assert weight.dtype == want and weight.shape == layer.head.weight.shape
     assert_close(weight, layer.head.weight.to(want), torch.float32)  # the cast, nothing else
 
@@ -47,10 +48,11 @@ def test_the_change_is_formed_in_the_head_products_dtype(timed, setting, fastest
 def test_the_tail_logits_change_equals_a_float64_hand_computation(dtype):
     layer = learned(noisy_phrase()).output_memory_layer
     layer.head_dtype = str(dtype).split(".")[-1]
-    keys, ys, _, s_tail, t_tail, n_tail, _, _ = layer.tail_statistics()
+    choice = layer.step_choice()
+    keys, ys, _, s_tail, t_tail, n_tail, _, _ = choice.tail_statistics()
     memory = layer.memory
     w = layer.newton(memory.gram - s_tail, memory.cross - t_tail, memory.count - n_tail, layer.damped_curvature())
-    z0, z1, target0, target1 = layer.tail_logits(keys, ys, w)
+    z0, z1, target0, target1 = choice.tail_logits(keys, ys, w)
     head = layer.head.weight.double()
     want = (keys.double() @ w) @ head.T
     assert z1.dtype == dtype and z0.dtype == target0.dtype == target1.dtype == torch.float32

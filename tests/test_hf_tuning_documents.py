@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from faast.hf import FaastConfig, MemoryOffWarning, OutputPolicy, ResidualOutput, apply_faast
-from faast.hf import output_diagnosis as diagnosis_module
-from faast.hf import output_tuning as tuning_module
 from faast.hf.held_out import tail_plan
+from faast.hf.output import diagnosis as diagnosis_module
+from faast.hf.output import tuning as tuning_module
 from hf_models import VOCAB, tiny_model
 from tolerances import ORDER_STEP_REL
 
@@ -117,8 +117,9 @@ def test_a_last_text_unlike_the_others_does_not_switch_the_memory_off():
 
 
 def disagreeing_logits(right: int, wrong: int, seed: int = 0):
-    """Held-out logits (z0, z1, z0 and z1 at the targets; output_tuning.Logits) of `right` rows of document 0 whose
-    correction z1 raises the target and `wrong` rows of document 1 whose correction lowers it, and the documents."""
+    """Held-out logits (z0, z1, z0 and z1 at the targets; faast.hf.output.tuning.Logits) of `right` rows of document 0
+    whose correction z1 raises the target and `wrong` rows of document 1 whose correction lowers it, and the
+    documents."""
     g = torch.Generator().manual_seed(seed)
     n, vocab = right + wrong, 40
     z0 = torch.randn(n, vocab, generator=g)

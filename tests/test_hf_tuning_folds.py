@@ -1,4 +1,4 @@
-"""The residual output layer's held-out ends in folds (faast/hf/output_folds.py, docs/design.md §6.3): each
+"""The residual output layer's held-out ends in folds (faast/hf/output/folds.py, docs/design.md §6.3): each
 document's held-out rows scored by a W fitted without its own fold's left-out positions, folds dealt by the documents'
 content, and the fold step taken only where it is OutputPolicy.fold_step_ratio times the one fit's, which a sample of
 the rows checks at that threshold before any search. Each variation of the rule is an OutputPolicy given to the
@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from faast.hf import FaastConfig, MemoryOffWarning, OutputPolicy, ResidualOutput, apply_faast, output_folds
+from faast.hf import FaastConfig, MemoryOffWarning, OutputPolicy, ResidualOutput, apply_faast
+from faast.hf.output import folds as output_folds
 from hf_models import tiny_model
 from test_hf_tuning_documents import WINDOW, noisy_phrase
 from tolerances import ORDER_STEP_REL, STEP_SEARCH_REL, TRUTH_REL_W, rel
@@ -55,7 +56,7 @@ def test_the_folds_statistics_split_the_left_out_positions_by_document():
     count, min_fit = int(layer.memory.count), min_fit_of(layer)
     docs, fold, stats = layer.held_out.fold_statistics(count, min_fit, 2)
     assert sorted(docs.tolist()) == [0, 1, 2, 3, 4] and fold.tolist() == [0, 1, 0, 1, 0]
-    _, _, _, s_out, t_out, n_out, _, _ = layer.tail_statistics()
+    _, _, _, s_out, t_out, n_out, _, _ = layer.step_choice().tail_statistics()
     assert rel(stats[0][0] + stats[1][0], s_out) < 1e-6 and rel(stats[0][1] + stats[1][1], t_out) < 1e-6
     assert stats[0][2] + stats[1][2] == int(n_out)
     _, _, _, out_k, out_v, _, _ = layer.held_out.split(count, min_fit)
@@ -75,12 +76,13 @@ def test_each_held_out_row_is_scored_by_the_fit_without_its_own_folds_ends(sampl
     # taken: every row's logits are formed
     layer.policy = OutputPolicy(fold_step_ratio=1e-9, search_sample_min_rows=8 if sampled else 1024)
     min_fit = min_fit_of(layer)
-    keys, ys, docs, *_ = layer.tail_statistics()
-    base = layer.tail_base(keys, ys)
+    choice = layer.step_choice()
+    keys, ys, docs, *_ = choice.tail_statistics()
+    base = choice.tail_base(keys, ys)
     log_base = torch.log_softmax(base[0].double(), -1).gather(-1, ys[:, None]).squeeze(-1)
     curvature, width = layer.damped_curvature(), layer.hidden_size
     buffer = torch.full_like(base[0], float("nan")) if spare else None
-    fold = output_folds.fold_tuning(layer, keys, ys, docs, base, log_base, width, curvature, 0.5, 0.05, min_fit,
+    fold = output_folds.fold_tuning(choice, keys, ys, docs, base, log_base, width, curvature, 0.5, 0.05, min_fit,
                                     spare=buffer)  # fmt: skip
     eta, _, _, logits = fold.taken
     assert keys.shape[0] >= 8 * layer.policy.search_sample_stride or not sampled

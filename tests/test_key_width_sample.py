@@ -1,7 +1,7 @@
-"""The residual output layer's key width chosen on a sample of the held-out rows (faast.hf.output._choose_step with
-OutputPolicy.width_sample_min_rows rows or more): each width's recorded NLL against a float64 hand computation on the
-sampled rows, and the chosen width then tuned on every row exactly as a layer offered that width alone would tune it;
-and the blocked logsumexp the tuning reads its rows with."""
+"""The residual output layer's key width chosen on a sample of the held-out rows (faast.hf.output.StepChoice.choose
+with OutputPolicy.width_sample_min_rows rows or more): each width's recorded NLL against a float64 hand computation on
+the sampled rows, and the chosen width then tuned on every row exactly as a layer offered that width alone would tune
+it; and the blocked logsumexp the tuning reads its rows with."""
 
 import dataclasses
 
@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from faast.hf import FaastConfig, OutputPolicy, ResidualOutput, apply_faast
-from faast.hf import output as output_module
-from faast.hf import output_tuning as tuning
+from faast.hf.output import StepChoice, tuning
 from hf_models import tiny_model
 from test_hf_residual import noisy_phrase, reference_statistics, tail_split, width_nll
 from tolerances import HELD_OUT_NLL_REL, REORDER_REL, STEP_SEARCH_REL, assert_close, rel
@@ -67,7 +66,7 @@ def test_the_key_width_is_chosen_on_a_sample_and_the_chosen_width_is_then_tuned_
     width = min(by_width, key=lambda v: (by_width[v]["held_out_nll"], v))
     assert tuning_info["key_width"] == width == layer.chosen_key_width()
     # The chosen width on all 160 rows: what a layer offered that width alone, with no sample, tunes.
-    monkeypatch.setattr(output_module.ResidualOutputLayer, "_widths", lambda self, fitted: [width])
+    monkeypatch.setattr(StepChoice, "widths", lambda self, fitted: [width])
     unsampled = dataclasses.replace(output, policy=OutputPolicy(width_sample_min_rows=10**6))
     alone = apply_faast(tiny_model("llama"), FaastConfig(output=unsampled, learn_dtype="model"))
     alone.learn(x)

@@ -4,12 +4,13 @@ them, a backend's own implementation, an extra variant, and the cache of measure
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from faast import ops
-from faast.ops import backends
+from faast.ops import _autotune, backends
 
 CPU = torch.device("cpu")
 
@@ -53,4 +54,38 @@ def test_measured_choices_reads_the_cache_file_the_environment_names(tmp_path, m
     assert backends.measured_choices() == {"eigh 64": entry, "eigh 8": entry}
     path.write_text("not json")
     assert backends.measured_choices(path) == {}
+    backends.forget_measurements()
+
+
+def test_assume_loadable_lets_a_backend_compete_only_within_the_block():
+    call = backends.Call("eigh", torch.device("cuda"), (torch.float64,), ((4, 64, 64),))
+    before = {name: backends.unavailable_reason(name) for name in ("cupy", "triton")}
+    with backends.assume_loadable("cupy", "triton"):
+        assert backends.unavailable_reason("cupy") is None and backends.unavailable_reason("triton") is None
+        assert dict(backends.explain("eigh", call.device, call)).get("cupy", "absent") is None  # d = 64: it competes
+    assert {name: backends.unavailable_reason(name) for name in before} == before
+    with pytest.raises(RuntimeError, match="inside"), backends.assume_loadable("cupy"):
+        raise RuntimeError("inside")  # restored however the block ends
+    assert backends.unavailable_reason("cupy") == before["cupy"]
+    with pytest.raises(ValueError, match="backends: expected registered backends"):
+        with backends.assume_loadable("cupy", "numpy"):
+            pass
+    assert backends.unavailable_reason("cupy") == before["cupy"]  # refused before anything changed
+
+
+def test_write_measured_choices_writes_a_file_the_dispatch_and_measured_choices_read(tmp_path, monkeypatch):
+    monkeypatch.setenv(backends.AUTOTUNE_CACHE_ENV, str(tmp_path / "default.json"))
+    entry = {"choice": "torch.syrk", "seconds": {"torch": 0.2, "torch.syrk": 0.1}}
+    assert _autotune.lookup(CPU, "accumulate_gram", "N64") is None  # read (and remembered) before the write
+    path = backends.write_measured_choices({_autotune.context_key(CPU): {"accumulate_gram N64": entry}})
+    assert path == tmp_path / "default.json"
+    assert backends.measured_choices() == {"accumulate_gram N64": entry}
+    # what the dispatch itself reads for this machine: the file is read afresh, not the memory of it before the write
+    assert _autotune.lookup(CPU, "accumulate_gram", "N64") == "torch.syrk"
+    other = backends.write_measured_choices({"GPU | torch x": {"eigh B8 d64": entry}}, tmp_path / "sub" / "a.json")
+    assert backends.measured_choices(other) == {"eigh B8 d64": entry}
+    for bad, named in (([1], "entries:"), ({"c": {"k": {"seconds": {}}}}, "entries['c']['k']:")):
+        with pytest.raises(ValueError, match=re.escape(named)):
+            backends.write_measured_choices(bad, tmp_path / "bad.json")
+    assert not (tmp_path / "bad.json").exists()
     backends.forget_measurements()

@@ -1,4 +1,4 @@
-"""The residual output layer's tuned constants as one OutputPolicy (faast/hf/output_policy.py, docs/design.md §6.3):
+"""The residual output layer's tuned constants as one OutputPolicy (faast/hf/output/policy.py, docs/design.md §6.3):
 checked when built, saved with the configuration and loaded back (older configurations take the default), read by
 the layer in place of module globals, and replaceable on a learned layer."""
 
@@ -17,21 +17,23 @@ from faast.hf import (
     ResidualOutput,
     apply_faast,
     from_pretrained,
-    output_bias,
-    output_diagnosis,
-    output_folds,
 )
 from faast.hf import config as config_module
-from faast.hf import head as head_module
-from faast.hf import output as output_module
-from faast.hf import output_tuning as tuning_module
-from faast.hf.output_policy import DEFAULT_POLICY
+from faast.hf.output import DEFAULT_POLICY
+from faast.hf.output import bias as output_bias
+from faast.hf.output import diagnosis as output_diagnosis
+from faast.hf.output import folds as output_folds
+from faast.hf.output import head as head_module
+from faast.hf.output import layer as output_module
+from faast.hf.output import step as step_module
+from faast.hf.output import tuning as tuning_module
 from hf_models import tiny_model
 from test_hf_residual import ids
 
 # The module globals the policy replaced: none may come back, or an experiment could rebind it again.
 REPLACED = {
     output_module: ("DEFAULT_STEP", "DEFAULT_STEP_PER_DIM", "DEFAULT_WEIGHT"),
+    step_module: (),  # the step choice reads its policy too
     output_bias: ("TOKEN_PRIOR", "TOKEN_BIAS_FULL"),
     output_diagnosis: ("PART_MIN_POSITIONS", "PART_STEP_RATIO", "DOCUMENT_POSITIONS_PER_DIM", "DOCUMENT_SHRINK_POWER"),
     output_folds: ("FOLDS", "FOLD_STEP_RATIO"),

@@ -157,3 +157,23 @@ def test_the_variables_that_change_a_run_are_recorded_and_shown(checkout, monkey
     assert record["environment"] == {"FAAST_BACKEND": "eigh=torch", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     last = provenance.markdown(record).splitlines()[-1]
     assert last == "- environment: FAAST_BACKEND=eigh=torch MKL_ENABLE_INSTRUCTIONS=AVX2"
+
+
+def test_the_command_of_a_module_run_is_recorded_as_typed(checkout, monkeypatch):
+    # `python -m pkg.mod` leaves the file path in sys.argv[0]; the record shows the -m form from sys.orig_argv.
+    exe = Path(sys.executable).name
+    monkeypatch.setattr(sys, "argv", [str(checkout / "pkg" / "mod.py"), "--out", str(checkout / "results")])
+    monkeypatch.setattr(sys, "orig_argv", ["/opt/py/bin/python3", "-u", "-m", "pkg.mod", "--out", str(checkout / "r")])
+    assert provenance.command_line() == ["-u", "-m", "pkg.mod", "--out", str(checkout / "r")]
+    assert provenance.start(checkout)["command"] == f"{exe} -u -m pkg.mod --out r"
+    monkeypatch.setattr(sys, "orig_argv", [])  # an embedded interpreter: sys.argv is all there is
+    assert provenance.start(checkout)["command"] == f"{exe} pkg/mod.py --out results"
+    # A real module run, in a fresh interpreter.
+    (checkout / "pkg").mkdir()
+    (checkout / "pkg" / "__init__.py").write_text("")
+    code = "import sys\nfrom faast import provenance\nprint(provenance.start(sys.argv[1])['command'])\n"
+    (checkout / "pkg" / "mod.py").write_text(code)
+    done = subprocess.run([sys.executable, "-m", "pkg.mod", str(checkout), "--quick"], cwd=checkout,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == f"{exe} -m pkg.mod . --quick"

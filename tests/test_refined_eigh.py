@@ -395,3 +395,29 @@ def test_refined_cannot_run_elsewhere_and_a_request_for_it_raises(monkeypatch):
     monkeypatch.setenv("FAAST_BACKEND", "eigh=torch.refined")
     with pytest.raises(RuntimeError, match="FAAST_BACKEND=torch.refined was requested for eigh on meta, but torch"):
         _dispatch.resolve("eigh", meta, _dispatch.Call("eigh", meta))
+
+
+# ---------------------------------------------------------------------------------------------------- batched, CUDA
+
+
+def test_one_batched_call_gives_each_matrix_float64_eigh_weights():
+    """The batched path (one float32 eigh and one refinement for all matrices, matrices converging at different
+    steps, clusters rotated in some only) gives each matrix float64 eigh's W within REFINED_W_REL, as it does on a GPU
+    where the batch is what the device runs at once."""
+    names = [n for n in CONSTRUCTED if n != "ill_conditioned"]
+    gram = torch.cat([_constructed_gram(n) for n in names])
+    cross = gram @ torch.randn(len(names), D_CONSTRUCTED, 16, generator=torch.Generator().manual_seed(11),
+                               dtype=torch.float64)  # fmt: skip
+    lam_lap, vecs_lap = torch.linalg.eigh(gram)
+    w_ref, _ = _weights(*eigh_refined(gram), cross, 1e6)
+    w_lap, _ = _weights(lam_lap, vecs_lap, cross, 1e6)
+    for i, name in enumerate(names):
+        assert rel(w_ref[i], w_lap[i]) <= REFINED_W_REL, name
+
+
+def test_refined_competes_in_the_cuda_eigh_auto_choice():
+    """On CUDA, torch.refined is a candidate of eigh beside faast._C, cupy and torch, with nothing keeping auto from
+    timing it (no GPU is needed to read the dispatch's candidates)."""
+    call = _dispatch.Call("eigh", torch.device("cuda"), (torch.float64,), ((48, 1600, 1600),))
+    found = {name: why for name, _, why in _dispatch._candidates("torch", "eigh", call)}
+    assert found == {"torch": None, "torch.refined": None}

@@ -47,7 +47,7 @@ def test_results_md_matches_its_records() -> None:
 
 def test_check_names_the_section_whose_record_changed(tree: Path) -> None:
     assert run("--check", "--root", str(tree)).returncode == 0
-    record = tree / "benchmarks/results/cpu_paths_amd_epyc_avx2.json"
+    record = tree / "lab/benchmarks/results/cpu_paths_amd_epyc_avx2.json"
     payload = json.loads(record.read_text())
     payload["best_tokens_per_s"]["auto"] *= 0.5
     record.write_text(json.dumps(payload))
@@ -84,7 +84,7 @@ def test_every_section_names_existing_records_and_a_known_kind() -> None:
 def test_unused_reads_file_names_stems_braces_and_globs() -> None:
     words, globs = load_script().names_in(
         "see `demo_{default,float32}_intel_cpu.{json,txt}`, lm_output_pool_*_validation_cpu.md and "
-        "[x](benchmarks/results/gpu_h100_run1_log.txt.gz); lm_stream_bias0.5_email_cpu."
+        "[x](lab/benchmarks/results/gpu_h100_run1_log.txt.gz); lm_stream_bias0.5_email_cpu."
     )
     assert {
         "demo_default_intel_cpu",

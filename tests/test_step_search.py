@@ -1,4 +1,4 @@
-"""The residual output layer's step search (faast.hf.output_tuning.tune_step_rows) on synthetic held-out logits:
+"""The residual output layer's step search (faast.hf.output.tuning.tune_step_rows) on synthetic held-out logits:
 its minimum against a brute-force grid, the passes it makes over the [n, V] logits, and the fallback steps."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from faast.hf import OutputPolicy
-from faast.hf import output_tuning as tuning
+from faast.hf.output import tuning
 from tolerances import STEP_SEARCH_NLL_ABS, STEP_SEARCH_REL, assert_close
 
 POLICY = OutputPolicy()
@@ -142,32 +142,12 @@ def test_the_fallback_takes_the_gauss_newton_step_inside_the_bracket_else_bisect
     assert tuning._fallback_step(0.2, -1.0, 0.0, 0.2, 1.8) == pytest.approx(0.6)
 
 
-def test_the_experiments_previous_search_reads_every_row_and_finds_the_same_minimum(monkeypatch):
-    # experiments/lm_step_search.py measures the shipped search against the one before it: that reference must be
-    # the old algorithm (all rows, bisection fallback) and reach the same minimum.
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    from lm_step_search import previous_search
-
-    logits, log_base = held_out_logits(1100)
-    passes = counting(monkeypatch)
-    eta_previous, _, rows = previous_search(tuning, logits, 0.5, log_base, 0.0)
-    previous_passes = list(passes)
-    passes.clear()
-    eta_shipped, _, _ = tuning.tune_step_rows(logits, 0.5, log_base, 0.0)
-    assert set(previous_passes) == {1100} and rows.eta == eta_previous
-    assert sum(passes) < sum(previous_passes)
-    assert abs(eta_previous - eta_shipped) <= STEP_SEARCH_REL * eta_shipped
-
-
 @pytest.mark.parametrize("change_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [1, 64, 130], ids=lambda n: f"{n}-rows")
 def test_moments_match_float64(rows, change_dtype):
     # Per row of z = z0 + η·z1: logsumexp z, E_p[z1] and E_p[z1²] under p = softmax(z), against float64; 130 rows
     # leave a ragged last block of `_moments`' 64-row blocks, and a vocabulary of 1,001 no vector-width multiple. A
-    # bfloat16 z1 (the head products' dtype, ResidualOutputLayer.change_weight) widens exactly: the reference reads it.
+    # bfloat16 z1 (the head products' dtype, StepChoice.change_weight) widens exactly: the reference reads it.
     g = torch.Generator().manual_seed(rows)
     z0 = torch.randn(rows, 1001, generator=g) * 3.0
     z1 = (torch.randn(rows, 1001, generator=g) * 2.0).to(change_dtype)

@@ -1,9 +1,11 @@
 """The shape of the source tree: no import circles, faast_kernels independent of faast, files small enough to read
-in one sitting, and no module writing another object's private attributes (docs/testing.md)."""
+in one sitting, no module writing another object's private attributes, no mixin in the output memory's package,
+and no class of faast.hf reading state it does not own (docs/testing.md)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -170,20 +172,24 @@ def test_a_planted_private_write_is_found(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- the lab's code
 
-LAB = ("experiments", "benchmarks", "examples")
+# The lab's code (lab/pyproject.toml: the package faast_lab) and the examples. The lab's tests (lab/tests) import only
+# faast's public modules too (faast.ops.backends fakes a loadable backend or a cache file); they may still monkeypatch
+# a faast module's attribute (a stand-in model loader, a smaller chunk), so only the import half applies to them.
+LAB = ("lab/experiments", "lab/benchmarks", "examples")
+LAB_TESTS = "lab/tests"
 
 
 def _private(part: str) -> bool:
     return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
 
 
-def _lab_violations(path: Path) -> list[str]:
-    """What a file of the lab (experiments/, benchmarks/, examples/) does outside faast's public API: importing a
-    private faast module or name (a dotted component after `faast`, or an imported name, starting with `_`; dunders
-    such as __version__ are public), and assigning to an attribute of a faast module (`output.MAX_STEP = ...`, also
-    augmented, deleted, or through setattr/delattr) where the module was imported under that name (`import faast.x as
-    m`, `from faast.x import m`, or the dotted `faast.x.y`). A tuned constant is varied by passing an OutputPolicy, not
-    by rebinding the library's globals."""
+def _lab_violations(path: Path, *, writes: bool = True) -> list[str]:
+    """What a file of the lab (lab/experiments/, lab/benchmarks/) or of examples/ does outside faast's public API:
+    importing a private faast module or name (a dotted component after `faast`, or an imported name, starting with
+    `_`; dunders such as __version__ are public), and assigning to an attribute of a faast module (`output.MAX_STEP =
+    ...`, also augmented, deleted, or through setattr/delattr) where the module was imported under that name (`import
+    faast.x as m`, `from faast.x import m`, or the dotted `faast.x.y`). A tuned constant is varied by passing an
+    OutputPolicy, not by rebinding the library's globals. writes=False: the imports only."""
     found: list[str] = []
     tree = ast.parse(path.read_text(encoding="utf-8"))
     modules: set[str] = set()  # local names bound to faast modules anywhere in the file
@@ -207,9 +213,11 @@ def _lab_violations(path: Path) -> list[str]:
                     found.append(f"{path.name}:{node.lineno} from {node.module} import {alias.name}")
                 elif f"{node.module}.{alias.name}" in MODULES:
                     modules.add(alias.asname or alias.name)
+    if not writes:
+        return found
 
     def is_module(expr: ast.expr) -> bool:
-        # a name bound to a faast module, or an attribute chain down from one (faast.hf.output_folds)
+        # a name bound to a faast module, or an attribute chain down from one (faast.hf.output.folds)
         while isinstance(expr, ast.Attribute):
             expr = expr.value
         return isinstance(expr, ast.Name) and expr.id in modules
@@ -242,16 +250,62 @@ def test_the_lab_uses_only_faasts_public_api():
     assert not found, found
 
 
+def test_the_lab_tests_import_only_faasts_public_modules():
+    files = sorted((ROOT / LAB_TESTS).rglob("*.py"))
+    assert {"test_gpu_check.py", "test_profile_read.py"} <= {p.name for p in files}
+    found = [v for path in files for v in _lab_violations(path, writes=False)]
+    assert not found, found
+
+
+# Where code finds other code: installed packages (faast, and the lab as faast_lab), and for the tests pytest's
+# pythonpath setting (pyproject.toml), never a path inserted at run time. The examples run with faast installed.
+SYS_PATH_FOLDERS = ("lab", "tests", "scripts", "examples")
+SYS_PATH_EDIT = re.compile(r"sys\.path\.(insert|append|extend)\(|sys\.path(\[[^\]]*\])?\s*\+?=(?!=)")
+
+
+def _sys_path_edits(path: Path) -> list[str]:
+    """`file:line code` for each line that edits sys.path (insert, append, extend, or an assignment to it or to a slice
+    of it), also inside code strings a test runs in a fresh interpreter (python -c); comments do not count."""
+    found = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if SYS_PATH_EDIT.search(line.split("#", 1)[0]):
+            found.append(f"{path.name}:{number} {line.strip()}")
+    return found
+
+
+def test_no_file_edits_sys_path():
+    files = [p for folder in SYS_PATH_FOLDERS for p in sorted((ROOT / folder).rglob("*.py"))]
+    files = [p for p in files if "results" not in p.parts and p != Path(__file__)]  # this file names the pattern
+    assert len(files) > 100
+    found = [edit for path in files for edit in _sys_path_edits(path)]
+    assert not found, found
+
+
+def test_a_planted_sys_path_edit_is_found(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "import sys\n"
+        "sys.path.insert(0, 'x')\n"
+        "code = \"sys.path.append('tests')\"\n"
+        "sys.path[:0] = ['a']\n"
+        "print(sys.path[0])  # sys.path.insert(0, 'a comment')\n"
+        "sys.path = []\n"
+        "assert sys.path[0] == 'x'\n"
+    )
+    assert [f.split(" ", 1)[0] for f in _sys_path_edits(planted)] == ["planted.py:2", "planted.py:3", "planted.py:4",
+                                                                      "planted.py:6"]  # fmt: skip
+
+
 def test_a_planted_lab_violation_is_found(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text(
         "import faast.ops._dispatch\n"
-        "from faast.hf import output_tuning as tuning, OutputPolicy\n"
+        "from faast.hf.output import tuning as tuning, OutputPolicy\n"
         "from faast.ops import _autotune\n"
-        "from faast.hf.output_tuning import _search\n"
-        "import faast.hf.output_folds\n"
+        "from faast.hf.output.tuning import _search\n"
+        "import faast.hf.output.folds\n"
         "tuning.MAX_STEP = 8.0\n"
-        "faast.hf.output_folds.FOLD_STEP_RATIO += 1\n"
+        "faast.hf.output.folds.FOLD_STEP_RATIO += 1\n"
         "setattr(tuning, 'GAP_MULTIPLE', 0)\n"
         "policy = OutputPolicy()\n"
         "policy.max_step = 1.0\n"  # an object, not a module: not this rule's
@@ -260,8 +314,149 @@ def test_a_planted_lab_violation_is_found(tmp_path):
     assert _lab_violations(planted) == [
         "planted.py:1 import faast.ops._dispatch",
         "planted.py:3 from faast.ops import _autotune",
-        "planted.py:4 from faast.hf.output_tuning import _search",
+        "planted.py:4 from faast.hf.output.tuning import _search",
         "planted.py:6 tuning.MAX_STEP =",
-        "planted.py:7 faast.hf.output_folds.FOLD_STEP_RATIO =",
+        "planted.py:7 faast.hf.output.folds.FOLD_STEP_RATIO =",
         "planted.py:8 setattr(tuning, ...)",
     ]
+    # the lab's tests: the private imports, not the monkeypatched module attributes
+    assert _lab_violations(planted, writes=False) == [
+        "planted.py:1 import faast.ops._dispatch",
+        "planted.py:3 from faast.ops import _autotune",
+        "planted.py:4 from faast.hf.output.tuning import _search",
+    ]
+
+
+# ------------------------------------------------------------------------------------- no mixins in faast.hf.output
+
+OUTPUT_PACKAGE = PACKAGES["faast"] / "hf" / "output"
+# The bases a class of faast.hf.output may name: library classes whose state the subclass owns or that hold none.
+# A class of faast (a mixin such as the StepChoice base the layer once had, reading the layer's attributes) is not one.
+LIBRARY_BASES = {"nn.Module", "torch.nn.Module", "object", "NamedTuple", "Protocol", "Enum", "Exception", "Warning",
+                 "UserWarning", "RuntimeWarning", "ValueError", "RuntimeError"}  # fmt: skip
+
+
+def _mixin_bases(path: Path) -> list[str]:
+    """`file:line Class(Base)` for every base of a class in `path` that is not in LIBRARY_BASES."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ClassDef):
+            found += [f"{path.name}:{node.lineno} {node.name}({ast.unparse(base)})" for base in node.bases
+                      if ast.unparse(base) not in LIBRARY_BASES]  # fmt: skip
+    return found
+
+
+def test_no_class_of_the_output_package_inherits_from_a_mixin():
+    files = sorted(OUTPUT_PACKAGE.glob("*.py"))
+    assert {p.stem for p in files} >= {"layer", "step", "head", "state", "policy"}
+    found = [v for path in files for v in _mixin_bases(path)]
+    assert not found, found
+    from faast.hf.output import ResidualOutputLayer
+    from faast.hf.output.head import HeadBuffers
+
+    for cls in (ResidualOutputLayer, HeadBuffers):  # each owns its state: no faast class above it
+        assert [c for c in cls.__mro__ if c.__module__.startswith("faast")] == [cls], cls.__mro__
+
+
+def test_a_planted_mixin_is_found(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from torch import nn\nclass StepChoice:\n    pass\nclass Layer(StepChoice, nn.Module):\n"
+                       "    pass\nclass Warned(UserWarning):\n    pass\n")  # fmt: skip
+    assert _mixin_bases(planted) == ["planted.py:4 Layer(StepChoice)"]
+
+
+# ------------------------------------------------------------------------------- each class of faast.hf owns its state
+
+# Methods that register an attribute by name (nn.Module): `self.register_buffer("gram", ...)` defines `self.gram`.
+_REGISTERS = {"register_buffer", "register_parameter", "register_module", "add_module"}
+
+
+def _self_attributes(cls_node: ast.ClassDef, *, read: bool) -> dict[str, int]:
+    """{attribute: first line} of `self.<attribute>` read (read=True) or assigned / registered (read=False) anywhere
+    in a class body, nested functions included."""
+    found: dict[str, int] = {}
+    for n in ast.walk(cls_node):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+            if isinstance(n.ctx, ast.Load) == read:
+                found.setdefault(n.attr, n.lineno)
+        elif not read and isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            registers = n.func.attr in _REGISTERS and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"
+            if registers and n.args and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str):
+                found.setdefault(n.args[0].value, n.lineno)
+    return found
+
+
+def _class_node(path: Path, name: str) -> ast.ClassDef:
+    return next(n for n in ast.parse(path.read_text(encoding="utf-8")).body
+                if isinstance(n, ast.ClassDef) and n.name == name)  # fmt: skip
+
+
+def _defined_attributes(cls: type) -> set[str]:
+    """What an instance of `cls` has without anyone else's help: class-level names along its MRO (methods,
+    properties, class variables), the attributes each faast class of the MRO assigns to self (or registers, or
+    declares as a dataclass field), and those nn.Module's constructor sets."""
+    import dataclasses
+    import inspect
+
+    from torch import nn
+
+    names = set(dir(cls))
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] == "faast":
+            names |= set(_self_attributes(_class_node(Path(inspect.getfile(klass)), klass.__name__), read=False))
+            names |= {f.name for f in dataclasses.fields(klass)} if dataclasses.is_dataclass(klass) else set()
+        elif klass is nn.Module:
+            names |= set(vars(nn.Module()))
+    return names
+
+
+def _unowned_reads(path: Path, namespace: dict) -> list[str]:
+    """`file:line Class reads self.x` for every attribute a class of `path` reads from self that neither it nor a
+    class above it defines: a mixin reading state its subclass owns (as FaastModel's named-memory and stream-reading
+    mixins once did), or a read answered only by the base model's delegation. `namespace`: the module's names."""
+    found = []
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ClassDef):
+            defined = _defined_attributes(namespace[node.name])
+            reads = sorted(_self_attributes(node, read=True).items())
+            found += [f"{path.name}:{line} {node.name} reads self.{a}" for a, line in reads if a not in defined]
+    return found
+
+
+def test_every_class_of_faast_hf_owns_the_state_it_reads():
+    import importlib
+
+    names = sorted(name for name in MODULES if name.startswith("faast.hf.") and not name.endswith(".__main__"))
+    assert {"faast.hf.model", "faast.hf.named_memories", "faast.hf.reading", "faast.hf.modules"} <= set(names)
+    found = [r for name in names for r in _unowned_reads(MODULES[name], vars(importlib.import_module(name)))]
+    assert not found, found
+    from faast.hf import FaastModel, FaastModuleModel
+    from faast.hf.base import BaseModelDelegate, FaastModelBase
+
+    for cls in (FaastModel, FaastModuleModel):  # the shared API is the only faast class above either model
+        assert [c for c in cls.__mro__ if c.__module__.startswith("faast")] == [cls, FaastModelBase, BaseModelDelegate]
+
+
+def test_a_planted_mixin_reading_its_subclass_state_is_found(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "from torch import nn\n"
+        "class Memories:\n"
+        "    def names(self):\n"
+        "        return self.memory_store.names\n"
+        "class Model(Memories, nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.memory_store = object()\n"
+        "        self.register_buffer('gram', None)\n"
+        "    def read(self):\n"
+        "        return self.gram, self.training, self.memory_store, self.names()\n"
+    )
+    module = types.ModuleType("faast.planted")  # a faast module: its classes' own assignments count
+    module.__file__ = str(planted)
+    monkeypatch.setitem(sys.modules, "faast.planted", module)
+    exec(compile(planted.read_text(), str(planted), "exec"), vars(module))  # noqa: S102 - the planted source above
+    assert _unowned_reads(planted, vars(module)) == ["planted.py:4 Memories reads self.memory_store"]

@@ -3,8 +3,9 @@ records the same install and reinstalls on any change; CI (.ci/run) refuses to r
 of skipping the kernel tests; a faast warning that a test does not expect is an error.
 
 The stamp tests run the real faast_env in bash against a copy of the script in a temporary root, with a fake venv
-whose `pip` is a stub that logs its arguments, whose `python` is this interpreter, and whose `torch` and `faast` are
-empty packages (so nothing is downloaded or installed and the torch installer is never reached).
+whose `pip` is a stub that logs its arguments, whose `python` is this interpreter, and whose `torch`, `faast` and
+`faast_lab` (the lab, lab/ under the name its pyproject.toml maps it to) are empty packages (so nothing is downloaded
+or installed and the torch installer is never reached).
 """
 
 from __future__ import annotations
@@ -36,9 +37,17 @@ class FakeCheckout:
             (self.root / "python" / package).mkdir(parents=True)
             (self.root / "python" / package / "__init__.py").write_text("")
         (self.root / "python" / "faast" / "_version.py").write_text('__version__ = "1"\n')
+        (self.root / "lab").mkdir()
+        (self.root / "lab" / "__init__.py").write_text("")
+        (self.root / "lab" / "pyproject.toml").write_text("# lab v1\n")
+        # What the lab's editable install gives: the package faast_lab, whose files are lab/'s.
+        self.lab_site = tmp / "lab_site"
+        self.lab_site.mkdir()
+        (self.lab_site / "faast_lab").symlink_to(self.root / "lab", target_is_directory=True)
         bin_dir = self.venv / "bin"
         bin_dir.mkdir(parents=True)
-        self._script(bin_dir / "python", f'PYTHONPATH="{self.root / "python"}" exec "{sys.executable}" "$@"')
+        path = f"{self.root / 'python'}:{self.lab_site}"
+        self._script(bin_dir / "python", f'PYTHONPATH="{path}" exec "{sys.executable}" "$@"')
         self._script(bin_dir / "pip", f'echo "$*" >> "{self.log}"\nexit "${{FAKE_PIP_RC:-0}}"')
         (bin_dir / "activate").write_text(f'PATH="{bin_dir}:$PATH"\nexport PATH\n')
 
@@ -61,6 +70,11 @@ class FakeCheckout:
             return 0
         return sum(line.startswith("install --quiet -e ") for line in self.log.read_text().splitlines())
 
+    def lab_installs(self) -> int:
+        if not self.log.exists():
+            return 0
+        return self.log.read_text().splitlines().count(f"install --quiet --no-deps -e {self.root}/lab")
+
 
 @pytest.fixture
 def checkout(tmp_path):
@@ -71,7 +85,10 @@ def checkout(tmp_path):
 
 def test_second_run_with_nothing_changed_skips_pip(checkout):
     assert checkout.faast_env("test") == 1
-    assert checkout.log.read_text().splitlines() == [f"install --quiet -e {checkout.root}[test]"]
+    assert checkout.log.read_text().splitlines() == [
+        f"install --quiet -e {checkout.root}[test]",
+        f"install --quiet --no-deps -e {checkout.root}/lab",  # the test extra brings the lab's tests
+    ]
     assert checkout.faast_env("test") == 0
     assert checkout.faast_env("test") == 0
 
@@ -83,7 +100,7 @@ def test_other_extras_install_once_and_both_stay_recorded(checkout):
     assert checkout.faast_env("experiments,demo") == 0  # the order of the extras does not matter
 
 
-@pytest.mark.parametrize("name", ["setup.py", "pyproject.toml", "python/faast/_version.py"])
+@pytest.mark.parametrize("name", ["setup.py", "pyproject.toml", "python/faast/_version.py", "lab/pyproject.toml"])
 def test_a_packaging_change_reinstalls_every_extras_set(checkout, name):
     assert checkout.faast_env("test") == 1
     assert checkout.faast_env("demo") == 1
@@ -105,6 +122,20 @@ def test_a_failed_install_is_not_recorded(checkout):
     assert checkout.installs() == 1
     assert checkout.faast_env("test") == 1
     assert checkout.faast_env("test") == 0
+
+
+def test_the_lab_comes_with_the_test_and_experiments_extras_only(checkout):
+    assert checkout.faast_env("demo") == 1 and checkout.lab_installs() == 0
+    assert checkout.faast_env("demo,experiments") == 1 and checkout.lab_installs() == 1
+    assert checkout.faast_env("test") == 1 and checkout.lab_installs() == 2
+
+
+def test_a_venv_that_lost_the_lab_reinstalls(checkout):
+    assert checkout.faast_env("test") == 1
+    (checkout.lab_site / "faast_lab").unlink()  # `faast_lab` no longer imports from this checkout's lab/
+    assert checkout.faast_env("test") == 1 and checkout.lab_installs() == 2
+    assert checkout.faast_env("demo") == 1  # the demo does not need the lab
+    assert checkout.faast_env("demo") == 0
 
 
 def test_a_venv_that_lost_faast_reinstalls(checkout):

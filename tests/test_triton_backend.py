@@ -109,7 +109,7 @@ def test_gradients_through_faast_ops_use_the_kernel(triton_backend):
 def test_rank_deficient_fidelity_in_both_modes(triton_backend, compute_dtype):
     # Duplicated rows (rank 64 of d = 128) at N = 4096, alpha = 1: float32 GEMM statistics over 4096-row chunks gain
     # spurious directions here; the kernel's modes must keep the true rank (fp64 exactly, tf32x3 thanks to the
-    # float64 flush every 256 rows). benchmarks/fidelity_triton_modes.py runs the whole suite.
+    # float64 flush every 256 rows). lab/benchmarks/fidelity_triton_modes.py runs the whole suite.
     keys, held_out = spectra.make_keys("dup_gauss", 4096, 128, n_test=512)
     values = spectra.make_values(keys, 16)
     u, s, vh = torch.linalg.svd(keys.double(), full_matrices=False)
@@ -215,7 +215,8 @@ def test_the_gate_declines_what_does_not_compile_or_pass_fidelity(
 
 def test_an_fp64_kernel_failure_on_a_gpu_names_the_fix():
     # The previous kernel's float64 dot did not compile on an H100 (Triton 3.6: "PassManager::run failed",
-    # benchmarks/results/gpu_h100_run1.md); the rewritten one is unmeasured there. Such a failure names the way out.
+    # lab/benchmarks/results/gpu_h100_run1.md); the rewritten one is unmeasured there. Such a failure names the way
+    # out.
     from faast.ops._triton_backend import fp64_failure_explained
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

@@ -31,7 +31,7 @@ BF16_HEAD_PRODUCTS_REL = 5e-3
 INT8_HEAD_PRODUCTS_REL = 2e-2
 INT8_HEAD_PRODUCTS_REL_BY_KERNEL = {"torch.int_mm": INT8_HEAD_PRODUCTS_REL, "torch.fbgemm": 4e-2}
 
-# The step tuned on the held-out logits' change z1 formed in bfloat16 (ResidualOutputLayer.change_weight) against the
+# The step tuned on the held-out logits' change z1 formed in bfloat16 (StepChoice.change_weight) against the
 # one tuned on float32 products from the same statistics, and its held-out gain: relative (measured on the tiny llama
 # 4e-4 for one fit and 2.5e-3 for the folds' step; on SmolLM2 at 32K tokens the step moved by 0.06-0.08%).
 BF16_CHANGE_STEP_REL = 1e-2
@@ -95,7 +95,7 @@ LM_LAYOUT_ABS = 1e-4
 # at most 2.2 over 48 cases, tests/test_cholesky_solve.py).
 CHOLESKY_NULL_DIRECTIONS = 8.0
 
-# The step's 1-D search (faast.hf.output_tuning.tune_step_rows) against a brute-force grid of the same float64 NLL:
+# The step's 1-D search (faast.hf.output.tuning.tune_step_rows) against a brute-force grid of the same float64 NLL:
 # it stops once the next point moves η by under STEP_TOL (1%), where the NLL is quadratic, so its η lies within a few
 # STEP_TOL of the grid's best and its NLL just above the best's (measured at most 0.6% and 1.3e-5 nats on the
 # synthetic held-out rows of tests/test_step_search.py).
@@ -138,3 +138,10 @@ REFINED_W_TRUTH_ABS = 1e-12
 # 12-20x the others, outlier columns 0-7, and all-large rows of one sign): torch._int_mm's 8-bit rows and weights
 # measured at most MEASURED_INT_MM; fbgemm's 7-bit rows (reduce_range), twice the step, at most MEASURED_FBGEMM.
 INT8_LINEAR_REL = {"torch.int_mm": 2e-2, "torch.fbgemm": 4e-2}
+
+# faast_kernels.gram_int8 against float64: entrywise |error| <= rows·(plan bound + INT8_SLICE_ROUNDING)·2^(E_i+E_j)
+# (2^E_j: the power of two above column j's max |x|). The plan's bound is the slices' own (below 2^-53 per row); this
+# term covers the float64 additions, the kernel's (chunk sums, one per pair weight: at most 9 per chunk) and the
+# float64 reference's (rows-long sums: about rows·2^-53 per row at the tests' at most 60 rows), with margin. A
+# float32-grade sum (2^-24 per row) fails it by a factor of 2^20.
+INT8_SLICE_ROUNDING = 2.0**-44

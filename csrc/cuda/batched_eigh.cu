@@ -6,7 +6,7 @@
 //                    limit n * lda * batch <= INT32_MAX.
 //   * syevd_streams  cusolverDnXsyevd per layer, spread over side streams so that small problems overlap; any size.
 // "auto" takes the first that applies in that order. That order follows the documented limits only: it has not been
-// timed on a GPU yet. benchmarks/bench_eigh.py times all three against torch.linalg.eigh on the same batch; update
+// timed on a GPU yet. lab/benchmarks/bench_eigh.py times all three against torch.linalg.eigh on the same batch; update
 // choose() below when it has numbers.
 //
 // Two ops share one implementation:
@@ -60,7 +60,7 @@ constexpr bool kHasSyevBatched = false;
 #endif
 
 // Every error leaves through fail() with a message already formatted (std::to_string, string concatenation), never
-// through TORCH_CHECK's stream formatting of numbers: on the H100 image (benchmarks/results/gpu_h100_run4.md) the two
+// through TORCH_CHECK's stream formatting of numbers: on the H100 image (lab/benchmarks/results/gpu_h100_run4.md) the two
 // throws whose messages streamed integers crashed the process (SIGSEGV) while those streaming only strings raised.
 [[noreturn]] void fail(const std::string& message) {
   TORCH_CHECK(false, message);

@@ -24,8 +24,10 @@
   ENVIRONMENT), by name, so that a run made with a forced backend or a limited instruction set says so;
 - ``loadavg_at_start``, ``loadavg_at_end``: the 1-minute load average (None where the OS has none;
   ``loadavg_at_end`` stays None until `finish`);
-- ``command``: this process's command line. Results are committed, so it carries no path of the machine that wrote
-  them: paths inside `root` are written relative to it, the home folder as ``~``, the interpreter by its name.
+- ``command``: this process's command line as it was typed (``python -m faast_lab.experiments.lm_domains ...`` for a
+  module run, where sys.argv holds the module's file path instead). Results are committed, so it carries no path of
+  the machine that wrote them: paths inside `root` are written relative to it, the home folder as ``~``, the
+  interpreter by its name.
 
 `write` finishes the record and writes ``<stem>.json`` as ``{"provenance": record, **payload}`` and ``<stem>.md`` as
 the title, the `markdown` header block, then the body, each file atomically. Scripts that lay out their own files use
@@ -53,8 +55,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "environment", "finish", "machine", "markdown", "physical_cores", "relative", "relative_command", "start",
-    "to_json", "write",
+    "command_line", "environment", "finish", "machine", "markdown", "physical_cores", "relative", "relative_command",
+    "start", "to_json", "write",
 ]  # fmt: skip
 
 VERSIONED = ("faast", "torch", "triton", "transformers")
@@ -70,7 +72,7 @@ def start(root: str | os.PathLike | None = None, argv: Sequence[str] | None = No
 
     root: the repository the run comes from (git state; paths in the command line are written relative to it);
         default: the current working directory.
-    argv: the command line to record (default: sys.argv).
+    argv: the command line after the interpreter to record (default: `command_line()`).
     """
     import torch
 
@@ -99,7 +101,7 @@ def start(root: str | os.PathLike | None = None, argv: Sequence[str] | None = No
         "environment": {name: relative(value, root) for name, value in environment().items()},
         "loadavg_at_start": load_average(),
         "loadavg_at_end": None,
-        "command": relative_command(sys.argv if argv is None else argv, root),
+        "command": relative_command(command_line() if argv is None else argv, root),
         **_gpu(),
     }
     return record
@@ -207,6 +209,14 @@ def git_state(root: Path) -> tuple[str | None, bool | None]:
     except (OSError, subprocess.CalledProcessError):
         return None, None
     return head.stdout.strip(), bool(status.stdout.strip())
+
+
+def command_line() -> list[str]:
+    """This process's arguments after the interpreter as they were given: sys.orig_argv without its first entry
+    (Python 3.10+: the interpreter's options and ``-m package.module`` as typed), else sys.argv (where ``-m`` has
+    already become the module's file path)."""
+    given = getattr(sys, "orig_argv", None)
+    return list(given[1:]) if given else list(sys.argv)
 
 
 def relative_command(argv: Sequence[str], root: str | os.PathLike) -> str:

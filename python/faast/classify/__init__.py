@@ -5,7 +5,7 @@ share its API and features so that comparisons are like for like; `episodes` imp
 `sample_episode` is the one few-shot sampler). The rest feeds them: `data` (the shipped Debian-sections text task),
 `sentence_encoder` and `clip_encoder` (frozen encoders, cached), `debian_task` (the Debian task embedded once) and
 `readout` (one-hot values and accuracy for hand-driven FastWeights). The CIFAR-10 and mini-ImageNet readers belong to
-the vision benchmark (benchmarks/vision_data.py), not to the package.
+the vision benchmark (lab/benchmarks/vision_data.py), not to the package.
 transformers is imported only when an encoder is built.
 """
 

@@ -5,8 +5,8 @@ bookworm packages (e.g. "Configuration tool for amateur radios"), labelled with 
 filed under, for 16 topical sections ("admin", "database", ..., "web"). Each class has at most 200 train and 200
 test records (the smallest has about 50 of each); one package per Debian source package is kept and no synopsis is
 repeated, so nothing leaks between the two splits. Provenance, the exact selection rules and per-class counts are
-in the data card ``faast/data/debian_sections.md`` (generated with ``benchmarks/data/make_debian_sections.py``, which
-imports ``DEBIAN_SECTIONS`` from here: this is the one definition of the section table).
+in the data card ``faast/data/debian_sections.md`` (generated with ``lab/benchmarks/data/make_debian_sections.py``,
+which imports ``DEBIAN_SECTIONS`` from here: this is the one definition of the section table).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from. Two ways of using it:
   W = s·Eᵀ + argmin_D ||Y − s·K·Eᵀ − K·D||² + reg(D), so it pulls towards zero-shot rather than towards zero, with
   its strength chosen by generalized cross-validation (ridge='auto'): near zero-shot with one example per class,
   near the data-only fit with many. Measured on the Debian-sections task (16 classes, all-MiniLM-L6-v2, 20
-  episodes; benchmarks/results/classify_text_cpu.md): 57.2 / 60.6 / 67.3 / 72.5% at 1 / 5 / 20 shots / full,
+  episodes; lab/benchmarks/results/classify_text_cpu.md): 57.2 / 60.6 / 67.3 / 72.5% at 1 / 5 / 20 shots / full,
   against zero-shot 57.2%, a tuned logistic probe 36.0 / 56.5 / 67.0 / 72.2% and the paper's fixed N0 = 40 per
   class 57.4 / 58.9 / 52.7 / 71.4%. In a side experiment (same protocol, other seed) the data-only fit scored
   36.8 / 56.1 / 67.0 / 72.5%, and the residual fit with label-embedding values instead of one-hot 58.9 / 60.7 /

@@ -21,8 +21,8 @@ import torch
 
 from .. import __version__, hardware
 from ..env import report_main
-from ..hf import head as head_module
 from ..hf import pass_choice
+from ..hf.output import head as head_module
 from ..ops import _autotune, accumulate_gram, eigh_call, eigh_gram, gram_call
 from ..ops.int8 import SAMPLE_ROWS as INT8_ROWS
 from ..ops.int8 import Int8Weight, int8_kernel

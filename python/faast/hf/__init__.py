@@ -16,7 +16,7 @@ from .config import EmbeddingOutput, FaastConfig, MiddleLayers, OutputPolicy, Re
 from .layers import MemoryLayer, OutputMemoryLayer
 from .model import FaastModel, LearnStats, apply_faast, from_pretrained
 from .modules import FaastModuleModel
-from .output_diagnosis import MemoryOffWarning
+from .output import MemoryOffWarning
 from .peft_method import apply_faast_to_peft
 from .reading import ReadReport, chunk_windows, read_stream
 from .targets import TARGETS, discover_target

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from .lm import as_lm
+
 if TYPE_CHECKING:
     import torch
 
@@ -25,7 +27,12 @@ WRAPPED_BASE_MODELS: weakref.WeakSet = weakref.WeakSet()
 
 
 class BaseModelDelegate(nn.Module):
-    """An nn.Module wrapping `self.base_model`: unknown attributes, forward and generate go to the base model."""
+    """An nn.Module wrapping a base model (`self.base_model`, registered as its submodule): unknown attributes,
+    forward and generate go to the base model."""
+
+    def __init__(self, base_model: nn.Module) -> None:
+        super().__init__()
+        self.base_model = base_model
 
     def __getattr__(self, name: str) -> Any:  # any attribute of the base model
         try:
@@ -60,7 +67,7 @@ class BaseModelDelegate(nn.Module):
         raise NotImplementedError("save_model would save the base model without faast's state: use save_pretrained")
 
     def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the base model's signature
-        return self.base_model.generate(*args, **kwargs)
+        return as_lm(self.base_model).generate(*args, **kwargs)
 
 
 class FaastModelBase(BaseModelDelegate, abc.ABC):

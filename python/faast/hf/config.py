@@ -29,7 +29,7 @@ from .config_groups import (
     refuse,
 )
 from .config_legacy import FLAT_ONLY, flat_keyword_error, upgrade_v1
-from .output_policy import OutputPolicy
+from .output.policy import OutputPolicy
 
 # The layout FaastConfig.to_dict() writes. 1: the flat fields of faast 0.1 (config_legacy); 2: the groups.
 CONFIG_VERSION = 2

@@ -11,17 +11,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, NoReturn
+from typing import Any, ClassVar, Literal, NoReturn, TypeGuard, cast
 
-from .output_policy import OutputPolicy
+from .output.policy import OutputPolicy
 
 
-def is_real(value: object) -> bool:
+def is_real(value: object) -> TypeGuard[int | float]:
     """A finite int or float that is not a bool (True is an int to Python, never a number to a configuration)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def is_count(value: object) -> bool:
+def is_count(value: object) -> TypeGuard[int]:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -47,8 +47,11 @@ def check_real(name: str, value: object, *, low: float, high: float = math.inf, 
     (compared by identity for None, by equality for strings)."""
     if any(value is a if a is None else (isinstance(value, str) and value == a) for a in allow):
         return
-    inside = is_real(value) and (value > low if open_low else value >= low)
-    if not (inside and (value < high if open_high else value <= high)):
+    if not (
+        is_real(value)
+        and (value > low if open_low else value >= low)
+        and (value < high if open_high else value <= high)
+    ):
         if high == math.inf:
             interval = f"a number {'>' if open_low else '>='} {low:g}"
         else:
@@ -56,7 +59,7 @@ def check_real(name: str, value: object, *, low: float, high: float = math.inf, 
         refuse(name, _alternatives([*(repr(a) for a in allow), interval]), value)
 
 
-def check_indices(name: str, value: object, *, allow: tuple = ()) -> list[int] | object:
+def check_indices(name: str, value: object, *, allow: tuple = ()) -> list[int] | str:
     """A list (or tuple) of distinct block indices >= 0 (ints, not bools), returned as a list; or one of `allow`."""
     if isinstance(value, str) and value in allow:
         return value
@@ -74,6 +77,10 @@ def _home(name: str) -> list[str]:
 
 class _Group:
     """Shared behaviour of the groups: a keyword of another group is refused with its home named."""
+
+    # Every group is a dataclass: declared so the type checker lets dataclasses.fields read a _Group (no value here;
+    # @dataclass sets it on each group).
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def __new__(cls, *args: object, **kwargs: object) -> _Group:
         own = {f.name for f in dataclasses.fields(cls)}
@@ -180,7 +187,11 @@ class ResidualOutput(_Group):
             refuse("ResidualOutput.tune_tokens", "an int >= 0", self.tune_tokens)
         check_real("ResidualOutput.default_step", self.default_step, low=0, allow=(None,))
         check_real("ResidualOutput.default_weight", self.default_weight, low=0, high=1, allow=(None,))
-        self.key_layers = check_indices("ResidualOutput.key_layers", self.key_layers, allow=("auto",))
+        # allow=("auto",): the one string check_indices can give back.
+        self.key_layers = cast(
+            "list[int] | Literal['auto']",
+            check_indices("ResidualOutput.key_layers", self.key_layers, allow=("auto",)),
+        )
         check_choice("ResidualOutput.head_dtype", self.head_dtype, ("auto", "float32", "bfloat16", "int8"))
         check_real("ResidualOutput.bias", self.bias, low=0)
         check_real("ResidualOutput.token_bias", self.token_bias, low=0)
@@ -234,7 +245,8 @@ class MiddleLayers(_Group):
             if self.num_layers == 0:
                 raise ValueError(f"MiddleLayers.num_layers: 0 means {empty}")
         if self.layers is not None:
-            self.layers = sorted(check_indices("MiddleLayers.layers", self.layers))
+            # Nothing allowed besides indices: check_indices gives back a list.
+            self.layers = sorted(cast("list[int]", check_indices("MiddleLayers.layers", self.layers)))
             if not self.layers:
                 raise ValueError(f"MiddleLayers.layers: [] means {empty}")
         if not isinstance(self.scorer, bool):

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import glob
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -98,9 +99,9 @@ def _local_builder(name: str) -> str | None:
     return LOCAL_BUILDERS[suffix]
 
 
-def _load_local(builder: str, paths: list[str], *, split: str, streaming: bool = True, **options: object):  # noqa: ANN202
+def _load_local(builder: str, paths: list[str], *, split: str, streaming: bool = True, **options: object) -> Any:
     """The rows of local files through a packaged builder ('json' or 'text'), in the order of `paths`, streamed
-    unless streaming=False."""
+    unless streaming=False (a datasets IterableDataset or Dataset: the datasets library is untyped)."""
     # datasets globs each data file again: escaped, a name with [ ] * ? stays the one file it is.
     files = [glob.escape(p) for p in paths]
     return _datasets().load_dataset(builder, data_files={split: files}, split=split, streaming=streaming, **options)
@@ -125,10 +126,11 @@ def window_pairs(
     """
     if not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"seq_len: expected an int >= 2, got {seq_len!r}")
-    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    tokenize = cast("Callable[..., Any]", tokenizer)  # a transformers tokenizer, or any callable like one
+    newline = tokenize("\n", add_special_tokens=False)["input_ids"]
     buffer: list[int] = []
     for _, text in documents:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenize(text, add_special_tokens=False)["input_ids"]
         buffer = buffer + newline + ids if buffer else list(ids)
         if len(buffer) < 2 * seq_len:
             continue
@@ -189,10 +191,11 @@ def domain_pairs(
         raise ValueError("groups: need at least one group with two or more documents")
     rng = random.Random(seed)
     cache: dict[tuple[int, int], list[int]] = {}
+    tokenize = cast("Callable[..., Any]", tokenizer)  # a transformers tokenizer, or any callable like one
 
     def tokens(g: int, i: int) -> list[int]:
         if (g, i) not in cache:
-            ids = tokenizer(groups[g][i][1], add_special_tokens=False)["input_ids"][:max_tokens_per_document]
+            ids = tokenize(groups[g][i][1], add_special_tokens=False)["input_ids"][:max_tokens_per_document]
             cache[(g, i)] = list(ids)
         return cache[(g, i)]
 
@@ -203,7 +206,7 @@ def domain_pairs(
     while True:
         g = rng.randrange(len(groups))
         for _ in range(steps_per_domain):
-            batch = []
+            batch: list[WindowPair] = []
             while len(batch) < batch_size:
                 target, source = rng.sample(range(len(groups[g])), 2)
                 learn, predict = tokens(g, source), tokens(g, target)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -69,8 +70,8 @@ def load_default_model(
     *, readout: str | Path | None = None, dtype: torch.dtype = torch.float32, config: FaastConfig | None = None
 ) -> tuple[FaastModel, object]:
     """(FaastModel, tokenizer): SmolLM2-135M-Instruct (GGUF Q4_1 dequantised) with faast's default configuration,
-    FaastConfig(): the residual output layer, which needs no trained readout (experiments/results/lm_domains_smollm2.md
-    measured it best).
+    FaastConfig(): the residual output layer, which needs no trained readout
+    (lab/experiments/results/lm_domains_smollm2.md measured it best).
 
     readout: a saved adapter folder instead, e.g. DEFAULT_READOUT (the shipped 6 middle layers + the output layer).
     config: a FaastConfig to apply instead of the default one (its base_model is filled in when None); not with
@@ -79,9 +80,10 @@ def load_default_model(
     if readout is not None and config is not None:
         raise ValueError("config: a readout folder brings its own configuration; pass readout or config, not both")
     base, tokenizer, name = load_base_model("smollm2", dtype=dtype)
+    # SmolLM2 is a causal LM: apply_faast wraps it in a FaastModel (a FaastModuleModel is for models that are not LMs).
     if readout is not None:
-        return from_pretrained(base, readout), tokenizer
+        return cast(FaastModel, from_pretrained(base, readout)), tokenizer
     config = FaastConfig() if config is None else config
     if config.base_model is None:
         config = dataclasses.replace(config, base_model=name)
-    return apply_faast(base, config), tokenizer
+    return cast(FaastModel, apply_faast(base, config)), tokenizer

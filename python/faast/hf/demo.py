@@ -18,13 +18,18 @@ import argparse
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch import nn
+
+from .lm import as_lm
 
 if TYPE_CHECKING:
     from .config import FaastConfig
+    from .model import FaastModel
 
 __all__ = ["domain_files", "generate", "main", "tokens_of"]
 
@@ -44,17 +49,19 @@ def tokens_of(files: list[Path], tokenizer: object, limit: int) -> list[list[int
     from .tokens import token_lists
 
     # Lazy reads: files past the limit are never opened.
-    return token_lists((f.read_text(encoding="utf-8") for f in files), tokenizer, limit)
+    tokenize = cast("Callable[..., Any]", tokenizer)  # a transformers tokenizer, or any callable like one
+    return token_lists((f.read_text(encoding="utf-8") for f in files), tokenize, limit)
 
 
-def generate(model: object, tokenizer: object, prompt_ids: list[int], new_tokens: int) -> str:
+def generate(model: nn.Module, tokenizer: object, prompt_ids: list[int], new_tokens: int) -> str:
     """Greedy continuation of `prompt_ids` (one sequence), `new_tokens` long, decoded to text."""
+    text = cast(Any, tokenizer)  # a transformers tokenizer: its pad_token_id and decode
     ids = torch.tensor([prompt_ids])
-    out = model.generate(
+    out = as_lm(model).generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=text.pad_token_id,
     )  # fmt: skip
-    return tokenizer.decode(out[0, len(prompt_ids) :])
+    return text.decode(out[0, len(prompt_ids) :])
 
 
 def _mb(n: float) -> str:
@@ -103,7 +110,7 @@ def path_line(precision: dict, pinned: bool) -> str:
     return f"learning pass {precision['learn_pass']}, head logits {precision['head_products']}, p·H {mean}; {how}"
 
 
-def _load_model(args: argparse.Namespace) -> tuple[object, object]:
+def _load_model(args: argparse.Namespace) -> tuple[FaastModel, object]:
     """The frozen default model with its memory layers (alpha overridden if asked), and its tokenizer."""
     from .default import DEFAULT_READOUT, load_default_model
 
@@ -144,7 +151,7 @@ def _load_domain(args: argparse.Namespace, tokenizer: object) -> tuple[list[list
     return learn_ids, eval_windows
 
 
-def _learn_and_score(model: object, args: argparse.Namespace, learn_ids: list[list[int]],
+def _learn_and_score(model: FaastModel, args: argparse.Namespace, learn_ids: list[list[int]],
                      eval_windows: list[list[int]]) -> dict:  # fmt: skip
     """Held-out perplexity before and after learning the domain, learning and solve times, state sizes."""
     from .. import provenance
@@ -165,7 +172,8 @@ def _learn_and_score(model: object, args: argparse.Namespace, learn_ids: list[li
     cfg = model.faast_config
     layers = len(list(model.faast_layers()))
     state = model.fast_weight_bytes()
-    keys_bf16 = stats.pairs * layers * cfg.hidden_size * 2 * 2  # keys + values, bf16, as the authors' bank holds them
+    hidden_size = cast(int, cfg.hidden_size)  # apply_faast filled it in from the model
+    keys_bf16 = stats.pairs * layers * hidden_size * 2 * 2  # keys + values, bf16, as the authors' bank holds them
     precision = model.learner.precision()
     print(f"learned    {n_learn:,} tokens in {stats.seconds:.1f} s ({n_learn / stats.seconds:,.0f} tokens/s), "
           f"forward passes only, no gradient; solved in {solve_s:.1f} s")  # fmt: skip
@@ -191,12 +199,13 @@ def _learn_and_score(model: object, args: argparse.Namespace, learn_ids: list[li
     }
 
 
-def _show_generations(model: object, tokenizer: object, prompt: list[int], new_tokens: int) -> None:
+def _show_generations(model: FaastModel, tokenizer: object, prompt: list[int], new_tokens: int) -> None:
     """The same held-out prompt continued by the base model and by the model that learned the domain."""
     with model.disable_faast():
         plain = generate(model, tokenizer, prompt, new_tokens)
     learned = generate(model, tokenizer, prompt, new_tokens)
-    print("\nprompt (held-out file):\n" + _indent(tokenizer.decode(prompt)))
+    decode = cast(Any, tokenizer).decode  # a transformers tokenizer
+    print("\nprompt (held-out file):\n" + _indent(decode(prompt)))
     print("base model continues:\n" + _indent(plain))
     print("after learning the domain:\n" + _indent(learned))
 

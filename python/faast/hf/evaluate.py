@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..intervals import wilson_interval  # noqa: F401 - re-exported: faast.hf.evaluate.wilson_interval
+from .lm import input_embeddings
 from .tokens import pad_rows
 
 
@@ -55,7 +56,7 @@ def perplexity(
 
     if not windows:
         raise ValueError("windows: expected at least one window of >= 2 tokens, got none")
-    device = model.get_input_embeddings().weight.device
+    device = input_embeddings(model).weight.device
     prefix = list(context)
     nll, tokens = 0.0, 0
     started = time.perf_counter()
@@ -91,7 +92,7 @@ def encode_prefix(model: nn.Module, ids: Sequence[int]) -> Prefix:
     """Run `ids` once and keep the key/value cache, so prompts after it cost only their own tokens."""
     if len(ids) < 1:
         raise ValueError("ids: expected at least one token, got none")
-    device = model.get_input_embeddings().weight.device
+    device = input_embeddings(model).weight.device
     batch = torch.as_tensor([list(ids)], dtype=torch.long, device=device)
     out = model(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=True)
     return Prefix(ids=list(ids), cache=out.past_key_values)
@@ -113,7 +114,7 @@ def continuation_log_probs(
         raise ValueError("prompt: expected at least one token, got none")
     if not continuations or any(len(c) < 1 for c in continuations):
         raise ValueError("continuations: expected one or more non-empty token lists")
-    device = model.get_input_embeddings().weight.device
+    device = input_embeddings(model).weight.device
     past = len(prefix.ids) if prefix is not None else 0
     # One row per distinct input: prompt + all but the continuation's last token (single tokens share one row).
     inputs = sorted({tuple(prompt) + tuple(c[:-1]) for c in continuations}, key=len)
@@ -122,7 +123,7 @@ def continuation_log_probs(
     for rows in [[r] for r in inputs] if prefix is not None else [inputs]:
         ids, mask = pad_rows(rows)
         ids, mask = ids.to(device), mask.long().to(device)
-        kwargs = {"use_cache": prefix is not None}
+        kwargs: dict[str, object] = {"use_cache": prefix is not None}
         if prefix is not None:
             mask = torch.cat([torch.ones(1, past, dtype=torch.long, device=device), mask], dim=1)
             kwargs["past_key_values"] = copy.deepcopy(prefix.cache)

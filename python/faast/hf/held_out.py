@@ -1,16 +1,17 @@
 """The residual output layer's held-out tail (docs/design.md §6.3): which learned positions tune its step
 (`tail_plan`: the end of every learned text, in proportion to its length) and the bounded buffer that keeps them
-(`HeldOutTail`). The step and weight are tuned on them in faast/hf/output_tuning.py. The shares and thresholds are the
+(`HeldOutTail`). The step and weight are tuned on them in faast/hf/output/tuning.py. The shares and thresholds are the
 layer's OutputPolicy's (held_out_share, min_held_out, gap_multiple, tune_sample)."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from typing import cast
 
 import torch
 
-from .output_policy import DEFAULT_POLICY, OutputPolicy
+from .output.policy import DEFAULT_POLICY, OutputPolicy
 
 
 def tail_plan(
@@ -32,7 +33,7 @@ def tail_plan(
     held-out ones: text next to them shares their names and phrasing. When the gaps would leave fewer than `min_fit`
     positions to fit on, no gaps; when fewer than policy.min_held_out would be held out, or fewer than `min_fit`
     left, nothing is (the step is not tuned). gap_allowed[i] False: document i gets no gap (HeldOutTail pools the
-    rows of unknown documents into one, whose end is not one text's). Pure: the baselines of experiments/
+    rows of unknown documents into one, whose end is not one text's). Pure: the baselines of lab/experiments/
     lm_domains.py hold out the same.
     """
     if learned <= 0 or not counts:
@@ -83,6 +84,11 @@ def _canonical_order(index: torch.Tensor, keys: torch.Tensor, ys: torch.Tensor, 
 KEY_STORAGE = torch.float16
 _FLOAT16_LIMIT = 6.0e4
 
+# What HeldOutTail keeps: (keys [n, d_key], targets [n] int64, documents [n] int64, values [n, d]).
+Kept = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# What HeldOutTail.snapshot gives: (the kept tensors or None, document -> learned positions, positions seen).
+Snapshot = tuple[Kept | None, dict[int, int], int]
+
 
 class HeldOutTail:
     """The learned positions kept to tune the step: for every document, its last positions (those `tail_plan` may
@@ -101,7 +107,7 @@ class HeldOutTail:
     def __init__(
         self,
         tune_tokens: int,
-        kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        kept: Kept | None = None,
         counts: dict[int, int] | None = None,
         seen: int = 0,
         policy: OutputPolicy = DEFAULT_POLICY,
@@ -115,13 +121,13 @@ class HeldOutTail:
     def __len__(self) -> int:
         return 0 if self._kept is None else int(self._kept[0].shape[0])
 
-    def snapshot(self) -> object:
+    def snapshot(self) -> Snapshot:
         """What the buffer holds now, for restore (the kept tensors are replaced, never written in place)."""
         return self._kept, dict(self._counts), self._seen
 
     def restore(self, snapshot: object) -> None:
         """Put back what snapshot() returned (a learn that failed part way leaves the buffer as it was)."""
-        self._kept, counts, self._seen = snapshot
+        self._kept, counts, self._seen = cast(Snapshot, snapshot)  # what snapshot() returned
         self._counts = dict(counts)
 
     def clear(self) -> None:
@@ -138,7 +144,7 @@ class HeldOutTail:
         dropped = int((~keep).sum())
         for doc in documents:
             self._seen -= self._counts.pop(doc, 0)
-        self._kept = tuple(t[keep] for t in self._kept) if bool(keep.any()) else None
+        self._kept = cast(Kept, tuple(t[keep] for t in self._kept)) if bool(keep.any()) else None
         return dropped
 
     def extended(self, later: HeldOutTail) -> HeldOutTail:
@@ -151,6 +157,7 @@ class HeldOutTail:
         dtype = torch.promote_types(parts[0][0].dtype, parts[-1][0].dtype)
         joined = tuple(torch.cat([p[i].to(parts[-1][i].device, dtype if i in (0, 3) else p[i].dtype) for p in parts])
                        for i in range(4))  # fmt: skip
+        joined = cast(Kept, joined)  # the four kept tensors, each joined
         merged = HeldOutTail(self.tune_tokens, joined, {**self._counts, **counts}, self._seen + seen, self.policy)
         merged._trim()
         return merged
@@ -187,7 +194,9 @@ class HeldOutTail:
         new = (flat.to(dtype), targets.reshape(-1)[keep], new_docs,
                values.reshape(-1, values.shape[-1])[keep].to(dtype))  # fmt: skip
         if self._kept is not None:
-            new = tuple(torch.cat([old.to(part.dtype), part]) for old, part in zip(self._kept, new, strict=True))
+            new = cast(
+                Kept, tuple(torch.cat([old.to(part.dtype), part]) for old, part in zip(self._kept, new, strict=True))
+            )
         self._kept = new
         ids, counts = torch.unique_consecutive(new_docs, return_counts=True)
         for doc, n in zip(ids.tolist(), counts.tolist(), strict=True):
@@ -195,9 +204,13 @@ class HeldOutTail:
             self._seen += n
         self._trim()
 
+    def _rows(self) -> Kept:
+        """The kept tensors, for the methods that run only while the buffer keeps positions."""
+        return cast(Kept, self._kept)
+
     def _runs(self) -> tuple[list[int], list[int]]:
         """(documents, kept positions of each) in stream order: each document's kept positions are contiguous."""
-        ids, counts = torch.unique_consecutive(self._kept[2], return_counts=True)
+        ids, counts = torch.unique_consecutive(self._rows()[2], return_counts=True)
         return ids.tolist(), counts.tolist()
 
     def _trim(self) -> None:
@@ -217,7 +230,7 @@ class HeldOutTail:
         if wanted == runs:
             return
         keep = _from_end(runs, self._kept[2].device) < _per_position(wanted, runs, self._kept[2].device)
-        self._kept = tuple(t[keep] for t in self._kept) if bool(keep.any()) else None
+        self._kept = cast(Kept, tuple(t[keep] for t in self._kept)) if bool(keep.any()) else None
         self._counts = {doc: self._counts[doc] for doc, want in zip(docs, wanted, strict=True)
                         if want > 0 and doc in self._counts}  # fmt: skip
 
@@ -240,7 +253,7 @@ class HeldOutTail:
         policy.tune_sample held-out positions spread evenly over all of them; keys [k, d_key] and values [k, d] (as
         kept: float16 or float32) of every position the fit leaves out (held out and gaps); how many are held out; how
         many are gaps)."""
-        keys, ys, docs, values = self._kept
+        keys, ys, docs, values = self._rows()
         held_mask, out_mask = self._masks(learned, min_fit)
         device = docs.device
         held = int(held_mask.sum())
@@ -253,7 +266,7 @@ class HeldOutTail:
     def left_out_documents(self, learned: int, min_fit: int) -> torch.Tensor:
         """The document [k] int64 of every position the fit leaves out under `plan`, in the order `split` returns
         their keys and values."""
-        return self._kept[2][self._masks(learned, min_fit)[1]]
+        return self._rows()[2][self._masks(learned, min_fit)[1]]
 
     def fold_statistics(self, learned: int, min_fit: int, folds: int) -> tuple[torch.Tensor, torch.Tensor, list]:
         """The documents that hold out positions under `plan`, dealt in turn into `folds` folds in the order of their
@@ -261,7 +274,7 @@ class HeldOutTail:
         learning order changes neither, and documents that tie leave the same positions out): (documents [u] int64,
         their fold [u] int64, and for each fold (S [d_key, d_key], T [d_key, d] float64, count) of the positions its
         documents leave out: float32 products of the kept keys and values, as the layer's tail_statistics)."""
-        keys, ys, docs, values = self._kept
+        keys, ys, docs, values = self._rows()
         out_mask = self._masks(learned, min_fit)[1]
         out_keys, out_values, out_docs, out_ys = (
             keys[out_mask].float(),
@@ -286,7 +299,7 @@ class HeldOutTail:
     def _masks(self, learned: int, min_fit: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([kept] bool: held out, [kept] bool: left out of the fit, held out or gap) under `plan`."""
         _, runs, plan = self.plan(learned, min_fit)
-        device = self._kept[2].device
+        device = self._rows()[2].device
         from_end = _from_end(runs, device)
         held = from_end < _per_position([h for h, _ in plan], runs, device)
         return held, from_end < _per_position([h + g for h, g in plan], runs, device)

@@ -16,12 +16,14 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 import torch
 from torch import nn
 
 from .capture import BankCapture, next_token_pairs
 from .layers import MemoryLayer, OutputMemoryLayer
+from .lm import as_lm
 from .output import ResidualOutputLayer, key_state
 from .rows import RowMemories
 
@@ -93,7 +95,9 @@ class ModelHooks:
             self._handles.append(final_norm.register_forward_hook(self._residual_hook))
             # Probability space mixes at the head's output (its input is the final norm's output, as the model
             # slices it, e.g. the last position only while generating).
-            self._handles.append(base_model.get_output_embeddings().register_forward_hook(self._head_hook))
+            # apply_faast refuses a model without a head (faast.hf.targets), so there is one to hook.
+            head = cast(nn.Module, as_lm(base_model).get_output_embeddings())
+            self._handles.append(head.register_forward_hook(self._head_hook))
         elif output_layer is not None:
             self._handles.append(final_norm.register_forward_pre_hook(self._output_hook, with_kwargs=True))
 
@@ -164,55 +168,66 @@ class ModelHooks:
                 f"(for hidden states of shape {list(hidden.shape)}), but captured {got}: call the model, not its "
                 f"head alone"
             )
-        return torch.cat([s[..., s.shape[-2] - rows :, :] for s in states], -1)
+        captured = cast("list[torch.Tensor]", states)  # none is None: checked above
+        return torch.cat([s[..., s.shape[-2] - rows :, :] for s in captured], -1)
 
     # ------------------------------------------------------------------ hooks
 
-    def _block_hook(self, layer: MemoryLayer, module: nn.Module, args: tuple, kwargs: dict):  # noqa: ANN202, ARG002
+    def _block_hook(
+        self,
+        layer: MemoryLayer,
+        module: nn.Module,  # noqa: ARG002
+        args: tuple,
+        kwargs: dict,
+    ) -> tuple[tuple, dict] | None:
         if self.disabled("middle"):
             return None
         hidden = _hidden(args, kwargs)
         if self._pass is not None:
             # Capture only: the bank learns every layer at once after the pass.
-            self._pass.capture.add(layer.slot, hidden)
+            # Middle layers come with a bank, and a learning pass over a bank brings its capture.
+            cast(BankCapture, self._pass.capture).add(layer.slot, hidden)
             return None
         if self._rows is not None:
             return _with_hidden(args, kwargs, self._rows.middle(layer, hidden))
         return _with_hidden(args, kwargs, layer(hidden))
 
-    def _output_hook(self, module: nn.Module, args: tuple, kwargs: dict):  # noqa: ANN202, ARG002
+    def _output_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:  # noqa: ARG002
         if self.disabled("output"):
             return None
         hidden = _hidden(args, kwargs)
+        layer = cast(OutputMemoryLayer, self.output_layer)  # __init__ hooks this for an OutputMemoryLayer only
         if self._pass is not None:
             self._pass.output_rows = next_token_pairs(hidden, self._pass.pair_mask, self._pass.next_embeddings)
             return None
         if self._rows is not None:
-            return _with_hidden(args, kwargs, self._rows.embedding_output(self.output_layer, hidden))
-        return _with_hidden(args, kwargs, self.output_layer(hidden))
+            return _with_hidden(args, kwargs, self._rows.embedding_output(layer, hidden))
+        return _with_hidden(args, kwargs, layer(hidden))
 
     def _key_hook(self, slot: int, module: nn.Module, args: tuple, kwargs: dict) -> None:  # noqa: ARG002
         if self.disabled("output"):
             return
         self._key_states[slot] = key_state(_hidden(args, kwargs))
 
-    def _residual_hook(self, module: nn.Module, args: tuple, output: torch.Tensor):  # noqa: ANN202, ARG002
+    def _residual_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:  # noqa: ARG002
         if self.disabled("output"):
             return None
+        layer = cast(ResidualOutputLayer, self.output_layer)  # __init__ hooks this for a ResidualOutputLayer only
         if self._pass is not None:
             self._pass.output_rows = (output, None)  # the final norm's output h̃; targets come after the pass
             return None
-        if self.output_layer.space == "probability":
+        if layer.space == "probability":
             self._final_states = output if self.key_blocks else None  # _head_hook checks the rows it reads
             return None  # read at the head (_head_hook)
         if self._rows is not None:
-            return self._rows.logit_output(self.output_layer, output, self.extra_keys(output))
-        return self.output_layer(output, self.extra_keys(output))
+            return self._rows.logit_output(layer, output, self.extra_keys(output))
+        return layer(output, self.extra_keys(output))
 
-    def _head_hook(self, module: nn.Module, args: tuple, output: torch.Tensor):  # noqa: ANN202, ARG002
+    def _head_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:  # noqa: ARG002
         if self.disabled("output") or self._pass is not None or not args:
             return None
-        layer, hidden = self.output_layer, args[0]
+        # __init__ hooks the head for a ResidualOutputLayer only.
+        layer, hidden = cast(ResidualOutputLayer, self.output_layer), args[0]
         if layer.space != "probability":  # the correction was read after the final norm (_residual_hook)
             if self._rows is not None:
                 return self._rows.logit_bias(layer, output)

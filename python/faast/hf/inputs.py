@@ -4,12 +4,14 @@ documents) batches, lazily, so a corpus never has to fit in memory."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from .learn_datasets import LabelledIds, dataset_items, is_dataset
+from .lm import input_embeddings
 from .tokens import overlapping_windows, pad_rows
 
 # (input_ids [B, T] int64, attention_mask [B, T] or None, labels [B, T] int64 or None, documents: B ints or None)
@@ -25,12 +27,12 @@ def check_batch(input_ids: object, attention_mask: object, model: nn.Module) -> 
         input_ids = input_ids.unsqueeze(0)
     if input_ids.dim() != 2 or input_ids.numel() == 0:
         raise ValueError(f"input_ids: expected a non-empty [batch, seq] tensor, got shape {list(input_ids.shape)}")
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = input_embeddings(model).num_embeddings
     if bool(((input_ids < 0) | (input_ids >= vocab)).any()):  # one host sync for both bounds
         raise ValueError(
             f"input_ids: token ids must lie in [0, {vocab}), got [{int(input_ids.min())}, {int(input_ids.max())}]"
         )
-    device = model.get_input_embeddings().weight.device
+    device = input_embeddings(model).weight.device
     if input_ids.device != device:
         raise ValueError(f"input_ids: on {input_ids.device}, the model is on {device}")
     if attention_mask is None:
@@ -64,7 +66,7 @@ def check_labels(labels: object, input_ids: torch.Tensor, model: nn.Module) -> t
             f"labels: expected shape {list(input_ids.shape)} on {input_ids.device} like input_ids, got "
             f"{list(labels.shape)} on {labels.device}"
         )
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = input_embeddings(model).num_embeddings
     if bool((((labels < 0) & (labels != -100)) | (labels >= vocab)).any()):
         raise ValueError(f"labels: expected token ids in [0, {vocab}) or -100 (not learned)")
     return labels.long()
@@ -113,7 +115,7 @@ def learn_items(
         isinstance(inputs, list | tuple) and inputs and all(isinstance(t, int) for t in inputs)
     ):
         inputs = [inputs]  # one tokenised batch, or one text as token ids
-    return inputs
+    return cast(Iterable, inputs)  # any other object as it is: iterating it (batches) says what is wrong
 
 
 def batches(
@@ -133,7 +135,7 @@ def batches(
         raise ValueError(f"max_length: expected an int >= 2, got {max_length!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-    pending: list[tuple[list[int], list[int] | None]] = []
+    pending: list[tuple[list[int], list[int] | None, int]] = []  # (window, its labels, its document)
     for n, item in enumerate(inputs):
         if isinstance(item, Mapping):
             if "input_ids" not in item:
@@ -152,7 +154,8 @@ def batches(
         if isinstance(item, str):
             if tokenizer is None:
                 raise ValueError("tokenizer: required to learn from texts")
-            ids = tokenizer(item, add_special_tokens=False)["input_ids"]
+            tokenize = cast("Callable[..., Any]", tokenizer)  # a transformers tokenizer, or any callable like one
+            ids = tokenize(item, add_special_tokens=False)["input_ids"]
         elif isinstance(item, LabelledIds):
             ids, labels = item.input_ids, item.labels
         elif isinstance(item, list | tuple) and all(isinstance(t, int) for t in item):

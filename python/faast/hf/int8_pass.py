@@ -18,24 +18,32 @@ against 1.5 for the float32 pass (2,048 asyncio tokens, 2 AMD EPYC cores; docs/d
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..ops.int8 import Int8Input, Int8Weight, int8_linear
-from . import head
-from .head import CallScoped
+from .call_scope import CallScope
+from .output import head
 
 
-class Int8Weights(CallScoped):
+class Int8Weights:
     """The int8 forms (faast.ops.int8.Int8Weight) of the weights an int8 pass multiplies. Inside `kept()` (one learn()
     call) each weight is rounded once and reused by every batch, and again after an in-place change; outside it each
     call rounds afresh and keeps nothing."""
 
     def __init__(self) -> None:
         self._held: dict[int, tuple[tuple, Int8Weight]] = {}
+        self.scope = CallScope(self.drop)
+
+    def kept(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the int8 forms made inside (one learn() call); free them when the outermost block ends."""
+        return self.scope.kept()
 
     def drop(self) -> None:
+        """Free the int8 forms held."""
         self._held.clear()
 
     def held_bytes(self) -> int:
@@ -44,7 +52,7 @@ class Int8Weights(CallScoped):
 
     def get(self, weight: torch.Tensor) -> Int8Weight:
         """The int8 forms of `weight` [n, k] float32."""
-        if not self._keep:
+        if not self.scope.active:
             return Int8Weight(weight.detach())
         key = (weight.data_ptr(), weight._version, tuple(weight.shape))
         held = self._held.get(id(weight))
@@ -59,7 +67,7 @@ class Int8Pass(TorchFunctionMode):
     Args:
         weights: where the weights' int8 forms are kept (`Int8Weights`).
         widest: the widest input (the model's hidden size) a linear may have to run in int8.
-        outliers: input columns multiplied in float32 (None: faast.hf.head.INT8_OUTLIERS, read now).
+        outliers: input columns multiplied in float32 (None: faast.hf.output.head.INT8_OUTLIERS, read now).
     """
 
     def __init__(self, weights: Int8Weights, widest: int, outliers: int | None = None) -> None:

@@ -199,8 +199,8 @@ class MemoryLayer(nn.Module):
 
     def folded(self, device: torch.device, dtype: torch.dtype, bank: MemoryBank | None = None) -> torch.Tensor | None:
         """M = W·P [d, d] in the activations' dtype for bf16/fp16 (one 16-bit GEMM: tensor cores on a GPU, where the
-        float32 path measured 11x slower, benchmarks/results/gpu_h100_run1.md), float64 for float64 inputs and float32
-        otherwise; None while this layer's memory is empty.
+        float32 path measured 11x slower, lab/benchmarks/results/gpu_h100_run1.md), float64 for float64 inputs and
+        float32 otherwise; None while this layer's memory is empty.
 
         Cached until the statistics or the readout change; recomputing it takes this layer's slice of the bank's
         solve (one solve for all layers) and one d×d GEMM. Whether the slot is empty is asked of the device once per

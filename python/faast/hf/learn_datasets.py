@@ -11,9 +11,10 @@ rows, with their `labels` when the dataset has them. So learning a dataset learn
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any, cast
 
 ROWS_PER_READ = 64
 
@@ -39,7 +40,7 @@ def is_dataset(x: object) -> bool:
 
 
 def dataset_items(
-    dataset: object, tokenizer: object | None, text_column: str | None
+    dataset: Any, tokenizer: object | None, text_column: str | None
 ) -> Iterator[list[int] | LabelledIds]:
     """The rows of `dataset` as token-id lists (a text column, tokenised) or LabelledIds (input_ids with labels).
 
@@ -53,7 +54,7 @@ def dataset_items(
     if features is not None:
         plan = _plan(_column_kinds_from_features(features), text_column)
         # Read only the columns learned from (a dataset may also hold images, long metadata, ...).
-        reads: Iterable[Mapping] = dataset.select_columns(plan.columns).iter(batch_size=ROWS_PER_READ)
+        reads: Iterator[Mapping] = dataset.select_columns(plan.columns).iter(batch_size=ROWS_PER_READ)
     else:
         reads = dataset.iter(batch_size=ROWS_PER_READ)
         first = next(reads, None)
@@ -125,7 +126,8 @@ def _text_rows(reads: Iterable[Mapping], column: str, tokenizer: object | None) 
                 raise ValueError(f"text_column: row {row + i} of {column!r} is {type(text).__name__}, expected a text")
         if texts:
             # One call per read: a fast tokenizer encodes the batch in parallel, each text as it would alone.
-            ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+            tokenize = cast("Callable[..., Any]", tokenizer)  # a transformers tokenizer, or any callable like one
+            ids = tokenize(list(texts), add_special_tokens=False)["input_ids"]
             if len(ids) != len(texts):
                 raise ValueError(
                     f"tokenizer: returned {len(ids)} token lists for {len(texts)} texts; it must take a list of texts"

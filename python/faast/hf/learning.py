@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -23,13 +24,14 @@ from ..ops import paths
 from .bank import MemoryBank
 from .base import eval_mode
 from .capture import BankCapture
-from .head import head_shape_class, pool_shape_class, pool_threshold, products_dtype
 from .hooks import LearnPass, ModelHooks
 from .inputs import Batch, check_batch, check_labels
 from .int8_pass import Int8Pass, Int8Weights
 from .layers import MemoryLayer, OutputMemoryLayer
+from .lm import input_embeddings
 from .modules import ModuleMemories
 from .output import ResidualOutputLayer
+from .output.head import head_shape_class, pool_shape_class, pool_threshold, products_dtype
 from .pass_choice import learn_pass_mode, linear_shapes, shape_class
 from .progress import Bar, Metered, enabled
 
@@ -151,7 +153,10 @@ class Learner:
         self.pass_precision(input_ids.device)
         if isinstance(self.output_layer, ResidualOutputLayer):
             layer = self.output_layer
-            products_dtype(layer.head_dtype, self.base_model.get_input_embeddings().weight, layer.head.weight)
+            # The head is an nn.Linear-like module: its weight is a tensor [V, d].
+            products_dtype(
+                layer.head_dtype, input_embeddings(self.base_model).weight, cast(torch.Tensor, layer.head.weight)
+            )
         started = time.perf_counter()
         if documents is None:
             # Rows of unknown texts: numbered -2, -3, ... (negative: the step tuning treats them as unknown, as it
@@ -169,7 +174,7 @@ class Learner:
         positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
         next_embeddings = None
         if isinstance(self.output_layer, OutputMemoryLayer):
-            next_embeddings = self.base_model.get_input_embeddings()(input_ids[:, 1:])
+            next_embeddings = input_embeddings(self.base_model)(input_ids[:, 1:])
         capture = None
         if self.bank is not None:
             scorers = [None if layer.scorer is None else layer.scores for layer in self.middle_layers]
@@ -185,11 +190,11 @@ class Learner:
         # Every statistic is added after the pass, so an error inside it (or in the bank's checks) learns nothing.
         if capture is not None:
             with torch.set_grad_enabled(differentiable):
-                step = capture.update(self.bank)
+                step = capture.update(cast(MemoryBank, self.bank))  # a capture exists only with a bank
             self._workspace = capture.release()
             if step is not None:
-                for layer in self.middle_layers:
-                    layer.add_step_cross(step[layer.slot])
+                for middle in self.middle_layers:
+                    middle.add_step_cross(step[middle.slot])
         rows = learn_pass.output_rows
         if rows is not None and isinstance(self.output_layer, ResidualOutputLayer):
             extra = self.hooks.extra_keys(rows[0])
@@ -197,7 +202,10 @@ class Learner:
             self.output_layer.learn(rows[0], targets, pair_mask, documents, extra, logits=logits,
                                     hold_out=reader is None)  # fmt: skip
         elif rows is not None:
-            self.output_layer.memory.update(*rows, mask=pair_mask)
+            # Rows come only with an output layer; not the residual one, so an OutputMemoryLayer, whose values (the
+            # next tokens' embeddings) the pass captured beside its keys.
+            output = cast(OutputMemoryLayer, self.output_layer)
+            output.memory.update(rows[0], cast(torch.Tensor, rows[1]), mask=pair_mask)
         if self._sink is not None:
             self._sink(input_ids, mask, pair_mask, documents)
         # One host sync for both counts.
@@ -211,7 +219,7 @@ class Learner:
         learn_pass=torch.<mode> pins it); on a GPU bfloat16 where it is native, else the model's dtype. An explicit
         'int8' the model cannot run (not on a CPU, weights not float32, or no nn.Linear of inputs at most the hidden
         size: GPT-2's blocks multiply through Conv1D) raises ValueError naming FaastConfig.learn_dtype."""
-        weights = self.base_model.get_input_embeddings().weight
+        weights = input_embeddings(self.base_model).weight
         if self.learn_dtype == "int8":
             if device.type != "cpu" or weights.dtype != torch.float32:
                 raise ValueError(f"FaastConfig.learn_dtype: 'int8' runs the pass on a CPU with float32 weights only "
@@ -232,7 +240,7 @@ class Learner:
         return "model" if mode == "float32" else mode
 
     def _hidden_size(self) -> int:
-        return self.base_model.get_input_embeddings().weight.shape[-1]
+        return input_embeddings(self.base_model).weight.shape[-1]
 
     def int8_linears(self) -> int:
         """How many of the backbone's nn.Linear layers an int8 pass takes (inputs at most the hidden size wide)."""
@@ -254,15 +262,17 @@ class Learner:
         and 'head_pool_below' the probability below which its p·H pools a vocabulary column (0: exact; 'auto' until
         a learn() call on this CPU has timed it; both None without that layer); 'native_bf16': whether the device
         multiplies bfloat16 natively}. Result files record it beside the times it explains."""
-        weights = self.base_model.get_input_embeddings().weight
-        head = pool = None
+        weights = input_embeddings(self.base_model).weight
+        head: str | None = None
+        pool: str | float | None = None
         if isinstance(self.output_layer, ResidualOutputLayer):
             layer = self.output_layer
-            products = products_dtype(layer.head_dtype, weights, layer.head.weight)
+            head_weight = cast(torch.Tensor, layer.head.weight)  # the head is an nn.Linear-like module
+            products = products_dtype(layer.head_dtype, weights, head_weight)
             head = str(products).split(".")[-1]
             pool = pool_threshold(layer.head_pool_below, products, weights, layer.policy)
             if pool is None:
-                chosen = paths.current("head_pool", weights.device, pool_shape_class(layer.head.weight, products))
+                chosen = paths.current("head_pool", weights.device, pool_shape_class(head_weight, products))
                 pool = "auto" if chosen is None else (0.0 if chosen == "exact" else layer.policy.pool_auto)
         learn_pass = self.pass_precision(weights.device)
         learn_pass = str(weights.dtype).split(".")[-1] if learn_pass == "model" else learn_pass
@@ -272,7 +282,7 @@ class Learner:
     def measure_paths(self, show: bool) -> None:
         """Make the CPU's measured choices for this model now, before its first batch (the first learn() on a machine
         times them: a few seconds), and when one was measured and `show`, say on stderr what it chose."""
-        weights = self.base_model.get_input_embeddings().weight
+        weights = input_embeddings(self.base_model).weight
         if weights.device.type != "cpu":
             return
         pending = self.learn_dtype == "auto" and weights.dtype == torch.float32 and paths.current(
@@ -280,7 +290,7 @@ class Learner:
             {"int8_linears": self.int8_linears()}) is None  # fmt: skip
         layer = self.output_layer
         if isinstance(layer, ResidualOutputLayer) and layer.head_dtype == "auto":
-            shape = head_shape_class(layer.head.weight, weights.dtype)
+            shape = head_shape_class(cast(torch.Tensor, layer.head.weight), weights.dtype)  # an nn.Linear-like head
             pending = pending or paths.current("head_logits", weights.device, shape) is None
         started = time.perf_counter()
         chosen = self.precision()
@@ -347,10 +357,11 @@ class Learner:
                         raise ValueError("continues: the first input must be a text or a token-id list of at least 2 "
                                          "tokens (a tensor's or a tokenised mapping's rows are of unknown "
                                          "documents)")  # fmt: skip
+                    numbers: torch.Tensor | None = None
                     if documents is not None:  # host ints: numbering them costs no device sync
                         self._documents = first + documents[-1] + 1
-                        documents = torch.tensor(documents, dtype=torch.long, device=ids.device) + first
-                    learned = self.learn_batch(ids, mask, labels=batch_labels, documents=documents)
+                        numbers = torch.tensor(documents, dtype=torch.long, device=ids.device) + first
+                    learned = self.learn_batch(ids, mask, labels=batch_labels, documents=numbers)
                     self._ends_on_text = documents is not None
                     stats += learned
                     bar.update(learned.tokens, None if meter is None else meter.fraction())

@@ -1,7 +1,7 @@
 """Where a FaastModel keeps its named memories (docs/serving.md).
 
 A named memory is everything one stream of learning produced: the middle layers' MemoryBank, the output layer's
-state (faast.hf.output_state.OutputState, or the paper's layer's FastWeights), the target modules' memories, and a
+state (faast.hf.output.OutputState, or the paper's layer's FastWeights), the target modules' memories, and a
 ledger of what was learned. Every memory has the same fixed-size state whatever it learned. One memory at a time is
 *bound* to the layers (they read and learn it); the others wait here, registered as submodules so that they move
 with the model (`.to(device)`) and are found by faast.distributed and faast.checkpoint. Switching is a swap of
@@ -21,7 +21,7 @@ from torch import nn
 
 from ..memory import FastWeights
 from .bank import MemoryBank
-from .output_state import OutputState
+from .output import OutputState
 
 DEFAULT = "default"  # the memory learn() and a new model use
 BASE = "__base__"  # in memory_names: the row reads the base model

@@ -9,6 +9,7 @@ faast.ops.mix_probabilities, whose dispatch times the torch composition against 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 
@@ -45,7 +46,15 @@ def read_blocks(
     output already is.
     """
     grad = torch.is_grad_enabled() and (projected.requires_grad or logits.requires_grad)
-    options = {"scale": scale, "log_odds": log_odds, "log_rest": log_rest, "full": full, "keep": keep, "chunk": chunk}
+    # The keywords the three reads share (each typed by the read it goes to).
+    options: dict[str, Any] = {
+        "scale": scale,
+        "log_odds": log_odds,
+        "log_rest": log_rest,
+        "full": full,
+        "keep": keep,
+        "chunk": chunk,
+    }
     if grad:
         return _read_differentiable(projected, logits, weight, compute=compute, block=block, **options)
     if logits.device.type != "cpu":
@@ -196,4 +205,4 @@ def _read_chunks(
         if out is None:
             return mixed
         out[rows] = mixed
-    return out
+    return cast(torch.Tensor, out)  # None only while 0 < n <= chunk, and then the first block returned

@@ -1,12 +1,10 @@
 """apply_faast: attach memory layers to a frozen Hugging Face causal LM, and the FaastModel it returns.
 
 The FaastModel wraps the base model: calls and `generate` go to the base model (with the hooks active), and it adds
-learn / solve / reset / disable / save / load. Its parts live in rooms of their own:
-
-- faast/hf/hooks.py: the forward hooks that put the memory layers into the base model (attachment);
-- faast/hf/learning.py: the learning loop (one backbone pass per batch, statistics added after it);
-- faast/hf/inputs.py: what learn() accepts, checked and batched;
-- faast/hf/persistence.py: the adapter folder and the fast-weights file.
+learn / solve / reset / disable / save / load. Its parts are objects it holds, each owning its state (docs/design.md
+§6.6): the hooks (hooks.py: attachment), the Learner (learning.py: one backbone pass per batch, statistics added after
+it), the NamedMemories (named_memories.py: select, learn into, forget, merge, and the swap that binds a memory) and the
+StreamReader (reading.py: read_stream); persistence.py writes and reads the adapter folder and the fast-weights file.
 
 The middle layers' statistics live in one MemoryBank (bank.py): a learning pass captures every middle layer's pairs,
 one bank update learns them all (one Gram accumulation for every middle layer, one for the output layer), and a solve
@@ -18,34 +16,38 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from .._version import __version__
+from ..accumulator import Accumulator
 from ..memory import FastWeights
 from . import persistence
+from .bank import MemoryBank
 from .base import CONFIG_NAME, WRAPPED_BASE_MODELS, FaastModelBase, eval_mode, freeze
 from .config import EmbeddingOutput, FaastConfig, ResidualOutput
 from .hooks import ModelHooks
-from .inputs import batches, describe, learn_items, learn_source
 from .layers import MemoryLayer, OutputMemoryLayer, memory_bank
 from .learning import Learner, LearnStats
-from .memory_store import BASE, DEFAULT, Ledger, MemoryStore, check_name
+from .lm import as_lm, input_embeddings
+from .memory_store import DEFAULT, Ledger, StoredMemory, check_name
 from .modules import FaastModuleModel, ModuleMemories, wants_module_model
-from .named_memories import NamedMemories
+from .named_memories import BoundLayers, NamedMemories
 from .output import ResidualOutputLayer
-from .progress import Metered
-from .reading import StreamReader
-from .rows import RowMemories
+from .reading import ReadReport, StreamReader
 from .targets import get_submodule, residual_head, target_for
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["FaastModel", "LearnStats", "apply_faast", "from_pretrained"]
 
 
-class FaastModel(NamedMemories, StreamReader, FaastModelBase):
+class FaastModel(FaastModelBase):
     """A causal LM with FAAST memory layers. Build it with `apply_faast(model, config)`.
 
     Attributes:
@@ -58,17 +60,20 @@ class FaastModel(NamedMemories, StreamReader, FaastModelBase):
         output_memory_layer: the ResidualOutputLayer (the default), the paper's OutputMemoryLayer, or None.
         module_memories: the memories on FaastConfig.target_modules (empty when none are configured).
         faast_hooks: the ModelHooks that attach the layers; learner: the Learner running learn().
+        named_memories: the NamedMemories (their store is also registered here as `memory_store`);
+        stream_reader: the StreamReader running read_stream().
     Other attributes (config, device, generation_config, ...) are the base model's.
     """
 
-    def __init__(self, base_model: nn.Module, config: FaastConfig):
-        super().__init__()
-        target = target_for(base_model)
-        blocks = get_submodule(base_model, target.blocks, "transformer blocks")
-        final_norm = get_submodule(base_model, target.final_norm, "final norm")
-        backbone = get_submodule(base_model, target.backbone, "decoder backbone")
-        hidden = int(base_model.config.hidden_size)
-        embeddings = base_model.get_input_embeddings()
+    def __init__(self, base_model: nn.Module, config: FaastConfig) -> None:
+        super().__init__(base_model)
+        pretrained, lm = cast("PreTrainedModel", base_model), as_lm(base_model)
+        target = target_for(pretrained)
+        blocks = cast(nn.ModuleList, get_submodule(pretrained, target.blocks, "transformer blocks"))
+        final_norm = get_submodule(pretrained, target.final_norm, "final norm")
+        backbone = get_submodule(pretrained, target.backbone, "decoder backbone")
+        hidden = int(lm.config.hidden_size)
+        embeddings = lm.get_input_embeddings()
         if isinstance(config.output, EmbeddingOutput) and embeddings.embedding_dim != hidden:
             raise ValueError(
                 f"model: the output memory layer needs input embeddings of the hidden size {hidden}, got "
@@ -82,43 +87,42 @@ class FaastModel(NamedMemories, StreamReader, FaastModelBase):
         # must not change the model's record.
         middle, output = config.middle, config.output
         if middle is not None:
-            middle = dataclasses.replace(middle, **({"layers": indices} if indices else {}))
-        if output is not None:
-            output = dataclasses.replace(
-                output, **({"key_layers": key_blocks} if isinstance(output, ResidualOutput) else {})
-            )
+            middle = dataclasses.replace(middle, layers=indices) if indices else dataclasses.replace(middle)
+        if isinstance(output, ResidualOutput):
+            output = dataclasses.replace(output, key_layers=key_blocks)
+        elif output is not None:
+            output = dataclasses.replace(output)
         self.faast_config = dataclasses.replace(
             config, middle=middle, output=output, regulariser=dataclasses.replace(config.regulariser),
-            model_type=base_model.config.model_type, hidden_size=hidden, num_hidden_layers=len(blocks),
+            model_type=lm.config.model_type, hidden_size=hidden, num_hidden_layers=len(blocks),
             faast_version=__version__,
         )  # fmt: skip
         device = next(base_model.parameters()).device
-        self.base_model = base_model
         freeze(base_model)
         self.memory_bank = memory_bank(hidden, len(indices), self.faast_config, device) if indices else None
-        self.memory_layers = nn.ModuleDict(
-            {
-                str(i): MemoryLayer(hidden, self.faast_config, i, device=device, bank=self.memory_bank, slot=slot)
-                for slot, i in enumerate(indices)
-            }
-        )
+        middle_layers = {
+            str(i): MemoryLayer(hidden, self.faast_config, i, device=device, bank=self.memory_bank, slot=slot)
+            for slot, i in enumerate(indices)
+        }
+        self.memory_layers = nn.ModuleDict(middle_layers)
         self.output_memory_layer: OutputMemoryLayer | ResidualOutputLayer | None = None
         if isinstance(config.output, ResidualOutput):
-            head = residual_head(base_model, target)  # scaled when the type scales its logits (targets.py)
-            if head is None or getattr(head, "weight", None) is None or head.weight.shape[-1] != hidden:
+            head = residual_head(pretrained, target)  # scaled when the type scales its logits (targets.py)
+            weight = getattr(head, "weight", None)
+            if head is None or weight is None or weight.shape[-1] != hidden:
                 raise ValueError(
                     f"model: the residual output layer needs an LM head (get_output_embeddings()) reading the hidden"
                     f" size {hidden}; use FaastConfig(output=EmbeddingOutput()) or output=None"
                 )
-            vocab = head.weight.shape[0]
+            vocab = int(weight.shape[0])
             self.output_memory_layer = ResidualOutputLayer(
                 hidden, vocab, self.faast_config, device=device, extra_key_size=hidden * len(key_blocks)
             )
-            self.output_memory_layer.attach_head(head)
+            self.output_memory_layer.attach_head(cast(nn.Module, head))  # it reads .weight and .bias (ScaledHead too)
         elif config.output is not None:
             self.output_memory_layer = OutputMemoryLayer(hidden, hidden, self.faast_config, device=device)
         self.faast_hooks = ModelHooks(
-            base_model, blocks, final_norm, {int(k): v for k, v in self.memory_layers.items()},
+            base_model, blocks, final_norm, {int(k): v for k, v in middle_layers.items()},
             self.output_memory_layer, key_blocks,
         )  # fmt: skip
         # Memories on FaastConfig.target_modules (modules.py); empty, with no hooks, when none are configured.
@@ -126,34 +130,32 @@ class FaastModel(NamedMemories, StreamReader, FaastModelBase):
             base_model, self.faast_config, enabled=lambda: not self.faast_hooks.disabled("modules")
         )
         self.learner = Learner(
-            base_model, backbone, self.faast_hooks, self.memory_bank, list(self.memory_layers.values()),
+            base_model, backbone, self.faast_hooks, self.memory_bank, list(middle_layers.values()),
             self.output_memory_layer, self.module_memories, self.faast_config.learn_dtype,
         )  # fmt: skip
         # The named memories (named_memories.py): 'default' is bound to the layers, the others wait in the store.
-        self.memory_store = MemoryStore()
-        # (memory, texts numbered) after the last learn() call that learned texts: what learn(continues=True) needs.
-        self._continuable: tuple[str, int] | None = None
+        bound = BoundLayers(self.memory_bank, middle_layers.values(), self.output_memory_layer,
+                            self.module_memories, self.learner, on_bank=self._hold_bank)  # fmt: skip
+        self.named_memories = NamedMemories(bound, device=lambda: input_embeddings(base_model).weight.device)
+        self.memory_store = self.named_memories.store  # registered: the unbound memories move with the model
+        self.stream_reader = StreamReader(base_model, self.output_memory_layer, len(self.memory_layers),
+                                          self.learner, self.named_memories)  # fmt: skip
+
+    def _hold_bank(self, bank: MemoryBank) -> None:
+        # The bound memory's bank is this module's submodule, so `.to()` and a checkpoint of the model see it.
+        self.memory_bank = bank
 
     def faast_layers(self) -> Iterator[MemoryLayer | OutputMemoryLayer | ResidualOutputLayer]:
         """Every memory layer: the middle ones in block order, then the output layer."""
-        yield from self.memory_layers.values()
+        yield from self.named_memories.layers.middle
         if self.output_memory_layer is not None:
             yield self.output_memory_layer
 
-    def learned_state(self) -> list[tuple[str, nn.Module]]:
+    def learned_state(self) -> list[tuple[str, FastWeights | Accumulator]]:
         """Every piece of learned state by name, in file order: the middle layers' bank, the output layer's memory
         (and, for the residual output layer, its curvature, token-mass, gradient-sum and target-count accumulators),
         then the module memories."""
-        named: list[tuple[str, nn.Module]] = [] if self.memory_bank is None else [("memory_bank", self.memory_bank)]
-        if self.output_memory_layer is not None:
-            named.append(("output_memory_layer.memory", self.output_memory_layer.memory))
-        if isinstance(self.output_memory_layer, ResidualOutputLayer):
-            named.append(("output_memory_layer.curvature", self.output_memory_layer.curvature))
-            named.append(("output_memory_layer.token_mass", self.output_memory_layer.token_mass))
-            named.append(("output_memory_layer.gradient_sum", self.output_memory_layer.gradient_sum))
-            named.append(("output_memory_layer.target_count", self.output_memory_layer.target_count))
-        named.extend(self.module_memories.named_memories())
-        return named
+        return self.named_memories.layers.learned_state()
 
     def fast_weights(self) -> list[FastWeights]:
         """The FastWeights memories holding the learned associations: the middle layers' bank, the output layer's
@@ -233,63 +235,14 @@ class FaastModel(NamedMemories, StreamReader, FaastModelBase):
         for arg, value in (("solve", solve), ("continues", continues)):
             if not isinstance(value, bool):
                 raise TypeError(f"{arg}: expected True or False, got {value!r}")
-        created = self._creating(name)
-        try:
-            with self._bound(name):
-                stats = self._learn_core(inputs, attention_mask, input_ids=input_ids, labels=labels,
-                                         tokenizer=tokenizer, text_column=text_column, max_length=max_length,
-                                         batch_size=batch_size, progress=progress, continues=continues)  # fmt: skip
-        except BaseException:
-            if created:
-                self.memory_store.delete(name)
-            raise
+        with self.named_memories.into(name):
+            stats = self.named_memories.learn_bound(inputs, attention_mask, input_ids=input_ids, labels=labels,
+                                                    tokenizer=tokenizer, text_column=text_column,
+                                                    max_length=max_length, batch_size=batch_size, progress=progress,
+                                                    continues=continues)  # fmt: skip
         if solve:
             stats.tuning = self.solve(memories=[name], progress=progress)[name]
         return stats
-
-    def _learn_core(
-        self,
-        inputs: torch.Tensor | str | Iterable | None = None,
-        attention_mask: torch.Tensor | None = None,
-        *,
-        input_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        tokenizer: object | None = None,
-        text_column: str | None = None,
-        max_length: int = 1024,
-        batch_size: int = 8,
-        progress: bool | None = None,
-        continues: bool = False,
-    ) -> LearnStats:
-        """learn() into the bound memory, recording each learned window in its ledger (all or nothing)."""
-        inputs = learn_source(inputs, input_ids)
-        source = describe(inputs)
-        if continues and isinstance(inputs, torch.Tensor):
-            raise ValueError("continues: the first input must be a text or a token-id list, got an input_ids tensor "
-                             "(its rows' documents are unknown)")  # fmt: skip
-        if continues:
-            self._check_continues()
-        with self._learning_recorded():
-            if isinstance(inputs, torch.Tensor):
-                stats = self.learner.learn_tensor(inputs, attention_mask, labels)
-            else:
-                meter = Metered(learn_items(inputs, attention_mask, labels, tokenizer, text_column))
-                device = self.base_model.get_input_embeddings().weight.device
-                stream = batches(meter, tokenizer, max_length, batch_size, device)
-                stats = self.learner.learn_stream(stream, progress, continues, meter)
-        if stats.tokens == 0:
-            raise ValueError(f"inputs: nothing to learn: the {source} held no tokens")
-        ended = self.learner.ends_on_text
-        self._continuable = (self.memory_store.bound, self.learner.documents_numbered) if ended else None
-        return stats
-
-    def _check_continues(self) -> None:
-        """learn(continues=True) into the bound memory is possible: the call before learned texts into it (forget,
-        which learns into a scratch memory, and a merge, which makes a new one, are calls into other memories)."""
-        name = self.memory_store.bound
-        if self._continuable != (name, self.learner.documents_numbered):
-            raise ValueError(f"continues: memory {name!r} has no text to continue: the previous learn() call did not "
-                             f"learn texts into it (or a forget or merge came between)")  # fmt: skip
 
     def learn_modules(
         self,
@@ -331,19 +284,19 @@ class FaastModel(NamedMemories, StreamReader, FaastModelBase):
         if memories is not None and not isinstance(memories, (list, tuple)):
             raise TypeError(f"memories: expected a list of memory names or None, got {memories!r}")
         names = self.memories if memories is None else [self.memory_store.require(n, "memories") for n in memories]
-        weight, output = self.base_model.get_input_embeddings().weight, self.output_memory_layer
+        weight, output = input_embeddings(self.base_model).weight, self.output_memory_layer
         device, dtype, report = weight.device, weight.dtype, dict[str, dict | None]()
-        residual = isinstance(output, ResidualOutputLayer)
-        with output.saying(progress) if residual else contextlib.nullcontext():
+        residual = output if isinstance(output, ResidualOutputLayer) else None
+        with residual.saying(progress) if residual is not None else contextlib.nullcontext():
             for name in names:
-                with self._bound(name):
+                with self.named_memories.bound(name):
                     for layer in self.faast_layers():
                         if isinstance(layer, OutputMemoryLayer):
                             layer.weights(device, dtype)
                         else:
                             layer.folded(device, dtype)
                     self.module_memories.solve()
-                    tuning = output.last_tuning if residual else None
+                    tuning = residual.last_tuning if residual is not None else None
                     report[name] = None if tuning is None else copy.deepcopy(tuning)
         return report
 
@@ -353,8 +306,91 @@ class FaastModel(NamedMemories, StreamReader, FaastModelBase):
             state.reset()
         if isinstance(self.output_memory_layer, ResidualOutputLayer):
             self.output_memory_layer.forget()  # also its held-out buffer and saved step
-        self.memory_store.ledgers[self.memory_store.bound] = Ledger()
+        self.named_memories.clear_ledger()
         return self
+
+    # ------------------------------------------------------------------ named memories (faast/hf/named_memories.py)
+
+    @property
+    def memories(self) -> list[str]:
+        """The names of every memory, in creation order ('default' first unless deleted)."""
+        return self.named_memories.names
+
+    @property
+    def active_memory(self) -> str:
+        """The memory plain forward and generate read (set_memory selects it)."""
+        return self.named_memories.active
+
+    def set_memory(self, name: str) -> FaastModel:
+        """Read memory `name` in plain forward and generate from now on. Nothing is copied or solved: each memory
+        keeps its solution. Unknown names raise ValueError listing the memories."""
+        self.named_memories.select(name)
+        return self
+
+    def delete_memory(self, name: str) -> FaastModel:
+        """Remove memory `name` and everything it learned. The selected memory cannot be deleted (select another
+        first)."""
+        self.named_memories.delete(name)
+        return self
+
+    def memory_state(self, name: str) -> StoredMemory:
+        """The state of memory `name` (its live objects, not copies): the bank, the output layer's state and the
+        target modules' memories."""
+        return self.named_memories.state(name)
+
+    def forget(self, inputs: object = None, attention_mask: object = None, *, memory: str = "default",
+               **learn_options: object) -> LearnStats:  # fmt: skip
+        """Unlearn texts learned before into `memory`, exactly: the statistics learning them added are subtracted,
+        so the model reads as if it had never learned them (within float64 summation error; docs/serving.md).
+
+        Takes what learn() takes (inputs, attention_mask, input_ids, labels, tokenizer, text_column, max_length,
+        batch_size), and the windows must be those learn() cut (the same max_length and labels). Windows never learned
+        into this memory are refused (ValueError, nothing changed), as is a forget that would leave a negative count.
+        Returns LearnStats of what was unlearned.
+        """
+        return self.named_memories.forget(inputs, attention_mask, memory, **learn_options)
+
+    def merge_memories(self, names: list[str], *, into: str) -> FaastModel:
+        """Create memory `into` holding the union of memories `names` (in that order): its statistics are their
+        sums, so it equals one memory that learned their streams one after the other (within float64 summation
+        error). The sources are kept. `into` must be a new name."""
+        self.named_memories.merge(names, into)
+        return self
+
+    def read_stream(
+        self,
+        stream: str | torch.Tensor | Sequence[int],
+        *,
+        tokenizer: object | None = None,
+        chunk: int = 1024,
+        memory: str = DEFAULT,
+        on_chunk: Callable[[int, ReadReport], None] | None = None,
+        progress: bool | None = None,
+    ) -> ReadReport:
+        """Read a long text or token stream in order, in chunks of `chunk` tokens: score each chunk with the memory
+        learned from everything before it, then learn it (faast/hf/reading.py). After the call the memory holds every
+        chunk's statistics (what `learn` gives on the same windows, `chunk_windows`, with learn_dtype='model' and
+        head_dtype='float32': the statistics come from the scoring pass, at the model's precision, where `learn`'s
+        'auto' runs bfloat16 on a CPU that multiplies it natively) and reads with the last tuned step, so generation
+        uses what was read.
+
+        Args:
+            stream: a text (tokenised with `tokenizer`, no special tokens), or token ids: a 1-D int64 tensor ([1, N]
+                accepted) or a list of ints.
+            chunk: C, tokens per chunk, >= 2; C + 1 must fit the model's context window (each window holds one token
+                of the previous chunk).
+            memory: the named memory to read into (created on first use). Text it learned before is part of what
+                the first chunk is scored with; its held-out tail is dropped (the stream tunes the step itself).
+            on_chunk: called after each chunk is learned with (its index, the report so far).
+            progress: a tqdm bar on stderr with tokens/s and the time left from the second chunk on (None: when
+                stderr is a terminal; False: never; faast/hf/progress.py).
+
+        Returns a ReadReport (per-chunk NLL, every token's NLL, read and update seconds, the step used).
+        Needs the residual output layer and no middle layers. Bad input raises before anything is learned; an error
+        part way leaves the memory as it was before the call.
+        """
+        return self.stream_reader.read(stream, tokenizer=tokenizer, chunk=chunk, memory=memory, on_chunk=on_chunk,
+                                       progress=progress)  # fmt: skip
 
     # ------------------------------------------------------------------ reading: one memory per row
 
@@ -364,33 +400,16 @@ class FaastModel(NamedMemories, StreamReader, FaastModelBase):
         None: every row reads the selected memory (set_memory)."""
         if memory_names is None:
             return self.base_model(*args, **kwargs)
-        with self.faast_hooks.routing(self._row_memories(memory_names, args, kwargs)):
+        with self.faast_hooks.routing(self.named_memories.rows(memory_names, args, kwargs)):
             return self.base_model(*args, **kwargs)
 
     def generate(self, *args: object, memory_names: list[str] | None = None, **kwargs: object) -> object:
         """The base model's generate with the memories active; memory_names as in forward (rows expanded by beams
         or num_return_sequences keep their row's memory)."""
         if memory_names is None:
-            return self.base_model.generate(*args, **kwargs)
-        with self.faast_hooks.routing(self._row_memories(memory_names, args, kwargs)):
-            return self.base_model.generate(*args, **kwargs)
-
-    def _row_memories(self, names: object, args: tuple, kwargs: dict) -> RowMemories:
-        if isinstance(names, str) or not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
-            raise TypeError(f"memory_names: expected a list of memory names, one per row, got {names!r}")
-        unknown = sorted({n for n in names if n != BASE and n not in self.memory_store})
-        if unknown:
-            raise ValueError(f"memory_names: no memories named {unknown}; the memories are {self.memories} (and "
-                             f"{BASE!r}, the base model)")  # fmt: skip
-        first = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-        rows = getattr(first, "shape", (None,))[0]
-        if rows is not None and rows != len(names):
-            raise ValueError(f"memory_names: expected one name per row of the batch ({rows} rows), got {len(names)}")
-        if len(self.module_memories):
-            raise ValueError("memory_names: not supported with target_modules memories; use set_memory")
-        if any(layer.training_weights is not None for layer in self.memory_layers.values()):
-            raise ValueError("memory_names: not supported inside a readout training step")
-        return RowMemories(list(names), self.memory_state, self.output_memory_layer)
+            return as_lm(self.base_model).generate(*args, **kwargs)
+        with self.faast_hooks.routing(self.named_memories.rows(memory_names, args, kwargs)):
+            return as_lm(self.base_model).generate(*args, **kwargs)
 
     def fast_weight_bytes(self) -> int:
         """Bytes of learned state: the float64 statistics of every memory layer and the residual output layer's
@@ -415,22 +434,11 @@ class FaastModel(NamedMemories, StreamReader, FaastModelBase):
 
         The layers then read these W (float32, with the graph) until end_training_step; see MemoryLayer.
         """
-        if self.memory_bank is None:
-            return
-        layers = list(self.memory_layers.values())
-        deltas = [layer.step_cross_delta() for layer in layers]
-        cross = self.memory_bank.cross
-        if any(d is not None for d in deltas):
-            zero = torch.zeros_like(cross[0])
-            cross = cross + torch.stack([zero if d is None else d for d in deltas])
-        weights = self.memory_bank.solve_for(cross).to(torch.float32)
-        for layer in layers:
-            layer.set_training_weights(weights[layer.slot])
+        self.named_memories.layers.begin_training_step()
 
     def end_training_step(self) -> None:
         """Drop the training step's differentiable T and W: the layers read the folded fast weights again."""
-        for layer in self.memory_layers.values():
-            layer.end_training_step()
+        self.named_memories.layers.end_training_step()
 
     # ------------------------------------------------------------------ persistence (faast/hf/persistence.py)
 
@@ -451,7 +459,7 @@ class FaastModel(NamedMemories, StreamReader, FaastModelBase):
         written = {}
         if memories:
             for name in self.memories:
-                with self._bound(name):
+                with self.named_memories.bound(name):
                     path = persistence.memory_file(directory, name)
                     ledger = self.memory_store.ledgers[name].to_json()
                     written[name] = persistence.save_fast_weights(self, path, ledger=ledger)
@@ -460,13 +468,16 @@ class FaastModel(NamedMemories, StreamReader, FaastModelBase):
         return directory
 
     @classmethod
-    def from_pretrained(cls, base_model: nn.Module, directory: str | Path, **overrides: object) -> FaastModel:
+    def from_pretrained(
+        cls, base_model: nn.Module, directory: str | Path, **overrides: Any
+    ) -> FaastModel | FaastModuleModel:
         """faast.hf.from_pretrained: apply the saved FaastConfig to base_model and load what was saved with it."""
         return from_pretrained(base_model, directory, **overrides)
 
     def load_adapter(self, directory: str | Path) -> FaastModel:
         """Load readout + scorer weights written by save_pretrained into this model (all or nothing)."""
-        return persistence.load_adapter(self, directory)
+        persistence.load_adapter(self, directory)
+        return self
 
     def load_memories(self, directory: str | Path) -> FaastModel:
         """Load the memories a save_pretrained folder holds (all or nothing: on an error the memories are as they
@@ -477,29 +488,13 @@ class FaastModel(NamedMemories, StreamReader, FaastModelBase):
         if manifest is None:
             legacy = directory / persistence.MEMORIES_NAME
             if legacy.is_file():
-                with self._bound(DEFAULT) if DEFAULT in self.memory_store else contextlib.nullcontext():
+                with self.named_memories.bound(DEFAULT) if DEFAULT in self.memory_store else contextlib.nullcontext():
                     self.load_fast_weights(legacy)
             return self
         persistence.check_base(manifest, self, directory)
         files = {e["name"]: persistence.verified_memory_file(directory, e) for e in manifest["memories"]}
         ledgers = {name: Ledger.from_json(persistence.saved_ledger(path), path) for name, path in files.items()}
-        for name in files:
-            check_name(name, f"{directory}: memories")
-        selected, created = self.active_memory, []
-        try:
-            for name, path in files.items():
-                if self._creating(name):
-                    created.append(name)
-                with self._bound(name):
-                    self.load_fast_weights(path)
-                self.memory_store.ledgers[name] = ledgers[name]
-        except BaseException:
-            self.set_memory(selected)
-            for name in created:
-                self.memory_store.delete(name)
-            raise
-        if manifest["selected"] is not None:
-            self.set_memory(manifest["selected"])
+        self.named_memories.load(files, ledgers, manifest["selected"], self.load_fast_weights, str(directory))
         return self
 
     def save_fast_weights(self, path: str | Path) -> Path:
@@ -521,7 +516,8 @@ class FaastModel(NamedMemories, StreamReader, FaastModelBase):
         Also reads a checkpoint of this model in the bank layout (faast.checkpoint on the FaastModel itself, memories
         `memory_bank` and `output_memory_layer.memory`), ignoring its stream position.
         """
-        return persistence.load_fast_weights(self, path)
+        persistence.load_fast_weights(self, path)
+        return self
 
 
 # ---------------------------------------------------------------------------------------------------- entry points
@@ -552,6 +548,7 @@ def apply_faast(model: nn.Module, config: FaastConfig | None = None) -> FaastMod
         config = FaastConfig()
     if not isinstance(config, FaastConfig):
         raise TypeError(f"config: expected a faast.hf.FaastConfig, got {type(config).__name__}")
+    wrapped: FaastModel | FaastModuleModel
     if wants_module_model(model, config):
         wrapped = FaastModuleModel(model, config)  # e.g. an encoder classifier: only its target_modules get memories
     else:
@@ -560,7 +557,7 @@ def apply_faast(model: nn.Module, config: FaastConfig | None = None) -> FaastMod
     return wrapped
 
 
-def from_pretrained(base_model: nn.Module, directory: str | Path, **overrides: object) -> FaastModel:
+def from_pretrained(base_model: nn.Module, directory: str | Path, **overrides: Any) -> FaastModel | FaastModuleModel:
     """Apply the FaastConfig saved in `directory` to `base_model` and load its readout and scorer weights, and what
     it had learned when save_pretrained wrote its memories (all or nothing: on any error the base model is restored).
 

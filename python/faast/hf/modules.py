@@ -19,9 +19,11 @@ import json
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .._version import __version__
 from ..checkpoint import load_checkpoint, save_state
@@ -61,9 +63,9 @@ def module_dims(module: nn.Module) -> tuple[int, int] | None:
     """(d_in, d_out) of a module when its attributes say so (nn.Linear, in_features/out_features, GPT-2's Conv1D
     nx/nf); None when only a forward pass can tell (the memory is then sized at its first learn)."""
     for names in (("in_features", "out_features"), ("nx", "nf")):
-        dims = tuple(getattr(module, n, None) for n in names)
-        if all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
-            return dims
+        d_in, d_out = (getattr(module, n, None) for n in names)
+        if all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in (d_in, d_out)):
+            return cast("tuple[int, int]", (d_in, d_out))
     return None
 
 
@@ -137,7 +139,7 @@ class ModuleMemory(nn.Module):
         """The module's new output from its input x [..., d_in] and own output [..., d_out]: f(x) + x·W
         (residual) or x·W (replace), in output's dtype with one rounding; None (keep f(x)) while empty."""
         w = self.weights(output.device, output.dtype)
-        if w is None:
+        if w is None or self.memory is None:  # weights() is None while the memory is
             return None
         _check_pair(self.name, x, output, self.memory)
         projected = x.to(w.dtype) @ w
@@ -239,20 +241,25 @@ class ModuleMemories(nn.ModuleDict):
         self._enabled = enabled
         self._passthrough = 0
         self._captured: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
-        self._handles = []
+        self._handles: list[RemovableHandle] = []
         for name in names:
             module = model.get_submodule(name)
             self[_key(name)] = ModuleMemory(name, module_dims(module), config, _module_device(module, model))
             self._handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
 
     @property
+    def by_key(self) -> Mapping[str, ModuleMemory]:
+        """The memories by key, typed: this nn.ModuleDict holds only ModuleMemory."""
+        return cast("Mapping[str, ModuleMemory]", self)
+
+    @property
     def names(self) -> list[str]:
         """The target modules' qualified names."""
-        return [entry.name for entry in self.values()]
+        return [entry.name for entry in self.by_key.values()]
 
     def entry(self, name: str | None = None) -> ModuleMemory:
         """The memory of target module `name` (its qualified name, or a suffix naming one; None: the only one)."""
-        entries = list(self.values())
+        entries = list(self.by_key.values())
         if name is None:
             if len(entries) != 1:
                 raise ValueError(f"name: {len(entries)} target modules {self.names}; say which one to learn")
@@ -262,15 +269,16 @@ class ModuleMemories(nn.ModuleDict):
             raise ValueError(f"name: expected one of the target modules {self.names}, got {name!r}")
         return found[0]
 
-    def _hook(self, name: str):  # noqa: ANN202 - a hook closure
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: object):  # noqa: ANN202, ARG001
-            x = _first_input(args, kwargs)
+    def _hook(self, name: str) -> Callable[[nn.Module, tuple, dict, object], torch.Tensor | None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> torch.Tensor | None:  # noqa: ARG001
+            # a module's forward takes and returns tensors; ModuleMemory checks them (_check_pair) before using them
+            x, out = cast(torch.Tensor, _first_input(args, kwargs)), cast(torch.Tensor, output)
             if self._captured is not None:
-                self._captured.setdefault(name, []).append((x, output))
+                self._captured.setdefault(name, []).append((x, out))
                 return None
             if self._passthrough or (self._enabled is not None and not self._enabled()):
                 return None
-            return self[_key(name)].read(x, output)
+            return self.by_key[_key(name)].read(x, out)
 
         return hook
 
@@ -311,7 +319,7 @@ class ModuleMemories(nn.ModuleDict):
         unknown = sorted(set(masks) - set(wanted))
         if unknown:
             raise ValueError(f"mask: given for {unknown}, which have no targets")
-        self._captured = captured = {}
+        self._captured = captured = dict[str, list[tuple[torch.Tensor, torch.Tensor]]]()
         try:
             with self.passthrough():
                 run()
@@ -325,29 +333,29 @@ class ModuleMemories(nn.ModuleDict):
                     f"targets[{name!r}]: the module ran {len(calls)} times in this forward pass, expected once "
                     "(learn_module takes its inputs directly)"
                 )
-            plan.append((self[_key(name)], *calls[0], wanted[name], masks.get(name)))
+            plan.append((self.by_key[_key(name)], *calls[0], wanted[name], masks.get(name)))
         return int(sum(entry.learn(x, out, y, m) for entry, x, out, y, m in plan))
 
     def current_states(self) -> dict[str, FastWeights | None]:
         """The memories read now, per target module key (None: not sized yet)."""
-        return {key: e.memory for key, e in self.items()}
+        return {key: e.memory for key, e in self.by_key.items()}
 
     def new_states(self) -> dict[str, FastWeights | None]:
         """Empty memories of every target module's shape (None where the width is not known yet): a named memory."""
-        return {key: None if e.memory is None else e.memory.empty_like() for key, e in self.items()}
+        return {key: None if e.memory is None else e.memory.empty_like() for key, e in self.by_key.items()}
 
     def swap_states(self, states: dict[str, FastWeights | None]) -> dict[str, FastWeights | None]:
         """Read and learn `states` (from new_states) from now on; returns the memories read before (no copies)."""
         if set(states) != set(self.keys()):
             raise ValueError(f"states: expected the target modules {sorted(self.keys())}, got {sorted(states)}")
-        return {key: self[key].swap_memory(states[key]) for key in self.keys()}
+        return {key: self.by_key[key].swap_memory(states[key]) for key in self.keys()}
 
     def named_memories(self, prefix: str = PREFIX) -> list[tuple[str, FastWeights]]:
         """(name in a fast-weights file, memory) for every memory created so far."""
-        return [(f"{prefix}.{key}.memory", e.memory) for key, e in self.items() if e.memory is not None]
+        return [(f"{prefix}.{key}.memory", e.memory) for key, e in self.by_key.items() if e.memory is not None]
 
     def solve(self) -> None:
-        for entry in self.values():
+        for entry in self.by_key.values():
             if entry.memory is not None:
                 entry.memory.weights  # noqa: B018 - solving is the point; the memory caches it
 
@@ -360,7 +368,7 @@ class ModuleMemories(nn.ModuleDict):
                 saved = json.loads((f.metadata() or {})["memories"])
         except Exception:  # noqa: BLE001 - an unreadable header: the verified read that follows explains it
             return
-        for key, entry in self.items():
+        for key, entry in self.by_key.items():
             config = saved.get(f"{prefix}.{key}.memory", {}).get("config")
             if entry.memory is None and config is not None:
                 device = _module_device(self.__dict__["_model"].get_submodule(entry.name), self.__dict__["_model"])
@@ -372,7 +380,8 @@ class ModuleMemories(nn.ModuleDict):
         self._handles = []
 
 
-def _per_module(what: str, given: object, memories: ModuleMemories) -> dict[str, object]:
+def _per_module(what: str, given: object, memories: ModuleMemories) -> dict[str, Any]:
+    # values: what the caller gave per module (ModuleMemory.learn checks each)
     if isinstance(given, Mapping):
         return {memories.entry(name).name: value for name, value in given.items()}
     if isinstance(given, torch.Tensor):
@@ -401,14 +410,13 @@ class FaastModuleModel(FaastModelBase):
     """
 
     def __init__(self, base_model: nn.Module, config: FaastConfig) -> None:
-        super().__init__()
+        super().__init__(base_model)
         if config.target_modules is None:
             raise ValueError("config: FaastModuleModel needs FaastConfig(target_modules=...)")
         self.faast_config = dataclasses.replace(
             config, output=None, middle=None, regulariser=dataclasses.replace(config.regulariser),
             model_type=getattr(getattr(base_model, "config", None), "model_type", None), faast_version=__version__,
         )  # fmt: skip
-        self.base_model = base_model
         freeze(base_model)
         self._disabled = 0
         self.module_memories = ModuleMemories(base_model, self.faast_config, enabled=lambda: self._disabled == 0)
@@ -429,7 +437,7 @@ class FaastModuleModel(FaastModelBase):
         """
         labels = batch.pop("labels", None)
         if targets is None:
-            targets = labels
+            targets = cast("torch.Tensor | Mapping[str, torch.Tensor] | None", labels)  # learn_modules checks it
         if targets is None:
             raise ValueError("targets: nothing to learn against (give labels in the batch, or targets=)")
         return self.learn_modules(*args, targets=targets, mask=mask, **batch)

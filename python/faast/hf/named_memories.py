@@ -1,9 +1,10 @@
-"""Named memories of a FaastModel: select, delete, forget and merge them (docs/serving.md).
+"""Named memories of a FaastModel: select, delete, learn into, forget and merge them (docs/serving.md).
 
-`NamedMemories` is a part of FaastModel (it inherits it): the methods here act on the model's layers, its
-MemoryStore (faast/hf/memory_store.py) and its learning core, and use the layers' public state swapping
-(`use_bank`, `swap_state`, `swap_states`). Every memory has its own fixed-size statistics and caches; binding one to
-the layers swaps references, so `set_memory` copies and solves nothing.
+A FaastModel holds one `NamedMemories`: it owns the MemoryStore (faast/hf/memory_store.py: the unbound memories,
+their ledgers and which one is bound) and a `BoundLayers`, the model's parts that read and learn the bound memory
+(given to it by the model; it swaps their state through their public methods `use_bank`, `swap_state` and
+`swap_states`). Every memory has its own fixed-size statistics and caches; binding one to the layers swaps
+references, so selecting a memory copies and solves nothing.
 
 What forget and merge do to the output layer's step tuning (docs/serving.md):
 - forget subtracts the statistics learning the texts added, removes them from the memory's ledger, and drops their
@@ -16,126 +17,132 @@ What forget and merge do to the output layer's step tuning (docs/serving.md):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, cast
 
 import torch
-from torch import nn
 
-from .learning import LearnStats
-from .memory_store import BASE, StoredMemory, check_name, fingerprints
-from .output import ResidualOutputLayer
-from .output_state import OutputState
+from ..accumulator import Accumulator
+from ..memory import FastWeights
+from .bank import MemoryBank
+from .inputs import batches, describe, learn_items, learn_source
+from .layers import MemoryLayer, OutputMemoryLayer
+from .learning import Learner, LearnStats
+from .memory_store import BASE, Ledger, MemoryStore, StoredMemory, check_name, fingerprints
+from .modules import ModuleMemories
+from .output import OutputState, ResidualOutputLayer
+from .progress import Metered
+from .rows import RowMemories
+
+__all__ = ["BASE", "BoundLayers", "NamedMemories"]
 
 _SCRATCH = "__scratch__"  # the memory forget() learns the texts into, to subtract them
 
 
-class NamedMemories:
-    """FaastModel's named memories. Needs the model's memory_store, memory_bank, memory_layers,
-    output_memory_layer, module_memories, learner, learned_state and _learn_core."""
+class BoundLayers:
+    """The parts of a FaastModel that read and learn the bound memory, and the swap that binds another one.
 
-    # ------------------------------------------------------------------ selecting
+    Args:
+        bank: the middle layers' MemoryBank (the bound memory's), or None without middle layers.
+        middle: the middle MemoryLayers, which share `bank` (one slot each).
+        output: the output layer (the residual one or the paper's) or None.
+        module_memories: the memories on FaastConfig.target_modules.
+        learner: the Learner; it learns into the bound bank.
+        on_bank: told each bank bound after this one. FaastModel keeps the bound bank as its submodule `memory_bank`,
+            so that `.to()` and a checkpoint of the model itself (faast.checkpoint) see it.
+    """
 
-    @property
-    def memories(self) -> list[str]:
-        """The names of every memory, in creation order ('default' first unless deleted)."""
-        return self.memory_store.names
+    def __init__(
+        self,
+        bank: MemoryBank | None,
+        middle: Iterable[MemoryLayer],
+        output: ResidualOutputLayer | OutputMemoryLayer | None,
+        module_memories: ModuleMemories,
+        learner: Learner,
+        on_bank: Callable[[MemoryBank], None],
+    ) -> None:
+        self.bank = bank
+        self.middle = list(middle)
+        self.output = output
+        self.module_memories = module_memories
+        self.learner = learner
+        self._on_bank = on_bank
 
-    @property
-    def active_memory(self) -> str:
-        """The memory plain forward and generate read (set_memory selects it)."""
-        return self.memory_store.bound
-
-    def set_memory(self, name: str) -> NamedMemories:
-        """Read memory `name` in plain forward and generate from now on. Nothing is copied or solved: each memory
-        keeps its solution. Unknown names raise ValueError listing the memories."""
-        self._bind(self.memory_store.require(name))
-        return self
-
-    def delete_memory(self, name: str) -> NamedMemories:
-        """Remove memory `name` and everything it learned. The selected memory cannot be deleted (select another
-        first)."""
-        name = self.memory_store.require(name)
-        if name == self.active_memory:
-            raise ValueError(f"memory: {name!r} is the selected memory; set_memory() another before deleting it")
-        self.memory_store.delete(name)
-        return self
-
-    def memory_state(self, name: str) -> StoredMemory:
-        """The state of memory `name` (its live objects, not copies): the bank, the output layer's state and the
-        target modules' memories."""
-        name = self.memory_store.require(name)
-        if name != self.memory_store.bound:
-            return self.memory_store.get(name)
-        layer = self.output_memory_layer
+    def current(self) -> StoredMemory:
+        """The bound memory's state (its live objects, not copies)."""
+        layer = self.output
         output = layer.current_state() if isinstance(layer, ResidualOutputLayer) else getattr(layer, "memory", None)
-        return StoredMemory(self.memory_bank, output, self.module_memories.current_states())
+        return StoredMemory(self.bank, output, self.module_memories.current_states())
 
-    # ------------------------------------------------------------------ binding (internal)
-
-    def _new_memory(self) -> StoredMemory:
-        bank = None if self.memory_bank is None else self.memory_bank.empty_like()
-        output = None if self.output_memory_layer is None else self.output_memory_layer.new_state()
+    def new(self) -> StoredMemory:
+        """An empty memory of the layers' shapes."""
+        bank = None if self.bank is None else self.bank.empty_like()
+        output = None if self.output is None else self.output.new_state()
         return StoredMemory(bank, output, self.module_memories.new_states())
 
-    def _swap_in(self, state: StoredMemory) -> StoredMemory:
-        bank = self.memory_bank
+    def swap_in(self, state: StoredMemory) -> StoredMemory:
+        """Read and learn `state` from now on; returns the state read before (no copies)."""
+        bank = self.bank
         if bank is not None:
-            self.memory_bank = state.bank
-            for layer in self.memory_layers.values():
-                layer.use_bank(state.bank)
-            self.learner.use_bank(state.bank)
-        output = None
-        if self.output_memory_layer is not None:
-            output = self.output_memory_layer.swap_state(state.output)
+            incoming = state.bank
+            if incoming is None:
+                raise ValueError("state: expected a memory with a MemoryBank for the middle layers")
+            for layer in self.middle:
+                layer.use_bank(incoming)
+            self.learner.use_bank(incoming)
+            self.bank = incoming
+            self._on_bank(incoming)
+        output: OutputState | FastWeights | None = None
+        # each layer checks that the state is its own kind (memories of one model are alike)
+        if isinstance(self.output, ResidualOutputLayer):
+            output = self.output.swap_state(cast(OutputState, state.output))
+        elif self.output is not None:
+            output = self.output.swap_state(cast(FastWeights, state.output))
         modules = self.module_memories.swap_states(state.module_states())
         return StoredMemory(bank, output, modules)
 
-    def _bind(self, name: str) -> None:
-        store = self.memory_store
-        if name == store.bound:
+    def learned_state(self) -> list[tuple[str, FastWeights | Accumulator]]:
+        """Every piece of the bound memory's learned state by name, in file order: the middle layers' bank, the
+        output layer's memory (and, for the residual output layer, its curvature, token-mass, gradient-sum and
+        target-count accumulators), then the module memories."""
+        named: list[tuple[str, FastWeights | Accumulator]] = [] if self.bank is None else [("memory_bank", self.bank)]
+        layer = self.output
+        if layer is not None:
+            named.append(("output_memory_layer.memory", layer.memory))
+        if isinstance(layer, ResidualOutputLayer):
+            named.append(("output_memory_layer.curvature", layer.curvature))
+            named.append(("output_memory_layer.token_mass", layer.token_mass))
+            named.append(("output_memory_layer.gradient_sum", layer.gradient_sum))
+            named.append(("output_memory_layer.target_count", layer.target_count))
+        named.extend(self.module_memories.named_memories())
+        return named
+
+    def begin_training_step(self) -> None:
+        """FaastModel.begin_training_step: every middle layer's W = S_eps^+ T solved in one call, T differentiable in
+        the scorers; the layers read them until end_training_step."""
+        if self.bank is None:
             return
-        incoming = store.take(name)
-        try:
-            outgoing = self._swap_in(incoming)
-        except BaseException:
-            store.put(name, incoming)
-            raise
-        store.put(store.bound, outgoing)
-        store.bound = name
+        deltas = [layer.step_cross_delta() for layer in self.middle]
+        cross = self.bank.cross
+        if any(d is not None for d in deltas):
+            zero = torch.zeros_like(cross[0])
+            cross = cross + torch.stack([zero if d is None else d for d in deltas])
+        weights = self.bank.solve_for(cross).to(torch.float32)
+        for layer in self.middle:
+            layer.set_training_weights(weights[layer.slot])
+
+    def end_training_step(self) -> None:
+        """Drop the training step's differentiable T and W: the layers read the folded fast weights again."""
+        for layer in self.middle:
+            layer.end_training_step()
 
     @contextlib.contextmanager
-    def _bound(self, name: str) -> Iterator[None]:
-        """Inside, the layers read and learn memory `name`; the previous one is bound again after."""
-        previous = self.memory_store.bound
-        self._bind(name)
-        try:
-            yield
-        finally:
-            self._bind(previous)
-
-    @contextlib.contextmanager
-    def _learning_recorded(self) -> Iterator[None]:
-        """Inside, every batch the learner learns into the bound memory is recorded in its ledger, and learning is all
-        or nothing: an exception leaves every memory, its held-out tail and the ledger as they were."""
-        ledger = self.memory_store.ledgers[self.memory_store.bound]
-        before = ledger.copy()
-
-        def record(ids: torch.Tensor, mask: torch.Tensor, pairs: torch.Tensor, documents: torch.Tensor | None) -> None:
-            docs = [-1] * ids.shape[0] if documents is None else documents.tolist()
-            ledger.add(fingerprints(ids, mask, pairs), docs)
-
-        try:
-            with self._all_or_nothing(), self.learner.recording(record):
-                yield
-        except BaseException:
-            self.memory_store.ledgers[self.memory_store.bound] = before
-            raise
-
-    @contextlib.contextmanager
-    def _all_or_nothing(self) -> Iterator[None]:
-        """A learn call that raises part way (a bad item after good batches) leaves every memory as it was."""
+    def all_or_nothing(self) -> Iterator[None]:
+        """An exception inside (a bad item after good batches) leaves the bound memory as it was, held-out tail
+        included."""
         saved = [(m, {k: v.clone() for k, v in m.state_dict().items()}) for _, m in self.learned_state()]
-        output = self.output_memory_layer
+        output = self.output
         tail = output.held_out.snapshot() if isinstance(output, ResidualOutputLayer) else None
         try:
             yield
@@ -144,90 +151,281 @@ class NamedMemories:
                 for memory, state in saved:
                     memory.load_state_dict(state)
                     memory.mark_changed()
-            if tail is not None:
+            if tail is not None and isinstance(output, ResidualOutputLayer):
                 output.held_out.restore(tail)
             raise
 
-    def _creating(self, name: str) -> bool:
+
+class NamedMemories:
+    """A FaastModel's named memories: their store, which one the layers read, and learning into them.
+
+    Args:
+        layers: the model's BoundLayers.
+        device: the device learn() puts token ids on (the base model's input embeddings').
+
+    Attributes:
+        store: the MemoryStore (FaastModel registers it as its submodule `memory_store`, so the unbound memories
+            move with the model).
+    """
+
+    def __init__(self, layers: BoundLayers, device: Callable[[], torch.device]) -> None:
+        self.layers = layers
+        self.store = MemoryStore()  # 'default' is bound to the layers; the others wait here
+        self._device = device
+        # (memory, texts numbered) after the last learn() call that learned texts: what learn(continues=True) needs.
+        self._continuable: tuple[str, int] | None = None
+
+    # ------------------------------------------------------------------ selecting
+
+    @property
+    def names(self) -> list[str]:
+        """The names of every memory, in creation order ('default' first unless deleted)."""
+        return self.store.names
+
+    @property
+    def active(self) -> str:
+        """The memory plain forward and generate read."""
+        return self.store.bound
+
+    def select(self, name: str) -> None:
+        """Bind memory `name` to the layers; unknown names raise ValueError listing the memories."""
+        self.bind(self.store.require(name))
+
+    def delete(self, name: str) -> None:
+        """Remove memory `name` and everything it learned; the selected memory cannot be deleted."""
+        name = self.store.require(name)
+        if name == self.active:
+            raise ValueError(f"memory: {name!r} is the selected memory; set_memory() another before deleting it")
+        self.store.delete(name)
+
+    def state(self, name: str) -> StoredMemory:
+        """The state of memory `name` (its live objects, not copies)."""
+        name = self.store.require(name)
+        if name != self.store.bound:
+            return self.store.get(name)
+        return self.layers.current()
+
+    # ------------------------------------------------------------------ binding
+
+    def bind(self, name: str) -> None:
+        """Bind existing memory `name` to the layers (the one bound before goes back to the store)."""
+        store = self.store
+        if name == store.bound:
+            return
+        incoming = store.take(name)
+        try:
+            outgoing = self.layers.swap_in(incoming)
+        except BaseException:
+            store.put(name, incoming)
+            raise
+        store.put(store.bound, outgoing)
+        store.bound = name
+
+    @contextlib.contextmanager
+    def bound(self, name: str) -> Iterator[None]:
+        """Inside, the layers read and learn memory `name`; the previous one is bound again after."""
+        previous = self.store.bound
+        self.bind(name)
+        try:
+            yield
+        finally:
+            self.bind(previous)
+
+    def creating(self, name: str) -> bool:
         """Create memory `name` when it does not exist; returns whether it did."""
-        if name in self.memory_store:
+        if name in self.store:
             return False
-        self.memory_store.create(name, self._new_memory())
+        self.store.create(name, self.layers.new())
         return True
+
+    def clear_ledger(self) -> None:
+        """Empty the bound memory's ledger (its statistics were reset)."""
+        self.store.ledgers[self.store.bound] = Ledger()
+
+    @contextlib.contextmanager
+    def learning_recorded(self) -> Iterator[None]:
+        """Inside, every batch the learner learns into the bound memory is recorded in its ledger, and learning is all
+        or nothing: an exception leaves every memory, its held-out tail and the ledger as they were."""
+        ledger = self.store.ledgers[self.store.bound]
+        before = ledger.copy()
+
+        def record(ids: torch.Tensor, mask: torch.Tensor, pairs: torch.Tensor, documents: torch.Tensor | None) -> None:
+            docs = [-1] * ids.shape[0] if documents is None else documents.tolist()
+            ledger.add(fingerprints(ids, mask, pairs), docs)
+
+        try:
+            with self.layers.all_or_nothing(), self.layers.learner.recording(record):
+                yield
+        except BaseException:
+            self.store.ledgers[self.store.bound] = before
+            raise
+
+    def rows(self, names: object, args: tuple, kwargs: dict) -> RowMemories:
+        """The memories of one forward or generate call's rows (its memory_names), checked against the memories and
+        the batch (args, kwargs: the call's inputs)."""
+        if isinstance(names, str) or not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"memory_names: expected a list of memory names, one per row, got {names!r}")
+        unknown = sorted({n for n in names if n != BASE and n not in self.store})
+        if unknown:
+            raise ValueError(f"memory_names: no memories named {unknown}; the memories are {self.names} (and "
+                             f"{BASE!r}, the base model)")  # fmt: skip
+        first = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        rows = getattr(first, "shape", (None,))[0]
+        if rows is not None and rows != len(names):
+            raise ValueError(f"memory_names: expected one name per row of the batch ({rows} rows), got {len(names)}")
+        if len(self.layers.module_memories):
+            raise ValueError("memory_names: not supported with target_modules memories; use set_memory")
+        if any(layer.training_weights is not None for layer in self.layers.middle):
+            raise ValueError("memory_names: not supported inside a readout training step")
+        return RowMemories(list(names), self.state, self.layers.output)
+
+    def load(
+        self, files: dict[str, Path], ledgers: dict[str, Ledger], selected: str | None,
+        load: Callable[[Path], object], source: str,
+    ) -> None:  # fmt: skip
+        """Load memory files (name -> path, each read into its memory, created or replaced, by `load`) with their
+        ledgers, then select `selected` (None: the selection stays); all or nothing: on an error the memories and
+        the selection are as they were (a memory replaced part way keeps what `load` left: it loads all or nothing).
+        source: the folder, for errors."""
+        for name in files:
+            check_name(name, f"{source}: memories")
+        before, created = self.active, []
+        try:
+            for name, path in files.items():
+                if self.creating(name):
+                    created.append(name)
+                with self.bound(name):
+                    load(path)
+                self.store.ledgers[name] = ledgers[name]
+        except BaseException:
+            self.select(before)
+            for name in created:
+                self.store.delete(name)
+            raise
+        if selected is not None:
+            self.select(selected)
+
+    # ------------------------------------------------------------------ learning
+
+    @contextlib.contextmanager
+    def into(self, name: str) -> Iterator[None]:
+        """Inside, the layers read and learn memory `name`, created when it does not exist; an exception removes a
+        memory created here (learn and read_stream into a new name are all or nothing)."""
+        created = self.creating(name)
+        try:
+            with self.bound(name):
+                yield
+        except BaseException:
+            if created:
+                self.store.delete(name)
+            raise
+
+    def learn_bound(
+        self,
+        inputs: torch.Tensor | str | Iterable | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        tokenizer: object | None = None,
+        text_column: str | None = None,
+        max_length: int = 1024,
+        batch_size: int = 8,
+        progress: bool | None = None,
+        continues: bool = False,
+    ) -> LearnStats:
+        """learn() into the bound memory, recording each learned window in its ledger (all or nothing)."""
+        source_inputs = learn_source(inputs, input_ids)
+        source = describe(source_inputs)
+        if continues and isinstance(source_inputs, torch.Tensor):
+            raise ValueError("continues: the first input must be a text or a token-id list, got an input_ids tensor "
+                             "(its rows' documents are unknown)")  # fmt: skip
+        learner = self.layers.learner
+        if continues:
+            self._check_continues()
+        with self.learning_recorded():
+            if isinstance(source_inputs, torch.Tensor):
+                stats = learner.learn_tensor(source_inputs, attention_mask, labels)
+            else:
+                meter = Metered(learn_items(source_inputs, attention_mask, labels, tokenizer, text_column))
+                stream = batches(meter, tokenizer, max_length, batch_size, self._device())
+                stats = learner.learn_stream(stream, progress, continues, meter)
+        if stats.tokens == 0:
+            raise ValueError(f"inputs: nothing to learn: the {source} held no tokens")
+        self._continuable = (self.store.bound, learner.documents_numbered) if learner.ends_on_text else None
+        return stats
+
+    def _check_continues(self) -> None:
+        """learn(continues=True) into the bound memory is possible: the call before learned texts into it (forget,
+        which learns into a scratch memory, and a merge, which makes a new one, are calls into other memories)."""
+        name = self.store.bound
+        if self._continuable != (name, self.layers.learner.documents_numbered):
+            raise ValueError(f"continues: memory {name!r} has no text to continue: the previous learn() call did not "
+                             f"learn texts into it (or a forget or merge came between)")  # fmt: skip
 
     # ------------------------------------------------------------------ forget and merge
 
-    def forget(self, inputs: object = None, attention_mask: object = None, *, memory: str = "default",
-               **learn_options: object) -> LearnStats:  # fmt: skip
-        """Unlearn texts learned before into `memory`, exactly: the statistics learning them added are subtracted,
-        so the model reads as if it had never learned them (within float64 summation error; docs/serving.md).
-
-        Takes what learn() takes (inputs, attention_mask, input_ids, labels, tokenizer, text_column, max_length,
-        batch_size), and the windows must be those learn() cut (the same max_length and labels). Windows never learned
-        into this memory are refused (ValueError, nothing changed), as is a forget that would leave a negative count.
-        Returns LearnStats of what was unlearned.
-        """
-        name = self.memory_store.require(memory)
-        self.memory_store.create(_SCRATCH, self._new_memory())
+    def forget(self, inputs: Any, attention_mask: Any, memory: str, **learn_options: Any) -> LearnStats:
+        """FaastModel.forget: unlearn texts learned before into `memory`, exactly (all or nothing)."""
+        name = self.store.require(memory)
+        self.store.create(_SCRATCH, self.layers.new())
         try:
-            with self._bound(_SCRATCH):
-                stats = self._learn_core(inputs, attention_mask, **learn_options)
-            scratch = self.memory_state(_SCRATCH)
-            prints = [f for f, _ in self.memory_store.ledgers[_SCRATCH].entries]
-            ledger, documents = self.memory_store.ledgers[name].without(prints)
-            target = self.memory_state(name)
+            with self.bound(_SCRATCH):
+                stats = self.learn_bound(inputs, attention_mask, **learn_options)
+            scratch = self.state(_SCRATCH)
+            prints = [f for f, _ in self.store.ledgers[_SCRATCH].entries]
+            ledger, documents = self.store.ledgers[name].without(prints)
+            target = self.state(name)
             pairs = list(_paired_statistics(target, scratch))
             for mine, theirs in pairs:  # all counts checked before any is changed
                 if bool((theirs.count > mine.count * (1 + 1e-9) + 1e-9).any()):
                     raise ValueError(f"inputs: more rows to forget than memory {name!r} holds; nothing was forgotten")
             for mine, theirs in pairs:
                 mine.subtract(theirs)
-            self.memory_store.ledgers[name] = ledger
+            self.store.ledgers[name] = ledger
             if isinstance(target.output, OutputState):
-                with self._bound(name):
-                    layer = self.output_memory_layer
+                with self.bound(name):
+                    layer = cast(ResidualOutputLayer, self.layers.output)  # an OutputState is that layer's
                     layer.held_out.drop_documents(documents)
                     layer.restore_step(None, None, None)  # chosen with the forgotten text: not to be read again
         finally:
-            self.memory_store.delete(_SCRATCH)
+            self.store.delete(_SCRATCH)
         return stats
 
-    def merge_memories(self, names: list[str], *, into: str) -> NamedMemories:
-        """Create memory `into` holding the union of memories `names` (in that order): its statistics are their
-        sums, so it equals one memory that learned their streams one after the other (within float64 summation
-        error). The sources are kept. `into` must be a new name."""
+    def merge(self, names: object, into: str) -> None:
+        """FaastModel.merge_memories: create memory `into` holding the union of memories `names`, in order."""
         if isinstance(names, str) or not isinstance(names, list | tuple) or not names:
             raise ValueError(f"names: expected a non-empty list of memory names, got {names!r}")
         if len(set(names)) != len(names):
             raise ValueError(f"names: each memory once, got {names!r}")
-        sources = [self.memory_store.require(n, "names") for n in names]
+        sources = [self.store.require(n, "names") for n in names]
         into = check_name(into, "into")
-        if into in self.memory_store:
+        if into in self.store:
             raise ValueError(f"into: a memory named {into!r} exists already; delete it or choose a new name")
-        merged = self._new_memory()
-        states = [self.memory_state(n) for n in sources]
+        merged = self.layers.new()
+        states = [self.state(n) for n in sources]
         for state in states:
             for mine, theirs in _paired_statistics(merged, state):
                 mine.merge(theirs)
         if isinstance(merged.output, OutputState):
             tail = merged.output.held_out
-            for state in states:
-                tail = tail.extended(state.output.held_out)
+            for state in states:  # memories of one model hold the same kind of output state
+                tail = tail.extended(cast(OutputState, state.output).held_out)
             merged.output.held_out = tail
-        self.memory_store.create(into, merged)
-        ledger = self.memory_store.ledgers[into]
+        self.store.create(into, merged)
+        ledger = self.store.ledgers[into]
         for n in sources:
-            ledger = ledger.joined(self.memory_store.ledgers[n])
-        self.memory_store.ledgers[into] = ledger
-        return self
+            ledger = ledger.joined(self.store.ledgers[n])
+        self.store.ledgers[into] = ledger
 
 
-def _paired_statistics(a: StoredMemory, b: StoredMemory) -> Iterator[tuple[nn.Module, nn.Module]]:
-    """(a's, b's) summed statistics of two memories of one model, pair by pair."""
+def _paired_statistics(a: StoredMemory, b: StoredMemory) -> Iterator[tuple[Any, Any]]:
+    """(a's, b's) summed statistics of two memories of one model, pair by pair: two of one kind (FastWeights,
+    MemoryBank or Accumulator; typed Any since each kind merges only with its own)."""
     if a.bank is not None:
         yield a.bank, b.bank
     if isinstance(a.output, OutputState):
-        yield from zip(a.output.statistics(), b.output.statistics(), strict=True)
+        yield from zip(a.output.statistics(), cast(OutputState, b.output).statistics(), strict=True)
     elif a.output is not None:
         yield a.output, b.output
     mine, theirs = a.module_states(), b.module_states()
@@ -237,6 +435,3 @@ def _paired_statistics(a: StoredMemory, b: StoredMemory) -> Iterator[tuple[nn.Mo
         if mine[key] is None:
             raise ValueError(f"target module {key!r}: sized in one memory and not in the other; learn it first")
         yield mine[key], memory
-
-
-__all__ = ["BASE", "NamedMemories"]

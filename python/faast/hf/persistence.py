@@ -108,11 +108,23 @@ def write_manifest(model: nn.Module, directory: str | Path, written: dict[str, P
     return path
 
 
+_MANIFEST_FIELDS = ("format", "format_version", "faast_version", "base", "selected", "memories")
+
+
 def read_manifest(directory: str | Path) -> dict | None:
     """The manifest of a save_pretrained folder, checked field by field (ValueError naming the file and field); None
-    for a folder written before manifests (format 1)."""
+    for a folder written before manifests (format 1). A folder whose memories/ holds memory files but which has no
+    manifest is damaged, not format 1 (format 1 never wrote memories/): ValueError naming the missing manifest and
+    the files it would have named, rather than a load that silently drops what they learned."""
     path = Path(directory) / MANIFEST_NAME
     if not path.is_file():
+        folder = Path(directory) / MEMORY_DIR
+        orphans = sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
+        if orphans:
+            raise ValueError(
+                f"{directory}: {MANIFEST_NAME} is missing, but {MEMORY_DIR}/ holds memory files {orphans}; the "
+                f"folder is damaged (save_pretrained writes the manifest last: restore it, or save the model again)"
+            )
         return None
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
@@ -125,6 +137,10 @@ def read_manifest(directory: str | Path) -> dict | None:
         raise ValueError(f"{path}: format_version: expected an int >= 2, got {version!r}")
     if version > MANIFEST_VERSION:
         raise ValueError(f"{path}: format_version {version} was written by a newer faast; upgrade faast")
+    unknown = sorted(set(manifest) - set(_MANIFEST_FIELDS))
+    if unknown:
+        # a field this faast does not know would be ignored, and whatever it says with it
+        raise ValueError(f"{path}: unknown fields {unknown}; a format-{version} manifest has {list(_MANIFEST_FIELDS)}")
     base = manifest.get("base")
     if not isinstance(base, dict) or set(base) != set(_BASE_FIELDS):
         raise ValueError(f"{path}: base: expected the fields {list(_BASE_FIELDS)}, got {base!r}")

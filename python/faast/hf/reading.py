@@ -23,13 +23,18 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
+from torch import nn
 
-from . import output_tuning as tuning
-from .head import change_logits, head_logits
+from .layers import OutputMemoryLayer
+from .learning import Learner
+from .lm import input_embeddings
 from .memory_store import DEFAULT, check_name
-from .output import ResidualOutputLayer
+from .named_memories import NamedMemories
+from .output import ResidualOutputLayer, tuning
+from .output.head import change_logits, head_logits
 from .progress import Bar, enabled
 
 __all__ = ["STREAM_TUNE_ROWS", "ReadReport", "StreamReader", "chunk_windows", "read_stream"]
@@ -107,7 +112,8 @@ def _stream_ids(stream: object, tokenizer: object | None, vocab: int, device: to
     if isinstance(stream, str):
         if tokenizer is None:
             raise ValueError("tokenizer: required to read a text stream")
-        ids = torch.as_tensor(tokenizer(stream, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        tokenize = cast("Callable[..., Any]", tokenizer)  # a transformers tokenizer, or any callable like one
+        ids = torch.as_tensor(tokenize(stream, add_special_tokens=False)["input_ids"], dtype=torch.long)
     elif isinstance(stream, torch.Tensor):
         if stream.dtype.is_floating_point or stream.dtype.is_complex or stream.dtype == torch.bool:
             raise TypeError(f"stream: expected integer token ids, got a {stream.dtype} tensor")
@@ -130,9 +136,14 @@ def _stream_ids(stream: object, tokenizer: object | None, vocab: int, device: to
     return ids.to(device)
 
 
+def _base_log_targets(z0: torch.Tensor, target0: torch.Tensor) -> torch.Tensor:
+    """log softmax(z0) at the targets [n] float64 (tuning.base_log_targets reads only z0 and the target entries)."""
+    return tuning.base_log_targets((z0, None, target0, None))
+
+
 class _Reading:
     """The state of one read: the unit-step correction W of what was learned so far, the step and weight it is read
-    with, and the report. Owned by StreamReader.read_stream."""
+    with, and the report. Owned by StreamReader.read."""
 
     def __init__(self, layer: ResidualOutputLayer, report: ReadReport) -> None:
         self.layer, self.report = layer, report
@@ -176,7 +187,7 @@ class _Reading:
         ys = targets[0]
         z0 = head_logits(layer.head, h)
         target0 = z0.gather(-1, ys[:, None]).squeeze(-1)
-        log_base = tuning.base_log_targets((z0, None, target0, None))
+        log_base = _base_log_targets(z0, target0)
         logits, nll = None, -log_base
         if self.w is not None:
             keys = layer.keys(hidden, extra)[0, :-1, : self.width]
@@ -214,8 +225,7 @@ class _Reading:
         at = lambda z: z.gather(-1, ys[:, None]).squeeze(-1)  # noqa: E731 - the entries at the targets
         biased_base, biased_memory = z0 + tokens, logits[0] + tokens
         log_memory = tuning.log_targets(biased_memory, logits[1], at(biased_memory), logits[3], self.eta)
-        return tuning.log_mixture(tuning.base_log_targets((biased_base, None, at(biased_base), None)), log_memory,
-                                  self.lam)  # fmt: skip
+        return tuning.log_mixture(_base_log_targets(biased_base, at(biased_base)), log_memory, self.lam)
 
     def tune(self, logits: tuning.Logits, log_base: torch.Tensor, mask: torch.Tensor) -> None:
         """Choose the step (and weight, when 'auto') that would have read this chunk best with W_{t−1}, on
@@ -225,22 +235,40 @@ class _Reading:
         rows = mask.nonzero().squeeze(-1)
         if rows.numel() > STREAM_TUNE_ROWS:
             rows = rows[torch.linspace(0, rows.numel() - 1, STREAM_TUNE_ROWS, device=rows.device).round().long()]
-        sample = tuple(part[rows] for part in logits)
+        sample = cast(tuning.Logits, tuple(part[rows] for part in logits))
         base, policy = log_base[rows], self.layer.policy
         if self.fixed_weight is None and self.fixed_step is None:
             self.eta, self.lam, _ = tuning.tune_mixture(sample, log_base=base, policy=policy)
-        elif self.fixed_weight is None:
+        elif self.fixed_weight is None and self.fixed_step is not None:
             self.lam = tuning.best_weight(base, tuning.log_targets(*sample, self.fixed_step), policy)
-        else:
+        elif self.fixed_weight is not None:  # the weight fixed, the step 'auto'
             start = self.eta if self.eta > 0 else self.layer.default_step
             self.eta, _, _ = tuning.tune_step_rows(sample, self.fixed_weight, base, start, policy=policy)
 
 
 class StreamReader:
-    """FaastModel's reading of long streams (a part of FaastModel: it inherits it). Needs the model's
-    output_memory_layer, memory_layers, learner, memory_store, base_model and the named-memory guards."""
+    """A FaastModel's reading of long streams: FaastModel.read_stream (which says what it does) delegates here.
 
-    def read_stream(
+    Args:
+        base_model: the wrapped model: its context window, and its input embeddings' device (where ids go).
+        output_layer: the model's output layer (reading needs the residual one) or None.
+        middle_layers: the number of the model's middle layers (reading needs none).
+        learner: the model's Learner: each chunk's scoring pass is its learning pass.
+        memories: the model's NamedMemories: the stream is read into one of them.
+    """
+
+    def __init__(
+        self,
+        base_model: nn.Module,
+        output_layer: ResidualOutputLayer | OutputMemoryLayer | None,
+        middle_layers: int,
+        learner: Learner,
+        memories: NamedMemories,
+    ) -> None:
+        self.base_model, self.output_layer, self.middle_layers = base_model, output_layer, middle_layers
+        self.learner, self.memories = learner, memories
+
+    def read(
         self,
         stream: str | torch.Tensor | Sequence[int],
         *,
@@ -250,33 +278,12 @@ class StreamReader:
         on_chunk: Callable[[int, ReadReport], None] | None = None,
         progress: bool | None = None,
     ) -> ReadReport:
-        """Read a long text or token stream in order, in chunks of `chunk` tokens: score each chunk with the memory
-        learned from everything before it, then learn it (module docstring). After the call the memory holds every
-        chunk's statistics (what `learn` gives on the same windows, `chunk_windows`, with learn_dtype='model' and
-        head_dtype='float32': the statistics come from the scoring pass, at the model's precision, where `learn`'s
-        'auto' runs bfloat16 on a CPU that multiplies it natively) and reads with the last tuned step, so generation
-        uses what was read.
-
-        Args:
-            stream: a text (tokenised with `tokenizer`, no special tokens), or token ids: a 1-D int64 tensor ([1, N]
-                accepted) or a list of ints.
-            chunk: C, tokens per chunk, >= 2; C + 1 must fit the model's context window (each window holds one token
-                of the previous chunk).
-            memory: the named memory to read into (created on first use). Text it learned before is part of what
-                the first chunk is scored with; its held-out tail is dropped (the stream tunes the step itself).
-            on_chunk: called after each chunk is learned with (its index, the report so far).
-            progress: a tqdm bar on stderr with tokens/s and the time left from the second chunk on (None: when
-                stderr is a terminal; False: never; faast/hf/progress.py).
-
-        Returns a ReadReport (per-chunk NLL, every token's NLL, read and update seconds, the step used).
-        Needs the residual output layer and no middle layers. Bad input raises before anything is learned; an error
-        part way leaves the memory as it was before the call.
-        """
-        layer = self.output_memory_layer
-        if not isinstance(layer, ResidualOutputLayer) or len(self.memory_layers):
+        """FaastModel.read_stream: read `stream` in chunks of `chunk` tokens into memory `memory`."""
+        layer = self.output_layer
+        if not isinstance(layer, ResidualOutputLayer) or self.middle_layers:
             raise ValueError(
                 "model: read_stream needs the residual output layer alone (FaastConfig(output=ResidualOutput(), "
-                f"middle=None)), got output={type(layer).__name__} and {len(self.memory_layers)} middle layer(s)"
+                f"middle=None)), got output={type(layer).__name__} and {self.middle_layers} middle layer(s)"
             )
         name = check_name(memory)
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 2:
@@ -287,15 +294,15 @@ class StreamReader:
                              f"model's context window of {context}; use chunk <= {context - 1}")  # fmt: skip
         if on_chunk is not None and not callable(on_chunk):
             raise TypeError(f"on_chunk: expected a callable or None, got {type(on_chunk).__name__}")
-        device = self.base_model.get_input_embeddings().weight.device
-        ids = _stream_ids(stream, tokenizer, int(layer.head.weight.shape[0]), device)
+        device = input_embeddings(self.base_model).weight.device
+        ids = _stream_ids(stream, tokenizer, int(cast(torch.Tensor, layer.head.weight).shape[0]), device)
         report = ReadReport(chunk=chunk)
         bar = Bar(enabled(progress), "faast read")
-        created = self._creating(name)
+        memories = self.memories
         try:
-            with self._bound(name), self._learning_recorded(), torch.no_grad(), layer.head_buffers.kept():
-                state = _Reading(self.output_memory_layer, report)
-                self.output_memory_layer.discard_held_out()
+            with memories.into(name), memories.learning_recorded(), torch.no_grad(), layer.head_buffers.kept():
+                state = _Reading(layer, report)
+                layer.discard_held_out()
                 for t, (start, end) in enumerate(chunk_windows(int(ids.numel()), chunk)):
                     state.timer = time.perf_counter()
                     self.learner.learn_batch(ids[None, start:end], None, reader=state.read)
@@ -309,19 +316,16 @@ class StreamReader:
                     if on_chunk is not None:
                         on_chunk(t, report)
                 # The model reads what the stream would read next: the last W (its statistics) with the last step.
-                self.output_memory_layer.restore_step(state.eta, state.lam, state.width)
+                layer.restore_step(state.eta, state.lam, state.width)
                 report.step, report.weight, report.key_width = state.eta, state.lam, state.width
-        except BaseException:
-            if created:
-                self.memory_store.delete(name)
-            raise
         finally:
             bar.close()
         return report
 
 
-def read_stream(model: StreamReader, stream: str | torch.Tensor | Sequence[int], **options: object) -> ReadReport:
-    """`model.read_stream(stream, **options)` for a FaastModel `model` (StreamReader.read_stream)."""
-    if not isinstance(model, StreamReader):
+def read_stream(model: object, stream: str | torch.Tensor | Sequence[int], **options: Any) -> ReadReport:
+    """`model.read_stream(stream, **options)` for a FaastModel `model` (FaastModel.read_stream)."""
+    reader = getattr(model, "stream_reader", None)
+    if not isinstance(reader, StreamReader):
         raise TypeError(f"model: expected a FaastModel (apply_faast(...)), got {type(model).__name__}")
-    return model.read_stream(stream, **options)
+    return reader.read(stream, **options)

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .layers import MemoryLayer, OutputMemoryLayer
 from .memory_store import BASE, StoredMemory
 from .mixture import read_blocks
-from .output import MIX_ROWS, READ_CHUNK, ResidualOutputLayer
-from .output_bias import with_token_bias
+from .output import MIX_ROWS, READ_CHUNK, OutputState, ResidualOutputLayer
+from .output.bias import with_token_bias
+
+if TYPE_CHECKING:
+    from ..memory import FastWeights
 
 
 class RowMemories:
@@ -42,7 +46,8 @@ class RowMemories:
         self._index = torch.tensor([base if n == BASE else self.unique.index(n) for n in self.names])
         self._state_of = state_of
         self._output_layer = output_layer
-        self._cache: dict[tuple, object] = {}  # per layer, device and dtype: what every row reads
+        # Per layer, device and dtype: what every row reads (a tensor or a tuple of them, by the key's kind).
+        self._cache: dict[tuple, Any] = {}
 
     def rows(self, batch: int, device: torch.device) -> torch.Tensor:
         """Per row of a batch of `batch` rows, the index of its memory [batch] int64 (U: the base model)."""
@@ -54,19 +59,25 @@ class RowMemories:
 
     # ------------------------------------------------------------------ what each memory reads
 
+    def _residual_layer(self) -> ResidualOutputLayer:
+        """The output layer, for the reads that run only when it is the residual one (the model's hooks call them)."""
+        return cast(ResidualOutputLayer, self._output_layer)
+
     def _output_solution(self, name: str, device: torch.device, dtype: torch.dtype) -> tuple:
         """(M [width, d] or None, λ, bias [d] or None, token bias [V] or None) of memory `name`'s residual output
         layer; an unbound memory's state is bound to the layer for the solve and keeps what it derived."""
-        layer, state = self._output_layer, self._state_of(name)
+        layer = self._residual_layer()
+        output = cast(OutputState, self._state_of(name).output)  # a residual output layer's state
         solved = lambda: (*layer.solution(device, dtype), layer.folded_bias(device, dtype),  # noqa: E731
                           layer.folded_token_bias(device, dtype))  # fmt: skip
-        if state.output is layer.memory or state.output.memory is layer.memory:
+        # The state may be the layer's own (an identity check: the type checker sees no overlap of the two types).
+        if cast(object, output) is layer.memory or output.memory is layer.memory:
             return solved()
-        previous = layer.swap_state(state.output)
+        previous = layer.swap_state(output)
         try:
             return solved()
         finally:
-            state.output.take_derived(layer.swap_state(previous))
+            output.take_derived(layer.swap_state(previous))
 
     def _middle(self, layer: MemoryLayer, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
         key = ("middle", layer.slot, device, dtype)
@@ -81,7 +92,7 @@ class RowMemories:
         has one (zeros for the others)) or None when no row reads anything."""
         key = ("residual", device, dtype)
         if key not in self._cache:
-            layer = self._output_layer
+            layer = self._residual_layer()
             solutions = [self._output_solution(n, device, dtype) for n in self.unique]
             ms = [m for m, *_ in solutions]
             width = max([layer.hidden_size, *(m.shape[0] for m in ms if m is not None)])
@@ -89,7 +100,7 @@ class RowMemories:
             lams = [lam if m is not None else 0.0 for m, lam, *_ in solutions] + [0.0]
             biases = _stack([None if b is None else b[None] for _, _, b, _ in solutions], (1, layer.hidden_size),
                             device)  # fmt: skip
-            vocab = layer.target_count.targets.shape[0]
+            vocab = cast(torch.Tensor, layer.target_count.targets).shape[0]  # an Accumulator's [V] buffer
             tokens = _stack([None if t is None else t[None] for *_, t in solutions], (1, vocab), device)
             odds = [math.log(lam / (1.0 - lam)) if 0.0 < lam < 1.0 else 0.0 for lam in lams]
             rest = [math.log1p(-lam) if lam < 1.0 else 0.0 for lam in lams]
@@ -104,7 +115,7 @@ class RowMemories:
     def needs_extra_keys(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether some row's output correction reads keys wider than h̃."""
         solved = self._residual(device, dtype)
-        return solved is not None and solved[0].shape[1] > self._output_layer.hidden_size
+        return solved is not None and solved[0].shape[1] > self._residual_layer().hidden_size
 
     # ------------------------------------------------------------------ reading
 
@@ -121,7 +132,9 @@ class RowMemories:
         compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         key = ("embedding", hidden.device, compute)
         if key not in self._cache:
-            ws = [layer.weights(hidden.device, hidden.dtype, memory=self._state_of(n).output) for n in self.unique]
+            # The paper's output layer keeps FastWeights as each memory's state.
+            states = [cast("FastWeights | None", self._state_of(n).output) for n in self.unique]
+            ws = [layer.weights(hidden.device, hidden.dtype, memory=state) for state in states]
             stacked = _stack(ws, (layer.memory.dim_key, layer.memory.dim_value), hidden.device)
             reads = torch.tensor([w is not None for w in ws] + [False], device=hidden.device)
             self._cache[key] = None if stacked is None else (stacked, reads)
@@ -184,9 +197,10 @@ class RowMemories:
         compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
         head_dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16) else compute
         full_p, keep = per_row(full), per_row(none)
+        head_weight = cast(torch.Tensor, layer.head.weight)  # an nn.Linear-like head's [V, d]
         out = read_blocks(
             projected.reshape(-1, projected.shape[-1]), logits.reshape(-1, logits.shape[-1]),
-            layer.head.weight.to(head_dtype), compute=compute, scale=float(getattr(layer.head, "scale", 1.0)),
+            head_weight.to(head_dtype), compute=compute, scale=float(getattr(layer.head, "scale", 1.0)),
             log_odds=per_row(odds).to(compute)[:, None], log_rest=per_row(rest).to(compute)[:, None],
             full=full_p if bool(full_p.any()) else False, keep=keep if bool(keep.any()) else None,
             chunk=READ_CHUNK, block=READ_CHUNK if hidden.device.type == "cuda" else MIX_ROWS, overwrite=overwrite,

@@ -23,11 +23,14 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
+from .layers import MemoryLayer
 from .model import FaastModel
-from .output_diagnosis import MemoryOffWarning
+from .output import MemoryOffWarning
 
 _log = logging.getLogger("faast.hf.train")
 
@@ -79,11 +82,14 @@ class TrainConfig:
 
 def trainable_parameters(model: FaastModel) -> list[torch.nn.Parameter]:
     """The readout and scorer weights of every middle memory layer (the base model is frozen)."""
-    params = []
-    for layer in model.memory_layers.values():
-        params.append(layer.readout.weight)
+    # memory_layers holds MemoryLayers (an nn.ModuleDict types them nn.Module); an nn.Linear's weight is a
+    # Parameter (torch types it Tensor).
+    params: list[torch.nn.Parameter] = []
+    for module in model.memory_layers.values():
+        layer = cast(MemoryLayer, module)
+        params.append(cast(torch.nn.Parameter, layer.readout.weight))
         if layer.scorer is not None:
-            params.append(layer.scorer.weight)
+            params.append(cast(torch.nn.Parameter, layer.scorer.weight))
     for p in params:
         p.requires_grad_(True)
     return params
@@ -144,7 +150,7 @@ def _checkpoints(directory: Path) -> list[Path]:
 
 
 def save_training_checkpoint(
-    directory: Path, model: FaastModel, optimizer: torch.optim.Optimizer, scheduler: object, step: int,
+    directory: Path, model: FaastModel, optimizer: torch.optim.Optimizer, scheduler: LRScheduler, step: int,
     history: list[dict], keep: int,
 ) -> Path:  # fmt: skip
     """Write adapter + fast weights + optimizer state into a temporary folder, then rename it: all or nothing."""
@@ -177,7 +183,7 @@ def save_training_checkpoint(
 
 
 def load_training_checkpoint(
-    path: Path, model: FaastModel, optimizer: torch.optim.Optimizer, scheduler: object
+    path: Path, model: FaastModel, optimizer: torch.optim.Optimizer, scheduler: LRScheduler
 ) -> tuple[int, list[dict]]:
     """Restore a checkpoint folder written by save_training_checkpoint; returns (step, history)."""
     state = torch.load(path / TRAINER_STATE, weights_only=True)  # never unpickles code
@@ -244,7 +250,7 @@ def train_readout(
 
 
 def _resume(
-    directory: Path | None, model: FaastModel, optimizer: torch.optim.Optimizer, scheduler: object
+    directory: Path | None, model: FaastModel, optimizer: torch.optim.Optimizer, scheduler: LRScheduler
 ) -> tuple[int, list[dict]]:
     """(start step, history) of the newest readable checkpoint in `directory`, loaded into the model, optimizer and
     scheduler; (0, []) when there is none."""
@@ -279,7 +285,7 @@ def _optimizer_step(
     batch: dict[str, torch.Tensor],
     params: list[torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
-    scheduler: object,
+    scheduler: LRScheduler,
     config: TrainConfig,
 ) -> dict:
     """One training step on `batch` (learn, loss, backward, clip, AdamW and schedule steps); returns its history
@@ -385,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         regulariser=Regulariser(alpha=args.alpha),
         base_model=name,
     )
-    model = apply_faast(base, config)
+    # A causal LM without target_modules: apply_faast wraps it in a FaastModel (train_readout refuses anything else).
+    model = cast(FaastModel, apply_faast(base, config))
     train_config = TrainConfig(
         steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps, discount=args.discount,
         checkpoint_every=args.checkpoint_every, weight_decay=args.weight_decay, seed=args.seed,
@@ -404,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.text_files:
                 raise SystemExit("--pairs same-domain needs --text-files (each pattern is one domain)")
             groups = [list(corpus.read_text_files([pattern], min_chars=64)) for pattern in args.text_files]
-            batches = (
+            batches: Iterator[dict[str, torch.Tensor]] = (
                 corpus.collate(b)
                 for b in corpus.domain_pairs(groups, tokenizer, args.seq_len, batch_size=args.batch_size,
                                              steps_per_domain=args.steps_per_domain, seed=args.seed)

@@ -75,6 +75,11 @@ _dispatch.register_variant(
     "torch", "eigh", "refined", refined_eigh.eigh_refined, cannot_run=refined_eigh.refined_cannot_run,
 )  # fmt: skip
 _triton_backend.register()
+# The int8-slice Gram: float64-grade by its own bound, so its gate replaces the triton backend's (docs/numerics.md §4).
+_dispatch.register_variant(
+    "triton", "accumulate_gram", "int8", _triton_backend.accumulate_gram_int8,
+    cannot_run=_triton_backend.int8_cannot_run, gate=_triton_backend.int8_gate, own_gate=True,
+)  # fmt: skip
 _cuda_backend.register()
 _cupy_backend.register()
 int8.register()
@@ -99,7 +104,7 @@ _EIGH_SAMPLE_CPU = 2
 _RESIDUAL_SAMPLE = 8192
 # The fused mixture runs one program per row, so its time hardly shrinks below a GPU's worth of rows while the torch
 # composition's passes shrink with the rows: a 256-row sample tied them on an H100 where 1,024-row read chunks ran
-# the kernel 4.4x faster (benchmarks/results/gpu_h100_run5.md). The sample is one whole read chunk.
+# the kernel 4.4x faster (lab/benchmarks/results/gpu_h100_run5.md). The sample is one whole read chunk.
 _MIXTURE_SAMPLE = 1024
 
 
@@ -143,7 +148,8 @@ def _gram_call(flat: tuple, options: dict) -> _dispatch.Call:
     keys, values, scores, mask = flat
     n = keys.shape[1]
     rows = min(n, _GRAM_SAMPLE.get(keys.device.type, _GRAM_SAMPLE_DEFAULT))
-    opts = {**options, "masked": mask is not None, "scored": scores is not None}
+    opts = {**options, "masked": mask is not None, "scored": scores is not None,
+            "scores_dtype": None if scores is None else scores.dtype}  # fmt: skip
     shape_class = (
         f"B{keys.shape[0]} N{_autotune.size_class(rows)} dk{keys.shape[2]} dv{values.shape[2]} "
         f"{keys.dtype}/{values.dtype} compute {options['compute_dtype']} mask {int(mask is not None)} "
@@ -288,7 +294,8 @@ def accumulate_gram_unchecked(
                  **options)  # fmt: skip
         return gram, cross, target_sqnorm
     # The torch backend's streaming kernel is not differentiable, and no kernel differentiates with respect to keys.
-    if needs_grad and (name.partition(".")[0] == "torch" or keys.requires_grad):
+    # Variants (torch.syrk, triton.int8, ...) are not differentiable either.
+    if needs_grad and (name.partition(".")[0] == "torch" or _dispatch.VARIANT_SEPARATOR in name or keys.requires_grad):
         impl = reference.accumulate_gram_differentiable
     d_gram, d_cross, d_sqnorm = impl(*flat, **options)
     d_gram = d_gram.to(torch.float64).reshape(*batch, dk, dk)

@@ -14,7 +14,7 @@ registered here. It is loaded on first use, once. Loading fails with a reason th
 
 Arguments are checked here before the op is called, and a layer cuSOLVER could not decompose is reported from its
 `info` here: no error of faast's own use has to be thrown through the extension (the one crash seen on a GPU, in
-benchmarks/results/gpu_h100_run2_log.txt.gz, was the extension's first throw; csrc/README.md).
+lab/benchmarks/results/gpu_h100_run2_log.txt.gz, was the extension's first throw; csrc/README.md).
 """
 
 from __future__ import annotations
@@ -228,8 +228,8 @@ def eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gate(op: str, call: _dispatch.Call) -> str | None:
-    """Nothing keeps `auto` from timing the extension: on an H100 (benchmarks/results/gpu_h100_run3.md) faast's path
-    through it (arguments checked here, failures reported through info, never a throw across the extension) passed
+    """Nothing keeps `auto` from timing the extension: on an H100 (lab/benchmarks/results/gpu_h100_run3.md) faast's
+    path through it (arguments checked here, failures reported through info, never a throw across the extension) passed
     the eigen-equation tests from d = 20 to 1600 and ran 2.4x (d = 1600) to 73x (d = 64) faster than
     torch.linalg.eigh on 48 layers. Two raw-op error-path cases of the child-process harness failed there, with
     details the run did not keep (csrc/README.md); faast does not call the op that way."""

@@ -17,7 +17,7 @@ routine, through the same bindings, but:
   and ||E^T E - I||_F / sqrt(d), both at most ACCURACY_REL): a matrix that fails is recomputed by torch.linalg.eigh,
   logged once. That bounds the eigenvalues' normwise relative error by about ACCURACY_REL (Hoffman-Wielandt).
 
-Measured on an H100 (benchmarks/results/gpu_h100_run2_probe.json, cupy.linalg.eigh, the same routine): [48, n, n]
+Measured on an H100 (lab/benchmarks/results/gpu_h100_run2_probe.json, cupy.linalg.eigh, the same routine): [48, n, n]
 float64 takes 28x less time than torch.linalg.eigh's per-matrix loop at n = 64 and 3x less at n = 256, but 1.08x more
 at n = 576, 2.5x at 1152 and 3.9x at 1600 (Jacobi sweeps cost O(n^3) each). The gate keeps `auto` from n = 576 up;
 FAAST_BACKEND=cupy still selects it there. In that run its eigenvalues differed from torch's by 1e-14 (n = 64),
@@ -239,7 +239,7 @@ def eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def recomputed_in_last_call() -> int:
     """How many matrices of the last eigh call missed the accuracy contract and were recomputed by torch (for
-    benchmarks/bench_eigh.py; 0 before the first call)."""
+    lab/benchmarks/bench_eigh.py; 0 before the first call)."""
     return int(cast(int, _state.get("recomputed", 0)))
 
 

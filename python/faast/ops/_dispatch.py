@@ -25,8 +25,9 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -67,11 +68,13 @@ def _never(*_args: object) -> str | None:
 class Variant:
     """A named alternative implementation of an op within a backend. cannot_run(call) says why it cannot run the
     call at all (explicit requests raise with it, auto passes over it silently); gate(call) why auto must not pick
-    it (explicit requests still get it)."""
+    it (explicit requests still get it). own_gate: the variant's gate replaces the backend's instead of adding to it
+    (a variant whose arithmetic the backend's gate does not describe, e.g. triton.int8 beside the fp64 Gram mode)."""
 
     fn: Callable
     cannot_run: Callable[[Call], str | None] = _never
     gate: Callable[[Call], str | None] = _never
+    own_gate: bool = False
 
 
 @dataclass
@@ -109,15 +112,38 @@ def register_variant(
     *,
     cannot_run: Callable[[Call], str | None] | None = None,
     gate: Callable[[Call], str | None] | None = None,
+    own_gate: bool = False,
 ) -> None:
     """Add `backend.variant` as a candidate for op in this process (the backend must be registered first): fn takes
     the op's arguments; cannot_run(call) and gate(call) say why it cannot run, or why auto must not pick it, for a
-    call (None: it can). Public as faast.ops.backends.register_variant."""
+    call (None: it can); the backend's gate applies too unless own_gate. Public as
+    faast.ops.backends.register_variant."""
     if backend not in _REGISTRY:
         raise ValueError(f"backend: expected a registered backend among {sorted(_REGISTRY)}, got {backend!r}")
     if not variant or VARIANT_SEPARATOR in variant:
         raise ValueError(f"variant: expected a non-empty name without {VARIANT_SEPARATOR!r}, got {variant!r}")
-    _REGISTRY[backend].variants.setdefault(op, {})[variant] = Variant(fn, cannot_run or _never, gate or _never)
+    _REGISTRY[backend].variants.setdefault(op, {})[variant] = Variant(
+        fn, cannot_run or _never, gate or _never, own_gate
+    )
+
+
+@contextmanager
+def assume_loadable(*backends: str) -> Iterator[None]:
+    """Within the block, the registered `backends` answer that they can run in this process (their
+    unavailable_reason is None) and are restored on leaving, however the block ends: a test or a report shows what
+    auto decides where they load (explain, the gates) on a machine where they do not. Calling their implementations
+    still needs their packages. Public as faast.ops.backends.assume_loadable."""
+    for name in backends:
+        if name not in _REGISTRY:
+            raise ValueError(f"backends: expected registered backends among {sorted(_REGISTRY)}, got {name!r}")
+    saved = {name: _REGISTRY[name] for name in backends}
+    try:
+        for name, backend in saved.items():
+            # a copy, so that the registered object (which other code may hold) is never changed
+            _REGISTRY[name] = replace(backend, unavailable_reason=_never)
+        yield
+    finally:
+        _REGISTRY.update(saved)
 
 
 PER_OP_SEPARATOR = "="
@@ -176,7 +202,8 @@ def _candidates(name: str, op: str, call: Call) -> list[tuple[str, Callable, str
         found.append((name, backend.ops[op], backend.gate(op, call)))
     for variant, v in backend.variants.get(op, {}).items():
         if v.cannot_run(call) is None:
-            found.append((f"{name}{VARIANT_SEPARATOR}{variant}", v.fn, backend.gate(op, call) or v.gate(call)))
+            why = v.gate(call) if v.own_gate else backend.gate(op, call) or v.gate(call)
+            found.append((f"{name}{VARIANT_SEPARATOR}{variant}", v.fn, why))
     return found
 
 

@@ -14,9 +14,11 @@ the fastest; FAAST_BACKEND (`BACKEND_ENV_VAR`) pins one.
   torch composition); None where the backend has none.
 - `register_variant(backend, op, variant, fn, cannot_run=None, gate=None)`: add `backend.variant` as a candidate of
   op in this process (a benchmark's extra candidate).
+- `assume_loadable(*backends)`: a context manager within which those backends answer that they can run here, to show
+  what auto decides on a machine where they load (tests, dry runs of a report).
 - `AUTOTUNE_CACHE_ENV`, `AUTOTUNE_FILE_NAME`, `autotune_cache_path()`, `measured_choices(path=None)` and
   `forget_measurements()`: the cache file of measured choices, what it holds, and dropping what this process read of
-  it.
+  it; `write_measured_choices(entries, path=None)` writes such a file (a test's, or one carried from another machine).
 - `cupy_eigh_recomputed()`: how many matrices of the cupy backend's last eigh missed its accuracy contract and were
   recomputed by torch (a benchmark's diagnostic).
 """
@@ -24,19 +26,24 @@ the fastest; FAAST_BACKEND (`BACKEND_ENV_VAR`) pins one.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
+from ..persist import write_text_atomic
 from . import _autotune, _cupy_backend, _dispatch
-from ._dispatch import register_variant  # the public name of the dispatch's own function (documented there)
+from ._dispatch import (
+    assume_loadable,
+    register_variant,
+)  # public names of the dispatch's own functions (documented there)
 
 __all__ = [
     "AUTOTUNE_CACHE_ENV",
     "AUTOTUNE_FILE_NAME",
     "BACKEND_ENV_VAR",
     "Call",
+    "assume_loadable",
     "autotune_cache_path",
     "cupy_eigh_recomputed",
     "explain",
@@ -45,6 +52,7 @@ __all__ = [
     "measured_choices",
     "register_variant",
     "unavailable_reason",
+    "write_measured_choices",
 ]
 
 BACKEND_ENV_VAR = _dispatch.ENV_VAR
@@ -89,6 +97,29 @@ def measured_choices(path: Path | None = None) -> dict[str, dict]:
         return {}
     entries = data.get("entries", {}) if isinstance(data, dict) else {}
     return {key: entry for context in entries.values() if isinstance(context, dict) for key, entry in context.items()}
+
+
+def write_measured_choices(entries: Mapping[str, Mapping[str, Mapping]], path: Path | None = None) -> Path:
+    """Write a cache file (default `autotune_cache_path()`, replaced atomically) holding `entries`: {machine and
+    versions context: {'<op> <shape class>': {'choice': candidate, 'seconds': {candidate: seconds or why it
+    failed}}}}, the layout the dispatch reads (contexts as faast keys them are '<device> | torch .. | triton .. |
+    faast ..'; any string is kept). Forgets what this process read of cache files, so the next call reads this one.
+    Returns the path."""
+    layout = "{context: {'<op> <shape class>': {'choice': str, 'seconds': {...}}}}"
+    if not isinstance(entries, Mapping) or not all(
+        isinstance(c, str) and isinstance(v, Mapping) for c, v in entries.items()
+    ):
+        raise ValueError(f"entries: expected {layout}, got {entries!r}")
+    for context, choices in entries.items():
+        for key, entry in choices.items():
+            if not isinstance(key, str) or not isinstance(entry, Mapping) or not isinstance(entry.get("choice"), str):
+                raise ValueError(f"entries[{context!r}][{key!r}]: expected {layout}, got {entry!r}")
+    path = autotune_cache_path() if path is None else Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"format": _autotune.FORMAT, "entries": {c: {k: dict(e) for k, e in v.items()} for c, v in entries.items()}}
+    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True))
+    forget_measurements()
+    return path
 
 
 def forget_measurements() -> None:

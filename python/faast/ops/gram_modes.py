@@ -24,8 +24,8 @@ import torch
 
 from .reference import _masked_rows, chunk_rows
 
-# Rows summed in float32 before each float64 flush, chosen with benchmarks/fidelity_triton_modes.py
-# (benchmarks/results/fidelity_torch_modes_cpu.md, CPU emulation): no R passes the whole float64 suite (26 cases:
+# Rows summed in float32 before each float64 flush, chosen with lab/benchmarks/fidelity_triton_modes.py
+# (lab/benchmarks/results/fidelity_torch_modes_cpu.md, CPU emulation): no R passes the whole float64 suite (26 cases:
 # R = 16 23, 64 18, 256 / 1024 / 4096 15 each; the float32 compute mode 13). Shorter flushes buy no grade from
 # R = 256 up and cost launches and float64 traffic on a GPU, so R is the longest of the sweep, the float32 compute
 # mode's chunk (reference.FLOAT32_MAX_CHUNK_ROWS).
@@ -103,10 +103,10 @@ def accumulate_gram_exact16(
 
     Grade: float32, whatever compute_dtype says. On a CPU the products run on float32 copies (torch 2.13 has no CPU
     kernel for aten::bmm.dtype) and no R passes the float64 fidelity suite (best: R = 16, 23 of 26 cases; R = 4096:
-    15 of 26, the float32 compute mode 13; benchmarks/results/fidelity_torch_modes_cpu.md). On an H100 the tensor
+    15 of 26, the float32 compute mode 13; lab/benchmarks/results/fidelity_torch_modes_cpu.md). On an H100 the tensor
     cores truncate the float32 accumulation and no R passes either (the Triton exact16 kernel, the same arithmetic:
-    20/26 at R = 64, 3/26 at R = 4096; benchmarks/results/gpu_h100_run2_triton_fidelity.json). So the mode serves
-    compute_dtype=float32 only (exact16_gate). On an H100 (benchmarks/results/gpu_h100_run3.md) it learned a
+    20/26 at R = 64, 3/26 at R = 4096; lab/benchmarks/results/gpu_h100_run2_triton_fidelity.json). So the mode serves
+    compute_dtype=float32 only (exact16_gate). On an H100 (lab/benchmarks/results/gpu_h100_run3.md) it learned a
     48 x 1600 stack's 64K bf16 tokens in 0.508 s against 0.856 s for float64 GEMMs, relative error of S 4.8e-6.
 
     Raises ValueError naming keys/values when they are not the same 16-bit dtype, or flush_rows when it is not a

@@ -5,7 +5,7 @@ arrive validated and flattened to one leading batch dim by faast.ops; nothing he
 
 Accumulation streams the rows through one reusable buffer X = [K | s*V] (upcast to float64), adds K^T (sV) into T
 and K[:, block]^T K[:, block:] into S for column blocks of K: the blocks on and above S's diagonal, mirrored at the
-end, with ~13/16 of the flops of two full GEMMs, at close to the float64 GEMM peak. benchmarks/results/
+end, with ~13/16 of the flops of two full GEMMs, at close to the float64 GEMM peak. lab/benchmarks/results/
 learn_cpu.md has the measured cost against the authors' float32 pinv of K; docs/numerics.md §3 has the cost model.
 """
 
@@ -21,7 +21,7 @@ _TRIANGLE_BLOCK = 192
 # every update (~15% of a 64k x 768 learn). 16 MB chunks still keep the GEMMs at full speed (>= 1300 rows at d=768).
 _CHUNK_BYTES = 16 << 20
 # On a GPU there is no heap to fragment and GEMMs need long inner dimensions to reach the float64 peak: 16 MB chunks
-# gave ~64-row GEMMs for 48 layers at d = 1600 (11 TFLOP/s on an H100, benchmarks/results/gpu_h100_run1.md).
+# gave ~64-row GEMMs for 48 layers at d = 1600 (11 TFLOP/s on an H100, lab/benchmarks/results/gpu_h100_run1.md).
 _CHUNK_BYTES_CUDA = 1 << 30
 # docs/numerics.md §1: float32 GEMMs over more than ~4096 rows lose the directions the spectral filter must keep.
 FLOAT32_MAX_CHUNK_ROWS = 4096
