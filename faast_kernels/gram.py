@@ -41,6 +41,8 @@ import triton
 import triton.language as tl
 
 from . import autotuning, interpreting
+from .oracle import masked_rows, target_sqnorm
+from .tiles import finish_tile, program_rows, tile_operands
 
 PRECISIONS = ("fp64", "exact16", "tf32x3", "fp32")
 # Rows summed in the float32 accumulator before each float64 add, per mode (the 16-bit mode's value comes from the
@@ -73,19 +75,6 @@ def _load_rows(ptr, stride_n, stride_d, rows, cols, n_cols, keep):
     inside = (cols[None, :] < n_cols) & keep[:, None]
     x = tl.load(ptr + offs, mask=inside, other=0.0)
     return tl.where(inside, x, 0.0)
-
-
-@triton.jit
-def _upper_tile(t, nk):
-    """(i, j) of the t-th tile of the upper triangle (i <= j), row-major, of an nk x nk grid of tiles."""
-    total = nk * (nk + 1) // 2
-    r = total - 1 - t  # counted from the last tile: row nk-1-k holds k+1 tiles
-    k = ((tl.sqrt((8 * r + 1).to(tl.float32)) - 1) * 0.5).to(tl.int32)
-    k = tl.where((k + 1) * (k + 2) // 2 <= r, k + 1, k)  # float rounding of the root, either way
-    k = tl.where(k * (k + 1) // 2 > r, k - 1, k)
-    i = nk - 1 - k
-    j = nk - 1 - (r - k * (k + 1) // 2)
-    return i, j
 
 
 @triton.jit
@@ -169,26 +158,6 @@ def _chunk_product(
 
 
 @triton.jit
-def _tile_of(tile, n_s, nk, nv):
-    """(is_t, i, j): program `tile` owns tile (i, j) of S's upper triangle (the first n_s tiles) or of T (the rest)."""
-    is_t = tile >= n_s
-    ti_s, tj_s = _upper_tile(tl.minimum(tile, n_s - 1), nk)
-    t_idx = tl.maximum(tile - n_s, 0)
-    ti = tl.where(is_t, t_idx // nv, ti_s)
-    tj = tl.where(is_t, t_idx % nv, tj_s)
-    return is_t, ti, tj
-
-
-@triton.jit
-def _out_tile(OUT, split, split_stride, layer, DK, D_OUT, cols_i, cols_j):
-    """(base, offsets, inside) of the [BM, BM] tile (cols_i, cols_j) of one layer's [DK, D_OUT] float64 output."""
-    out = OUT + split.to(tl.int64) * split_stride + layer * DK * D_OUT
-    offs = cols_i.to(tl.int64)[:, None] * D_OUT + cols_j[None, :]
-    inside = (cols_i[:, None] < DK) & (cols_j[None, :] < D_OUT)
-    return out, offs, inside
-
-
-@triton.jit
 def _tile_chunk_product(
     k_base, b_base, SCORES, MASK, layer, start_row, end_row, is_t,
     stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl, stride_sn, stride_ml, stride_mn,
@@ -232,21 +201,6 @@ def _flush(out, offs, inside, acc):
 
 
 @triton.jit
-def _mirror_s_tile(out, offs, inside, cols_i, cols_j, ti, tj, DK):
-    """Make a finished tile (ti, tj) of S symmetric: a diagonal tile within itself, an off-diagonal one into the lower
-    triangle."""
-    tl.debug_barrier()
-    total = tl.load(out + offs, mask=inside, other=0.0)
-    if ti == tj:  # a diagonal tile: its two triangles hold the same sums, possibly rounded differently
-        total = tl.where(cols_i[:, None] <= cols_j[None, :], total, tl.trans(total))
-        tl.debug_barrier()
-        tl.store(out + offs, total, mask=inside)
-    else:  # mirror into the lower triangle
-        offs_t = cols_j.to(tl.int64)[None, :] * DK + cols_i[:, None]
-        tl.store(out + offs_t, total, mask=inside)
-
-
-@triton.jit
 def _sqnorm_block(
     v_base, SCORES, MASK, OUT_SQ, layer, split, tj, row_start, row_end,
     stride_vn, stride_vd, stride_sl, stride_sn, stride_ml, stride_mn, DV, NV_MAX,
@@ -281,37 +235,16 @@ def _gram_kernel(
     PRECISION: tl.constexpr, NATIVE16: tl.constexpr, TF32_SPLIT: tl.constexpr, FLUSH_ROWS: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    layer = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
-    nk = tl.cdiv(DK, BM)
-    nv = tl.cdiv(DV, BM)
-    n_s = nk * (nk + 1) // 2
-    n_t = nk * nv
-    row_start = split * ROWS_PER_SPLIT
-    row_end = tl.minimum(row_start + ROWS_PER_SPLIT, N)
-    k_base = K + layer * stride_kl
-    v_base = V + layer * stride_vl
+    tile, layer, split, row_start, row_end, k_base, v_base, nk, nv, n_s, n_t = program_rows(
+        K, V, N, DK, DV, ROWS_PER_SPLIT, stride_kl, stride_vl, BM
+    )
     if tile < n_s + n_t:
-        is_t, ti, tj = _tile_of(tile, n_s, nk, nv)
-        cols_i = ti * BM + tl.arange(0, BM)
-        cols_j = tj * BM + tl.arange(0, BM)
-        if is_t:
-            b_base = v_base
-            b_stride_n = stride_vn
-            b_stride_d = stride_vd
-            b_cols = DV
-            out, offs, inside = _out_tile(OUT_T, split, split_stride_t, layer, DK, DV, cols_i, cols_j)
-        else:
-            b_base = k_base
-            b_stride_n = stride_kn
-            b_stride_d = stride_kd
-            b_cols = DK
-            out, offs, inside = _out_tile(OUT_S, split, split_stride_s, layer, DK, DK, cols_i, cols_j)
+        is_t, ti, tj, cols_i, cols_j, b_base, b_stride_n, b_stride_d, b_cols, out, offs, inside = tile_operands(
+            tile, layer, split, k_base, v_base, nk, nv, n_s, OUT_S, OUT_T, DK, DV,
+            stride_kn, stride_kd, stride_vn, stride_vd, split_stride_s, split_stride_t, ACCUMULATE, BM,
+        )  # fmt: skip
         # Each chunk's sum goes straight into the program's own float64 tile in global memory (read-modify-write):
         # only the float32 accumulator lives in registers.
-        if not ACCUMULATE:
-            tl.store(out + offs, tl.zeros((BM, BM), dtype=tl.float64), mask=inside)
         for chunk in range(row_start, row_end, FLUSH_ROWS):
             chunk_end = tl.minimum(chunk + FLUSH_ROWS, row_end)
             acc = _tile_chunk_product(k_base, b_base, SCORES, MASK, layer, chunk, chunk_end, is_t,
@@ -319,8 +252,7 @@ def _gram_kernel(
                                       stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, HAS_SCORES, HAS_MASK,
                                       WLS, PRECISION, NATIVE16, TF32_SPLIT, BM, BK)  # fmt: skip
             _flush(out, offs, inside, acc)
-        if not is_t:
-            _mirror_s_tile(out, offs, inside, cols_i, cols_j, ti, tj, DK)
+        finish_tile(out, offs, inside, cols_i, cols_j, is_t, ti, tj, DK)
     else:
         _sqnorm_block(v_base, SCORES, MASK, OUT_SQ, layer, split, tile - n_s - n_t, row_start, row_end,
                       stride_vn, stride_vd, stride_sl, stride_sn, stride_ml, stride_mn, DV, NV_MAX,
@@ -398,12 +330,14 @@ def _accumulators(
     gram: torch.Tensor | None,
     cross: torch.Tensor | None,
     sqnorm: torch.Tensor | None,
-    L: int,
-    dk: int,
-    dv: int,
-    device: torch.device,
+    keys: torch.Tensor,
+    values: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """(gram, cross, sqnorm, accumulate): the caller's accumulators checked (accumulate: True), or new empty ones."""
+    """(gram, cross, sqnorm, accumulate) for keys [L, N, dk] and values [L, N, dv]: the caller's accumulators checked
+    (accumulate: True), or new empty ones."""
+    L, _, dk = keys.shape
+    dv = values.shape[-1]
+    device = keys.device
     accumulators = {"gram": gram, "cross": cross, "sqnorm": sqnorm}
     given = [k for k, v in accumulators.items() if v is not None]
     if given and len(given) != 3:
@@ -421,11 +355,17 @@ def _accumulators(
 
 
 def _nothing_to_launch(
-    shape: tuple[int, int, int, int], gram: torch.Tensor, cross: torch.Tensor, sqnorm: torch.Tensor, accumulate: bool
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    gram: torch.Tensor,
+    cross: torch.Tensor,
+    sqnorm: torch.Tensor,
+    accumulate: bool,
 ) -> bool:
-    """Whether an empty dimension of shape (L, N, dk, dv) leaves the kernel nothing to do; new accumulators are zeroed
-    where it has nothing to add to them."""
-    L, N, dk, dv = shape
+    """Whether an empty dimension of keys [L, N, dk] or values [L, N, dv] leaves the kernel nothing to do; new
+    accumulators are zeroed where it has nothing to add to them."""
+    L, N, dk = keys.shape
+    dv = values.shape[-1]
     if L == 0 or dk == 0:
         if not accumulate:
             cross.zero_()
@@ -459,7 +399,40 @@ def _split_outputs(
     return out_s, out_t, out_sq, in_place
 
 
-def _grid(L: int, dk: int, dv: int, nsplit: int):  # noqa: ANN202 - a launch grid function
+def _split_rows(splits: int | None, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
+    """(splits, rows per split) for keys [L, N, dk] and values [L, N, dv]: `splits` checked, or plan_splits'."""
+    L, N, dk = keys.shape
+    nsplit = plan_splits(N, dk, values.shape[-1], L, keys.device) if splits is None else int(splits)
+    if nsplit < 1:
+        raise ValueError(f"splits: expected an int >= 1, got {splits!r}")
+    return nsplit, triton.cdiv(N, nsplit)
+
+
+def _launch_args(
+    keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, mask: torch.Tensor | None,
+    rows_per_split: int, nv_max: int,
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:  # fmt: skip
+    """The arguments both Gram kernels take: (pointers, layout). pointers: K, V, scores and mask (as int8), keys
+    standing in for an absent one; layout, after the output pointers: N, dk, dv, the rows per split, the strides of
+    keys, values, scores and mask (0 for an absent one), the split strides of S and T, and nv_max."""
+    L, N, dk = keys.shape
+    dv = values.shape[-1]
+    mask_arg = mask.to(torch.int8) if mask is not None else keys  # dummy pointer when absent
+    scores_arg = scores if scores is not None else keys
+    layout = (
+        N, dk, dv, rows_per_split,
+        *keys.stride(), *values.stride(),
+        *(scores.stride() if scores is not None else (0, 0)),
+        *(mask_arg.stride() if mask is not None else (0, 0)),
+        L * dk * dk, L * dk * dv, nv_max,
+    )  # fmt: skip
+    return (keys, values, scores_arg, mask_arg), layout
+
+
+def _grid(keys: torch.Tensor, values: torch.Tensor, nsplit: int):  # noqa: ANN202 - a launch grid function
+    L, _, dk = keys.shape
+    dv = values.shape[-1]
+
     def grid(meta: dict) -> tuple[int, int, int]:
         # Tiles of S's upper triangle, tiles of T, and one program per value-column block for ‖Y‖².
         nk, nv = triton.cdiv(dk, meta["BM"]), triton.cdiv(dv, meta["BM"])
@@ -531,30 +504,18 @@ def gram_accumulate(
     Returns (gram, cross, sqnorm), float64.
     """
     keys, values, flush = _checked_inputs(keys, values, scores, mask, precision, flush_rows)
-    L, N, dk = keys.shape
-    dv = values.shape[-1]
-    device = keys.device
-    gram, cross, sqnorm, accumulate = _accumulators(gram, cross, sqnorm, L, dk, dv, device)
-    if _nothing_to_launch((L, N, dk, dv), gram, cross, sqnorm, accumulate):
+    gram, cross, sqnorm, accumulate = _accumulators(gram, cross, sqnorm, keys, values)
+    if _nothing_to_launch(keys, values, gram, cross, sqnorm, accumulate):
         return gram, cross, sqnorm
-    nsplit = plan_splits(N, dk, dv, L, device) if splits is None else int(splits)
-    if nsplit < 1:
-        raise ValueError(f"splits: expected an int >= 1, got {splits!r}")
-    rows_per_split = triton.cdiv(N, nsplit)
+    nsplit, rows_per_split = _split_rows(splits, keys, values)
     block = _configs(precision)[-1].kwargs["BM"]  # the smallest tile: the most column tiles of any configuration
-    nv_max = triton.cdiv(dv, block)
+    nv_max = triton.cdiv(values.shape[-1], block)
     out_s, out_t, out_sq, in_place = _split_outputs(gram, cross, accumulate, nsplit, nv_max)
-    mask_arg = mask.to(torch.int8) if mask is not None else keys  # dummy pointer when absent
-    scores_arg = scores if scores is not None else keys
-    native16 = keys.dtype in (torch.float16, torch.bfloat16) and not interpreting() and device.type == "cuda"
+    pointers, layout = _launch_args(keys, values, scores, mask, rows_per_split, nv_max)
+    native16 = keys.dtype in (torch.float16, torch.bfloat16) and not interpreting() and keys.device.type == "cuda"
     tf32_split = keys.dtype in (torch.float32, torch.float64)
-    _tuned(precision)[_grid(L, dk, dv, nsplit)](
-        keys, values, scores_arg, mask_arg, out_s, out_t, out_sq,
-        N, dk, dv, rows_per_split,
-        *keys.stride(), *values.stride(),
-        *(scores.stride() if scores is not None else (0, 0)),
-        *(mask_arg.stride() if mask is not None else (0, 0)),
-        L * dk * dk, L * dk * dv, nv_max,
+    _tuned(precision)[_grid(keys, values, nsplit)](
+        *pointers, out_s, out_t, out_sq, *layout,
         HAS_SCORES=scores is not None, HAS_MASK=mask is not None, WLS=bool(weighted_least_squares),
         ACCUMULATE=in_place, PRECISION=precision, NATIVE16=native16, TF32_SPLIT=tf32_split, FLUSH_ROWS=flush,
     )  # fmt: skip
@@ -572,14 +533,10 @@ def naive_gram(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float64 oracle of gram_accumulate: (Kᵀ K, Kᵀ diag(s) V, ‖Y‖²) over unmasked rows, [L, dk, dk], [L, dk, dv],
     [L]."""
-    k, v = keys.to(torch.float64), values.to(torch.float64)
-    keep = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if mask is None else mask.bool()
-    k = torch.where(keep[..., None], k, 0.0)
-    v = torch.where(keep[..., None], v, 0.0)
-    s = None if scores is None else torch.where(keep, scores.to(torch.float64), 0.0)
+    k, v, s = masked_rows(keys, values, scores, mask)
+    sqnorm = target_sqnorm(v, s, weighted_least_squares)
     if s is None:
-        return k.mT @ k, k.mT @ v, v.square().sum((-2, -1))
+        return k.mT @ k, k.mT @ v, sqnorm
     if weighted_least_squares:
-        return k.mT @ (s[..., None] * k), k.mT @ (s[..., None] * v), (s * v.square().sum(-1)).sum(-1)
-    sv = s[..., None] * v
-    return k.mT @ k, k.mT @ sv, sv.square().sum((-2, -1))
+        return k.mT @ (s[..., None] * k), k.mT @ (s[..., None] * v), sqnorm
+    return k.mT @ k, k.mT @ (s[..., None] * v), sqnorm

@@ -32,16 +32,14 @@ from .gram import (
     _check,
     _grid,
     _keep_rows,
+    _launch_args,
     _load_rows,
     _load_scores,
-    _mirror_s_tile,
     _nothing_to_launch,
-    _out_tile,
     _split_outputs,
+    _split_rows,
     _sqnorm_block,
     _sum_splits,
-    _tile_of,
-    plan_splits,
 )
 from .int8_slices import (
     BOUND,
@@ -59,6 +57,7 @@ from .int8_slices import (
     naive_gram_int8,
     plan,
 )
+from .tiles import finish_tile, program_rows, tile_operands
 
 __all__ = [
     "BOUND",
@@ -203,50 +202,31 @@ def _gram_int8_kernel(
     K_K: tl.constexpr, K_SK: tl.constexpr, K_V: tl.constexpr, FLUSH_ROWS: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    layer = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
-    nk = tl.cdiv(DK, BM)
-    nv = tl.cdiv(DV, BM)
-    n_s = nk * (nk + 1) // 2
-    n_t = nk * nv
-    row_start = split * ROWS_PER_SPLIT
-    row_end = tl.minimum(row_start + ROWS_PER_SPLIT, N)
-    k_base = K + layer * stride_kl
-    v_base = V + layer * stride_vl
+    tile, layer, split, row_start, row_end, k_base, v_base, nk, nv, n_s, n_t = program_rows(
+        K, V, N, DK, DV, ROWS_PER_SPLIT, stride_kl, stride_vl, BM
+    )
     if tile < n_s + n_t:
-        is_t, ti, tj = _tile_of(tile, n_s, nk, nv)
-        cols_i = ti * BM + tl.arange(0, BM)
-        cols_j = tj * BM + tl.arange(0, BM)
+        is_t, ti, tj, cols_i, cols_j, b_base, b_stride_n, b_stride_d, b_cols, out, offs, inside = tile_operands(
+            tile, layer, split, k_base, v_base, nk, nv, n_s, OUT_S, OUT_T, DK, DV,
+            stride_kn, stride_kd, stride_vn, stride_vd, split_stride_s, split_stride_t, ACCUMULATE, BM,
+        )  # fmt: skip
+        # The column scales of the left factor (K) and of the right one (V for T; s·K or K for S).
         a_scale = SC_K + layer * DK
         if is_t:
-            b_base = v_base
-            b_stride_n = stride_vn
-            b_stride_d = stride_vd
-            b_cols = DV
             b_scale = SC_V + layer * DV
-            out, offs, inside = _out_tile(OUT_T, split, split_stride_t, layer, DK, DV, cols_i, cols_j)
         else:
-            b_base = k_base
-            b_stride_n = stride_kn
-            b_stride_d = stride_kd
-            b_cols = DK
             b_scale = SC_SK + layer * DK
-            out, offs, inside = _out_tile(OUT_S, split, split_stride_s, layer, DK, DK, cols_i, cols_j)
         # 2^(E_i + E_j) of the tile: the reciprocals of the scales (powers of two, exact).
         u_i = 1.0 / tl.load(a_scale + cols_i, mask=cols_i < DK, other=1.0)
         u_j = 1.0 / tl.load(b_scale + cols_j, mask=cols_j < b_cols, other=1.0)
         unscale = u_i[:, None] * u_j[None, :]
-        if not ACCUMULATE:
-            tl.store(out + offs, tl.zeros((BM, BM), dtype=tl.float64), mask=inside)
         for chunk in range(row_start, row_end, FLUSH_ROWS):
             chunk_end = tl.minimum(chunk + FLUSH_ROWS, row_end)
             _scored_tile_chunk(k_base, b_base, SCORES, MASK, layer, chunk, chunk_end, a_scale, b_scale, out, offs,
                                inside, unscale, is_t, stride_kn, stride_kd, b_stride_n, b_stride_d, stride_sl,
                                stride_sn, stride_ml, stride_mn, cols_i, cols_j, DK, b_cols, HAS_SCORES, HAS_MASK, WLS,
                                K_K, K_SK, K_V, BM, BK)  # fmt: skip
-        if not is_t:
-            _mirror_s_tile(out, offs, inside, cols_i, cols_j, ti, tj, DK)
+        finish_tile(out, offs, inside, cols_i, cols_j, is_t, ti, tj, DK)
     else:
         _sqnorm_block(v_base, SCORES, MASK, OUT_SQ, layer, split, tile - n_s - n_t, row_start, row_end,
                       stride_vn, stride_vd, stride_sl, stride_sn, stride_ml, stride_mn, DV, NV_MAX,
@@ -319,11 +299,8 @@ def gram_accumulate_int8(
     Returns (gram, cross, sqnorm), float64.
     """
     keys, values, flush_rows = _checked(keys, values, scores, mask, flush_rows)
-    L, N, dk = keys.shape
-    dv = values.shape[-1]
-    device = keys.device
-    gram, cross, sqnorm, accumulate = _accumulators(gram, cross, sqnorm, L, dk, dv, device)
-    if _nothing_to_launch((L, N, dk, dv), gram, cross, sqnorm, accumulate):
+    gram, cross, sqnorm, accumulate = _accumulators(gram, cross, sqnorm, keys, values)
+    if _nothing_to_launch(keys, values, gram, cross, sqnorm, accumulate):
         return gram, cross, sqnorm
     cut = plan(keys, values, scores, mask, weighted_least_squares=weighted_least_squares)
     limit = cut.chunk_rows()
@@ -333,22 +310,13 @@ def gram_accumulate_int8(
             f"flush_rows: slice counts {cut.slices} keep int32 sums exact for at most {limit} rows a chunk, "
             f"got {flush}"
         )
-    nsplit = plan_splits(N, dk, dv, L, device) if splits is None else int(splits)
-    if nsplit < 1:
-        raise ValueError(f"splits: expected an int >= 1, got {splits!r}")
-    rows_per_split = triton.cdiv(N, nsplit)
-    nv_max = triton.cdiv(dv, min(c.kwargs["BM"] for c in _configs()))  # the most column blocks of any tile
+    nsplit, rows_per_split = _split_rows(splits, keys, values)
+    nv_max = triton.cdiv(values.shape[-1], min(c.kwargs["BM"] for c in _configs()))  # the most column blocks of a tile
     out_s, out_t, out_sq, in_place = _split_outputs(gram, cross, accumulate, nsplit, nv_max)
-    mask_arg = mask.to(torch.int8) if mask is not None else keys  # dummy pointer when absent
-    scores_arg = scores if scores is not None else keys
-    _tuned()[_grid(L, dk, dv, nsplit)](
-        keys, values, scores_arg, mask_arg, cut.scale_k.contiguous(), cut.scale_sk.contiguous(),
-        cut.scale_v.contiguous(), out_s, out_t, out_sq,
-        N, dk, dv, rows_per_split,
-        *keys.stride(), *values.stride(),
-        *(scores.stride() if scores is not None else (0, 0)),
-        *(mask_arg.stride() if mask is not None else (0, 0)),
-        L * dk * dk, L * dk * dv, nv_max,
+    pointers, layout = _launch_args(keys, values, scores, mask, rows_per_split, nv_max)
+    scales = (cut.scale_k.contiguous(), cut.scale_sk.contiguous(), cut.scale_v.contiguous())
+    _tuned()[_grid(keys, values, nsplit)](
+        *pointers, *scales, out_s, out_t, out_sq, *layout,
         HAS_SCORES=scores is not None, HAS_MASK=mask is not None, WLS=bool(weighted_least_squares),
         ACCUMULATE=in_place, K_K=cut.slices[0], K_SK=cut.slices[1], K_V=cut.slices[2], FLUSH_ROWS=flush,
     )  # fmt: skip

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .oracle import masked_rows, target_sqnorm
+
 SLICE_BITS = 7
 MAX_SLICES = 8
 PAIR_WEIGHT_MAX = 10  # pairs (a, b) with a + b above this are dropped
@@ -197,10 +199,7 @@ def naive_gram_int8(
         common = torch.promote_types(keys.dtype, values.dtype)
         keys, values = keys.to(common), values.to(common)
     cut = plan(keys, values, scores, mask, weighted_least_squares=weighted_least_squares)
-    keep = torch.ones(keys.shape[:2], dtype=torch.bool, device=keys.device) if mask is None else mask.bool()
-    k = torch.where(keep[..., None], keys.double(), 0.0)
-    v = torch.where(keep[..., None], values.double(), 0.0)
-    s = None if scores is None else torch.where(keep, scores.double(), 0.0)
+    k, v, s = masked_rows(keys, values, scores, mask)
     sk = k if s is None or not weighted_least_squares else k * s[..., None]
     sv = v if s is None else v * s[..., None]
     qk = _slices_torch(k * cut.scale_k[:, None, :], cut.slices[0])
@@ -221,11 +220,6 @@ def naive_gram_int8(
     gram = product(qk, qsk, cut.scale_k, cut.scale_sk)
     gram = torch.where(torch.ones_like(gram, dtype=torch.bool).triu(), gram, gram.mT)  # the upper triangle, mirrored
     cross = product(qk, qv, cut.scale_k, cut.scale_v)
-    if s is None:
-        sqnorm = v.square().sum((-2, -1))
-    elif weighted_least_squares:
-        sqnorm = (s * v.square().sum(-1)).sum(-1)
-    else:
-        sqnorm = sv.square().sum((-2, -1))
+    sqnorm = target_sqnorm(v, s, weighted_least_squares)
     _poison_non_finite(cut, gram, cross)
     return gram, cross, sqnorm

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install what the LM experiments need into .venv (the demo's environment plus peft, sacrebleu, matplotlib and
-# datasets), then run one: `bash scripts/experiment.sh lm_domains|lm_ppl|lm_sentiment|lm_translation|lm_stream [its arguments]`.
+# datasets), then run one: `bash scripts/experiment.sh lm_domains|lm_ppl|lm_sentiment|lm_translation|lm_stream|lm_suite
+# [its arguments]`.
 set -euo pipefail
-EXPERIMENTS="lm_domains lm_ppl lm_sentiment lm_translation lm_stream"
+EXPERIMENTS="lm_domains lm_ppl lm_sentiment lm_translation lm_stream lm_suite"
 usage() {
   echo "usage: bash scripts/experiment.sh EXPERIMENT [its arguments]   (EXPERIMENT: ${EXPERIMENTS// /, })" >&2
   echo "       bash scripts/experiment.sh EXPERIMENT --help              its options" >&2

@@ -3,6 +3,7 @@ section into Markdown lines (tables and a sentence or two of numbers), and the s
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -286,6 +287,26 @@ def fmt_serving(records: list[tuple[str, dict]]) -> list[str]:
     return lines
 
 
+def fmt_serve(records: list[tuple[str, dict]]) -> list[str]:
+    """lab/benchmarks/bench_serve.py: per client count, requests/s and p50 / p95 latency with 8 memories and with the
+    base model alone, and the p50 ratio the goal reads."""
+    lines = []
+    for _, r in records:
+        rows = []
+        for clients, modes in r["results"].items():
+            for mode, m in modes.items():
+                rows.append([clients, mode, num(m["requests_per_s"], 2), f"{m['p50_s'] * 1e3:,.0f} ms",
+                             f"{m['p95_s'] * 1e3:,.0f} ms", str(m["errors"])])  # fmt: skip
+        lines += table(["clients", "requests on", "requests/s", "p50 latency", "p95 latency", "errors"], rows) + [""]
+        ratios = ", ".join(f"{c} client{'' if c == '1' else 's'} {num(v, 3)}" for c, v in r["p50_ratio"].items())
+        lines.append(
+            f"p50 latency with 8 memories / the base model alone: {ratios} (goal ≤ {r['goal']}: "
+            f"{'met' if r['goal_met'] else 'not met'}); {r['requests_per_client']} requests per client of "
+            f"{r['max_tokens']} tokens, {r['repeats']} rounds."
+        )
+    return lines
+
+
 def fmt_learn(records: list[tuple[str, dict]]) -> list[str]:
     """lab/benchmarks/bench_learn.py: full learn and incremental re-solve against the authors' algorithm, and goals."""
     (_, r), rows = records[0], []
@@ -387,14 +408,42 @@ def fmt_gpu_learn_stack(records: list[tuple[str, dict]]) -> list[str]:
     ]
 
 
+def fmt_lm_suite(records: list[tuple[str, dict]]) -> list[str]:
+    """lab/experiments/lm_suite_report.py's merged record: each domain's change under the setting chosen on the other
+    kinds (leave-one-kind-out), per kind, and the suite's median and worst, with the shares of one LoRA epoch's."""
+    (_, r), lines = records[0], []
+    loko = r["loko"]
+
+    def share(x: float | None) -> str:
+        return "–" if x is None else f"{100 * x:.0f}%"
+
+    rows = [[c["domain"], c["kind"], c["setting"], pct(-c["reduction"]), pct(-c["lora"]) if c["lora"] is not None
+             else "–", share(c["share"])] for c in loko["choices"]]  # fmt: skip
+    lines += table(["domain", "kind", "setting chosen on the other kinds", "change", "1 LoRA epoch", "share"], rows)
+    kinds = [[k, str(len(v["domains"])), pct(-v["median"]), pct(-v["worst"]), share(v["share_median"])]
+             for k, v in loko["kinds"].items()]  # fmt: skip
+    lines += ["", *table(["kind", "domains", "median change", "worst change", "median share of LoRA's"], kinds), ""]
+    lines.append(
+        f"Suite of {len(loko['choices'])} domains: median change {pct(-loko['median'])}, worst {pct(-loko['worst'])} "
+        f"({loko['worst_domain']}); median share of one LoRA epoch's reduction {share(loko['share_median'])}, worst "
+        f"kind's {share(loko['worst_kind_share'])}. Suite manifest {r['suite']['manifest_sha256'][:12]}."
+    )
+    runs = {json.dumps(v, sort_keys=True) for v in r.get("runs", {}).values()}
+    if len(runs) > 1:
+        lines.append(f"The shards were measured by {len(runs)} runs (each domain's in the record's `runs`).")
+    return lines
+
+
 # docs/results_sections.toml names a section's formatter by these keys (`kind`).
 FORMATTERS: dict[str, Callable[..., list[str]]] = {
     "demo": fmt_demo,
     "cpu_paths": fmt_cpu_paths,
     "lm_domains": fmt_lm_domains,
+    "lm_suite": fmt_lm_suite,
     "lm_stream": fmt_lm_stream,
     "hf_overhead": fmt_hf_overhead,
     "serving": fmt_serving,
+    "serve": fmt_serve,
     "learn": fmt_learn,
     "long_stream": fmt_long_stream,
     "classify": fmt_classify,

@@ -47,16 +47,18 @@ class Server:
     """`python -m faast.serve` on a free port, with torch's thread count of this process (bit-for-bit answers need
     the same GEMM kernels and summation order)."""
 
-    def __init__(self, ckpt: str, memories: Path, *extra: str, exit_after: float = 600) -> None:
+    def __init__(
+        self, ckpt: str, memories: Path, *extra: str, exit_after: float = 600, name: str = NAME, start_s: float = 120
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "faast.serve", "--base", ckpt, "--name", NAME, "--memories", str(memories),
+        args = [sys.executable, "-m", "faast.serve", "--base", ckpt, "--name", name, "--memories", str(memories),
                 "--port", str(self.port), "--threads", str(torch.get_num_threads()), "--exit-after",
                 str(exit_after), "--batch-window-ms", "200", *extra]  # fmt: skip
         self.log = memories.parent / f"server-{self.port}.log"
         self.process = subprocess.Popen(args, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
                                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
-        self._wait_ready(120)
+        self._wait_ready(start_s)
 
     def _wait_ready(self, timeout: float) -> None:
         import httpx2 as httpx

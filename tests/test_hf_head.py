@@ -13,6 +13,7 @@ from faast.hf.output import head as head_module
 from tolerances import BF16_HEAD_PRODUCTS_REL, FLOAT32_COMPUTE_REL, assert_close, rel
 
 VOCAB, DIM = 97, 24
+POOL_ALWAYS = OutputPolicy(pool_dense_share=1.0)  # pool however few columns fall below the threshold
 
 
 def reference(head: torch.nn.Linear, keys: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor):  # noqa: ANN201
@@ -132,14 +133,13 @@ def peaked_case(bias: bool = False):  # noqa: ANN201
 @pytest.mark.parametrize("chunk", [1024, 8], ids=["one-chunk", "chunks-of-8"])
 def test_head_gradients_with_pooled_columns_match_a_float64_hand_pooling(monkeypatch, chunk, path):
     monkeypatch.setattr(head_module, "READ_CHUNK", chunk)
-    monkeypatch.setattr(head_module, "POOL_DENSE_SHARE", 1.0)  # pool however few columns fall below the threshold
     head, keys, targets, mask = peaked_case(bias=path == "bias")
     *expected, pooled_columns = pooled_reference(head, keys, targets, mask, 1e-2, chunk)
     assert pooled_columns > 0
     logits = None
     if path == "given-logits":  # a stream passes the logits it scored; the keys then only carry the mask's NaN
         logits = (keys.masked_fill(~mask.unsqueeze(-1), 0).double() @ head.weight.double().T).float()
-    got = head_module.head_gradients(head, keys, targets, mask, torch.float32, logits, pool=1e-2)
+    got = head_module.head_gradients(head, keys, targets, mask, torch.float32, logits, pool=1e-2, policy=POOL_ALWAYS)
     for actual, want in zip(got, expected, strict=True):
         assert_close(actual, want, torch.float32)
     assert bool((got[0][~mask] == 0).all())
@@ -156,7 +156,6 @@ def test_pooled_head_gradients_in_bfloat16_products_err_only_by_the_products_rou
     against the exact float64 reference on the same (peaked, so larger-logit) case: pooling adds no error of its
     own."""
     monkeypatch.setattr(head_module, "READ_CHUNK", chunk)
-    monkeypatch.setattr(head_module, "POOL_DENSE_SHARE", 1.0)
     pooled_calls = []
     pooled_product = head_module.pooled_product
 
@@ -168,7 +167,7 @@ def test_pooled_head_gradients_in_bfloat16_products_err_only_by_the_products_rou
     head, keys, targets, mask = peaked_case()
     *expected, pooled_columns = pooled_reference(head, keys, targets, mask, 1e-2, chunk)
     assert pooled_columns > 0
-    got = head_module.head_gradients(head, keys, targets, mask, torch.bfloat16, pool=1e-2)
+    got = head_module.head_gradients(head, keys, targets, mask, torch.bfloat16, pool=1e-2, policy=POOL_ALWAYS)
     assert pooled_calls  # the pooled path was taken, not the exact one
     clean = keys.masked_fill(~mask.unsqueeze(-1), 0)
     exact = reference(head, clean, targets, mask)
@@ -255,13 +254,12 @@ def test_pooling_adds_no_error_to_bfloat16_products_beyond_their_own(monkeypatch
     (6.3e-3): pooled, each output errs against the float64 pooling by at most 10% more than exact bfloat16 products
     err against the float64 products."""
     monkeypatch.setattr(head_module, "READ_CHUNK", 8)
-    monkeypatch.setattr(head_module, "POOL_DENSE_SHARE", 1.0)
     head, keys, targets, mask = peaked_case()
     *pooled64, pooled_columns = pooled_reference(head, keys, targets, mask, 1e-2, 8)
     assert pooled_columns > 0
     exact64 = reference(head, keys.masked_fill(~mask.unsqueeze(-1), 0), targets, mask)
     exact16 = head_module.head_gradients(head, keys, targets, mask, torch.bfloat16)
-    pooled16 = head_module.head_gradients(head, keys, targets, mask, torch.bfloat16, pool=1e-2)
+    pooled16 = head_module.head_gradients(head, keys, targets, mask, torch.bfloat16, pool=1e-2, policy=POOL_ALWAYS)
     for got, want, own, truth in zip(pooled16, pooled64, exact16, exact64, strict=True):
         assert rel(got, want) <= 1.1 * rel(own, truth)
 

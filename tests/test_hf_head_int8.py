@@ -187,3 +187,31 @@ def test_int8_products_off_the_cpu_raise_naming_the_setting():
     with pytest.raises(ValueError, match=r"ResidualOutput.head_dtype: 'int8' runs on a CPU only.*meta"):
         head_module.products_dtype("int8", off_cpu, off_cpu)
     assert head_module.products_dtype("bfloat16", off_cpu, off_cpu) == torch.bfloat16
+
+
+def test_head_gradients_take_their_block_and_int8_columns_as_arguments(monkeypatch):
+    """chunk and outliers given give what the module's READ_CHUNK and INT8_OUTLIERS set to them give, to the bit (the
+    lab passes them rather than rebinding the globals); more float32 columns change the logits; bad values raise
+    naming the argument."""
+    head, keys, targets, mask = case(bias=False, masked=True)
+    calls = []
+    real = head_module.int8_linear
+
+    def spy(hidden, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append((hidden.shape[0], kwargs["outliers"]))
+        return real(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(head_module, "int8_linear", spy)
+    given = head_module.head_gradients(head, keys, targets, mask, torch.int8, chunk=8, outliers=4)
+    assert calls == [(8, 4)] * 5 + [(6, 4)]
+    with monkeypatch.context() as patch:
+        patch.setattr(head_module, "READ_CHUNK", 8)
+        patch.setattr(head_module, "INT8_OUTLIERS", 4)
+        by_globals = head_module.head_gradients(head, keys, targets, mask, torch.int8)
+    for a, b in zip(given, by_globals, strict=True):
+        assert torch.equal(a, b)
+    wider = head_module.head_gradients(head, keys, targets, mask, torch.int8, chunk=8, outliers=12)
+    assert not torch.equal(wider[0], given[0])
+    for name, bad in (("chunk", 0), ("chunk", 8.0), ("outliers", -1), ("outliers", True)):
+        with pytest.raises(ValueError, match=f"{name}: expected an int >= "):
+            head_module.head_gradients(head, keys, targets, mask, torch.int8, **{name: bad})

@@ -41,7 +41,7 @@ REPLACED = {
                     "FIT_PER_KEY_DIM", "SEARCH_SAMPLE_STRIDE", "SEARCH_SAMPLE_MIN_ROWS", "WIDTH_SAMPLE_MIN_ROWS",
                     "TUNE_SAMPLE", "GAP_MULTIPLE", "MIN_GRID_STEP", "GOLDEN_ITERATIONS", "WEIGHT_ITERATIONS",
                     "MIN_GAIN_SE"),
-    head_module: ("POOL_AUTO",),
+    head_module: ("POOL_AUTO", "POOL_DENSE_SHARE"),
     config_module: ("AUTO_KEY_BLOCK_DIVISOR",),
 }  # fmt: skip
 
@@ -63,7 +63,13 @@ def test_the_default_policy_holds_the_shipped_choices():
         4,
         2,
     )
-    assert (p.fold_step_ratio, p.folds, p.pool_auto, p.auto_key_block_divisor) == (1.6, 2, 3e-4, 7)
+    assert (p.fold_step_ratio, p.folds, p.pool_auto, p.pool_dense_share, p.auto_key_block_divisor) == (
+        1.6,
+        2,
+        3e-4,
+        0.6,
+        7,
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.max_step = 8.0  # type: ignore[misc]
 
@@ -73,7 +79,8 @@ def test_the_default_policy_holds_the_shipped_choices():
     [("folds", 1), ("folds", 2.0), ("gap_multiple", -1), ("gap_multiple", True), ("tune_sample", 0),
      ("max_step", 0.0), ("step_tol", math.nan), ("held_out_share", 1.0), ("held_out_share", 0.0),
      ("default_weight", 1.5), ("min_grid_step", 8.0), ("pool_auto", -1e-4), ("fold_step_ratio", 0.0),
-     ("fold_step_ratio", math.nan), ("default_step_per_dim", 0), ("token_prior", "0.3")],
+     ("fold_step_ratio", math.nan), ("default_step_per_dim", 0), ("token_prior", "0.3"), ("pool_dense_share", 1.5),
+     ("pool_dense_share", -0.1), ("pool_dense_share", None)],
 )  # fmt: skip
 def test_a_value_out_of_range_is_refused_naming_its_field(field, bad):
     with pytest.raises(ValueError, match=f"OutputPolicy.{field}: expected"):
@@ -140,3 +147,19 @@ def test_a_learned_layer_given_another_policy_solves_again_with_it():
     model.learn(ids(batch=2, seq=30, seed=4), memory="other")
     model.set_memory("other")
     assert model.output_memory_layer.held_out.policy == layer.policy == OutputPolicy(token_prior=3.0, gap_multiple=0)
+
+
+def test_the_layers_head_pools_as_its_policys_dense_share_says():
+    # The tiny model's block keeps 41 of its 61 columns above p = 0.02 (67%): past the shipped share (0.6) p·H is
+    # formed in full, as with the exact threshold, to the bit; a policy whose share is 1 pools the 20 others, so the
+    # learned rows move.
+    x = ids(batch=2, seq=30)
+    cross = {}
+    for name, pool, policy in (("exact", 0.0, OutputPolicy()), ("shipped", 0.02, OutputPolicy()),
+                               ("pooled", 0.02, OutputPolicy(pool_dense_share=1.0))):  # fmt: skip
+        output = ResidualOutput(head_pool_below=pool, head_dtype="float32", policy=policy)
+        model = apply_faast(tiny_model("llama"), FaastConfig(output=output, learn_dtype="model"))
+        model.learn(x)
+        cross[name] = model.output_memory_layer.memory.cross
+    assert torch.equal(cross["shipped"], cross["exact"])
+    assert not torch.allclose(cross["pooled"], cross["exact"], rtol=1e-4, atol=0)

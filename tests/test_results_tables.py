@@ -106,3 +106,19 @@ def test_links_into_results_md_name_its_sections() -> None:
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     links = {(d.name, a) for d in docs for a in re.findall(r"results\.md#([\w-]+)", d.read_text())}
     assert {(name, a) for name, a in links if a not in anchors} == set()
+
+
+def test_every_result_file_is_referred_to() -> None:
+    # A run no table, doc, code or kept record names is history, which git keeps: it leaves the tree.
+    done = run("--unused")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "", f"result files nothing refers to:\n{done.stdout}"
+
+
+def test_unused_lists_a_planted_result_file(tree: Path) -> None:
+    planted = tree / "lab/benchmarks/results/planted_run_nobody_names.json"
+    planted.write_text("{}")
+    subprocess.run(["git", "init", "-q", str(tree)], check=True)  # --unused reads what git tracks or would track
+    done = run("--unused", "--root", str(tree))
+    assert done.returncode == 0, done.stderr
+    assert "lab/benchmarks/results/planted_run_nobody_names.json" in done.stdout.splitlines()

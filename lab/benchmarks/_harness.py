@@ -91,6 +91,14 @@ def write(stem: Path, record: dict, payload: dict, title: str, body: str | Seque
     provenance.write(stem, record, payload, title, body)
 
 
+def steps(total: int, what: str):  # noqa: ANN201 - a tqdm bar
+    """A progress bar over `total` steps of long work, with the rate and the time left, on stderr; off when stderr is
+    not a terminal (a log or a pipe gets no bar)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=what, unit="step", disable=not sys.stderr.isatty(), file=sys.stderr)
+
+
 def set_threads(n: int | None = None) -> int:
     """torch.set_num_threads(n or the physical core count); returns the count in use."""
     import torch

@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             url = f"http://127.0.0.1:{port}"
             learned = {}
+            loads = len(args.clients) * args.repeats * 2  # memories and base, interleaved
+            bar = H.steps(len(PACKAGES) + loads, "memories learned, then loads")
             for package, text in texts().items():
                 t0 = time.perf_counter()
                 answer = httpx.post(
@@ -153,12 +155,15 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 answer.raise_for_status()
                 learned[package] = {**answer.json(), "seconds": time.perf_counter() - t0}
+                bar.update()
             for clients in args.clients:
                 runs[str(clients)] = {"memories": [], "base": []}
                 for _ in range(args.repeats):
                     for mode in ("memories", "base"):  # interleaved: a drift of the machine hits both
                         got = load(url + "/v1", clients, args.requests, args.max_tokens, mode == "memories")
                         runs[str(clients)][mode].append(got)
+                        bar.update()
+            bar.close()
             health = httpx.get(url + "/health").json()
         finally:
             server.terminate()

@@ -8,6 +8,7 @@ import glob
 import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 #: The checkout the lab is installed from (editable, lab/pyproject.toml): provenance reads its git state, and paths
 #: in the recorded settings are written relative to it.
@@ -15,6 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = Path(__file__).resolve().parent
 RESULTS = EXPERIMENTS / "results"
 DATA = EXPERIMENTS / "data"
+
+#: load_model(name) -> (base model, tokenizer, description), as faast.hf.default.load_base_model: the scripts' main
+#: takes one (`load_model=`), so a test hands them a tiny model rather than rebinding the library's loader.
+ModelLoader = Callable[[str], tuple[Any, Any, str]]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

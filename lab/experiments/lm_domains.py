@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from faast import provenance
-from faast_lab.experiments._common import RESULTS, ROOT, measured_by
+from faast_lab.experiments._common import RESULTS, ROOT, ModelLoader, measured_by
 from faast_lab.experiments.domains import DOMAINS, EXTRA, VALIDATION, domain_texts
 from faast_lab.experiments.lm_domains_peers import run_backprop, run_knn, run_knn_tuned, run_lora_best, run_lora_time
 
@@ -440,7 +440,9 @@ def import_baselines(domain: Domain, args: argparse.Namespace) -> None:
             break
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None) -> dict:
+    """Run the benchmark with `argv`'s options on the base model load_model gives for 'smollm2' (default
+    faast.hf.default.load_base_model); returns the payload written."""
     import torch
 
     from faast.hf import FaastConfig
@@ -449,7 +451,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(0)
     record = provenance.start(ROOT)
-    base, tokenizer, description = load_base_model("smollm2")
+    base, tokenizer, description = (load_model or load_base_model)("smollm2")
     layers = FaastConfig.load(DEFAULT_READOUT / "faast_config.json").middle.layers
     # The default variant is what FaastConfig() builds: the residual output layer alone (no middle layers).
     default = "full" if FaastConfig().middle is not None else "output"

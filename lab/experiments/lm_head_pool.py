@@ -8,8 +8,9 @@ native; int8, the logits alone, p·H float32).
     python -m faast_lab.experiments.lm_head_pool --cache /tmp/faast_states --domains email asyncio
 
 The positions go through faast.hf.output.head.head_gradients in batches of `--batch` rows, as learn passes a batch of 8
-windows of 256 tokens, so the blocks that decide what is pooled are the ones learning forms. The threshold's effect
-on held-out perplexity is lm_output_variants.py's `--head-pool-below`.
+windows of 256 tokens, so the blocks that decide what is pooled are the ones learning forms (`--chunk` positions,
+head_gradients' own by default). The threshold's effect on held-out perplexity is lm_output_variants.py's
+`--head-pool-below`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 from faast import provenance
-from faast_lab.experiments._common import RESULTS, ROOT, table
+from faast_lab.experiments._common import RESULTS, ROOT, ModelLoader, table
 
 POOLS = (0.0, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
 
@@ -35,6 +36,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed passes per threshold (the median is reported)")
     p.add_argument("--products", choices=("float32", "bfloat16", "int8"), default="float32",
                    help="the head products' dtype")  # fmt: skip
+    # The head's own settings unless given (None): what learning runs.
+    p.add_argument("--chunk", type=int, help="positions per block, what pooling decides on (default READ_CHUNK)")
+    p.add_argument("--outliers", type=int, help="key columns int8 logits multiply in float32 (default INT8_OUTLIERS)")
+    p.add_argument("--dense-share", type=float, help="OutputPolicy.pool_dense_share (default the shipped policy's)")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--out", default="lm_head_pool_cpu")
     return p.parse_args(argv)
@@ -58,20 +63,23 @@ def exact(weight, keys, targets, batch: int, block: int):  # noqa: ANN001, ANN20
     return torch.cat(grads), gram, peaks
 
 
-def run(head, keys, targets, batch: int, pool: float, products):  # noqa: ANN001, ANN201
-    """head_gradients over the positions in calls of `batch` rows with `products` (a torch dtype), their buffers and
-    cast weights shared by the calls as within one learn() call: (r [n, d], Σ μμᵀ, seconds)."""
+def run(head, keys, targets, pool: float, products, args: argparse.Namespace, policy):  # noqa: ANN001, ANN201
+    """head_gradients over the positions in calls of args.batch rows with `products` (a torch dtype) and `policy` (an
+    OutputPolicy), in blocks of args.chunk, their buffers and cast weights shared by the calls as within one learn()
+    call: (r [n, d], Σ μμᵀ, seconds)."""
     import torch
 
     from faast.hf.output.head import HeadBuffers, head_gradients
 
+    batch = args.batch
     started = time.perf_counter()
     grads, gram, buffers = [], 0, HeadBuffers()
     with buffers.kept():
         for i in range(0, len(targets), batch):
             k, y = keys[i : i + batch][None], targets[i : i + batch][None]
             mask = torch.ones_like(y, dtype=torch.bool)
-            g, m, _ = head_gradients(head, k, y, mask, products, pool=pool, buffers=buffers)
+            g, m, _ = head_gradients(head, k, y, mask, products, pool=pool, buffers=buffers, policy=policy,
+                                     chunk=args.chunk, outliers=args.outliers)  # fmt: skip
             grads.append(g[0])
             gram = gram + m
     return torch.cat(grads), gram, time.perf_counter() - started
@@ -83,30 +91,34 @@ def cells(row: dict) -> list[str]:
             f"{row['time_ratio']:.2f}×"]  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None) -> dict:
+    """Run the probe with `argv`'s options on the head of the model load_model gives (default
+    faast.hf.default.load_base_model)."""
     import torch
 
+    from faast.hf import OutputPolicy
     from faast.hf.default import load_base_model
-    from faast.hf.output import head as head_module
+    from faast.hf.output.head import READ_CHUNK
 
     args = parse_args(argv)
+    policy = OutputPolicy() if args.dense_share is None else OutputPolicy(pool_dense_share=args.dense_share)
     pools = [float(x) for x in args.pools.split(",")]
     products = getattr(torch, args.products)
     if pools[0] != 0:
         raise SystemExit("--pools: the first threshold must be 0, the exact products the others are timed against")
     record = provenance.start(ROOT)
-    base, _, description = load_base_model("smollm2")
+    base, _, description = (load_model or load_base_model)("smollm2")
     head = base.get_output_embeddings()
     weight = head.weight.detach().float()
     rows = []
     for name in args.domains:
         keys, targets = torch.load(args.cache / f"{name}.pt")["learn"]
         keys, targets = keys[: args.positions].float(), targets[: args.positions]
-        r64, gram64, peaks = exact(weight, keys, targets, args.batch, head_module.READ_CHUNK)
-        run(head, keys[: args.batch], targets[: args.batch], args.batch, pools[0], products)  # warm allocator, BLAS
+        r64, gram64, peaks = exact(weight, keys, targets, args.batch, args.chunk or READ_CHUNK)
+        run(head, keys[: args.batch], targets[: args.batch], pools[0], products, args, policy)  # warm allocator, BLAS
         base_s = None
         for pool in pools:
-            timed = [run(head, keys, targets, args.batch, pool, products) for _ in range(args.repeats)]
+            timed = [run(head, keys, targets, pool, products, args, policy) for _ in range(args.repeats)]
             grads, gram, _ = timed[0]
             seconds = statistics.median(t[2] for t in timed)
             base_s = seconds if base_s is None else base_s

@@ -32,7 +32,7 @@ from functools import partial
 from pathlib import Path
 
 from faast import provenance
-from faast_lab.experiments._common import RESULTS, ROOT
+from faast_lab.experiments._common import RESULTS, ROOT, ModelLoader
 from faast_lab.experiments.domains import DOMAINS, EXTRA, VALIDATION, domain_texts
 
 CURVE = (2048, 8192, 32768)
@@ -650,7 +650,9 @@ def pair_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None) -> dict:
+    """Run the probe with `argv`'s options on the base model load_model gives for 'smollm2' (default
+    faast.hf.default.load_base_model); returns the payload written."""
     import torch
 
     from faast.hf import FaastConfig, ResidualOutput, apply_faast
@@ -661,7 +663,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     record = provenance.start(ROOT)
     torch.manual_seed(0)
-    base, tokenizer, description = load_base_model("smollm2")
+    base, tokenizer, description = (load_model or load_base_model)("smollm2")
     curve = [int(x) for x in args.curve.split(",")]
     rows: list[dict] = []
     for name in args.domains:

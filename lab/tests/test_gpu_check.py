@@ -371,19 +371,22 @@ def test_the_hf_benchmark_reads_with_the_memory_on_and_says_when_it_forced_a_ste
 def test_the_hf_benchmark_times_exact_p_h_beside_the_shipped_pooling_and_restores_it(monkeypatch):
     # What pooling p·H saves is measured in the same rounds as the shipped learning: the exact case sets the
     # layer's threshold to 0 and every other learn case puts the shipped setting back before it runs.
-    from faast.hf.output import head as head_module
+    from faast.hf.output.head import head_weight, pool_threshold, products_dtype
 
     bench, model, batch, _ = _hf_bench_on_tiny()
     output = model.output_memory_layer
     assert output.head_pool_below == "auto"
     cases = bench.timed_cases(model, batch, new_tokens=2)
     seen = []
+    real = output.gradients
 
-    def record(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        seen.append(args[6])
-        return head_module.head_gradients(*args, **kwargs)
+    def record(keys, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        # the threshold the layer's gradients hands head_gradients for these keys, under its settings now
+        products = products_dtype(output.head_dtype, keys, head_weight(output.head))
+        seen.append(pool_threshold(output.head_pool_below, products, keys, output.policy))
+        return real(keys, *args, **kwargs)
 
-    monkeypatch.setattr("faast.hf.output.layer.head_gradients", record)
+    monkeypatch.setattr(output, "gradients", record)
     for name, pool in ((bench.EXACT_PH, 0.0), ("learn, float64 statistics", None)):
         setup, run = cases[name]
         setup()

@@ -111,6 +111,12 @@ def load_script(name: str):  # noqa: ANN201 - the experiment module
     return importlib.import_module(f"faast_lab.experiments.{name}")
 
 
+def tiny_loader(base=None):  # noqa: ANN001, ANN201 - a load_model for the scripts' main
+    """What the experiments' main takes as load_model: `base` (else a fresh tiny Llama) with the character tokenizer,
+    described as "t", whatever model is asked for."""
+    return lambda name: (tiny_model("llama") if base is None else base, CharTokenizer(), "t")
+
+
 def test_the_perplexity_experiment_runs_end_to_end(tmp_path):
     pytest.importorskip("peft")
     checkpoint = save_tiny_checkpoint("llama", tmp_path / "tiny")
@@ -575,10 +581,7 @@ def test_a_resumed_multi_domain_run_keeps_each_domains_machine_and_the_report_na
     """--resume on another CPU (a name no real machine has, so this one always differs from it): the kept domain
     carries the earlier run's machine, a domain run now carries this run's, and the report names both (times compare
     within a domain only); one machine for all: no such line."""
-    import faast.hf.default
-
     module = load_script("lm_domains")
-    monkeypatch.setattr(faast.hf.default, "load_base_model", lambda name: (tiny_model("llama"), CharTokenizer(), "t"))
     monkeypatch.setattr(module, "run_domain", lambda name, *rest: _domain(name, 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8],
                                                                           [5] * 3))  # fmt: skip
     earlier = {"model": "t", "provenance": {"date": "d0", "git_sha": "abcdef0123", "git_dirty": False,
@@ -588,7 +591,7 @@ def test_a_resumed_multi_domain_run_keeps_each_domains_machine_and_the_report_na
                "domains": [_domain("asyncio", 10.0, 8.8, 8.0, 9.5, [9.5, 9.0, 8.8], [5] * 3)]}  # fmt: skip
     (tmp_path / "d.json").write_text(json.dumps(earlier), encoding="utf-8")
     payload = module.main(["--domains", "asyncio", "info", "--methods", "default", "--resume", "--results-dir",
-                           str(tmp_path), "--out", "d"])  # fmt: skip
+                           str(tmp_path), "--out", "d"], load_model=tiny_loader())  # fmt: skip
     kept, new = payload["domains"]
     assert kept["domain"] == "asyncio" and kept["measured_by"]["cpu_model"] == "Example CPU"
     assert kept["measured_by"]["git_sha"] == "abcdef0123" and kept["measured_by"]["cpu_native_bf16"] is False
@@ -617,11 +620,8 @@ def test_a_resumed_multi_domain_run_keeps_each_domains_machine_and_the_report_na
 
 
 def _made_up_domain(module, monkeypatch, seed: int, texts: int) -> list[str]:  # noqa: ANN001
-    """lm_domains on a tiny Llama (the base model loader patched) and made-up text (`texts` learned texts of 150
-    words, two held-out ones of 60, drawn with `seed`): returns the learned texts."""
-    import faast.hf.default
-
-    monkeypatch.setattr(faast.hf.default, "load_base_model", lambda name: (tiny_model("llama"), CharTokenizer(), "t"))
+    """lm_domains on made-up text (the script's domain files patched: `texts` learned texts of 150 words, two held-out
+    ones of 60, drawn with `seed`), for a main given tiny_loader(): returns the learned texts."""
     words = random.Random(seed)
 
     def make(n: int) -> str:
@@ -633,8 +633,8 @@ def _made_up_domain(module, monkeypatch, seed: int, texts: int) -> list[str]:  #
 
 
 def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_to_end(tmp_path, monkeypatch):
-    """lm_domains.main on a tiny Llama and made-up text (the base model loader and the domain's files patched): every
-    method but the linear projection (its layers are SmolLM2's), with the tuned peers on FAAST's own held-out tail."""
+    """lm_domains.main on a tiny Llama (its load_model) and made-up text (the domain's files patched): every method
+    but the linear projection (its layers are SmolLM2's), with the tuned peers on FAAST's own held-out tail."""
     pytest.importorskip("peft")
     import dataclasses
 
@@ -650,7 +650,7 @@ def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_
         "--domains", "info", "--methods", methods, "--learn-tokens", "3000", "--score-tokens", "400", "--window", "64",
         "--train-window", "32", "--lora-lrs", "1e-3,1e-2", "--lora-max-epochs", "2", "--knn-k", "16",
         "--knn-lams", "0.1,0.5", "--knn-temperatures", "1,10", "--results-dir", str(tmp_path), "--out", "d",
-    ])  # fmt: skip
+    ], load_model=tiny_loader())  # fmt: skip
     rows = {r["method"].split(" (")[0]: r for r in payload["domains"][0]["rows"]}
     fp32 = "FAAST: residual output only, float32 learning pass and head products"
     int8 = "FAAST: residual output only, float32 learning pass, int8 head logits"
@@ -702,7 +702,7 @@ def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_
         "--domains", "info", "--methods", "default,lora_time", "--learn-tokens", "3000", "--score-tokens", "400",
         "--window", "64", "--train-window", "32", "--lora-lr", other, "--baselines-from", str(tmp_path / "d.json"),
         "--results-dir", str(tmp_path), "--out", "e",
-    ])  # fmt: skip
+    ], load_model=tiny_loader())  # fmt: skip
     rows_again = {r["method"].split(" (")[0]: r for r in again["domains"][0]["rows"]}
     assert all(rows_again[m]["imported_from"]["file"] == "d.json" for m in ("LoRA", "LoRA-best", "kNN-LM tuned"))
     timed_again = rows_again["LoRA at FAAST's time"]
@@ -729,7 +729,7 @@ def test_the_folds_row_takes_the_fold_step_at_the_ratio_of_the_policy_it_is_give
     payload = module.main([
         "--domains", "info", "--methods", "default,folds", "--fold-ratio", "1e-9", "--learn-tokens", "3000",
         "--score-tokens", "400", "--window", "64", "--results-dir", str(tmp_path), "--out", "d",
-    ])  # fmt: skip
+    ], load_model=tiny_loader())  # fmt: skip
     rows = {r["method"]: r for r in payload["domains"][0]["rows"]}
     default, folds = rows["FAAST: residual output only"], rows["FAAST: residual output only, fold step rule"]
     assert folds["fold_ratio"] == 1e-9 and "fold_ratio" not in default
@@ -809,14 +809,12 @@ def test_the_step_probe_rebuilds_the_models_read_and_leaves_the_layer_as_shipped
     equals the model's own read (and evaluate.perplexity), the curve's ×1 point and the untuned default pair are that
     read, the oracle is no worse than any step on the curve; gap_steps restores the shipped gap and step. The read is
     the model's learning the curve's parts as the benchmark does (a cut text continued) with --key-layers' keys."""
-    import faast.hf.default
     from faast.hf import FaastConfig, OutputPolicy, ResidualOutput, apply_faast
     from faast.hf.evaluate import token_windows
     from faast.hf.tokens import split_continuing, token_lists
 
     module = load_script("lm_step_probe")
     base = tiny_model("llama")
-    monkeypatch.setattr(faast.hf.default, "load_base_model", lambda name: (base, CharTokenizer(), "t"))
     words = random.Random(1)
 
     def make(n: int) -> str:
@@ -824,9 +822,10 @@ def test_the_step_probe_rebuilds_the_models_read_and_leaves_the_layer_as_shipped
 
     learn, score = [make(150) for _ in range(5)], [make(60) for _ in range(2)]
     monkeypatch.setattr(module, "domain_texts", lambda name: (learn, score))
-    payload = module.main(["--domains", "info", "--curve", "300,3000", "--learn-tokens", "3000", "--score-tokens",
-                           "400", "--window", "64", "--learn-window", "32", "--pairs", "--w-grid", "--key-layers",
-                           "0,1", "--results-dir", str(tmp_path), "--out", "p"])  # fmt: skip
+    argv = ["--domains", "info", "--curve", "300,3000", "--learn-tokens", "3000", "--score-tokens", "400", "--window",
+            "64", "--learn-window", "32", "--pairs", "--w-grid", "--key-layers", "0,1", "--results-dir", str(tmp_path),
+            "--out", "p"]  # fmt: skip
+    payload = module.main(argv, load_model=tiny_loader(base))
     rows = payload["rows"]
     assert [r["tokens"] for r in rows] == [300, 3000] and not rows[0]["tuned"] and rows[1]["tuned"]
     for r in rows:
@@ -947,7 +946,6 @@ def test_the_step_probes_folds_score_each_document_by_a_fit_without_its_own_fold
     own fold's documents only (documents dealt alternately), against float64 from the kept rows; the layer is left as
     it was."""
     from faast.hf import FaastConfig, ResidualOutput, apply_faast
-    from faast.hf.output import tuning
     from faast_lab.experiments.lm_baselines import faast_min_fit
     from test_hf_residual import ids
     from tolerances import STEP_SEARCH_REL, TRUTH_REL_W, rel
@@ -961,10 +959,9 @@ def test_the_step_probes_folds_score_each_document_by_a_fit_without_its_own_fold
         shipped = layer.chosen_step()
         last = dict(layer.last_tuning)
         assert last["tuned"] and shipped > 0
-        seen, search = [], tuning.tune_step_rows
-        monkeypatch.setattr(
-            tuning, "tune_step_rows", lambda logits, *a, **k: seen.append(logits) or search(logits, *a, **k)
-        )
+        # The logits each k's step search is given: the script's own with_targets builds them (a lab function).
+        seen, build = [], module.with_targets
+        monkeypatch.setattr(module, "with_targets", lambda *a: seen.append(build(*a)) or seen[-1])
         steps = module.fold_steps(layer)
         monkeypatch.undo()
         assert layer.chosen_step() == shipped and set(steps) == {str(k) for k in module.FOLDS}
@@ -997,25 +994,23 @@ def test_the_pool_probe_measures_each_threshold_against_float64_products(tmp_pat
     products (every column kept, errors of that dtype's grade); a threshold that pools reports the error head_gradients
     gives at it in that dtype, with the gradient sum exact to that grade; the kept share is measured on the blocks
     learning forms."""
-    import faast.hf.default
+    from faast.hf import OutputPolicy
     from faast.hf.output import head as head_module
     from tolerances import BF16_HEAD_PRODUCTS_REL, INT8_HEAD_PRODUCTS_REL
 
     module = load_script("lm_head_pool")
-    monkeypatch.setattr(head_module, "INT8_OUTLIERS", 4)  # of the tiny head's 32 columns: most go through int8
     monkeypatch.setenv("FAAST_BACKEND", "int8_linear=torch.int_mm")  # the 8-bit kernel the thresholds were set on
     base = tiny_model("llama")
-    monkeypatch.setattr(faast.hf.default, "load_base_model", lambda name: (base, CharTokenizer(), "t"))
-    monkeypatch.setattr(head_module, "POOL_DENSE_SHARE", 1.0)
-    monkeypatch.setattr(head_module, "READ_CHUNK", 16)
     head = base.get_output_embeddings()
     g = torch.Generator().manual_seed(3)
     keys = 40 * torch.randn(70, head.weight.shape[1], generator=g)  # sharp predictions: many columns pool
     targets = torch.randint(0, head.weight.shape[0], (70,), generator=g)
     torch.save({"learn": (keys, targets)}, tmp_path / "d.pt")
     argv = ["--cache", str(tmp_path), "--domains", "d", "--pools", "0,0.01", "--positions", "60", "--batch", "24",
-            "--repeats", "1", "--results-dir", str(tmp_path), "--out", "p", "--products", products]  # fmt: skip
-    exact, pooled = module.main(argv)["rows"]
+            "--repeats", "1", "--results-dir", str(tmp_path), "--out", "p", "--products", products,
+            # blocks of 16; pool however few columns fall below; 4 of the tiny head's 32 columns float32, most int8
+            "--chunk", "16", "--dense-share", "1", "--outliers", "4"]  # fmt: skip
+    exact, pooled = module.main(argv, load_model=tiny_loader(base))["rows"]
     grade = {"float32": 1e-5, "bfloat16": BF16_HEAD_PRODUCTS_REL, "int8": INT8_HEAD_PRODUCTS_REL}[products]
     assert exact["kept_share"] == 1.0 and exact["r_rel"] < grade and exact["time_ratio"] == 1.0
     assert products == "float32" or exact["r_rel"] > 1e-5  # the products did round to bfloat16 or int8
@@ -1028,7 +1023,8 @@ def test_the_pool_probe_measures_each_threshold_against_float64_products(tmp_pat
         y = targets[i : min(i + 24, 60)][None]
         learned = torch.ones_like(y, dtype=torch.bool)
         got.append(head_module.head_gradients(head, keys[i : i + y.shape[1]][None], y, learned,
-                                              getattr(torch, products), pool=0.01)[0][0])  # fmt: skip
+                                              getattr(torch, products), pool=0.01, chunk=16, outliers=4,
+                                              policy=OutputPolicy(pool_dense_share=1.0))[0][0])  # fmt: skip
     assert pooled["kept_share"] == pytest.approx(sum(kept) / len(kept)) and 0 < pooled["kept_share"] < 1
     r64 = weight[targets[:60]] - torch.softmax(keys[:60].double() @ weight.T, -1) @ weight
     assert pooled["r_rel"] == pytest.approx(float((torch.cat(got).double() - r64).norm() / r64.norm()), rel=1e-6)

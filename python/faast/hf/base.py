@@ -1,5 +1,6 @@
 """What every faast model shares about the frozen model it wraps: the delegating wrapper, the API both model kinds
-implement (FaastModelBase), freezing, eval mode while learning, and the name of the configuration file both save."""
+implement (FaastModelBase), freezing, eval mode while learning, and the names of the configuration and memories
+files both save."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 
 # FaastModel and FaastModuleModel save their FaastConfig under this name; faast.hf.from_pretrained reads it for both.
 CONFIG_NAME = "faast_config.json"
+# What a model learned, in folders written before named memories (format 1) and by FaastModuleModel: one file.
+MEMORIES_NAME = "faast_memories.safetensors"
 # Base models FAAST is applied to, until remove_faast: apply_faast refuses them, since a second set of hooks would
 # stack on the first.
 WRAPPED_BASE_MODELS: weakref.WeakSet = weakref.WeakSet()

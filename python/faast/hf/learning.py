@@ -153,10 +153,7 @@ class Learner:
         self.pass_precision(input_ids.device)
         if isinstance(self.output_layer, ResidualOutputLayer):
             layer = self.output_layer
-            # The head is an nn.Linear-like module: its weight is a tensor [V, d].
-            products_dtype(
-                layer.head_dtype, input_embeddings(self.base_model).weight, cast(torch.Tensor, layer.head.weight)
-            )
+            products_dtype(layer.head_dtype, input_embeddings(self.base_model).weight, layer.head.weight)
         started = time.perf_counter()
         if documents is None:
             # Rows of unknown texts: numbered -2, -3, ... (negative: the step tuning treats them as unknown, as it
@@ -267,7 +264,7 @@ class Learner:
         pool: str | float | None = None
         if isinstance(self.output_layer, ResidualOutputLayer):
             layer = self.output_layer
-            head_weight = cast(torch.Tensor, layer.head.weight)  # the head is an nn.Linear-like module
+            head_weight = layer.head.weight  # one read: a ScaledHead forms its product on each
             products = products_dtype(layer.head_dtype, weights, head_weight)
             head = str(products).split(".")[-1]
             pool = pool_threshold(layer.head_pool_below, products, weights, layer.policy)
@@ -290,7 +287,7 @@ class Learner:
             {"int8_linears": self.int8_linears()}) is None  # fmt: skip
         layer = self.output_layer
         if isinstance(layer, ResidualOutputLayer) and layer.head_dtype == "auto":
-            shape = head_shape_class(cast(torch.Tensor, layer.head.weight), weights.dtype)  # an nn.Linear-like head
+            shape = head_shape_class(layer.head.weight, weights.dtype)
             pending = pending or paths.current("head_logits", weights.device, shape) is None
         started = time.perf_counter()
         chosen = self.precision()

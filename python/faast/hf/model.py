@@ -39,7 +39,7 @@ from .modules import FaastModuleModel, ModuleMemories, wants_module_model
 from .named_memories import BoundLayers, NamedMemories
 from .output import ResidualOutputLayer
 from .reading import ReadReport, StreamReader
-from .targets import get_submodule, residual_head, target_for
+from .targets import LMHead, get_submodule, residual_head, target_for
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -118,7 +118,8 @@ class FaastModel(FaastModelBase):
             self.output_memory_layer = ResidualOutputLayer(
                 hidden, vocab, self.faast_config, device=device, extra_key_size=hidden * len(key_blocks)
             )
-            self.output_memory_layer.attach_head(cast(nn.Module, head))  # it reads .weight and .bias (ScaledHead too)
+            # Its weight [V, hidden] is checked above: an LMHead, whatever the head's declared type.
+            self.output_memory_layer.attach_head(cast(LMHead, head))
         elif config.output is not None:
             self.output_memory_layer = OutputMemoryLayer(hidden, hidden, self.faast_config, device=device)
         self.faast_hooks = ModelHooks(

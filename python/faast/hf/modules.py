@@ -28,11 +28,10 @@ from torch.utils.hooks import RemovableHandle
 from .._version import __version__
 from ..checkpoint import load_checkpoint, save_state
 from ..memory import FastWeights
-from .base import CONFIG_NAME, WRAPPED_BASE_MODELS, FaastModelBase, eval_mode, freeze
+from .base import CONFIG_NAME, MEMORIES_NAME, WRAPPED_BASE_MODELS, FaastModelBase, eval_mode, freeze
 from .config import FaastConfig
 from .inputs import describe
 from .layers import memory_options
-from .persistence import MEMORIES_NAME
 from .targets import TARGETS
 
 IGNORE_INDEX = -100  # integer targets: rows labelled -100 are not learned (the transformers convention)

@@ -12,7 +12,7 @@ Every file is written atomically and read back verified (faast.persist). Nothing
   module memories'), so files written before the middle layers shared one bank and files written now are
   interchangeable. The residual output layer's step, weight and key width in use are saved with it.
 
-The functions take the FaastModel and use its public surface only.
+The functions take the FaastModel and use only the members faast.hf.protocols.SavedModel names.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import math
 import tempfile
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -32,13 +33,19 @@ from ..accumulator import Accumulator
 from ..checkpoint import load_checkpoint, save_state
 from ..memory import FastWeights
 from ..persist import read_verified, write_atomic, write_text_atomic
-from .base import CONFIG_NAME
+from .base import CONFIG_NAME, MEMORIES_NAME
 from .config import CONFIG_VERSION, FaastConfig
+from .layers import MemoryLayer
+from .lm import input_embeddings
 from .output import ResidualOutputLayer
+from .protocols import SavedModel
+
+# load_adapter and load_fast_weights return the model they are given, typed as given.
+Model = TypeVar("Model", bound=SavedModel)
 
 WEIGHTS_NAME = "faast_adapter.safetensors"
-# What a model learned, in folders written before named memories (format 1): one file, the 'default' memory.
-MEMORIES_NAME = "faast_memories.safetensors"
+# MEMORIES_NAME (faast.hf.base): what a model learned, in folders written before named memories (format 1): one
+# file, the 'default' memory.
 # Since format 2: a manifest naming every memory, each in its own file under MEMORY_DIR.
 MANIFEST_NAME = "faast_manifest.json"
 MEMORY_DIR = "memories"
@@ -64,10 +71,21 @@ def _adapter_shape(config: FaastConfig) -> dict:
     }
 
 
-def _adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def _middle_layers(model: SavedModel) -> dict[str, MemoryLayer]:
+    """`model.memory_layers` by block key, each checked to be a MemoryLayer (an nn.ModuleDict types its entries as
+    any module)."""
+    layers = {}
+    for key, layer in model.memory_layers.items():
+        if not isinstance(layer, MemoryLayer):
+            raise TypeError(f"model: memory_layers[{key!r}]: expected a MemoryLayer, got {type(layer).__name__}")
+        layers[key] = layer
+    return layers
+
+
+def _adapter_tensors(model: SavedModel) -> dict[str, torch.Tensor]:
     """The trained parameters of `model`'s middle layers by file name (the live tensors)."""
     tensors = {}
-    for key, layer in model.memory_layers.items():
+    for key, layer in _middle_layers(model).items():
         tensors[f"layers.{key}.readout.weight"] = layer.readout.weight
         if layer.scorer is not None:
             tensors[f"layers.{key}.scorer.weight"] = layer.scorer.weight
@@ -79,15 +97,15 @@ def memory_file(directory: str | Path, name: str) -> Path:
     return Path(directory) / MEMORY_DIR / f"{name}.safetensors"
 
 
-def base_shape(model: nn.Module) -> dict:
+def base_shape(model: SavedModel) -> dict:
     """What a saved model's memories need of the base model: type, hidden size, layer count, vocabulary."""
     config = model.faast_config
-    vocab = model.base_model.get_input_embeddings().weight.shape[0]
+    vocab = input_embeddings(model.base_model).weight.shape[0]
     return {"model_type": config.model_type, "hidden_size": config.hidden_size,
             "num_hidden_layers": config.num_hidden_layers, "vocab_size": int(vocab)}  # fmt: skip
 
 
-def write_manifest(model: nn.Module, directory: str | Path, written: dict[str, Path], selected: str | None) -> Path:
+def write_manifest(model: SavedModel, directory: str | Path, written: dict[str, Path], selected: str | None) -> Path:
     """Write MANIFEST_NAME: the format version, the base model's shape, the selected memory and each memory's file
     (name, path, bytes, sha256 of the file), atomically, after the memory files; then remove memory files the
     manifest does not name (an earlier save's) and a format-1 memories file."""
@@ -167,7 +185,7 @@ def read_manifest(directory: str | Path) -> dict | None:
     return manifest
 
 
-def check_base(manifest: dict, model: nn.Module, directory: str | Path) -> None:
+def check_base(manifest: dict, model: SavedModel, directory: str | Path) -> None:
     """Refuse a base model whose type, hidden size, layer count or vocabulary differ from the saved one."""
     mine = base_shape(model)
     for name in _BASE_FIELDS:
@@ -201,7 +219,7 @@ def saved_ledger(path: str | Path) -> list:
         raise ValueError(f"{path}: the saved position is not a JSON object") from None
 
 
-def save_pretrained(model: nn.Module, directory: str | Path) -> Path:
+def save_pretrained(model: SavedModel, directory: str | Path) -> Path:
     """Write `model`'s FaastConfig (JSON) and its readout + scorer weights (safetensors, float32), each atomically
     (the memories and the manifest: FaastModel.save_pretrained)."""
     directory = Path(directory)
@@ -217,7 +235,7 @@ def save_pretrained(model: nn.Module, directory: str | Path) -> Path:
     return directory
 
 
-def load_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
+def load_adapter(model: Model, directory: str | Path) -> Model:
     """Load readout + scorer weights written by save_pretrained into `model` (all or nothing); returns it."""
     path = Path(directory) / WEIGHTS_NAME
     tensors, metadata = read_verified(path)
@@ -252,10 +270,10 @@ def load_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
     return model
 
 
-def save_fast_weights(model: nn.Module, path: str | Path, *, ledger: list | None = None) -> Path:
+def save_fast_weights(model: SavedModel, path: str | Path, *, ledger: list | None = None) -> Path:
     """Write every piece of `model`'s learned state (its selected memory) to one safetensors file, atomically (see
     the module docstring); `ledger`: what the memory learned (faast.hf.memory_store.Ledger.to_json), kept with it."""
-    extra = {} if ledger is None else {"ledger": ledger}
+    extra: dict[str, object] = {} if ledger is None else {"ledger": ledger}
     layer = model.output_memory_layer
     if isinstance(layer, ResidualOutputLayer):
         if layer.step == "auto" and (step := layer.chosen_step()) is not None:
@@ -268,7 +286,7 @@ def save_fast_weights(model: nn.Module, path: str | Path, *, ledger: list | None
     return save_state(path, per_layer_holder(model, copy=True), extra)
 
 
-def load_fast_weights(model: nn.Module, path: str | Path) -> nn.Module:
+def load_fast_weights(model: Model, path: str | Path) -> Model:
     """Load what save_fast_weights wrote into `model` (the layers must match; all or nothing); returns it.
 
     Also reads a checkpoint of the model in the bank layout (faast.checkpoint on the FaastModel itself, memories
@@ -284,31 +302,48 @@ def load_fast_weights(model: nn.Module, path: str | Path) -> nn.Module:
         if saved is not None and sorted(saved) == sorted(name for name, _ in model.learned_state()):
             _restore_output_settings(model, load_checkpoint(path, _bank_holder(model), check))
             return model
-        holder = per_layer_holder(model, copy=False)
+        slots = _per_layer_memories(model, copy=False)
         # validates every memory of the file (and the saved step) before copying any
-        _restore_output_settings(model, load_checkpoint(path, holder, check))
+        _restore_output_settings(model, load_checkpoint(path, _per_layer_holder(model, slots), check))
     if model.memory_bank is not None:
-        slots = [holder.memory_layers[key].memory for key in model.memory_layers]
         model.memory_bank.load_state_dict(
-            {name: torch.stack([getattr(m, name) for m in slots]) for name in model.memory_bank.state_dict()}
+            {name: torch.stack([getattr(m, name) for m in slots.values()]) for name in model.memory_bank.state_dict()}
         )
     return model
 
 
-def per_layer_holder(model: nn.Module, *, copy: bool) -> nn.Module:
+def per_layer_holder(model: SavedModel, *, copy: bool) -> nn.Module:
     """A module holding `model`'s learned state in the per-layer file layout: one FastWeights(d, d) per middle layer
     at `memory_layers.<block>.memory` (copies of the bank's slots when `copy`, else empty ones to load into), the
     output layer and the module memories."""
-    holder = nn.Module()
-    layers = nn.ModuleDict()
-    bank = model.memory_bank
-    for key, layer in model.memory_layers.items():
+    return _per_layer_holder(model, _per_layer_memories(model, copy=copy))
+
+
+def _per_layer_memories(model: SavedModel, *, copy: bool) -> dict[str, FastWeights]:
+    """One FastWeights(d, d) per middle layer, by block key, with the bank's solve settings: copies of the bank's
+    slots when `copy`, else empty ones to load into."""
+    bank, layers = model.memory_bank, _middle_layers(model)
+    if bank is None:  # FaastModel builds its bank exactly when it has middle layers
+        if layers:
+            raise ValueError(f"model: middle layers {sorted(layers)} but no memory_bank holding their statistics")
+        return {}
+    memories = {}
+    for key, layer in layers.items():
         memory = FastWeights(
             bank.dim_key, bank.dim_value, alpha=bank.alpha, rtol=bank.rtol, ridge=bank.ridge,
             compute_dtype=bank.compute_dtype, device=bank.device,
         )  # fmt: skip
         if copy:
             memory.load_state_dict(layer.memory.state_dict())
+        memories[key] = memory
+    return memories
+
+
+def _per_layer_holder(model: SavedModel, memories: dict[str, FastWeights]) -> nn.Module:
+    """per_layer_holder for these per-layer memories."""
+    holder = nn.Module()
+    layers = nn.ModuleDict()
+    for key, memory in memories.items():
         slot = nn.Module()
         slot.memory = memory
         layers[key] = slot
@@ -319,7 +354,7 @@ def per_layer_holder(model: nn.Module, *, copy: bool) -> nn.Module:
     return holder
 
 
-def _bank_holder(model: nn.Module) -> nn.Module:
+def _bank_holder(model: SavedModel) -> nn.Module:
     """A module holding `model`'s learned state under the names of the bank layout (FaastModel.learned_state)."""
     holder = nn.Module()
     if model.memory_bank is not None:
@@ -408,7 +443,7 @@ def _check_output_settings(path: str | Path, position: dict) -> None:
         raise ValueError(f"{path}: output_key_width: expected an int > 0, got {width!r}")
 
 
-def _restore_output_settings(model: nn.Module, position: dict) -> None:
+def _restore_output_settings(model: SavedModel, position: dict) -> None:
     """Hand the residual output layer the step, weight and key width saved with its statistics (None in files
     without them); the positions it held out before the load are not in the loaded statistics."""
     layer = model.output_memory_layer

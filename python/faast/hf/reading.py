@@ -295,7 +295,7 @@ class StreamReader:
         if on_chunk is not None and not callable(on_chunk):
             raise TypeError(f"on_chunk: expected a callable or None, got {type(on_chunk).__name__}")
         device = input_embeddings(self.base_model).weight.device
-        ids = _stream_ids(stream, tokenizer, int(cast(torch.Tensor, layer.head.weight).shape[0]), device)
+        ids = _stream_ids(stream, tokenizer, int(layer.head.weight.shape[0]), device)
         report = ReadReport(chunk=chunk)
         bar = Bar(enabled(progress), "faast read")
         memories = self.memories

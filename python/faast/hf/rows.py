@@ -197,7 +197,7 @@ class RowMemories:
         compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
         head_dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16) else compute
         full_p, keep = per_row(full), per_row(none)
-        head_weight = cast(torch.Tensor, layer.head.weight)  # an nn.Linear-like head's [V, d]
+        head_weight = layer.head.weight  # [V, d]
         out = read_blocks(
             projected.reshape(-1, projected.shape[-1]), logits.reshape(-1, logits.shape[-1]),
             head_weight.to(head_dtype), compute=compute, scale=float(getattr(layer.head, "scale", 1.0)),

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
@@ -138,10 +138,21 @@ def get_submodule(model: PreTrainedModel, path: str, what: str) -> nn.Module:
 # ---------------------------------------------------------------------------------------------------- the logits
 
 
-class ScaledHead:
-    """The LM head as the logits see it: `weight` [V, d] and `bias` [V] (or None) times a constant `scale`.
+class LMHead(Protocol):
+    """What the residual output layer (faast.hf.output) reads of the LM head: `weight` H [V, d], logits = h̃ Hᵀ + b.
+    It also reads `bias` b [V] and `scale` where the head has them (getattr: a head without a bias has none). An
+    nn.Linear head and a ScaledHead are LMHeads; a head typed only as nn.Module (get_output_embeddings()) becomes one
+    once its `weight` is checked to be a tensor [V, d]."""
 
-    Read-only views for the residual output layer (output.py reads `.weight` and `.bias`); each read forms the
+    @property
+    def weight(self) -> torch.Tensor:
+        """H [V, d], any floating dtype."""
+
+
+class ScaledHead:
+    """The LM head as the logits see it: `weight` [V, d] and `bias` [V] (or None) times a constant `scale` (an LMHead).
+
+    Read-only views for the residual output layer (faast.hf.output reads `.weight` and `.bias`); each read forms the
     product (in float32, or float64 for a float64 head) from the live head, so moving or re-casting the model needs
     no refresh. Not an nn.Module: the model's head stays the only owner of its parameters.
     """

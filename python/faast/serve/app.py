@@ -6,8 +6,10 @@ the memory endpoints (docs/serving.md, "The server").
   package's types, as `transformers serve` answers.
 - GET /v1/memories, GET /v1/memories/{name}: name, file bytes, tokens learned, resident or not.
 - POST /v1/memories {name, texts}: a new memory learned from the texts. POST /v1/memories/{name}/learn {texts}: learn
-  more. POST /v1/memories/{name}/forget {texts}: unlearn them exactly. POST /v1/memories/merge {sources, into}.
-  DELETE /v1/memories/{name}. Each change is committed to the folder before the answer (faast.serve.memories).
+  more. POST /v1/memories/{name}/forget {texts}: unlearn them exactly. The three also take files (multipart) or a
+  bare text (text/plain) (faast.serve.uploads); create and learn take `stream`: progress as server-sent events, then
+  the answer. POST /v1/memories/merge {sources, into}. DELETE /v1/memories/{name}. Each change is committed to the
+  folder before the answer (faast.serve.memories).
 - GET /health.
 
 Every refusal is a 4xx with {"error": {"message", "type", "param", "code"}}, `param` naming the field, and changes
@@ -35,8 +37,9 @@ from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from .batching import Batcher, Job
 from .memories import MemoryHouse
-from .schemas import Generation, Limits, ServeError, name_field, only_fields, parse_body, parse_generation, texts_field
+from .schemas import Generation, Limits, ServeError, name_field, only_fields, parse_body, parse_generation
 from .tenants import Gate, Tenant
+from .uploads import TextsRequest, read_capped, texts_request
 
 Reason = Literal["stop", "length"]  # why a generation ended: an end-of-sequence token, or max_tokens
 _TYPES = {
@@ -113,10 +116,7 @@ def create_app(
         return error_response(err)
 
     async def body_of(request: Request) -> dict:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
-            raise ServeError(f"body: {declared} bytes, the server takes at most {limits.max_body_bytes}", "body", 413)
-        return parse_body(await request.body(), limits)
+        return parse_body(await read_capped(request, limits), limits)
 
     def who(request: Request) -> Tenant:
         return gate.tenant(request.headers.get("authorization"))
@@ -134,6 +134,49 @@ def create_app(
             return await asyncio.to_thread(run)
         finally:
             learning.release()
+
+    async def learned(name: str, request: TextsRequest, create: bool) -> Response:
+        """Learn the request's texts into memory `name`: the answer when it is committed, or, with `stream`, an SSE
+        stream of progress events that ends with that answer (or an error event, the folder unchanged)."""
+        status = 201 if create else 200
+        if create and name in house.entries:  # checked again under the lock; here for a plain 409 before a stream
+            raise ServeError(f"name: a memory named {name!r} exists already", "name", 409)
+        if not create:
+            house.require(name, "name")
+        if not request.stream:
+
+            def job() -> dict:
+                return house.learn(name, request.texts, create=create, field=request.field)
+
+            return JSONResponse(await change(job), status_code=status)
+        if not learning.acquire(blocking=False):
+            raise ServeError(f"learning: {max_learning} learning jobs already running; retry later", None, 429)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue[dict | None]()
+
+        def send(event: dict | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop has closed (the server stops): nobody listens
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        def run() -> None:
+            # the job runs to its end (committed or not) even when the client leaves, as a call without `stream` does
+            try:
+                with house.lock:
+                    send(house.learn(name, request.texts, create=create, progress=send, field=request.field))
+            except ServeError as err:
+                send(json.loads(error_response(err).body))
+            except Exception as err:  # noqa: BLE001 - the stream has started: the error goes in it
+                send({"error": {"message": str(err), "type": "server_error", "param": None, "code": 500}})
+            finally:
+                learning.release()
+                send(None)
+
+        async def stream() -> AsyncIterator[str]:
+            while (event := await events.get()) is not None:
+                yield f"data: {json.dumps(event)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        threading.Thread(target=run, name=f"faast-learn-{name}", daemon=True).start()
+        return StreamingResponse(stream(), status_code=status, media_type="text/event-stream")
 
     # ---------------------------------------------------------------- models and health
 
@@ -301,14 +344,12 @@ def create_app(
         return house.info(name)
 
     @app.post("/v1/memories", status_code=201)
-    async def create_memory(request: Request) -> dict:
+    async def create_memory(request: Request) -> Response:
         tenant = who(request)
-        body = await body_of(request)
-        only_fields(body, {"name", "texts"})
-        name = name_field(body, "name")
+        asked = await texts_request(request, limits, {"name", "texts", "stream"})
+        name = cast(str, asked.name)  # a create's request always has one
         gate.check(tenant, name)
-        texts = texts_field(body, limits)
-        return await change(lambda: house.learn(name, texts, create=True))
+        return await learned(name, asked, create=True)
 
     @app.post("/v1/memories/merge", status_code=201)
     async def merge_memories(request: Request) -> dict:
@@ -326,20 +367,15 @@ def create_app(
         return await change(lambda: house.merge(sources, into))
 
     @app.post("/v1/memories/{name}/learn")
-    async def learn_memory(request: Request, name: str) -> dict:
+    async def learn_memory(request: Request, name: str) -> Response:
         name = named(request, name)
-        body = await body_of(request)
-        only_fields(body, {"texts"})
-        texts = texts_field(body, limits)
-        return await change(lambda: house.learn(name, texts, create=False))
+        return await learned(name, await texts_request(request, limits, {"texts", "stream"}), create=False)
 
     @app.post("/v1/memories/{name}/forget")
     async def forget_memory(request: Request, name: str) -> dict:
         name = named(request, name)
-        body = await body_of(request)
-        only_fields(body, {"texts"})
-        texts = texts_field(body, limits)
-        return await change(lambda: house.forget(name, texts))
+        asked = await texts_request(request, limits, {"texts"})
+        return await change(lambda: house.forget(name, asked.texts, field=asked.field))
 
     @app.delete("/v1/memories/{name}")
     async def delete_memory(request: Request, name: str) -> dict:

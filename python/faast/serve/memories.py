@@ -28,6 +28,7 @@ import shutil
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from ..hf.config import FaastConfig
 from ..hf.memory_store import Ledger, check_name
 from ..hf.model import FaastModel, apply_faast
 from ..persist import write_text_atomic
+from .pieces import Meter, pieces
 from .schemas import ServeError
 
 STAGING = ".staging"
@@ -211,27 +213,63 @@ class MemoryHouse:
 
     # ------------------------------------------------------------------ changing
 
-    def learn(self, name: str, texts: list[str], *, create: bool) -> dict:
+    def learn(
+        self,
+        name: str,
+        texts: list[str],
+        *,
+        create: bool,
+        progress: Callable[[dict], None] | None = None,
+        field: str = "texts",
+    ) -> dict:
         """Learn `texts` into memory `name` (a new one when `create`, else an existing one), solve it and commit it.
-        Returns {memory, tokens (this call), warning (the solve's, or None)}. Hold `lock`."""
+        The texts are learned one batch of windows at a time (faast.serve.pieces: the memory is what one learn() call
+        gives), and `progress` is handed an event after each batch and before the solve and the save. A failure at
+        any point leaves the folder as it was and drops the memory from the model (it is read back from its
+        committed file when next named); an error about the texts names `field` (the request field they came in).
+        Returns {object, memory, tokens (this call), warning (the solve's, or None), record (info())}. Hold `lock`."""
         if create:
             if name in self.entries:
                 raise ServeError(f"name: a memory named {name!r} exists already", "name", 409)
         else:
             self.require(name, "name")
             self.make_resident([name])
+        ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        parts = pieces(ids)
+        if not parts:
+            raise ServeError(f"{field}: nothing to learn: every text is shorter than 2 tokens", field)
+        meter = Meter(name, sum(p.tokens for p in parts))
         try:
             with warnings.catch_warnings(record=True):
                 warnings.simplefilter("always")
-                stats = self.model.learn(texts, tokenizer=self.tokenizer, memory=name, solve=True, progress=False)
-        except ValueError as err:
-            raise ServeError(f"texts: {err}", "texts") from None
-        tokens = (self.tokens.get(name) or 0) + stats.tokens
+                for part in parts:
+                    stats = self.model.learn(part.texts, memory=name, continues=part.continues, progress=False)
+                    meter.done += stats.tokens
+                    if progress is not None:
+                        progress(meter.event("learning"))
+                if progress is not None:
+                    progress(meter.event("solving"))
+                tuning = self.model.solve(memories=[name], progress=False)[name]
+            if progress is not None:
+                progress(meter.event("saving"))
+        except BaseException as err:
+            self._drop(name)  # served again from its committed file, as the folder holds it
+            if isinstance(err, ValueError) and not isinstance(err, ServeError):
+                raise ServeError(f"{field}: {err}", field) from None
+            raise
+        tokens = (self.tokens.get(name) or 0) + meter.done
         self._commit_memory(name, tokens)
-        return {"memory": name, "tokens": stats.tokens, "warning": (stats.tuning or {}).get("warning")}
+        return {
+            "object": "memory.learned",
+            "memory": name,
+            "tokens": meter.done,
+            "warning": (tuning or {}).get("warning"),
+            "record": self.info(name),
+        }
 
-    def forget(self, name: str, texts: list[str]) -> dict:
-        """Unlearn `texts` from memory `name` exactly (they must have been learned into it), solve and commit it."""
+    def forget(self, name: str, texts: list[str], *, field: str = "texts") -> dict:
+        """Unlearn `texts` from memory `name` exactly (they must have been learned into it), solve and commit it; an
+        error about the texts names `field`."""
         self.require(name, "name")
         self.make_resident([name])
         try:
@@ -240,7 +278,7 @@ class MemoryHouse:
                 stats = self.model.forget(texts, tokenizer=self.tokenizer, memory=name)
                 self.model.solve(memories=[name], progress=False)
         except ValueError as err:
-            raise ServeError(f"texts: {err}", "texts") from None
+            raise ServeError(f"{field}: {err}", field) from None
         known = self.tokens.get(name)
         self._commit_memory(name, None if known is None else max(known - stats.tokens, 0))
         return {"memory": name, "tokens": stats.tokens}

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
-from torch import nn
 
 from ...memory import FastWeights
 from ..held_out import HeldOutTail
+from ..targets import LMHead
 from . import tuning
 from .head import change_logits
 from .policy import OutputPolicy
@@ -40,7 +40,7 @@ class FoldSource(Protocol):
     @property
     def held_out(self) -> HeldOutTail: ...
     @property
-    def head(self) -> nn.Module: ...
+    def head(self) -> LMHead: ...
     @property
     def policy(self) -> OutputPolicy: ...
     @property
@@ -124,7 +124,7 @@ def fold_tuning(
 
 
 def _fill(
-    head: torch.nn.Module,
+    head: LMHead,
     weight: torch.Tensor,
     change: torch.Tensor,
     ys: torch.Tensor,

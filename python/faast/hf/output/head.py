@@ -19,17 +19,15 @@ import functools
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from ...hardware import native_bf16
 from ...ops import paths
 from ...ops.int8 import INT8_OUTLIERS, Int8Weight, int8_linear
 from ..call_scope import CallScope
+from ..targets import LMHead
 from .policy import DEFAULT_POLICY, OutputPolicy
 
 READ_CHUNK = 1024  # positions per logits block: bounds the [chunk, V] temporaries
-# Past this share of the vocabulary kept, the gathers cost more than the columns they save: the full product.
-POOL_DENSE_SHARE = 0.6
 # From this many rows in a block, 16-bit p·H runs as (Hᵀ pᵀ)ᵀ against a contiguous Hᵀ [d, V]: for SmolLM2 in bfloat16
 # it took 45 ms instead of 78 ms at 1,016 rows, and 5.4 ms instead of 6.2 ms at 100, but 6.0 ms instead of 2.9 ms at
 # 8 (2 Intel Xeon cores with native bfloat16, oneDNN). Float32 products keep p·H: its pooled form was faster so.
@@ -40,15 +38,15 @@ HEAD_SAMPLE_ROWS = 256
 HEAD_SAMPLE_VOCAB = 4096
 
 
-def head_weight(head: nn.Module) -> torch.Tensor:
-    """The LM head's weight H [V, d] (any dtype), checked to be a tensor: a module's attributes are typed loosely."""
+def head_weight(head: LMHead) -> torch.Tensor:
+    """The LM head's weight H [V, d] (any dtype), checked to be a tensor (a module's attributes are typed loosely)."""
     weight = head.weight
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"head: expected a module whose weight is a tensor [V, d], got {type(weight).__name__}")
     return weight
 
 
-def head_logits(head: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+def head_logits(head: LMHead, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [n, V] float32 of rows hidden [n, d] through the LM head (weight [V, d], optional bias). `weight`: the
     head's weight already cast to the products' dtype (float32 or bfloat16; default float32)."""
     weight = head_weight(head).float() if weight is None else weight
@@ -68,7 +66,7 @@ def head_second_moment(weight: torch.Tensor, mass: torch.Tensor) -> torch.Tensor
 
 
 def change_logits(
-    head: nn.Module, change: torch.Tensor, out: torch.Tensor | None = None, weight: torch.Tensor | None = None
+    head: LMHead, change: torch.Tensor, out: torch.Tensor | None = None, weight: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The change [n, V] of the head's logits for a change [n, d] of its input: change·Hᵀ, without the head's bias (it
     cancels), in the dtype of `weight`, the head's weight already cast to the products' dtype (float32 or bfloat16;
@@ -249,7 +247,7 @@ def measured_pool(
 
     def run(mode: str) -> torch.Tensor:
         if mode == "pooled":
-            return pooled_product(p, weight, w32, policy.pool_auto)
+            return pooled_product(p, weight, w32, policy.pool_auto, dense_share=policy.pool_dense_share)
         return (p.to(weight.dtype) @ weight).float()
 
     mode = paths.choose("head_pool", p.device, pool_shape_class(w32, products), run)
@@ -257,17 +255,23 @@ def measured_pool(
 
 
 def pooled_product(
-    p: torch.Tensor, weight: torch.Tensor, w32: torch.Tensor, pool: float, column_sum: torch.Tensor | None = None
+    p: torch.Tensor,
+    weight: torch.Tensor,
+    w32: torch.Tensor,
+    pool: float,
+    column_sum: torch.Tensor | None = None,
+    dense_share: float = DEFAULT_POLICY.pool_dense_share,
 ) -> torch.Tensor:
     """μ ≈ pH [n, d] float32 for probabilities p [n, V] float32 (rows summing to 1) and the head's weight [V, d] in
     the products' dtype (`weight`) and in float32 (`w32`). The columns whose probability stays below `pool` in every
     row are pooled: each row puts its mass on them, 1 − Σ_kept p, on their mean row of H weighted by the rows' summed
     probabilities. The rows' sum Σμ is exact, so the learned gradient sum is; each row errs by at most its pooled
     mass times the spread of those rows of H. column_sum: p.sum(0) [V] float32 when the caller has it. A row of
-    zeros (a position not learned) comes out as the pooled row: head_gradients fills it."""
+    zeros (a position not learned) comes out as the pooled row: head_gradients fills it. dense_share: with more than
+    this share of the vocabulary kept, the full product is formed instead (OutputPolicy.pool_dense_share)."""
     vocab = p.shape[1]
     kept = (p.amax(0) >= pool).nonzero().squeeze(1)
-    if kept.numel() > POOL_DENSE_SHARE * vocab:
+    if kept.numel() > dense_share * vocab:
         return (p.to(weight.dtype) @ weight).float()
     p_kept = p.index_select(1, kept)
     mu = (p_kept.to(weight.dtype) @ weight.index_select(0, kept)).float()
@@ -280,7 +284,7 @@ def pooled_product(
 
 @torch.no_grad()
 def head_gradients(
-    head: nn.Module,
+    head: LMHead,
     keys: torch.Tensor,
     targets: torch.Tensor,
     mask: torch.Tensor,
@@ -289,15 +293,25 @@ def head_gradients(
     pool: float | None = 0.0,
     buffers: HeadBuffers | None = None,
     policy: OutputPolicy = DEFAULT_POLICY,
+    chunk: int | None = None,
+    outliers: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the head's inputs keys [B, T-1, d] (h̃), the next tokens targets [B, T-1] and mask [B, T-1] (bool): (the
     log-likelihood gradients r = H[y] − pH [B, T-1, d] float32, zero where masked; Σ μ μᵀ [d, d] and Σ p [V] float64
     over unmasked positions; μ = pH). products: the dtype of the head products (`products_dtype`). logits: the
     head's logits of the same positions [B, T-1, V] when already computed (a stream scored them), else they are
-    formed here. pool: p·H pools the vocabulary columns whose probability stays below it in every row of a
-    READ_CHUNK block (`pooled_product`; `pool_threshold`); 0 forms it exactly; None: policy.pool_auto or 0, whichever
-    is faster on this CPU (`measured_pool`, timed on the first block). buffers: where the [chunk, V] buffers
-    come from (a learn() call's batches share them); None: fresh ones."""
+    formed here. pool: p·H pools the vocabulary columns whose probability stays below it in every row of a block
+    (`pooled_product`, `pool_threshold`; a block keeping more than policy.pool_dense_share of the vocabulary forms it
+    in full); 0 forms it exactly; None: policy.pool_auto or 0, whichever is faster on this CPU (`measured_pool`, timed
+    on the first block). buffers: where the [chunk, V] buffers come from (a learn() call's batches share them); None:
+    fresh ones. chunk: positions per block (None: READ_CHUNK, read now); the blocks bound the [chunk, V] buffers and
+    are what pooling decides on. outliers: the key columns int8 logits multiply in float32 (None: INT8_OUTLIERS,
+    faast.ops.int8's, read now)."""
+    chunk = READ_CHUNK if chunk is None else chunk
+    outliers = INT8_OUTLIERS if outliers is None else outliers
+    for name, value, low in (("chunk", chunk, 1), ("outliers", outliers, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}: expected an int >= {low} or None, got {value!r}")
     weight = head_weight(head)
     d, vocab = keys.shape[-1], weight.shape[0]
     flat, ys, keep = keys.reshape(-1, d), targets.reshape(-1), mask.reshape(-1)
@@ -320,7 +334,7 @@ def head_gradients(
     # bfloat16 (4,096 positions, 2 Intel Xeon cores; identical results).
     # In place only for the head's own products: a head with a bias, or given logits, keep the general path.
     into_buffers = given is None and getattr(head, "bias", None) is None
-    rows_max = min(READ_CHUNK, flat.shape[0])
+    rows_max = min(chunk, flat.shape[0])
     sixteen = float_products(products) != torch.float32
     # Hᵀ [d, V] for the blocks of TRANSPOSED_FROM rows or more (cast once per learn() call inside HeadBuffers.kept()).
     wp_t = source.weight(weight, products, transposed=True) if sixteen and rows_max >= TRANSPOSED_FROM else None
@@ -335,14 +349,14 @@ def head_gradients(
     acc_buf = buffer("acc", torch.int32) if w8 is not None else None
     bias = getattr(head, "bias", None)
     every_kept = bool(keep.all())  # one host sync per call, not one per chunk
-    for i in range(0, flat.shape[0], READ_CHUNK):
-        rows = slice(i, i + READ_CHUNK)
+    for i in range(0, flat.shape[0], chunk):
+        rows = slice(i, i + chunk)
         n = flat[rows].shape[0]
         if given is not None:
             z = given[rows]
         elif w8 is not None:
             out = _first(z_buf, n) if into_buffers else None
-            z = int8_linear(flat[rows].float(), w8, outliers=INT8_OUTLIERS, out=out, acc=_first(acc_buf, n))
+            z = int8_linear(flat[rows].float(), w8, outliers=outliers, out=out, acc=_first(acc_buf, n))
             z = z if bias is None else z.add_(bias.float())
         elif into_buffers and sixteen:
             z = _first(z_buf, n).copy_(torch.matmul(flat[rows].to(products), wp.T, out=_first(z16_buf, n)))
@@ -361,7 +375,7 @@ def head_gradients(
         if sixteen and pool <= 0 and p16_buf is None:
             p16_buf = buffer("p16", products)
         if pool > 0:
-            mu = pooled_product(p, wp, w32, pool, column_sum)
+            mu = pooled_product(p, wp, w32, pool, column_sum, policy.pool_dense_share)
         elif wp_t is not None and n >= TRANSPOSED_FROM:
             mu = (wp_t @ _first(p16_buf, n).copy_(p).T).T.float()
         else:
@@ -371,7 +385,7 @@ def head_gradients(
             mu.masked_fill_(dropped, 0)
             grad.masked_fill_(dropped, 0)
         grads[rows] = grad
-        # float32 sums of at most READ_CHUNK probabilities: ample for a curvature, then summed in float64.
+        # float32 sums of at most `chunk` probabilities: ample for a curvature, then summed in float64.
         prob_sum += column_sum.double()
         mean_gram += mu.double().T @ mu.double()
     return grads.reshape(keys.shape), mean_gram, prob_sum

@@ -52,6 +52,7 @@ from ...memory import FastWeights
 from ..config import FaastConfig, ResidualOutput
 from ..held_out import HeldOutTail
 from ..progress import enabled, say_slow
+from ..targets import LMHead
 from . import bias as output_bias
 from .diagnosis import MemoryOffWarning
 from .head import HeadBuffers, head_gradients, head_second_moment, head_weight, pool_threshold, products_dtype
@@ -143,7 +144,7 @@ class ResidualOutputLayer(nn.Module):
         self._restored_step: float | None = None
         self._restored_weight: float | None = None
         self._restored_width: int | None = None
-        self._head: tuple[nn.Module, ...] = ()  # the model's LM head, held outside the module tree
+        self._head: tuple[LMHead, ...] = ()  # the model's LM head, held outside the module tree
         self._folded: Folded | None = None
         self.last_tuning: dict | None = None
         # Whether a solve that takes over a second says so on stderr (faast/hf/progress.py; None: when stderr is a
@@ -179,12 +180,12 @@ class ResidualOutputLayer(nn.Module):
         return (f"space={self.space}, step={self.step}{weight}, damping={self.damping}, tune_tokens={self.tune_tokens}"
                 f"{keys}")  # fmt: skip
 
-    def attach_head(self, head: nn.Module) -> None:
+    def attach_head(self, head: LMHead) -> None:
         """The model's output embedding (LM head) whose gradients the layer fits; not a submodule of this layer."""
         self._head = (head,)
 
     @property
-    def head(self) -> nn.Module:
+    def head(self) -> LMHead:
         if not self._head:
             raise RuntimeError("ResidualOutputLayer: no LM head attached (FaastModel attaches it)")
         return self._head[0]

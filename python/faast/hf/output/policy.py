@@ -183,6 +183,11 @@ class OutputPolicy:
     and 0.023% with bfloat16 ones; the gradients erred by 0.3-0.4%, and the float32 head products took 0.78-0.87× their
     time (docs/design.md §6.3, lab/experiments/results/lm_head_pool_cpu.md)."""
 
+    pool_dense_share: float = 0.6
+    """A block whose probabilities keep more than this share of the vocabulary above the pooling threshold forms p·H
+    in full: past it the gathers cost more than the columns they save (docs/design.md §6.3). 1: pool however few
+    columns fall below the threshold."""
+
     auto_key_block_divisor: int = 7
     """ResidualOutput.key_layers='auto' widens the keys with the input of block L // auto_key_block_divisor (4 of
     SmolLM2's 30): blocks 4 and 10 tied on the validation domains, so the earlier (docs/design.md §6.3)."""
@@ -205,6 +210,7 @@ class OutputPolicy:
         _check_real("held_out_share", self.held_out_share, 0, 1, open_low=True, open_high=True)
         _check_real("min_grid_step", self.min_grid_step, 0, self.max_step, open_low=True)
         _check_real("pool_auto", self.pool_auto, 0, 1)
+        _check_real("pool_dense_share", self.pool_dense_share, 0, 1)
         if self.fold_step_ratio != math.inf:  # inf: the one fit alone
             _check_real("fold_step_ratio", self.fold_step_ratio, 0, open_low=True)
 

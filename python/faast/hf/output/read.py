@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from ..mixture import read_blocks
+from ..targets import LMHead
 from .bias import with_token_bias
 from .head import READ_CHUNK, head_weight
 
@@ -32,7 +32,7 @@ def mixed_logits(
     lam: float,
     bias: torch.Tensor | None,
     tokens: torch.Tensor | None,
-    head: nn.Module,
+    head: LMHead,
     *,
     overwrite: bool = False,
 ) -> torch.Tensor:

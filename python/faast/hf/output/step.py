@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from ...memory import FastWeights
 from ..held_out import HeldOutTail
+from ..targets import LMHead
 from . import folds, tuning
 from .diagnosis import diagnose, document_shrink
 from .head import HeadBuffers, change_logits, float_products, head_logits, head_weight, products_dtype
@@ -79,7 +79,7 @@ class StepChoice:
         self,
         memory: FastWeights,
         held_out: HeldOutTail,
-        head: nn.Module,
+        head: LMHead,
         head_dtype: str,
         head_buffers: HeadBuffers,
         hidden_size: int,

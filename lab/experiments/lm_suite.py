@@ -1,0 +1,331 @@
+"""The domain suite's runner (issue 74): each suite domain learned once, then solved and scored under every candidate
+setting, one result record per domain (a shard), resumable.
+
+    python -m faast_lab.experiments.lm_suite --out lab/experiments/results/lm_suite_cpu   # every domain, default only
+    python -m faast_lab.experiments.lm_suite --domains asyncio man1 --settings settings.json --peers lora,lora_time \
+        --out DIR
+
+--settings: a JSON object (a file, or the text itself) {setting name: ResidualOutput fields}, "policy" holding
+OutputPolicy fields, each over the shipped defaults: {"default": {}, "no_token_bias": {"token_bias": 0},
+"one_fit": {"policy": {"fold_step_ratio": Infinity}}}. The first setting is the one LoRA at FAAST's time gets the time
+of (list the default first). The runs take the float32 path by default (FaastConfig(learn_dtype='model'),
+head_dtype='float32'), as the issue's goals are stated; --path auto takes faast's own choice.
+
+Per domain (lab/experiments/suite.py: the manifest's files, checked against their hashes first): the learned text's
+first --learn-tokens tokens, the held-out files' first --score-tokens in --window-token windows; zero-shot; then each
+group of settings that can share a learning pass learns the text once in the curve's parts (--curve), and after each
+part every setting of the group is solved and scored. Settings share a pass when they differ only in OutputPolicy
+fields that are read only when solving (SOLVE_TIME_FIELDS): the layer's public `policy` setter makes the next solve
+use a new policy. Any other difference (a ResidualOutput field such as bias or token_bias, or a policy field read
+while learning) learns its own pass: the public API sets those when the layer is built. Peers (--peers) run through
+lm_domains_peers: one LoRA epoch, LoRA at FAAST's time (the first setting's learn + solve time), LoRA-best and the
+tuned kNN-LM. Each shard holds faast.provenance's record, the suite's hashes, the protocol and the per-setting
+perplexities; lm_suite_report merges the shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from faast_lab.experiments import suite
+from faast_lab.experiments._common import ROOT, ModelLoader
+
+# OutputPolicy fields read only by the solve (tuning, diagnosis, folds, biases, the held-out plan and sample): two
+# settings that differ only in these share one learning pass and are re-solved. The others (the held-out tail's
+# share and gap, which decide what the tail keeps while learning; head pooling; the key layers; the untuned step and
+# weight, fixed when the layer is built) need their own pass. A field added to OutputPolicy is not listed here until
+# shown solve-only, so it learns its own pass: slower, never wrong.
+SOLVE_TIME_FIELDS = frozenset({
+    "default_step_per_dim", "token_prior", "token_bias_full", "min_held_out", "min_fit_tokens", "fit_per_key_dim",
+    "tune_sample", "max_step", "step_iterations", "step_tol", "search_sample_stride", "search_sample_min_rows",
+    "width_sample_min_rows", "min_grid_step", "golden_iterations", "weight_iterations", "min_gain_se",
+    "part_min_positions", "part_step_ratio", "document_positions_per_dim", "document_shrink_power", "folds",
+    "fold_step_ratio"})  # fmt: skip
+PEERS = ("lora", "lora_time", "lora_best", "knn_tuned")
+CURVE = (2048, 8192)  # and the last point, --learn-tokens
+
+
+def setting_from_dict(name: str, fields: Mapping, path: str = "float32"):  # noqa: ANN201 - a ResidualOutput
+    """The ResidualOutput of a setting: the shipped one with `fields` over it ("policy": OutputPolicy fields over the
+    shipped policy); the float32 path pins head_dtype='float32' unless the setting names it."""
+    from faast.hf import OutputPolicy, ResidualOutput
+
+    if not isinstance(fields, Mapping):
+        raise ValueError(f"--settings: setting {name!r}: expected an object of ResidualOutput fields, got {fields!r}")
+    fields = dict(fields)
+    policy = fields.pop("policy", {})
+    if path == "float32":
+        fields.setdefault("head_dtype", "float32")
+    try:
+        return ResidualOutput(**fields, policy=OutputPolicy.from_dict({**OutputPolicy().to_dict(), **policy}))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--settings: setting {name!r}: {err}") from err
+
+
+def setting_to_dict(output: object) -> dict:
+    """A ResidualOutput as JSON (its policy as a dict)."""
+    return json.loads(json.dumps(dataclasses.asdict(output), default=str))
+
+
+def learn_key(output: object) -> str:
+    """What a learning pass depends on: the ResidualOutput without its policy's solve-time fields. Settings with one
+    key share a pass."""
+    fields = setting_to_dict(output)
+    fields["policy"] = {k: v for k, v in fields["policy"].items() if k not in SOLVE_TIME_FIELDS}
+    return json.dumps(fields, sort_keys=True)
+
+
+def groups(settings: Mapping[str, object]) -> list[list[str]]:
+    """The settings' names in groups that share a learning pass, in the order given."""
+    by_key: dict[str, list[str]] = {}
+    for name, output in settings.items():
+        by_key.setdefault(learn_key(output), []).append(name)
+    return list(by_key.values())
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--domains", nargs="+", default=None, help="suite domains (default: all of the manifest)")
+    p.add_argument("--settings", default='{"default": {}}', help="a JSON file or object (module docstring)")
+    p.add_argument("--out", type=Path, required=True, help="the folder of the shard records (<domain>.json)")
+    p.add_argument(
+        "--path",
+        choices=("float32", "auto"),
+        default="float32",
+        help="float32: learn_dtype='model', head_dtype='float32' (the issue's path); auto: faast's choice",
+    )
+    p.add_argument("--learn-tokens", type=int, default=32768)
+    p.add_argument("--score-tokens", type=int, default=8192)
+    p.add_argument("--curve", default=",".join(map(str, CURVE)),
+                   help="learned-token points scored before the last ('' for the last alone)")  # fmt: skip
+    p.add_argument("--window", type=int, default=1024, help="scoring window (tokens)")
+    p.add_argument("--batch-size", type=int, default=2, help="scoring batch")
+    p.add_argument("--learn-window", type=int, default=256)
+    p.add_argument("--learn-batch-size", type=int, default=8)
+    p.add_argument("--peers", default="", help=f"comma-separated subset of {','.join(PEERS)}")
+    p.add_argument("--train-window", type=int, default=256)
+    p.add_argument("--train-batch-size", type=int, default=4)
+    p.add_argument("--lora-lr", type=float, default=1e-3)
+    p.add_argument("--lora-lrs", default="3e-4,1e-3,3e-3")
+    p.add_argument("--lora-max-epochs", type=int, default=3)
+    p.add_argument("--knn-k", type=int, default=1024)
+    p.add_argument("--knn-lams", default="0.05,0.1,0.25,0.4,0.6")
+    p.add_argument("--knn-temperatures", default="1,3,10,30,100")
+    p.add_argument("--manifest", type=Path, default=suite.MANIFEST)
+    args = p.parse_args(argv)
+    text = args.settings
+    raw = Path(text).read_text(encoding="utf-8") if not text.lstrip().startswith("{") else text
+    try:
+        args.settings = json.loads(raw)
+    except json.JSONDecodeError as err:
+        p.error(f"--settings: expected a JSON object or a file holding one: {err}")
+    if not isinstance(args.settings, dict) or not args.settings:
+        p.error(f"--settings: expected a non-empty JSON object of settings, got {args.settings!r}")
+    args.peers = [x.strip() for x in args.peers.split(",") if x.strip()]
+    if set(args.peers) - set(PEERS):
+        p.error(f"--peers: expected a subset of {list(PEERS)}, got {args.peers}")
+    try:
+        args.curve = sorted({int(x) for x in args.curve.split(",") if x.strip()})
+        for name in ("lora_lrs", "knn_lams", "knn_temperatures"):
+            setattr(args, name, [float(x) for x in getattr(args, name).split(",") if x.strip()])
+    except ValueError as err:
+        p.error(f"--curve, --lora-lrs, --knn-lams, --knn-temperatures: expected comma-separated numbers: {err}")
+    return args
+
+
+class SuiteDomain:
+    """One domain's tokens and the peers' rows (lm_domains_peers.PeerDomain)."""
+
+    def __init__(self, name: str, learn: list[list[int]], windows: list[list[int]]) -> None:
+        self.name, self.learn, self.windows = name, learn, windows
+        self.learned = sum(len(x) for x in learn)
+        self.scored = sum(len(w) - 1 for w in windows)
+        self.rows: list[dict] = []
+        self.curve: dict = {}
+        self.tuned: dict = {}
+        self._split = None
+
+    def add(self, method: str, result: object, learn_s: float, memory: int, **extra: object) -> None:
+        self.rows.append({"method": method, "ppl": result.ppl, "learn_s": learn_s, "score_s": result.seconds,
+                          "memory_bytes": memory, **extra})  # fmt: skip
+
+    def split(self, base: object, args: argparse.Namespace) -> object:
+        """FAAST's held-out tail of the learned texts (lm_baselines.tuning_split), which the tuned peers tune on."""
+        if self._split is None:
+            from faast.hf import ResidualOutput
+            from faast_lab.experiments.lm_baselines import faast_min_fit, tuning_split
+
+            min_fit = faast_min_fit(base.config.hidden_size)
+            self._split = tuning_split(self.learn, ResidualOutput().tune_tokens, min_fit)
+        return self._split
+
+    def row(self, method: str) -> dict | None:
+        return next((r for r in self.rows if r["method"] == method), None)
+
+
+def protocol(args: argparse.Namespace, settings: Mapping[str, object], description: str) -> dict:
+    """What a shard's numbers depend on besides the text: a resumed run must match it."""
+    keep = ("path", "learn_tokens", "score_tokens", "curve", "window", "batch_size", "learn_window",
+            "learn_batch_size", "peers", "train_window", "train_batch_size")  # fmt: skip
+    return {"model": description, **{k: getattr(args, k) for k in keep},
+            "settings": {n: setting_to_dict(o) for n, o in settings.items()}}  # fmt: skip
+
+
+def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings: Mapping, args: argparse.Namespace,
+              tick: Callable[[int], None]) -> dict:  # fmt: skip
+    """One learning pass of a group's first setting, in the curve's parts; after each part every setting of the
+    group solved (its policy set on the layer) and scored; tick(tokens) after each step (the progress bar).
+    {setting: row}."""
+    from faast.hf import FaastConfig, apply_faast
+    from faast.hf.evaluate import perplexity
+    from faast.hf.tokens import split_continuing
+
+    config = FaastConfig(output=settings[names[0]], **({"learn_dtype": "model"} if args.path == "float32" else {}))
+    model = apply_faast(base, config)
+    amounts = sorted({p for p in args.curve if p < domain.learned} | {domain.learned})
+    rows = {n: {"curve": {"tokens": amounts, "ppl": [], "solve_s": []}} for n in names}
+    learn_s = 0.0
+    try:
+        layer = model.output_memory_layer
+        for part, continues in split_continuing(domain.learn, amounts):
+            layer.policy = settings[names[0]].policy  # the pass learns under its group's learn-time fields
+            started = time.perf_counter()
+            if part:
+                model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size, continues=continues,
+                            progress=False)  # fmt: skip
+            learn_s += time.perf_counter() - started
+            tick(sum(len(x) for x in part))
+            for name in names:
+                layer.policy = settings[name].policy
+                started = time.perf_counter()
+                tuning = next(iter(model.solve(progress=False).values()), None) or {}
+                solve_s = time.perf_counter() - started
+                result = perplexity(model, domain.windows, batch_size=args.batch_size, progress=False)
+                tick(domain.scored)
+                row = rows[name]
+                row["curve"]["ppl"].append(result.ppl)
+                row["curve"]["solve_s"].append(solve_s)
+                row.update(ppl=result.ppl, score_s=result.seconds, solve_s=solve_s,
+                           memory_bytes=model.fast_weight_bytes(),
+                           tuning={k: v for k, v in tuning.items() if k != "held_out_nll"})  # fmt: skip
+        precision = model.learner.precision()
+    finally:
+        model.remove_faast()
+    for name in names:
+        rows[name].update(learn_s=learn_s + rows[name]["solve_s"], pass_learn_s=learn_s, shared_pass=list(names),
+                          precision=precision)  # fmt: skip
+    return rows
+
+
+def run_domain(name: str, base: object, tokenizer: object, settings: Mapping, args: argparse.Namespace,
+               manifest: Mapping, bases: Mapping | None, tick: Callable[[int], None]) -> dict:  # fmt: skip
+    """One shard: the domain's zero-shot, each setting's row and curve, the peers' rows."""
+    import torch
+
+    from faast.hf.evaluate import perplexity, token_windows
+    from faast.hf.tokens import token_lists
+
+    learn_texts, held_texts, record = suite.domain_texts(name, manifest, bases)
+    torch.manual_seed(0)
+    windows = [w for ids in token_lists(held_texts, tokenizer, args.score_tokens)
+               for w in token_windows(ids, args.window)]  # fmt: skip
+    domain = SuiteDomain(name, token_lists(learn_texts, tokenizer, args.learn_tokens), windows)
+    zero = perplexity(base, windows, batch_size=args.batch_size, progress=False)
+    tick(domain.scored)
+    print(f"{name}: learn {domain.learned:,} tokens, score {domain.scored:,}; zero-shot {zero.ppl:.3f}", flush=True)
+    rows: dict[str, dict] = {}
+    for group in groups(settings):
+        rows.update(run_group(domain, base, group, settings, args, tick))
+        for n in group:
+            print(f"  {name} {n}: ppl {rows[n]['ppl']:.3f} (learn {rows[n]['pass_learn_s']:.1f} s, solve "
+                  f"{rows[n]['solve_s']:.1f} s)", flush=True)  # fmt: skip
+    for row in rows.values():
+        row["reduction"] = 1 - row["ppl"] / zero.ppl
+        row["curve"]["reduction"] = [1 - p / zero.ppl for p in row["curve"]["ppl"]]
+    rows = {n: rows[n] for n in settings}
+    peers = run_peers(domain, base, settings, rows, args) if args.peers else []
+    for row in peers:
+        row["reduction"] = 1 - row["ppl"] / zero.ppl
+    return {"domain": name, "kind": record["kind"], "suite_domain": record, "learned_tokens": domain.learned,
+            "scored_tokens": domain.scored, "zero_shot": {"ppl": zero.ppl, "score_s": zero.seconds},
+            "settings": rows, "peers": peers}  # fmt: skip
+
+
+def run_peers(domain: SuiteDomain, base: object, settings: Mapping, rows: Mapping, args: argparse.Namespace) -> list:
+    """The peers' rows (lm_domains_peers), LoRA's rank matched to the shipped readout's layers as lm_domains does."""
+    from faast.hf import FaastConfig
+    from faast.hf.default import DEFAULT_READOUT
+    from faast_lab.experiments import lm_domains_peers as peers
+
+    layers = FaastConfig.load(DEFAULT_READOUT / "faast_config.json").middle.layers
+    first = next(iter(settings))
+    faast_row = f"FAAST: {first}"  # LoRA at FAAST's time reads this row's learn + solve time
+    domain.rows.append({"method": faast_row, **{k: rows[first][k] for k in ("ppl", "learn_s", "score_s")}})
+    if "lora" in args.peers:
+        peers.run_backprop(domain, base, layers, "lora", args)
+    if "lora_best" in args.peers:
+        peers.run_lora_best(domain, base, layers, args)
+    if "knn_tuned" in args.peers:
+        peers.run_knn_tuned(domain, base, args)
+    if "lora_time" in args.peers:
+        peers.run_lora_time(domain, base, layers, args, faast_row)
+    out = [r for r in domain.rows if r["method"] != faast_row]
+    return json.loads(json.dumps(out, default=str))  # the tuning choices' fields as JSON
+
+
+def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None, manifest: Mapping | None = None,
+         bases: Mapping[str, Path] | None = None) -> list[Path]:  # fmt: skip
+    """Run the suite's shards not yet in --out; returns every shard's path. load_model: the base model for 'smollm2'
+    (default faast.hf.default.load_base_model); manifest, bases: a suite other than the committed one (tests)."""
+    from faast import provenance
+    from faast.hf.default import load_base_model
+    from faast.hf.progress import Bar, enabled
+    from faast.persist import write_text_atomic
+
+    args = parse_args(argv)
+    manifest = suite.load_manifest(args.manifest) if manifest is None else manifest
+    names = args.domains or [d["name"] for d in manifest["domains"]]
+    for name in names:
+        suite.entry(name, manifest)  # an unknown name fails before any model loads
+    settings = {n: setting_from_dict(n, f, args.path) for n, f in args.settings.items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    todo = [n for n in names if not (args.out / f"{n}.json").is_file()]
+    base, tokenizer, description = (load_model or load_base_model)("smollm2")
+    wanted = protocol(args, settings, description)
+    suite_sha = suite.manifest_sha256(manifest)
+    for name in sorted(set(names) - set(todo)):
+        have = json.loads((args.out / f"{name}.json").read_text(encoding="utf-8"))
+        if have.get("protocol") != json.loads(json.dumps(wanted)):
+            raise SystemExit(f"--out {args.out}: the shard {name}.json ran another protocol (settings, tokens or "
+                             "windows); resume with the same options or write to another folder")  # fmt: skip
+        if (have.get("suite") or {}).get("manifest_sha256") != suite_sha:
+            raise SystemExit(f"--out {args.out}: the shard {name}.json ran another suite manifest")
+    # One unit per learned part and per scoring of each setting: the bar's time left is the shards' left.
+    steps_per_domain = 1 + sum(len(g) + 1 for g in groups(settings)) * (len(args.curve) + 1)
+    total, done = len(todo) * steps_per_domain, 0
+    bar = Bar(enabled(None), "suite")
+
+    def tick(tokens: int) -> None:
+        nonlocal done
+        done += 1
+        bar.update(tokens, min(1.0, done / total) if total else None)
+
+    try:
+        for name in todo:
+            record = provenance.start(ROOT)
+            shard = run_domain(name, base, tokenizer, settings, args, manifest, bases, tick)
+            payload = {"provenance": provenance.finish(record), "suite": {"manifest_sha256": suite_sha},
+                       "protocol": wanted, **shard}  # fmt: skip
+            write_text_atomic(args.out / f"{name}.json", json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
+    finally:
+        bar.close()
+    return [args.out / f"{n}.json" for n in names]
+
+
+if __name__ == "__main__":
+    main()

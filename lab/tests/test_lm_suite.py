@@ -1,0 +1,249 @@
+"""The domain suite (lab/experiments/suite.py), its leave-one-kind-out choice and heuristic rule (loko.py), its runner
+(lm_suite.py) on a tiny model and a fake tree, and its report (lm_suite_report.py, scripts/results_formats.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from faast_lab.experiments import lm_suite, lm_suite_report, loko, suite
+from hf_models import CharTokenizer, tiny_model
+from tolerances import REORDER_REL
+
+# --------------------------------------------------------------------------------------------- leave one kind out
+
+
+def planted_table() -> tuple[dict, dict]:
+    """Three kinds. "own" is far the best on kind A's domains and poor elsewhere; "other" is the best on B and C."""
+    table = {"a1": {"own": 0.30, "other": 0.05}, "a2": {"own": 0.25, "other": 0.04},
+             "b1": {"own": 0.01, "other": 0.10}, "b2": {"own": 0.02, "other": 0.12},
+             "c1": {"own": -0.01, "other": 0.08}}  # fmt: skip
+    return table, {"a1": "A", "a2": "A", "b1": "B", "b2": "B", "c1": "C"}
+
+
+def test_loko_never_lets_a_domains_kind_choose_its_settings():
+    table, kinds = planted_table()
+    report = loko.loko(table, kinds, lora={"a1": 0.10, "b1": 0.20})
+    chosen = {c.domain: c for c in report.choices}
+    # On a1 "own" is best on its own kind (and on itself), but a1's figure comes from the other kinds' choice.
+    assert chosen["a1"].own_best == "own" and chosen["a1"].setting == "other"
+    assert chosen["a1"].reduction == 0.05 and chosen["a1"].score == pytest.approx(0.10)  # median of b1, b2, c1
+    # For B's domains the other kinds are A and C: "own" wins there (median of 0.30, 0.25, -0.01).
+    assert chosen["b1"].setting == "own" and chosen["b1"].reduction == 0.01
+    assert chosen["a1"].share == pytest.approx(0.5) and chosen["a2"].share is None  # no LoRA record for a2
+    assert report.kinds["A"]["median"] == pytest.approx(0.045) and report.kinds["A"]["worst"] == 0.04
+    # For c1 the other kinds are A and B: "own" (median 0.135 against 0.075), which costs c1 1%: the suite's worst.
+    assert chosen["c1"].setting == "own" and report.worst == -0.01 and report.worst_domain == "c1"
+    # Whatever the domains of a1's kind read (a1 itself included), a1's choice does not move.
+    rng = random.Random(0)
+    for _ in range(20):
+        shaken = {d: {s: (rng.uniform(-1, 1) if kinds[d] == "A" else r) for s, r in row.items()}
+                  for d, row in table.items()}  # fmt: skip
+        assert loko.choose_setting(shaken, kinds, "a1") == ("other", pytest.approx(0.10))
+
+
+def test_loko_ties_go_to_the_better_worst_then_the_order_given():
+    kinds = {"a": "A", "b1": "B", "b2": "B", "b3": "B"}
+    table = {"a": {"x": 0.0, "y": 0.0, "z": 0.0}, "b1": {"x": 0.1, "y": 0.1, "z": 0.1},
+             "b2": {"x": 0.2, "y": 0.2, "z": 0.2}, "b3": {"x": 0.3, "y": 0.3, "z": 0.3}}  # fmt: skip
+    assert loko.choose_setting(table, kinds, "a", ["y", "x", "z"])[0] == "y"  # all tie: the first given
+    table["b1"]["z"] = 0.15  # the same median, a better worst
+    assert loko.choose_setting(table, kinds, "a", ["y", "x", "z"])[0] == "z"
+    with pytest.raises(ValueError, match="at least two kinds"):
+        loko.loko({"b1": table["b1"]}, {"b1": "B"})
+    with pytest.raises(ValueError, match="missing \\['a'\\]"):
+        loko.loko(table, {"b1": "B", "b2": "B", "b3": "B"})
+
+
+def rule_table(on_gain: float, worst_gain: float = 0.0, low: float | None = None) -> tuple[dict, dict]:
+    """Six domains of three kinds; "off" reduces 10% (12% on d0, 5% on d5, the worst); "on" adds on_gain to every
+    domain and worst_gain to d5; low: "on"'s reduction on d3 instead."""
+    kinds = {f"d{i}": "ABC"[i // 2] for i in range(6)}
+    table = {}
+    for i, d in enumerate(kinds):
+        off = 0.12 if i == 0 else 0.05 if i == 5 else 0.10
+        on = off + on_gain + (worst_gain if i == 5 else 0.0)
+        table[d] = {"off": off, "on": low if (low is not None and d == "d3") else on}
+    return table, kinds
+
+
+def test_a_heuristic_pays_by_half_a_point_of_median_or_a_point_of_worst():
+    table, kinds = rule_table(0.006)
+    verdict = loko.heuristic_pays(table, kinds, on=["on"], off=["off"])
+    assert verdict.pays and verdict.floor_ok and verdict.median_gain == pytest.approx(0.006)
+    table, kinds = rule_table(0.002)
+    verdict = loko.heuristic_pays(table, kinds, on=["on"], off=["off"])
+    assert not verdict.pays and verdict.floor_ok and "gains too little" in verdict.reason
+    table, kinds = rule_table(0.0, worst_gain=0.015)  # the median does not move; the worst domain gains 1.5 points
+    verdict = loko.heuristic_pays(table, kinds, on=["on"], off=["off"])
+    assert verdict.pays and verdict.worst_gain == pytest.approx(0.015) and verdict.median_gain == pytest.approx(0)
+
+
+def test_a_heuristic_that_makes_a_domain_worse_than_zero_shot_plus_0_3_percent_does_not_pay():
+    table, kinds = rule_table(0.02, low=-0.004)  # +2 points of median, but d3 0.4% worse than zero-shot
+    verdict = loko.heuristic_pays(table, kinds, on=["on"], off=["off"])
+    assert not verdict.pays and not verdict.floor_ok and verdict.worst_point == ("d3", -0.004)
+    assert "breaks the floor" in verdict.reason
+    table, kinds = rule_table(0.02, low=-0.002)  # 0.2% worse: inside the floor
+    assert loko.heuristic_pays(table, kinds, on=["on"], off=["off"]).pays
+    # ... unless a curve point of the chosen setting is below it.
+    curve = {"d1": {"on": [-0.0035, 0.05, 0.11]}}
+    verdict = loko.heuristic_pays(table, kinds, on=["on"], off=["off"], curve=curve)
+    assert not verdict.pays and verdict.worst_point == ("d1", -0.0035)
+    with pytest.raises(ValueError, match="disjoint"):
+        loko.heuristic_pays(table, kinds, on=["on"], off=["on"])
+
+
+# ---------------------------------------------------------------------------------------------------- the suite
+
+
+def test_the_suite_has_at_least_24_domains_of_8_kinds_each_big_enough():
+    assert len(suite.SOURCES) >= 24 and len({s.kind for s in suite.SOURCES}) >= 8
+    manifest = suite.load_manifest()
+    assert [(d["name"], d["kind"], d["root"]) for d in manifest["domains"]] == [
+        (s.name, s.kind, s.root) for s in suite.SOURCES
+    ]
+    for d in manifest["domains"]:
+        assert d["learn_tokens"] >= suite.MIN_LEARN_TOKENS and d["held_out_tokens"] >= suite.MIN_HELD_TOKENS, d["name"]
+        assert len(suite.split(d["files"])[1]) >= 1 and d["held_out_chars"] > 0, d["name"]
+        assert d["files"] == sorted(d["files"]) and len(set(d["files"])) == len(d["files"]), d["name"]
+
+
+def fake_tree(root: Path, seed: int = 0) -> tuple[dict, tuple]:
+    """Two domains of two kinds under root/<base>: made-up "code" files (a few words repeated, so a tiny model can
+    learn them) and "prose" files, one an exact duplicate. Returns (bases, sources)."""
+    words = random.Random(seed)
+
+    def text(vocabulary: list[str], n: int) -> str:
+        return " ".join(words.choice(vocabulary) for _ in range(n)) + "\n"
+
+    for i in range(10):
+        (root / "share" / "code").mkdir(parents=True, exist_ok=True)
+        (root / "share" / "code" / f"m{i:02d}.py").write_text(text(["def f(x):", "return x", "= 1", "if x:"], 90))
+        (root / "share" / "prose").mkdir(parents=True, exist_ok=True)
+        (root / "share" / "prose" / f"p{i:02d}.txt").write_text(text(["the", "copy", "is", "free", "software"], 90))
+    (root / "share" / "prose" / "p01b.txt").write_text((root / "share" / "prose" / "p01.txt").read_text())
+    sources = (suite.Source("code", "python", "{share}/code", ("*.py",)),
+               suite.Source("prose", "legal", "{share}/prose", ("*.txt",)))  # fmt: skip
+    return {"share": root / "share"}, sources
+
+
+def fake_manifest(bases: dict, sources: tuple, learn: int = 1200, held: int = 300) -> dict:
+    count = len  # the character tokenizer: one token per character
+    return {"domains": [suite.choose(s, count, bases, learn, held) for s in sources]}
+
+
+def test_the_manifest_check_names_the_domain_whose_files_changed(tmp_path):
+    bases, sources = fake_tree(tmp_path)
+    manifest = fake_manifest(bases, sources)
+    code = suite.entry("code", manifest)
+    # Files in order until 1,200 characters are learned and 300 held out: every 4th held out.
+    learn_files, held_files = suite.split(code["files"])
+    assert code["files"][3] in held_files and code["files"][0] in learn_files and code["learn_chars"] >= 1200
+    assert code["files"] == sorted(code["files"]) and len(code["files"]) < 10  # stops once both are met
+    suite.check_suite(manifest, bases)
+    learn, held, record = suite.domain_texts("code", manifest, bases)
+    assert len(held) == len(held_files) and record["contents_sha256"] == code["contents_sha256"]
+    # The prose domain's duplicate file was dropped.
+    prose = suite.entry("prose", manifest)
+    assert "p01.txt" in prose["files"] and "p01b.txt" not in prose["files"] and "p02.txt" in prose["files"]
+    changed = tmp_path / "share" / "code" / code["files"][1]
+    changed.write_text(changed.read_text() + "one line more\n")
+    with pytest.raises(suite.SuiteChanged, match="suite domain 'code': the contents of its files"):
+        suite.check_suite(manifest, bases)
+    suite.check_suite(manifest, bases, names=["prose"])  # the other domain still matches
+    with pytest.raises(suite.SuiteChanged, match="'code'"):
+        suite.domain_texts("code", manifest, bases)
+    (tmp_path / "share" / "prose" / prose["files"][2]).unlink()
+    with pytest.raises(suite.SuiteChanged, match=f"suite domain 'prose': 1 of its files .*{prose['files'][2]}"):
+        suite.check_domain(prose, bases)
+    with pytest.raises(SystemExit, match="domain 'code'"):
+        fake_manifest(bases, sources[:1], learn=10**6)  # the tree holds too little text
+    assert suite.manifest_sha256(manifest) != suite.manifest_sha256({"domains": manifest["domains"][:1]})
+
+
+# ---------------------------------------------------------------------------------------------------- the runner
+
+
+def loader(name: str) -> tuple:
+    """lm_suite.main's load_model: a tiny Llama with the character tokenizer, whatever is asked for."""
+    return tiny_model("llama"), CharTokenizer(), "t"
+
+
+SETTINGS = {"default": {}, "capped": {"policy": {"max_step": 0.02}}, "no_token_bias": {"token_bias": 0}}
+ARGS = ["--learn-tokens", "800", "--score-tokens", "200", "--window", "64", "--curve", "384", "--learn-window", "64",
+        "--learn-batch-size", "4", "--batch-size", "4"]  # fmt: skip
+
+
+def test_settings_share_a_pass_only_when_they_differ_in_solve_time_policy_fields():
+    settings = {n: lm_suite.setting_from_dict(n, f) for n, f in SETTINGS.items()}
+    assert lm_suite.groups(settings) == [["default", "capped"], ["no_token_bias"]]
+    held = lm_suite.setting_from_dict("h", {"policy": {"held_out_share": 0.1}})  # read while learning
+    assert lm_suite.groups({"default": settings["default"], "h": held}) == [["default"], ["h"]]
+    assert settings["default"].head_dtype == "float32"  # the float32 path
+    with pytest.raises(ValueError, match="setting 'bad'"):
+        lm_suite.setting_from_dict("bad", {"policy": {"no_such_field": 1}})
+
+
+def test_the_runner_writes_one_record_per_shard_resumes_and_records_hashes_and_provenance(tmp_path):
+    pytest.importorskip("peft")
+    bases, sources = fake_tree(tmp_path / "tree")
+    manifest = fake_manifest(bases, sources)
+    out = tmp_path / "shards"
+    argv = [*ARGS, "--peers", "lora,lora_time", "--train-window", "32", "--settings", json.dumps(SETTINGS), "--out",
+            str(out)]  # fmt: skip
+    paths = lm_suite.main(argv, load_model=loader, manifest=manifest, bases=bases)
+    assert sorted(p.name for p in out.iterdir()) == ["code.json", "prose.json"] == sorted(p.name for p in paths)
+    shard = json.loads((out / "code.json").read_text())
+    assert shard["suite_domain"]["contents_sha256"] == suite.entry("code", manifest)["contents_sha256"]
+    assert shard["suite"]["manifest_sha256"] == suite.manifest_sha256(manifest)
+    assert {"git_sha", "git_dirty", "cpu_model", "cpu_flags", "loadavg_at_start", "loadavg_at_end"} <= set(
+        shard["provenance"]
+    )
+    assert "lm_suite" in " ".join(map(str, shard["provenance"].values()))  # the command line
+    rows = shard["settings"]
+    assert list(rows) == list(SETTINGS) and shard["learned_tokens"] == 800
+    assert rows["default"]["shared_pass"] == ["default", "capped"] and rows["no_token_bias"]["shared_pass"] == [
+        "no_token_bias"
+    ]
+    assert rows["default"]["curve"]["tokens"] == [384, 800] and len(rows["capped"]["curve"]["ppl"]) == 2
+    assert rows["capped"]["tuning"]["step"] <= 0.02 < rows["default"]["tuning"]["step"]  # re-solved under its policy
+    assert rows["capped"]["ppl"] != rows["default"]["ppl"]
+    for row in rows.values():
+        assert row["reduction"] == pytest.approx(1 - row["ppl"] / shard["zero_shot"]["ppl"])
+    peers = {r["method"].split(" (")[0]: r for r in shard["peers"]}
+    assert set(peers) == {"LoRA", "LoRA at FAAST's time"}
+    assert peers["LoRA at FAAST's time"]["budget_s"] == rows["default"]["learn_s"]  # the first setting's time
+    # The re-solved setting is what learning it alone gives.
+    alone = lm_suite.main([*ARGS, "--settings", json.dumps({"capped": SETTINGS["capped"]}), "--out",
+                           str(tmp_path / "alone"), "--domains", "code"], load_model=loader, manifest=manifest,
+                          bases=bases)  # fmt: skip
+    assert json.loads(alone[0].read_text())["settings"]["capped"]["ppl"] == pytest.approx(rows["capped"]["ppl"],
+                                                                                          rel=REORDER_REL)  # fmt: skip
+    # Resumed: the shards that exist are kept as they are; a missing one runs again.
+    before = (out / "code.json").read_text()
+    (out / "prose.json").unlink()
+    lm_suite.main(argv, load_model=loader, manifest=manifest, bases=bases)
+    assert (out / "code.json").read_text() == before and (out / "prose.json").is_file()
+    with pytest.raises(SystemExit, match="another protocol"):
+        lm_suite.main([*argv[:-4], "--settings", '{"default": {}}', "--out", str(out)], load_model=loader,
+                      manifest=manifest, bases=bases)  # fmt: skip
+    # The report merges the shards: two kinds, each domain's setting chosen on the other.
+    merged = lm_suite_report.merge(lm_suite_report.load_shards([out]))
+    choices = {c["domain"]: c for c in merged["loko"]["choices"]}
+    assert set(merged["lora"]) == {"code", "prose"}
+    reductions = merged["reductions"]
+    best_on_prose = max(SETTINGS, key=lambda s: (reductions["prose"][s], -list(SETTINGS).index(s)))
+    assert choices["code"]["setting"] == best_on_prose
+    assert choices["code"]["reduction"] == reductions["code"][best_on_prose]
+    lines = lm_suite_report.report(merged)
+    assert any(line.startswith("Suite: median") for line in lines)
+    from results_formats import FORMATTERS
+
+    table = FORMATTERS["lm_suite"]([("lab/experiments/results/x.json", merged)])
+    assert table[0].startswith("| domain | kind |") and any("Suite of 2 domains" in x for x in table)
+    assert not math.isnan(merged["loko"]["median"])
