@@ -410,27 +410,50 @@ def fmt_gpu_learn_stack(records: list[tuple[str, dict]]) -> list[str]:
 
 def fmt_lm_suite(records: list[tuple[str, dict]]) -> list[str]:
     """lab/experiments/lm_suite_report.py's merged record: each domain's change under the setting chosen on the other
-    kinds (leave-one-kind-out), per kind, and the suite's median and worst, with the shares of one LoRA epoch's."""
+    kinds (leave-one-kind-out) with its lowest curve point, one LoRA epoch's and LoRA's at FAAST's time, FAAST's time
+    over LoRA's; per kind; the suite's median and worst, and the goals."""
     (_, r), lines = records[0], []
-    loko = r["loko"]
+    loko, facts = r["loko"], r["domains"]
 
     def share(x: float | None) -> str:
         return "–" if x is None else f"{100 * x:.0f}%"
 
-    rows = [[c["domain"], c["kind"], c["setting"], pct(-c["reduction"]), pct(-c["lora"]) if c["lora"] is not None
-             else "–", share(c["share"])] for c in loko["choices"]]  # fmt: skip
-    lines += table(["domain", "kind", "setting chosen on the other kinds", "change", "1 LoRA epoch", "share"], rows)
-    kinds = [[k, str(len(v["domains"])), pct(-v["median"]), pct(-v["worst"]), share(v["share_median"])]
+    def change(x: float | None) -> str:
+        return "–" if x is None else pct(-x)
+
+    def peer(domain: str, name: str) -> str:
+        return change((facts[domain]["peers"].get(name) or {}).get("reduction"))
+
+    def ratio(x: float | None) -> str:
+        return "–" if x is None else f"{x:.2f}×"
+
+    rows = [[c["domain"], c["kind"], c["setting"], change(c["reduction"]), change(facts[c["domain"]]["lowest_point"]),
+             change(c["lora"]), share(c["share"]), peer(c["domain"], "LoRA at FAAST's time"),
+             ratio(facts[c["domain"]]["time_ratio"])] for c in loko["choices"]]  # fmt: skip
+    lines += table(["domain", "kind", "setting chosen on the other kinds", "change", "lowest curve point",
+                    "1 LoRA epoch", "share", "LoRA at FAAST's time", "FAAST's time / LoRA's"], rows)  # fmt: skip
+    kinds = [[k, str(len(v["domains"])), change(v["median"]), change(v["worst"]), share(v["share_median"])]
              for k, v in loko["kinds"].items()]  # fmt: skip
     lines += ["", *table(["kind", "domains", "median change", "worst change", "median share of LoRA's"], kinds), ""]
+    g = r["goals"]
     lines.append(
-        f"Suite of {len(loko['choices'])} domains: median change {pct(-loko['median'])}, worst {pct(-loko['worst'])} "
-        f"({loko['worst_domain']}); median share of one LoRA epoch's reduction {share(loko['share_median'])}, worst "
-        f"kind's {share(loko['worst_kind_share'])}. Suite manifest {r['suite']['manifest_sha256'][:12]}."
+        f"Suite of {len(loko['choices'])} domains: median change {change(loko['median'])}, worst "
+        f"{change(loko['worst'])} ({loko['worst_domain']}); median share of one LoRA epoch's reduction "
+        f"{share(loko['share_median'])} (goal ≥ {share(g['share_goal'])}), worst kind's "
+        f"{share(loko['worst_kind_share'])} (goal ≥ {share(g['worst_kind_share_goal'])}); FAAST's learn + solve "
+        f"time over one LoRA epoch's {ratio(g['time_ratio_worst'])} at worst (goal ≤ {ratio(g['time_ratio_goal'])});"
+        f" lowest curve point {change(g['lowest_point'])} ({g['lowest_point_domain']}). Suite manifest "
+        f"{r['suite']['manifest_sha256'][:12]}."
     )
-    runs = {json.dumps(v, sort_keys=True) for v in r.get("runs", {}).values()}
+    if r.get("heuristics"):
+        from faast_lab.experiments.lm_suite_report import heuristic_lines  # the report's own table of them
+
+        lines += ["", *heuristic_lines(r["heuristics"])]
+    # A run writes each shard at its own date: runs differ by commit or machine.
+    runs = {json.dumps({**x, "date": None}, sort_keys=True) for v in r.get("runs", {}).values() for x in v}
     if len(runs) > 1:
-        lines.append(f"The shards were measured by {len(runs)} runs (each domain's in the record's `runs`).")
+        lines.append(f"The shards were measured by {len(runs)} runs (commits or machines; each domain's in the "
+                     "record's `runs`): compare times within a domain.")  # fmt: skip
     return lines
 
 

@@ -149,6 +149,24 @@ def test_a_learned_layer_given_another_policy_solves_again_with_it():
     assert model.output_memory_layer.held_out.policy == layer.policy == OutputPolicy(token_prior=3.0, gap_multiple=0)
 
 
+def test_a_learned_layer_given_other_bias_steps_solves_again_with_them():
+    model = apply_faast(tiny_model("llama"), FaastConfig(output=ResidualOutput(step=0.5), learn_dtype="model"))
+    model.learn(ids(batch=2, seq=30))
+    layer, cpu = model.output_memory_layer, torch.device("cpu")
+    tokens, bias = layer.folded_token_bias(cpu, torch.float64), layer.folded_bias(cpu, torch.float64)
+    assert tokens is not None and bias is not None
+    layer.token_bias = 0.6  # twice γ: twice the token bias, the step and M unchanged
+    torch.testing.assert_close(layer.folded_token_bias(cpu, torch.float64), 2 * tokens)
+    layer.bias = 0
+    assert layer.folded_bias(cpu, torch.float64) is None and layer.last_tuning["bias_step"] == 0.0
+    layer.token_bias = 0
+    assert layer.folded_token_bias(cpu, torch.float64) is None
+    for name in ("bias", "token_bias"):
+        with pytest.raises(ValueError, match=f"{name}: expected a number >= 0"):
+            setattr(layer, name, -1.0)
+    assert layer.bias == 0 and layer.token_bias == 0  # a refused value leaves the layer as it was
+
+
 def test_the_layers_head_pools_as_its_policys_dense_share_says():
     # The tiny model's block keeps 41 of its 61 columns above p = 0.02 (67%): past the shipped share (0.6) p·H is
     # formed in full, as with the exact threshold, to the bit; a policy whose share is 1 pools the 20 others, so the

@@ -5,7 +5,8 @@ setting, one result record per domain (a shard), resumable.
     python -m faast_lab.experiments.lm_suite --domains asyncio man1 --settings settings.json --peers lora,lora_time \
         --out DIR
 
---settings: a JSON object (a file, or the text itself) {setting name: ResidualOutput fields}, "policy" holding
+--settings: a JSON object (a file, or the text itself) {setting name: ResidualOutput fields}, or a heuristics spec
+(lab/experiments/suite_heuristics.json) whose "settings" are that object; "policy" holding
 OutputPolicy fields, each over the shipped defaults: {"default": {}, "no_token_bias": {"token_bias": 0},
 "one_fit": {"policy": {"fold_step_ratio": Infinity}}}. The first setting is the one LoRA at FAAST's time gets the time
 of (list the default first). The runs take the float32 path by default (FaastConfig(learn_dtype='model'),
@@ -15,9 +16,10 @@ Per domain (lab/experiments/suite.py: the manifest's files, checked against thei
 first --learn-tokens tokens, the held-out files' first --score-tokens in --window-token windows; zero-shot; then each
 group of settings that can share a learning pass learns the text once in the curve's parts (--curve), and after each
 part every setting of the group is solved and scored. Settings share a pass when they differ only in OutputPolicy
-fields that are read only when solving (SOLVE_TIME_FIELDS): the layer's public `policy` setter makes the next solve
-use a new policy. Any other difference (a ResidualOutput field such as bias or token_bias, or a policy field read
-while learning) learns its own pass: the public API sets those when the layer is built. Peers (--peers) run through
+fields that are read only when solving (SOLVE_TIME_FIELDS) and in the biases' steps (bias, token_bias): the layer's
+public `policy`, `bias` and `token_bias` setters make the next solve use new ones. Any other difference (another
+ResidualOutput field, or a policy field read while learning) learns its own pass: the public API sets those when the
+layer is built. Peers (--peers) run through
 lm_domains_peers: one LoRA epoch, LoRA at FAAST's time (the first setting's learn + solve time), LoRA-best and the
 tuned kNN-LM. Each shard holds faast.provenance's record, the suite's hashes, the protocol and the per-setting
 perplexities; lm_suite_report merges the shards.
@@ -46,6 +48,9 @@ SOLVE_TIME_FIELDS = frozenset({
     "width_sample_min_rows", "min_grid_step", "golden_iterations", "weight_iterations", "min_gain_se",
     "part_min_positions", "part_step_ratio", "document_positions_per_dim", "document_shrink_power", "folds",
     "fold_step_ratio"})  # fmt: skip
+# ResidualOutput fields the solve alone reads (the layer's public setters): the biases' steps, added after the step
+# is tuned.
+SOLVE_TIME_OUTPUT_FIELDS = ("bias", "token_bias")
 PEERS = ("lora", "lora_time", "lora_best", "knn_tuned")
 CURVE = (2048, 8192)  # and the last point, --learn-tokens
 
@@ -73,9 +78,9 @@ def setting_to_dict(output: object) -> dict:
 
 
 def learn_key(output: object) -> str:
-    """What a learning pass depends on: the ResidualOutput without its policy's solve-time fields. Settings with one
-    key share a pass."""
-    fields = setting_to_dict(output)
+    """What a learning pass depends on: the ResidualOutput without its solve-time fields (SOLVE_TIME_OUTPUT_FIELDS
+    and its policy's SOLVE_TIME_FIELDS). Settings with one key share a pass."""
+    fields = {k: v for k, v in setting_to_dict(output).items() if k not in SOLVE_TIME_OUTPUT_FIELDS}
     fields["policy"] = {k: v for k, v in fields["policy"].items() if k not in SOLVE_TIME_FIELDS}
     return json.dumps(fields, sort_keys=True)
 
@@ -124,6 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.settings = json.loads(raw)
     except json.JSONDecodeError as err:
         p.error(f"--settings: expected a JSON object or a file holding one: {err}")
+    if isinstance(args.settings, dict) and "mechanisms" in args.settings:  # a heuristics spec: its settings
+        args.settings = args.settings.get("settings")
     if not isinstance(args.settings, dict) or not args.settings:
         p.error(f"--settings: expected a non-empty JSON object of settings, got {args.settings!r}")
     args.peers = [x.strip() for x in args.peers.split(",") if x.strip()]
@@ -176,11 +183,34 @@ def protocol(args: argparse.Namespace, settings: Mapping[str, object], descripti
             "settings": {n: setting_to_dict(o) for n, o in settings.items()}}  # fmt: skip
 
 
+def what_is_read(layer: object, model: object) -> tuple:
+    """What the output layer reads the held-out text with, as scoring will form it (the model's device and dtype):
+    (M [width, d] or None, λ, the bias [d] or None, the token bias [V] or None), from the layer's public solution."""
+    parameter = next(model.parameters())
+    device, dtype = parameter.device, parameter.dtype
+    m, lam = layer.solution(device, dtype)
+    return m, lam, layer.folded_bias(device, dtype), layer.folded_token_bias(device, dtype)
+
+
+def same_read(a: tuple, b: tuple) -> bool:
+    """Whether two `what_is_read` are bit for bit one: then the scores are one (scoring is deterministic)."""
+    import torch
+
+    def same(x: object, y: object) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape and bool(
+                torch.equal(x, y))  # fmt: skip
+        return x == y
+
+    return all(same(x, y) for x, y in zip(a, b, strict=True))
+
+
 def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings: Mapping, args: argparse.Namespace,
               tick: Callable[[int], None]) -> dict:  # fmt: skip
     """One learning pass of a group's first setting, in the curve's parts; after each part every setting of the
-    group solved (its policy set on the layer) and scored; tick(tokens) after each step (the progress bar).
-    {setting: row}."""
+    group solved (its policy and biases set on the layer) and scored, unless its solve reads as one already scored at
+    that point bit for bit (a mechanism that did not act: the score is that one's, the row says whose in
+    score_reused_from); tick(tokens) after each step (the progress bar). {setting: row}."""
     from faast.hf import FaastConfig, apply_faast
     from faast.hf.evaluate import perplexity
     from faast.hf.tokens import split_continuing
@@ -200,12 +230,22 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
                             progress=False)  # fmt: skip
             learn_s += time.perf_counter() - started
             tick(sum(len(x) for x in part))
+            scored: list[tuple[tuple, str, object]] = []  # (what was read, setting, its perplexity) at this point
             for name in names:
                 layer.policy = settings[name].policy
+                # SOLVE_TIME_OUTPUT_FIELDS
+                layer.bias, layer.token_bias = settings[name].bias, settings[name].token_bias
                 started = time.perf_counter()
                 tuning = next(iter(model.solve(progress=False).values()), None) or {}
                 solve_s = time.perf_counter() - started
-                result = perplexity(model, domain.windows, batch_size=args.batch_size, progress=False)
+                read = what_is_read(layer, model)
+                same = next(((n, r) for f, n, r in scored if same_read(f, read)), None)
+                if same is None:
+                    result = perplexity(model, domain.windows, batch_size=args.batch_size, progress=False)
+                    scored.append((read, name, result))
+                else:  # a setting whose solve came out bit for bit as another's reads as it: its score is that one
+                    result = same[1]
+                    rows[name].setdefault("score_reused_from", []).append(same[0])
                 tick(domain.scored)
                 row = rows[name]
                 row["curve"]["ppl"].append(result.ppl)

@@ -1,40 +1,110 @@
 """The domain suite's report: lm_suite's shard records merged, each domain's figure chosen by leave-one-kind-out
 (faast_lab.experiments.loko), written as one record (<stem>.json) and its Markdown (<stem>.md).
 
-    python -m faast_lab.experiments.lm_suite_report SHARD_DIR --out lab/experiments/results/lm_suite_cpu
+    python -m faast_lab.experiments.lm_suite_report SHARD_DIR [SHARD_DIR ...] \
+        --out lab/experiments/results/lm_suite_cpu
+
+Several folders may hold shards of one domain: a run of the default with its peers, and a run of more settings
+without peers (the same suite, tokens and windows; a setting's name means one setting everywhere). A domain's shards
+are joined into one: their settings side by side, the peers of the one that ran them. A setting in two shards (the
+default run again beside its ablations) must have read the same perplexities in both, which shows the runs compare.
 
 The merged record is what docs/results_sections.toml names (kind "lm_suite", scripts/results_formats.py): its
 `loko` holds the per-domain choices, per-kind and suite medians and worst, and the shares of one LoRA epoch's
-reduction; `runs` names the run and machine of every shard (a sharded run may span machines: its times compare
-within a shard only).
+reduction; `domains` each domain's peers, times and lowest curve point; `goals` the issue's goals read off them;
+`runs` names the run and machine of every shard (a sharded run may span machines: its times compare within a shard
+only).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
 from faast_lab.experiments import loko
-from faast_lab.experiments._common import measured_by, table
+from faast_lab.experiments._common import ROOT, measured_by, table
 
 LORA = "LoRA"  # the one-epoch LoRA row's name before " (" (lm_domains_peers.run_backprop)
+LORA_TIME = "LoRA at FAAST's time"  # lm_domains_peers.run_lora_time
+# Shards of one domain must agree on these protocol fields to be joined; settings and peers may differ.
+JOIN_FREE = ("settings", "peers")
+# Two runs of one text and setting agree to this relative to their perplexity (the same model, windows and batches;
+# the float sums' order may differ between processes).
+ZERO_SHOT_REL = 1e-6
+# The issue's goals (docs/language_models.md, the domain suite).
+GOAL_SHARE, GOAL_WORST_KIND_SHARE, GOAL_TIME_RATIO = 0.8, 0.5, 0.5
+
+
+def peer_name(method: str) -> str:
+    """A peer row's name before " (": 'LoRA (peft, r=8, 1 epoch)' -> 'LoRA'."""
+    return method.split(" (")[0]
+
+
+def _where(path: Path) -> str:
+    """A shard's path as the record keeps it: from the repository's root when inside it."""
+    path = path.resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
+
+
+def _join(domain: str, parts: Sequence[tuple[Path, dict]]) -> dict:
+    """One domain's shards as one: the first's record, every part's settings, the peers of the part that ran them."""
+    (first_file, first), joined = parts[0], None
+    joined = {**first, "settings": dict(first["settings"]), "peers": list(first.get("peers", [])),
+              "files": [_where(first_file)], "runs": [measured_by(first["provenance"])],
+              "timed_setting": next(iter(first["settings"])) if first.get("peers") else None}  # fmt: skip
+    for f, s in parts[1:]:
+        zero, have = s["zero_shot"]["ppl"], first["zero_shot"]["ppl"]
+        if abs(zero - have) > ZERO_SHOT_REL * have:
+            raise ValueError(f"{f}: {domain}'s zero-shot perplexity {zero} differs from {first_file.name}'s {have}: "
+                             "not the same text, model or windows")  # fmt: skip
+        # A setting measured again (the default beside its ablations) must read as it did: the two runs then compare.
+        for name in set(s["settings"]) & set(joined["settings"]):
+            again, have = s["settings"][name]["curve"]["ppl"], joined["settings"][name]["curve"]["ppl"]
+            if len(again) != len(have) or any(
+                abs(a - b) > ZERO_SHOT_REL * b for a, b in zip(again, have, strict=False)
+            ):
+                raise ValueError(f"{f}: {domain}'s setting {name!r} measured {again} along the curve where "
+                                 f"{first_file.name} measured {have}: the runs do not compare (another commit or "
+                                 "machine); run the settings again together")  # fmt: skip
+        joined["settings"].update({k: v for k, v in s["settings"].items() if k not in joined["settings"]})
+        joined["protocol"] = {**joined["protocol"],
+                              "settings": {**joined["protocol"]["settings"], **s["protocol"]["settings"]}}  # fmt: skip
+        if s.get("peers"):
+            if joined["peers"]:
+                raise ValueError(f"{f}: {domain}'s peers also ran in {first_file}; keep one shard with peers")
+            joined["peers"], joined["timed_setting"] = list(s["peers"]), next(iter(s["settings"]))
+        joined["files"].append(_where(f))
+        joined["runs"].append(measured_by(s["provenance"]))
+    return joined
 
 
 def load_shards(paths: Sequence[Path]) -> list[dict]:
-    """The shard records of `paths` (folders: their *.json), in domain order of the files; all must share one suite
-    manifest and one protocol (a ValueError names the first that does not)."""
+    """The shard records of `paths` (folders: their *.json), a domain's shards joined (module docstring), in the
+    order the domains first appear. They must share one suite manifest and one protocol but for settings and peers,
+    and a setting's name must mean one setting (a ValueError names the first file that does not)."""
     files = [f for p in paths for f in (sorted(Path(p).glob("*.json")) if Path(p).is_dir() else [Path(p)])]
     shards = [json.loads(f.read_text(encoding="utf-8")) for f in files]
     if not shards:
         raise ValueError(f"paths: expected shard records (lm_suite's <domain>.json), found none in {list(paths)}")
     first = shards[0]
+
+    def fixed(s: dict) -> dict:
+        return {k: v for k, v in s.get("protocol", {}).items() if k not in JOIN_FREE}
+
+    defined: dict[str, object] = {}
+    by_domain: dict[str, list[tuple[Path, dict]]] = {}
     for f, s in zip(files, shards, strict=True):
-        for key in ("suite", "protocol"):
-            if s.get(key) != first.get(key):
-                raise ValueError(f"{f}: its {key} differs from {files[0].name}'s: the shards are not one suite run")
-    return shards
+        if s.get("suite") != first.get("suite") or fixed(s) != fixed(first):
+            key = "suite" if s.get("suite") != first.get("suite") else "protocol"
+            raise ValueError(f"{f}: its {key} differs from {files[0].name}'s: the shards are not one suite run")
+        for name, setting in s["protocol"]["settings"].items():
+            if defined.setdefault(name, setting) != setting:
+                raise ValueError(f"{f}: its setting {name!r} differs from the one of that name in another shard")
+        by_domain.setdefault(s["domain"], []).append((f, s))
+    return [_join(d, parts) for d, parts in by_domain.items()]
 
 
 def tables(shards: Sequence[dict]) -> tuple[dict, dict, dict, dict]:
@@ -46,22 +116,116 @@ def tables(shards: Sequence[dict]) -> tuple[dict, dict, dict, dict]:
         reductions[name] = {k: r["reduction"] for k, r in s["settings"].items()}
         curve[name] = {k: r["curve"]["reduction"] for k, r in s["settings"].items()}
         kinds[name] = s["kind"]
-        peer = next((r for r in s.get("peers", []) if r["method"].split(" (")[0] == LORA), None)
+        peer = next((r for r in s.get("peers", []) if peer_name(r["method"]) == LORA), None)
         if peer is not None:
             lora[name] = peer["reduction"]
     return reductions, kinds, lora, curve
 
 
+def domain_facts(shard: dict, chosen: str) -> dict:
+    """A domain's figures beside its reduction: the chosen setting's lowest curve point, every peer's reduction and
+    time, and FAAST's learn + solve time (the setting LoRA at FAAST's time was given, measured in the peers' run)
+    over one LoRA epoch's."""
+    peers = {peer_name(r["method"]): {"reduction": r["reduction"], "learn_s": r["learn_s"]} for r in shard["peers"]}
+    timed = shard.get("timed_setting")
+    faast_s = shard["settings"][timed]["learn_s"] if timed else None
+    lora_s = (peers.get(LORA) or {}).get("learn_s")
+    points = shard["settings"][chosen]["curve"]
+    return {"kind": shard["kind"], "zero_shot": shard["zero_shot"]["ppl"], "learned_tokens": shard["learned_tokens"],
+            "scored_tokens": shard["scored_tokens"], "curve_tokens": points["tokens"],
+            "curve": points["reduction"], "lowest_point": min(points["reduction"]), "peers": peers,
+            "timed_setting": timed, "faast_s": faast_s, "lora_s": lora_s,
+            "time_ratio": faast_s / lora_s if faast_s and lora_s else None, "files": shard["files"],
+            "runs": shard["runs"]}  # fmt: skip
+
+
+def _at_least(x: float | None, goal: float) -> bool | None:
+    return None if x is None else x >= goal
+
+
+def goals(report: loko.Report, domains: dict) -> dict:
+    """The issue's goals read off the report: the median and worst kind's share of one LoRA epoch's reduction, learn
+    + solve over LoRA's epoch time (every domain's, so the worst), and no curve point of a chosen setting worse than
+    zero-shot by more than loko.FLOOR; each figure and each goal's `met` None where nothing measured it."""
+    ratios = [d["time_ratio"] for d in domains.values() if d["time_ratio"] is not None]
+    low = min(domains.items(), key=lambda kv: kv[1]["lowest_point"])
+    return {"share_median": report.share_median, "share_goal": GOAL_SHARE,
+            "worst_kind_share": report.worst_kind_share, "worst_kind_share_goal": GOAL_WORST_KIND_SHARE,
+            "time_ratio_median": statistics.median(ratios) if ratios else None,
+            "time_ratio_worst": max(ratios) if ratios else None, "time_ratio_goal": GOAL_TIME_RATIO,
+            "lowest_point": low[1]["lowest_point"], "lowest_point_domain": low[0], "floor": -loko.FLOOR,
+            "met": {"share": _at_least(report.share_median, GOAL_SHARE),
+                    "worst_kind_share": _at_least(report.worst_kind_share, GOAL_WORST_KIND_SHARE),
+                    "time": _at_least(-max(ratios), -GOAL_TIME_RATIO) if ratios else None,
+                    "floor": low[1]["lowest_point"] >= -loko.FLOOR}}  # fmt: skip
+
+
 def merge(shards: Sequence[dict]) -> dict:
-    """The merged record: provenance of the last shard, every shard's run, the suite, the protocol, the settings'
-    reductions per domain and the leave-one-kind-out report."""
+    """The merged record: provenance of the last shard, every shard's run, the suite, the protocol (every setting
+    measured), the settings' reductions per domain, the leave-one-kind-out report, each domain's facts and the
+    goals."""
     reductions, kinds, lora, _ = tables(shards)
-    settings = list(shards[0]["protocol"]["settings"])
+    defined = {n: d for s in shards for n, d in s["protocol"]["settings"].items()}
+    settings = list(dict.fromkeys(n for s in shards for n in s["settings"]))
     report = loko.loko(reductions, kinds, lora, settings=settings)
-    return {"provenance": shards[-1]["provenance"], "suite": shards[0]["suite"], "protocol": shards[0]["protocol"],
-            "runs": {s["domain"]: measured_by(s["provenance"]) for s in shards},
+    chosen = {c.domain: c.setting for c in report.choices}
+    domains = {s["domain"]: domain_facts(s, chosen[s["domain"]]) for s in shards}
+    peers = sorted({p for s in shards for p in s["protocol"].get("peers", [])})
+    protocol = {**shards[0]["protocol"], "settings": {n: defined[n] for n in settings}, "peers": peers}
+    return {"provenance": shards[-1]["provenance"], "suite": shards[0]["suite"], "protocol": protocol,
+            "runs": {s["domain"]: s["runs"] for s in shards},
             "suite_domains": {s["domain"]: s["suite_domain"] for s in shards},
-            "reductions": reductions, "lora": lora, "loko": report.to_dict()}  # fmt: skip
+            "reductions": reductions, "lora": lora, "loko": report.to_dict(), "domains": domains,
+            "goals": goals(report, domains)}  # fmt: skip
+
+
+def load_heuristics(path: Path) -> dict:
+    """A heuristics spec (lab/experiments/suite_heuristics.json): {"settings": {name: fields}, "mechanisms": [{"name",
+    "on", "off", "constants"}]}, each mechanism's on and off settings named (`on` may be the default, which the spec's
+    settings need not hold)."""
+    spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    for m in spec.get("mechanisms", []):
+        if not {"name", "on", "off", "constants"} <= set(m):
+            raise ValueError(f"{path}: mechanism {m!r}: expected the keys name, on, off and constants")
+    return spec
+
+
+def _names(x: str | Sequence[str]) -> list[str]:
+    return [x] if isinstance(x, str) else list(x)
+
+
+def heuristics(shards: Sequence[dict], spec: dict) -> dict:
+    """Each mechanism of `spec` judged by issue 74's rule (loko.heuristic_pays) at every curve point, on the domains
+    that measured all of its settings: it pays when it gains enough at one point at least (the ramps matter only
+    early) and keeps every domain within the floor at every point. The count of tuned constants before and after
+    removing those that do not pay. A mechanism measured on fewer than two kinds has no verdict (None)."""
+    from dataclasses import asdict
+
+    judged = []
+    for m in spec["mechanisms"]:
+        on, off = _names(m["on"]), _names(m["off"])
+        have = [s for s in shards if all(x in s["settings"] for x in on + off)]
+        kinds = {s["domain"]: s["kind"] for s in have}
+        entry = {"name": m["name"], "on": on, "off": off, "constants": m["constants"], "domains": sorted(kinds),
+                 "kinds": sorted(set(kinds.values())), "points": [], "pays": None}  # fmt: skip
+        if len(entry["kinds"]) < 2:
+            entry["reason"] = f"measured on {len(entry['kinds'])} kind(s): leave-one-kind-out needs two"
+            judged.append(entry)
+            continue
+        tokens = sorted(set.intersection(*(set(s["settings"][x]["curve"]["tokens"]) for s in have for x in on + off)))
+        for t in tokens:
+            table = {s["domain"]: {x: dict(zip(s["settings"][x]["curve"]["tokens"], s["settings"][x]["curve"][
+                "reduction"], strict=True))[t] for x in on + off} for s in have}  # fmt: skip
+            entry["points"].append({"tokens": t, **asdict(loko.heuristic_pays(table, kinds, on, off))})
+        floor_ok = all(p["floor_ok"] for p in entry["points"])
+        gains = any(p["median_gain"] >= loko.MEDIAN_GAIN or p["worst_gain"] >= loko.WORST_GAIN
+                    for p in entry["points"])  # fmt: skip
+        entry["pays"] = floor_ok and gains
+        entry["reason"] = "pays" if entry["pays"] else "breaks the floor" if not floor_ok else "gains too little"
+        judged.append(entry)
+    constants = list(dict.fromkeys(c for m in judged for c in m["constants"]))
+    removed = [c for c in constants if all(m["pays"] is False for m in judged if c in m["constants"])]
+    return {"mechanisms": judged, "constants_judged": constants, "constants_to_remove": removed}
 
 
 def pct(x: float | None) -> str:
@@ -73,24 +237,75 @@ def share(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.0f}%"
 
 
+def ratio(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}×"
+
+
+def run_count(merged: dict) -> int:
+    """How many runs measured the shards: their `measured_by` but its date (a run writes each shard at its own)."""
+    return len({json.dumps({**r, "date": None}, sort_keys=True) for runs in merged["runs"].values() for r in runs})
+
+
 def report(merged: dict) -> list[str]:
-    """The Markdown of a merged record: per-domain figures under leave-one-kind-out, per kind, over the suite."""
-    r = merged["loko"]
-    runs = {json.dumps(v, sort_keys=True) for v in merged["runs"].values()}
+    """The Markdown of a merged record: per-domain figures under leave-one-kind-out with their peers, times and lowest
+    curve points, per kind, over the suite, and the goals."""
+    r, facts, g = merged["loko"], merged["domains"], merged["goals"]
+    runs = run_count(merged)
+
+    def peer(domain: str, name: str) -> str:
+        row = facts[domain]["peers"].get(name)
+        return pct(row["reduction"]) if row else "–"
+
     lines = [f"{len(r['choices'])} domains of {len(r['kinds'])} kinds (suite {merged['suite']['manifest_sha256'][:12]}"
-             f"; {len(runs)} run{'s' if len(runs) != 1 else ''}). Each domain's figure is under the setting whose "
+             f"; {runs} run{'s' if runs != 1 else ''}). Each domain's figure is under the setting whose "
              "median reduction is best over the domains of the other kinds (faast_lab.experiments.loko).", "",
-             *table(["domain", "kind", "setting (chosen on the other kinds)", "change", "best on itself",
-                     "1 LoRA epoch", "share of LoRA's"],
-                    [[c["domain"], c["kind"], c["setting"], pct(c["reduction"]), c["own_best"], pct(c["lora"]),
-                      share(c["share"])] for c in r["choices"]]), "",
+             *table(["domain", "kind", "setting (chosen on the other kinds)", "change", "lowest curve point",
+                     "best on itself", "1 LoRA epoch", "share of LoRA's", "LoRA at FAAST's time",
+                     "FAAST's time / LoRA's"],
+                    [[c["domain"], c["kind"], c["setting"], pct(c["reduction"]),
+                      pct(facts[c["domain"]]["lowest_point"]), c["own_best"], pct(c["lora"]), share(c["share"]),
+                      peer(c["domain"], LORA_TIME), ratio(facts[c["domain"]]["time_ratio"])]
+                     for c in r["choices"]]), "",
              *table(["kind", "domains", "median change", "worst change", "median share of LoRA's"],
                     [[k, len(v["domains"]), pct(v["median"]), pct(v["worst"]), share(v["share_median"])]
                      for k, v in r["kinds"].items()]), ""]  # fmt: skip
     lines.append(f"Suite: median {pct(r['median'])}, worst {pct(r['worst'])} ({r['worst_domain']}); median share of"
                  f" one LoRA epoch's reduction {share(r['share_median'])}, worst kind's "
                  f"{share(r['worst_kind_share'])}.")  # fmt: skip
+    lines.append(goals_line(g))
+    if merged.get("heuristics"):
+        lines += ["", *heuristic_lines(merged["heuristics"])]
     return lines
+
+
+def heuristic_lines(judged: dict) -> list[str]:
+    """The heuristics' verdicts: per mechanism its gains at each curve point and why it stays or goes."""
+
+    def points(m: dict) -> str:
+        return "; ".join(f"{p['tokens']:,}: median {100 * p['median_gain']:+.2f}, worst {100 * p['worst_gain']:+.2f}"
+                         for p in m["points"]) or "–"  # fmt: skip
+
+    verdict = {True: "stays", False: "goes", None: "not judged"}
+    rows = [[m["name"], f"{len(m['domains'])} ({len(m['kinds'])} kinds)", points(m), f"{verdict[m['pays']]}: "
+             f"{m['reason']}", ", ".join(m["constants"])] for m in judged["mechanisms"]]  # fmt: skip
+    removed = judged["constants_to_remove"]
+    return [*table(["mechanism", "domains", "gain with it, points (median, worst) by learned tokens", "verdict",
+                    "its constants"], rows), "",
+            f"Tuned constants judged: {len(judged['constants_judged'])}; to remove: {len(removed)}"
+            + (f" ({', '.join(removed)})." if removed else ".")]  # fmt: skip
+
+
+def goals_line(g: dict) -> str:
+    """The goals, each with the figure that meets or misses it."""
+    met = {True: "met", False: "missed", None: "not measured"}
+    return (
+        f"Goals: median share ≥ {share(g['share_goal'])}: {share(g['share_median'])} ({met[g['met']['share']]}); "
+        f"worst kind's ≥ {share(g['worst_kind_share_goal'])}: {share(g['worst_kind_share'])} "
+        f"({met[g['met']['worst_kind_share']]}); learn + solve ≤ {ratio(g['time_ratio_goal'])} LoRA's epoch: "
+        f"{ratio(g['time_ratio_worst'])} at worst, {ratio(g['time_ratio_median'])} median "
+        f"({met[g['met']['time']]}); no curve point worse than zero-shot by over {100 * -g['floor']:g}%: lowest "
+        f"{pct(g['lowest_point'])} ({g['lowest_point_domain']}; {met[g['met']['floor']]})."
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -98,10 +313,20 @@ def main(argv: list[str] | None = None) -> dict:
     from faast.persist import write_text_atomic
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("shards", type=Path, nargs="+", help="shard records or folders of them (lm_suite --out)")
+    p.add_argument(
+        "shards",
+        type=Path,
+        nargs="+",
+        help="shard records or folders of them (lm_suite --out); a domain's shards are joined",
+    )
+    p.add_argument("--heuristics", type=Path, default=None,
+                   help="a spec of mechanisms to judge (lab/experiments/suite_heuristics.json)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="the merged record's stem (<stem>.json, <stem>.md)")
     args = p.parse_args(argv)
-    merged = merge(load_shards(args.shards))
+    shards = load_shards(args.shards)
+    merged = merge(shards)
+    if args.heuristics is not None:
+        merged["heuristics"] = heuristics(shards, load_heuristics(args.heuristics))
     lines = report(merged)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out.with_suffix(".json"), json.dumps(merged, indent=1, ensure_ascii=False) + "\n")

@@ -176,14 +176,16 @@ def loader(name: str) -> tuple:
     return tiny_model("llama"), CharTokenizer(), "t"
 
 
-SETTINGS = {"default": {}, "capped": {"policy": {"max_step": 0.02}}, "no_token_bias": {"token_bias": 0}}
+# "same" changes only when the layer warns (the diagnosis), never what it reads.
+SETTINGS = {"default": {}, "capped": {"policy": {"max_step": 0.02}}, "no_token_bias": {"token_bias": 0},
+            "same": {"policy": {"part_step_ratio": 8.0}}}  # fmt: skip
 ARGS = ["--learn-tokens", "800", "--score-tokens", "200", "--window", "64", "--curve", "384", "--learn-window", "64",
         "--learn-batch-size", "4", "--batch-size", "4"]  # fmt: skip
 
 
-def test_settings_share_a_pass_only_when_they_differ_in_solve_time_policy_fields():
+def test_settings_share_a_pass_only_when_they_differ_in_what_the_solve_reads():
     settings = {n: lm_suite.setting_from_dict(n, f) for n, f in SETTINGS.items()}
-    assert lm_suite.groups(settings) == [["default", "capped"], ["no_token_bias"]]
+    assert lm_suite.groups(settings) == [list(SETTINGS)]  # the biases are read by the solve
     held = lm_suite.setting_from_dict("h", {"policy": {"held_out_share": 0.1}})  # read while learning
     assert lm_suite.groups({"default": settings["default"], "h": held}) == [["default"], ["h"]]
     assert settings["default"].head_dtype == "float32"  # the float32 path
@@ -210,9 +212,8 @@ def test_the_runner_writes_one_record_per_shard_resumes_and_records_hashes_and_p
     assert shard["provenance"]["command"] == provenance.relative_command(provenance.command_line(), H.REPO)
     rows = shard["settings"]
     assert list(rows) == list(SETTINGS) and shard["learned_tokens"] == 800
-    assert rows["default"]["shared_pass"] == ["default", "capped"] and rows["no_token_bias"]["shared_pass"] == [
-        "no_token_bias"
-    ]
+    assert rows["default"]["shared_pass"] == rows["no_token_bias"]["shared_pass"] == list(SETTINGS)
+    assert rows["no_token_bias"]["tuning"]["token_bias_step"] == 0 < rows["default"]["tuning"]["token_bias_step"]
     assert rows["default"]["curve"]["tokens"] == [384, 800] and len(rows["capped"]["curve"]["ppl"]) == 2
     assert rows["capped"]["tuning"]["step"] <= 0.02 < rows["default"]["tuning"]["step"]  # re-solved under its policy
     assert rows["capped"]["ppl"] != rows["default"]["ppl"]
@@ -221,12 +222,21 @@ def test_the_runner_writes_one_record_per_shard_resumes_and_records_hashes_and_p
     peers = {r["method"].split(" (")[0]: r for r in shard["peers"]}
     assert set(peers) == {"LoRA", "LoRA at FAAST's time"}
     assert peers["LoRA at FAAST's time"]["budget_s"] == rows["default"]["learn_s"]  # the first setting's time
-    # The re-solved setting is what learning it alone gives.
-    alone = lm_suite.main([*ARGS, "--settings", json.dumps({"capped": SETTINGS["capped"]}), "--out",
-                           str(tmp_path / "alone"), "--domains", "code"], load_model=loader, manifest=manifest,
-                          bases=bases)  # fmt: skip
-    assert json.loads(alone[0].read_text())["settings"]["capped"]["ppl"] == pytest.approx(rows["capped"]["ppl"],
+    # A re-solved setting is what learning it alone gives.
+    for name in ("capped", "no_token_bias"):
+        alone = lm_suite.main([*ARGS, "--settings", json.dumps({name: SETTINGS[name]}), "--out",
+                               str(tmp_path / name), "--domains", "code"], load_model=loader, manifest=manifest,
+                              bases=bases)  # fmt: skip
+        assert json.loads(alone[0].read_text())["settings"][name]["ppl"] == pytest.approx(rows[name]["ppl"],
                                                                                           rel=REORDER_REL)  # fmt: skip
+    assert rows["no_token_bias"]["ppl"] != rows["default"]["ppl"]
+    # A setting whose solve reads as one already scored is not scored again: its score is that one's, said so.
+    assert (
+        rows["same"]["score_reused_from"] == ["default", "default"] and rows["same"]["ppl"] == rows["default"]["ppl"]
+    )
+    assert "score_reused_from" not in rows["default"] and "score_reused_from" not in rows["no_token_bias"]
+    # The cap acts only where the step is tuned: before, at the first point, "capped" may read as the default.
+    assert rows["capped"].get("score_reused_from", []) in ([], ["default"])
     # Resumed: the shards that exist are kept as they are; a missing one runs again.
     before = (out / "code.json").read_text()
     (out / "prose.json").unlink()
@@ -250,3 +260,135 @@ def test_the_runner_writes_one_record_per_shard_resumes_and_records_hashes_and_p
     table = FORMATTERS["lm_suite"]([("lab/experiments/results/x.json", merged)])
     assert table[0].startswith("| domain | kind |") and any("Suite of 2 domains" in x for x in table)
     assert not math.isnan(merged["loko"]["median"])
+
+
+# ---------------------------------------------------------------------------------------------------- the report
+
+
+def planted_shard(domain: str, kind: str, settings: dict, peers: tuple = (), zero: float = 10.0,
+                  learn_tokens: int = 800) -> dict:  # fmt: skip
+    """A shard as lm_suite writes it: settings {name: (reduction, learn_s, curve reductions)}; peers (name, reduction,
+    learn_s)."""
+    rows = {n: {"reduction": r, "ppl": zero * (1 - r), "learn_s": s,
+                "curve": {"tokens": [400, 800], "reduction": c, "ppl": [zero * (1 - x) for x in c]}}
+            for n, (r, s, c) in settings.items()}  # fmt: skip
+    return {"provenance": {"date": "d", "git_sha": "abc", "git_dirty": False, "cpu_model": "cpu"},
+            "suite": {"manifest_sha256": "m" * 64},
+            "protocol": {"learn_tokens": learn_tokens, "settings": {n: {"policy": {"n": n}} for n in settings},
+                         "peers": ["lora", "lora_time"] if peers else []},
+            "domain": domain, "kind": kind, "suite_domain": {"name": domain}, "learned_tokens": learn_tokens,
+            "scored_tokens": 200, "zero_shot": {"ppl": zero}, "settings": rows,
+            "peers": [{"method": f"{m} (planted)", "reduction": r, "learn_s": s} for m, r, s in peers]}  # fmt: skip
+
+
+def write_shards(folder: Path, shards: list[dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for s in shards:
+        (folder / f"{s['domain']}.json").write_text(json.dumps(s))
+    return folder
+
+
+PEERS = (("LoRA", 0.10, 100.0), ("LoRA at FAAST's time", 0.06, 40.0))
+
+
+def test_the_report_joins_a_domains_shards_and_reads_its_peers_times_and_curve(tmp_path):
+    main = write_shards(tmp_path / "main", [
+        planted_shard("a", "A", {"default": (0.08, 40.0, [0.02, 0.08])}, PEERS),
+        planted_shard("b", "B", {"default": (0.05, 30.0, [-0.001, 0.05])}, (("LoRA", 0.10, 50.0),)),
+    ])  # fmt: skip
+    more = write_shards(tmp_path / "more", [
+        planted_shard("a", "A", {"off": (0.02, 9.0, [0.01, 0.02])}),
+        planted_shard("b", "B", {"off": (0.09, 9.0, [0.03, 0.09])}),
+    ])  # fmt: skip
+    merged = lm_suite_report.merge(lm_suite_report.load_shards([main, more]))
+    assert merged["reductions"] == {"a": {"default": 0.08, "off": 0.02}, "b": {"default": 0.05, "off": 0.09}}
+    assert list(merged["protocol"]["settings"]) == ["default", "off"]
+    # a's setting is chosen on b ("off"), b's on a ("default").
+    choices = {c["domain"]: c for c in merged["loko"]["choices"]}
+    assert choices["a"]["setting"] == "off" and choices["b"]["setting"] == "default"
+    a, b = merged["domains"]["a"], merged["domains"]["b"]
+    assert a["lowest_point"] == 0.01 and b["lowest_point"] == -0.001  # the chosen setting's curve
+    # FAAST's time is the setting that ran beside the peers (the first of that shard), over one LoRA epoch's.
+    assert a["timed_setting"] == "default" and a["time_ratio"] == pytest.approx(0.4) and b["time_ratio"] == 0.6
+    assert a["peers"]["LoRA at FAAST's time"]["reduction"] == 0.06 and len(a["files"]) == 2
+    g = merged["goals"]
+    assert g["time_ratio_worst"] == 0.6 and g["met"]["time"] is False and g["met"]["floor"] is True
+    assert choices["a"]["share"] == pytest.approx(0.2) and g["met"]["share"] is False
+    lines = lm_suite_report.report(merged)
+    assert any("0.60× at worst" in x and "(missed)" in x for x in lines)
+    from results_formats import FORMATTERS
+
+    text = "\n".join(FORMATTERS["lm_suite"]([("x.json", merged)]))
+    assert "| a | A | off | −2.0% | −1.0% | −10.0% | 20% | −6.0% | 0.40× |" in text
+
+
+def test_the_report_refuses_shards_that_are_not_one_run(tmp_path):
+    def load(*shards: dict) -> list[dict]:
+        folder = tmp_path / f"f{len(list(tmp_path.iterdir()))}"
+        for i, s in enumerate(shards):
+            write_shards(folder / str(i), [s])
+        return lm_suite_report.load_shards(sorted(folder.iterdir()))
+
+    a = planted_shard("a", "A", {"default": (0.08, 40.0, [0.02, 0.08])}, PEERS)
+    # The default measured again beside an ablation joins when it read the same, and shows the runs do not compare
+    # when it did not.
+    (joined,) = load(a, planted_shard("a", "A", {"default": (0.08, 40.0, [0.02, 0.08]),
+                                                  "off": (0.02, 9.0, [0.01, 0.02])}))  # fmt: skip
+    assert list(joined["settings"]) == ["default", "off"] and joined["timed_setting"] == "default"
+    with pytest.raises(ValueError, match="'default' measured .* the runs do not compare"):
+        load(a, planted_shard("a", "A", {"default": (0.08, 40.0, [0.021, 0.08])}))
+    with pytest.raises(ValueError, match="zero-shot perplexity"):
+        load(a, planted_shard("a", "A", {"off": (0.02, 9.0, [0.01, 0.02])}, zero=11.0))
+    with pytest.raises(ValueError, match="protocol differs"):
+        load(a, planted_shard("b", "B", {"off": (0.02, 9.0, [0.01, 0.02])}, learn_tokens=900))
+    with pytest.raises(ValueError, match="peers also ran"):
+        load(a, planted_shard("a", "A", {"off": (0.02, 9.0, [0.01, 0.02])}, PEERS))
+    other = planted_shard("b", "B", {"default": (0.02, 9.0, [0.01, 0.02])})
+    other["protocol"]["settings"]["default"] = {"token_bias": 0}
+    with pytest.raises(ValueError, match="setting 'default' differs"):
+        load(a, other)
+
+
+def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_floor(tmp_path):
+    """Three kinds; 'ramp' matters at the first point only (+2 points there), 'noise' never by more than 0.1 point,
+    'harm' gains 3 points at the end but with it on, one domain is 0.5% worse than zero-shot at the first point."""
+
+    def shard(d: str, kind: str, worse: float) -> dict:
+        return planted_shard(d, kind, {"default": (0.10, 40.0, [worse, 0.10]), "no_ramp": (0.10, 9.0, [0.0, 0.10]),
+                                       "no_noise": (0.099, 9.0, [0.03, 0.099]),
+                                       "no_harm": (0.07, 9.0, [0.03, 0.07])})  # fmt: skip
+
+    three = write_shards(tmp_path / "three", [shard("a", "A", 0.02), shard("b", "B", 0.02), shard("c", "C", 0.02)])
+    fourth = write_shards(tmp_path / "fourth", [shard("d", "C", -0.005)])
+    shards = lm_suite_report.load_shards([three, fourth])
+    spec = {"mechanisms": [{"name": n, "on": "default", "off": f"no_{n}", "constants": [f"P.{n}"]}
+                           for n in ("ramp", "noise", "harm")]}  # fmt: skip
+    spec["mechanisms"].append({"name": "unmeasured", "on": "default", "off": "no_such",
+                               "constants": ["P.ramp", "P.other"]})  # fmt: skip
+    judged = {m["name"]: m for m in lm_suite_report.heuristics(shards, spec)["mechanisms"]}
+    assert [p["tokens"] for p in judged["ramp"]["points"]] == [400, 800]
+    # With d's first point at −0.5%, every mechanism that is on in the default breaks the floor there...
+    assert judged["harm"]["pays"] is False and judged["harm"]["reason"] == "breaks the floor"
+    assert judged["unmeasured"]["pays"] is None and "0 kind" in judged["unmeasured"]["reason"]
+    # ... and without d: the ramp pays by its first point, the noise does not pay anywhere, the harm pays.
+    shards = lm_suite_report.load_shards([three])
+    judged_all = lm_suite_report.heuristics(shards, spec)
+    judged = {m["name"]: m for m in judged_all["mechanisms"]}
+    assert judged["ramp"]["pays"] and judged["ramp"]["points"][0]["median_gain"] == pytest.approx(0.02)
+    assert judged["ramp"]["points"][1]["median_gain"] == pytest.approx(0.0)
+    assert judged["noise"]["pays"] is False and judged["noise"]["reason"] == "gains too little"
+    assert judged["harm"]["pays"] is True
+    # P.ramp is kept (its mechanism pays; the unmeasured one is not judged); P.noise goes.
+    assert judged_all["constants_to_remove"] == ["P.noise"]
+    assert "P.other" in judged_all["constants_judged"] and "P.other" not in judged_all["constants_to_remove"]
+    merged = lm_suite_report.merge(shards)
+    merged["heuristics"] = judged_all
+    assert any("Tuned constants judged: 4; to remove: 1 (P.noise)." in x for x in lm_suite_report.report(merged))
+    path = lm_suite_report.ROOT / "lab/experiments/suite_heuristics.json"
+    committed = lm_suite_report.load_heuristics(path)
+    # The runner takes the spec as its settings, the default first (the one the report checks the runs against).
+    assert lm_suite.parse_args(["--settings", str(path), "--out", str(tmp_path)]).settings == committed["settings"]
+    assert next(iter(committed["settings"])) == "default"
+    for m in committed["mechanisms"]:  # every off setting is defined and shares the default's learning pass
+        off = lm_suite.setting_from_dict(m["off"], committed["settings"][m["off"]])
+        assert lm_suite.learn_key(off) == lm_suite.learn_key(lm_suite.setting_from_dict("default", {})), m["name"]

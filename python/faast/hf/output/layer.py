@@ -50,6 +50,7 @@ from ... import ops
 from ...accumulator import Accumulator
 from ...memory import FastWeights
 from ..config import FaastConfig, ResidualOutput
+from ..config_groups import check_real
 from ..held_out import HeldOutTail
 from ..progress import enabled, say_slow
 from ..targets import LMHead
@@ -123,7 +124,7 @@ class ResidualOutputLayer(nn.Module):
         self.token_mass = Accumulator({"probability": (vocab_size,)}, device=device)
         self.gradient_sum = Accumulator({"gradient": (d,)}, device=device)
         self.target_count = Accumulator({"targets": (vocab_size,)}, device=device)
-        self.bias, self.token_bias = float(output.bias), float(output.token_bias)
+        self._bias, self._token_bias = float(output.bias), float(output.token_bias)
         self.step, self.damping = output.step, float(output.damping)
         self.space, self.weight = output.space, output.weight
         policy = output.policy
@@ -164,6 +165,29 @@ class ResidualOutputLayer(nn.Module):
         if not isinstance(policy, OutputPolicy):
             raise ValueError(f"policy: expected an OutputPolicy, got {policy!r}")
         self._policy, self.held_out.policy, self._folded = policy, policy, None
+
+    @property
+    def bias(self) -> float:
+        """β, the mean-gradient bias's step (ResidualOutput.bias)."""
+        return self._bias
+
+    @bias.setter
+    def bias(self, value: float) -> None:
+        """Read β from the next solve on: nothing learned depends on it (the step is tuned without the biases). The
+        layer's alone, as `policy`: the model's faast_config, and so a save, keep ResidualOutput.bias."""
+        check_real("bias", value, low=0)
+        self._bias = float(value)
+
+    @property
+    def token_bias(self) -> float:
+        """γ, the token bias's step (ResidualOutput.token_bias)."""
+        return self._token_bias
+
+    @token_bias.setter
+    def token_bias(self, value: float) -> None:
+        """Read γ from the next solve on, as `bias`."""
+        check_real("token_bias", value, low=0)
+        self._token_bias = float(value)
 
     @contextlib.contextmanager
     def saying(self, progress: bool | None) -> Iterator[None]:
