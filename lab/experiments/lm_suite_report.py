@@ -197,7 +197,8 @@ def _names(x: str | Sequence[str]) -> list[str]:
 def heuristics(shards: Sequence[dict], spec: dict) -> dict:
     """Each mechanism of `spec` judged by issue 74's rule (loko.heuristic_pays) at every curve point, on the domains
     that measured all of its settings: it pays when it gains enough at one point at least (the ramps matter only
-    early) and keeps every domain within the floor at every point. The count of tuned constants before and after
+    early), or when without it some domain falls below the floor at a point, and with it every domain is within the
+    floor at every point. The count of tuned constants before and after
     removing those that do not pay. A mechanism measured on fewer than two kinds has no verdict (None)."""
     from dataclasses import asdict
 
@@ -216,12 +217,18 @@ def heuristics(shards: Sequence[dict], spec: dict) -> dict:
         for t in tokens:
             table = {s["domain"]: {x: dict(zip(s["settings"][x]["curve"]["tokens"], s["settings"][x]["curve"][
                 "reduction"], strict=True))[t] for x in on + off} for s in have}  # fmt: skip
-            entry["points"].append({"tokens": t, **asdict(loko.heuristic_pays(table, kinds, on, off))})
+            without = loko.loko({d: {x: row[x] for x in off} for d, row in table.items()}, kinds, settings=off)
+            entry["points"].append({"tokens": t, **asdict(loko.heuristic_pays(table, kinds, on, off)),
+                                    "lowest_without": min(c.reduction for c in without.choices)})  # fmt: skip
         floor_ok = all(p["floor_ok"] for p in entry["points"])
+        # Without it a domain falls below the floor where with it none does: it keeps the floor, which is a goal.
+        guards = any(p["lowest_without"] < -loko.FLOOR for p in entry["points"])
         gains = any(p["median_gain"] >= loko.MEDIAN_GAIN or p["worst_gain"] >= loko.WORST_GAIN
                     for p in entry["points"])  # fmt: skip
-        entry["pays"] = floor_ok and gains
-        entry["reason"] = "pays" if entry["pays"] else "breaks the floor" if not floor_ok else "gains too little"
+        entry["pays"] = floor_ok and (gains or guards)
+        keeps = "keeps the floor: without it a domain is below it"
+        entry["reason"] = ("breaks the floor" if not floor_ok else "pays" if gains else keeps if guards
+                           else "gains too little")  # fmt: skip
         judged.append(entry)
     constants = list(dict.fromkeys(c for m in judged for c in m["constants"]))
     removed = [c for c in constants if all(m["pays"] is False for m in judged if c in m["constants"])]

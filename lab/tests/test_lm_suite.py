@@ -392,3 +392,19 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
     for m in committed["mechanisms"]:  # every off setting is defined and shares the default's learning pass
         off = lm_suite.setting_from_dict(m["off"], committed["settings"][m["off"]])
         assert lm_suite.learn_key(off) == lm_suite.learn_key(lm_suite.setting_from_dict("default", {})), m["name"]
+
+
+def test_a_mechanism_that_keeps_a_domain_inside_the_floor_stays_though_it_gains_too_little(tmp_path):
+    def shard(d: str, kind: str) -> dict:
+        low = -0.004 if d == "c" else 0.001  # without it, c is 0.4% worse than zero-shot at the first point
+        return planted_shard(d, kind, {"default": (0.05, 40.0, [0.001, 0.05]), "no_guard": (0.05, 9.0, [low, 0.05])})
+
+    shards = lm_suite_report.load_shards([write_shards(tmp_path / "s", [shard(d, d.upper()) for d in "abc"])])
+    spec = {"mechanisms": [{"name": "guard", "on": "default", "off": "no_guard", "constants": ["P.guard"]}]}
+    judged = lm_suite_report.heuristics(shards, spec)
+    (guard,) = judged["mechanisms"]
+    first = guard["points"][0]
+    assert first["median_gain"] < loko.MEDIAN_GAIN and first["worst_gain"] < loko.WORST_GAIN  # no gain by the rule
+    assert (
+        guard["pays"] is True and guard["reason"].startswith("keeps the floor") and judged["constants_to_remove"] == []
+    )
