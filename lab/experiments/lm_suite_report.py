@@ -44,9 +44,10 @@ def peer_name(method: str) -> str:
 
 
 def _where(path: Path) -> str:
-    """A shard's path as the record keeps it: from the repository's root when inside it."""
+    """A shard's path as the record keeps it: from the repository's root when inside it, else its name alone (a
+    scratch folder of this machine means nothing elsewhere)."""
     path = path.resolve()
-    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
 
 
 def _join(domain: str, parts: Sequence[tuple[Path, dict]]) -> dict:
