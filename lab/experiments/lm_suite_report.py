@@ -52,7 +52,7 @@ def _where(path: Path) -> str:
 
 def _join(domain: str, parts: Sequence[tuple[Path, dict]]) -> dict:
     """One domain's shards as one: the first's record, every part's settings, the peers of the part that ran them."""
-    (first_file, first), joined = parts[0], None
+    first_file, first = parts[0]
     joined = {**first, "settings": dict(first["settings"]), "peers": list(first.get("peers", [])),
               "files": [_where(first_file)], "runs": [measured_by(first["provenance"])],
               "timed_setting": next(iter(first["settings"])) if first.get("peers") else None}  # fmt: skip
