@@ -5,8 +5,8 @@ setting, one result record per domain (a shard), resumable.
     python -m faast_lab.experiments.lm_suite --domains asyncio man1 --settings settings.json --peers lora,lora_time \
         --out DIR
 
---settings: a JSON object (a file, or the text itself) {setting name: ResidualOutput fields}, or a heuristics spec
-(lab/experiments/suite_heuristics.json) whose "settings" are that object; "policy" holding
+--settings: a JSON object (a file, or the text itself) {setting name: ResidualOutput fields}, or a spec file
+(lab/experiments/suite_heuristics.json, suite_untuned_step.json) whose "settings" are that object; "policy" holding
 OutputPolicy fields, each over the shipped defaults: {"default": {}, "no_token_bias": {"token_bias": 0},
 "one_fit": {"policy": {"fold_step_ratio": Infinity}}}. The first setting is the one LoRA at FAAST's time gets the time
 of (list the default first). The runs take the float32 path by default (FaastConfig(learn_dtype='model'),
@@ -129,8 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.settings = json.loads(raw)
     except json.JSONDecodeError as err:
         p.error(f"--settings: expected a JSON object or a file holding one: {err}")
-    if isinstance(args.settings, dict) and "mechanisms" in args.settings:  # a heuristics spec: its settings
-        args.settings = args.settings.get("settings")
+    if isinstance(args.settings, dict) and isinstance(args.settings.get("settings"), dict):
+        args.settings = args.settings["settings"]  # a spec file ("about", "settings", "mechanisms"): its settings
     if not isinstance(args.settings, dict) or not args.settings:
         p.error(f"--settings: expected a non-empty JSON object of settings, got {args.settings!r}")
     args.peers = [x.strip() for x in args.peers.split(",") if x.strip()]

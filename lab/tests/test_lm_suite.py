@@ -322,6 +322,25 @@ def test_the_report_joins_a_domains_shards_and_reads_its_peers_times_and_curve(t
     assert "| a | A | off | −2.0% | −1.0% | −10.0% | 20% | −6.0% | 0.40× |" in text
 
 
+def test_a_setting_measured_on_some_domains_only_is_never_chosen_for_the_suite(tmp_path):
+    # One folder: a and b ran the default alone, c and d ran it beside "off", which is far better on both. No domain
+    # may take "off": it is not measured on every domain of the other kinds.
+    folder = write_shards(tmp_path / "s", [
+        planted_shard("a", "A", {"default": (0.08, 40.0, [0.02, 0.08])}, PEERS),
+        planted_shard("b", "B", {"default": (0.05, 30.0, [0.01, 0.05])}, PEERS),
+        planted_shard("c", "C", {"default": (0.04, 30.0, [0.01, 0.04]), "off": (0.30, 9.0, [0.1, 0.30])}, PEERS),
+        planted_shard("d", "D", {"default": (0.06, 30.0, [0.01, 0.06]), "off": (0.30, 9.0, [0.1, 0.30])}, PEERS),
+    ])  # fmt: skip
+    merged = lm_suite_report.merge(lm_suite_report.load_shards([folder]))
+    choices = {c["domain"]: c for c in merged["loko"]["choices"]}
+    assert {d: c["setting"] for d, c in choices.items()} == dict.fromkeys("abcd", "default")
+    assert choices["c"]["own_best"] == "off" and merged["loko"]["median"] == pytest.approx(0.055)
+    # The mechanism "off" switches off is judged on the two domains that measured it, of two kinds.
+    spec = {"mechanisms": [{"name": "m", "on": "default", "off": "off", "constants": ["P.m"]}]}
+    (m,) = lm_suite_report.heuristics(lm_suite_report.load_shards([folder]), spec)["mechanisms"]
+    assert m["domains"] == ["c", "d"] and m["pays"] is False and m["reason"] == "gains too little"
+
+
 def test_the_report_refuses_shards_that_are_not_one_run(tmp_path):
     def load(*shards: dict) -> list[dict]:
         folder = tmp_path / f"f{len(list(tmp_path.iterdir()))}"
@@ -389,6 +408,10 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
     # The runner takes the spec as its settings, the default first (the one the report checks the runs against).
     assert lm_suite.parse_args(["--settings", str(path), "--out", str(tmp_path)]).settings == committed["settings"]
     assert next(iter(committed["settings"])) == "default"
+    # Any spec file is read for its settings, with or without mechanisms.
+    untuned = lm_suite_report.ROOT / "lab/experiments/suite_untuned_step.json"
+    parsed = lm_suite.parse_args(["--settings", str(untuned), "--out", str(tmp_path)]).settings
+    assert parsed == json.loads(untuned.read_text(encoding="utf-8"))["settings"] and next(iter(parsed)) == "default"
     for m in committed["mechanisms"]:  # every off setting is defined and shares the default's learning pass
         off = lm_suite.setting_from_dict(m["off"], committed["settings"][m["off"]])
         assert lm_suite.learn_key(off) == lm_suite.learn_key(lm_suite.setting_from_dict("default", {})), m["name"]
