@@ -411,7 +411,7 @@ def fmt_gpu_learn_stack(records: list[tuple[str, dict]]) -> list[str]:
 def fmt_lm_suite(records: list[tuple[str, dict]]) -> list[str]:
     """lab/experiments/lm_suite_report.py's merged record: each domain's change under the setting chosen on the other
     kinds (leave-one-kind-out) with its lowest curve point, one LoRA epoch's and LoRA's at FAAST's time, FAAST's time
-    over LoRA's; per kind; the suite's median and worst, and the goals."""
+    over LoRA's; per kind; the suite's median and worst, the goals, and every setting's change where several ran."""
     (_, r), lines = records[0], []
     loko, facts = r["loko"], r["domains"]
 
@@ -445,9 +445,10 @@ def fmt_lm_suite(records: list[tuple[str, dict]]) -> list[str]:
         f" lowest curve point {change(g['lowest_point'])} ({g['lowest_point_domain']}). Suite manifest "
         f"{r['suite']['manifest_sha256'][:12]}."
     )
-    if r.get("heuristics"):
-        from faast_lab.experiments.lm_suite_report import heuristic_lines  # the report's own table of them
+    from faast_lab.experiments.lm_suite_report import heuristic_lines, setting_lines  # the report's own tables
 
+    lines += setting_lines(r)
+    if r.get("heuristics"):
         lines += ["", *heuristic_lines(r["heuristics"])]
     # A run writes each shard at its own date: runs differ by commit or machine.
     runs = {json.dumps({**x, "date": None}, sort_keys=True) for v in r.get("runs", {}).values() for x in v}

@@ -123,9 +123,9 @@ def test_the_layer_reads_its_policy():
         layers[name] = model.output_memory_layer
         assert model.faast_config.output.key_layers == [4 // p.auto_key_block_divisor]
     given, shipped = layers["given"], layers["shipped"]
-    n = float(given.memory.count)  # 58 positions, d = 32: above 1 per dimension, below 3.5
+    n = float(given.memory.count)  # 58 positions, d = 32: above 1 per dimension, below the shipped ramp's
     assert given.chosen_step() == pytest.approx(0.07) and given.default_step == 0.07
-    assert shipped.chosen_step() == pytest.approx(0.03 * n / (3.5 * 32))
+    assert shipped.chosen_step() == pytest.approx(0.03 * n / (DEFAULT_POLICY.default_step_per_dim * 32))
     assert given.last_tuning["token_bias_step"] == pytest.approx(0.3) and given.last_tuning["bias_step"] == 0.5
     counts, mass = given.target_count.targets.double(), given.token_mass.probability.double()
     want = 0.3 * torch.log((counts + 1.0) / (mass + 1.0))

@@ -281,9 +281,25 @@ def report(merged: dict) -> list[str]:
                  f" one LoRA epoch's reduction {share(r['share_median'])}, worst kind's "
                  f"{share(r['worst_kind_share'])}.")  # fmt: skip
     lines.append(goals_line(g))
+    lines += setting_lines(merged)
     if merged.get("heuristics"):
         lines += ["", *heuristic_lines(merged["heuristics"])]
     return lines
+
+
+def setting_lines(merged: dict) -> list[str]:
+    """Where more than one setting ran: every setting's change on every domain ('–' where it did not run), and each
+    setting's median over the domains that ran them all; the leave-one-kind-out table chooses among these."""
+    names = list(merged["protocol"]["settings"])
+    if len(names) < 2:
+        return []
+    rows = merged["reductions"]
+    every = [d for d, row in rows.items() if all(n in row for n in names)]
+    medians = [pct(statistics.median(rows[d][n] for d in every)) if every else "–" for n in names]
+    return ["", f"Every setting's change ({len(every)} domain{'s' if len(every) != 1 else ''} ran all of them):", "",
+            *table(["domain", "kind", *names],
+                   [[d, merged["domains"][d]["kind"], *(pct(rows[d].get(n)) for n in names)] for d in rows]
+                   + [["median of those", "", *medians]])]  # fmt: skip
 
 
 def heuristic_lines(judged: dict) -> list[str]:

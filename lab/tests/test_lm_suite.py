@@ -335,6 +335,11 @@ def test_a_setting_measured_on_some_domains_only_is_never_chosen_for_the_suite(t
     choices = {c["domain"]: c for c in merged["loko"]["choices"]}
     assert {d: c["setting"] for d, c in choices.items()} == dict.fromkeys("abcd", "default")
     assert choices["c"]["own_best"] == "off" and merged["loko"]["median"] == pytest.approx(0.055)
+    # Every setting's change is listed, '–' where it did not run; the medians are over c and d, which ran both.
+    lines = lm_suite_report.setting_lines(merged)
+    assert "| a | A | −8.0% | – |" in lines and "| median of those |  | −5.0% | −30.0% |" in lines
+    assert any("(2 domains ran all of them)" in x for x in lines)
+    assert "\n".join(lines) in "\n".join(lm_suite_report.report(merged))
     # The mechanism "off" switches off is judged on the two domains that measured it, of two kinds.
     spec = {"mechanisms": [{"name": "m", "on": "default", "off": "off", "constants": ["P.m"]}]}
     (m,) = lm_suite_report.heuristics(lm_suite_report.load_shards([folder]), spec)["mechanisms"]

@@ -125,7 +125,7 @@ class ResidualOutput(_Group):
         default_step: η when the step cannot be tuned: too little text learned (fewer than about 5 positions per
             hidden dimension), and no step saved with loaded statistics. None: the space's own, chosen after 2K
             tokens on three validation domains (OutputPolicy.default_step_probability / default_step_logit). Below
-            OutputPolicy.default_step_per_dim (3.5) learned positions per hidden dimension it is scaled by the
+            OutputPolicy.default_step_per_dim (7) learned positions per hidden dimension it is scaled by the
             positions learned over that many.
         default_weight: λ when it cannot be tuned (probability space); None: OutputPolicy.default_weight.
         key_layers: what else the keys hold besides h̃: block indices ℓ whose input hidden state (RMS-normalised, no

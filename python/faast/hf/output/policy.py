@@ -60,11 +60,12 @@ class OutputPolicy:
     """λ when ResidualOutput.weight is 'auto' and cannot be tuned, and ResidualOutput.default_weight is None
     (docs/design.md §6.3)."""
 
-    default_step_per_dim: float = 3.5
-    """Below this many learned positions per hidden dimension (2,016 for d = 576) the untuned step and the bias step
-    are scaled by the positions over that many: a W fitted on fewer holds more noise. The defaults were chosen at 2K
-    tokens; after 1K the best step for other text was about half (docs/design.md §6.3,
-    lab/experiments/results/lm_step_probe_untuned_cpu.md)."""
+    default_step_per_dim: float = 7.0
+    """Below this many learned positions per hidden dimension (4,032 for d = 576) the untuned step and the bias step
+    are scaled by the positions over that many: a W fitted on fewer holds more noise. Chosen on the domain suite at
+    2K learned tokens: 7 kept every domain within zero-shot + 0.3%, where 3.5 left Debian copyright files 4.1% above
+    it; 14 lost more median, and tuning the step from 2 positions per dimension made four of nine domains worse than
+    zero-shot (docs/design.md §6.3, docs/results.md "The untuned step at 2K tokens")."""
 
     # ---------------------------------------------------------------- the token bias (bias.py)
 
