@@ -760,7 +760,11 @@ def test_output_variants_space_uses_that_space_default_and_restores_the_layer():
     from faast.hf import OutputPolicy
 
     logit, probability = OutputPolicy().default_step_logit, OutputPolicy().default_step_probability
-    variants, head, layer, _ = _variants_layer(40)
+    # Past the untuned step's ramp (default_step_per_dim positions per dimension of the 8-wide keys), still too few
+    # positions to tune on.
+    positions = int(OutputPolicy().default_step_per_dim * 8) + 4
+    variants, head, layer, _ = _variants_layer(positions)
+    assert layer.untuned_step() == layer.default_step and not layer.held_out_positions()
     before = layer.space, layer.weight, layer.default_step
     m, step, weight = variants.VARIANTS["logit"](layer, None)
     assert step == logit and weight == 1.0
