@@ -9,6 +9,12 @@ without peers (the same suite, tokens and windows; a setting's name means one se
 are joined into one: their settings side by side, the peers of the one that ran them. A setting in two shards (the
 default run again beside its ablations) must have read the same perplexities in both, which shows the runs compare.
 
+A setting's name means the newest run's setting of that name: where a shard's setting differs from the one the
+newest shard (by its provenance date) ran under that name (the default changed since), that shard's copy is
+superseded: left out of every table, and listed in `superseded`. A domain left with no setting is listed in
+`left_out` (run it again). FAAST's time beside the peers stays that of the peers' run, superseded or not: a time
+ratio always comes from one run.
+
 The merged record is what docs/results_sections.toml names (kind "lm_suite", scripts/results_formats.py): its
 `loko` holds the per-domain choices, per-kind and suite medians and worst, and the shares of one LoRA epoch's
 reduction; `domains` each domain's peers, times and lowest curve point; `goals` the issue's goals read off them;
@@ -55,7 +61,7 @@ def _join(domain: str, parts: Sequence[tuple[Path, dict]]) -> dict:
     first_file, first = parts[0]
     joined = {**first, "settings": dict(first["settings"]), "peers": list(first.get("peers", [])),
               "files": [_where(first_file)], "runs": [measured_by(first["provenance"])],
-              "timed_setting": next(iter(first["settings"])) if first.get("peers") else None}  # fmt: skip
+              "timed_setting": first.get("timed_setting"), "faast_s": first.get("faast_s")}  # fmt: skip
     for f, s in parts[1:]:
         zero, have = s["zero_shot"]["ppl"], first["zero_shot"]["ppl"]
         if abs(zero - have) > ZERO_SHOT_REL * have:
@@ -76,16 +82,35 @@ def _join(domain: str, parts: Sequence[tuple[Path, dict]]) -> dict:
         if s.get("peers"):
             if joined["peers"]:
                 raise ValueError(f"{f}: {domain}'s peers also ran in {first_file}; keep one shard with peers")
-            joined["peers"], joined["timed_setting"] = list(s["peers"]), next(iter(s["settings"]))
+            joined["peers"], joined["timed_setting"], joined["faast_s"] = (list(s["peers"]), s["timed_setting"],
+                                                                          s["faast_s"])  # fmt: skip
         joined["files"].append(_where(f))
         joined["runs"].append(measured_by(s["provenance"]))
+        joined["superseded"] = joined.get("superseded", []) + s.get("superseded", [])
     return joined
+
+
+def _current_settings(files: Sequence[Path], shards: Sequence[dict]) -> dict[str, tuple[object, Path]]:
+    """{setting name: (its fields as the newest shard that ran it recorded them, that shard's file)}: shards are
+    ordered by their provenance dates (ISO 8601, one time zone: they order as strings)."""
+    current: dict[str, tuple[object, Path, str]] = {}
+    for f, s in zip(files, shards, strict=True):
+        date = str(s["provenance"].get("date", ""))
+        for name, setting in s["protocol"]["settings"].items():
+            have = current.get(name)
+            if have is None or date > have[2]:
+                current[name] = (setting, f, date)
+            elif date == have[2] and setting != have[0]:
+                raise ValueError(f"{f}: its setting {name!r} differs from the one of that name in {have[1]}, run "
+                                 "at the same time: no newer run says which one the name means")  # fmt: skip
+    return {n: (setting, f) for n, (setting, f, _) in current.items()}
 
 
 def load_shards(paths: Sequence[Path]) -> list[dict]:
     """The shard records of `paths` (folders: their *.json), a domain's shards joined (module docstring), in the
-    order the domains first appear. They must share one suite manifest and one protocol but for settings and peers,
-    and a setting's name must mean one setting (a ValueError names the first file that does not)."""
+    order the domains first appear; a domain whose every setting was superseded has none (`merge` leaves it out).
+    The shards must share one suite manifest and one protocol but for settings and peers (a ValueError names the
+    first file that does not)."""
     files = [f for p in paths for f in (sorted(Path(p).glob("*.json")) if Path(p).is_dir() else [Path(p)])]
     shards = [json.loads(f.read_text(encoding="utf-8")) for f in files]
     if not shards:
@@ -95,15 +120,23 @@ def load_shards(paths: Sequence[Path]) -> list[dict]:
     def fixed(s: dict) -> dict:
         return {k: v for k, v in s.get("protocol", {}).items() if k not in JOIN_FREE}
 
-    defined: dict[str, object] = {}
-    by_domain: dict[str, list[tuple[Path, dict]]] = {}
     for f, s in zip(files, shards, strict=True):
         if s.get("suite") != first.get("suite") or fixed(s) != fixed(first):
             key = "suite" if s.get("suite") != first.get("suite") else "protocol"
             raise ValueError(f"{f}: its {key} differs from {files[0].name}'s: the shards are not one suite run")
-        for name, setting in s["protocol"]["settings"].items():
-            if defined.setdefault(name, setting) != setting:
-                raise ValueError(f"{f}: its setting {name!r} differs from the one of that name in another shard")
+    current = _current_settings(files, shards)
+    by_domain: dict[str, list[tuple[Path, dict]]] = {}
+    for f, s in zip(files, shards, strict=True):
+        timed = next(iter(s["settings"])) if s.get("peers") else None
+        s = {**s, "timed_setting": timed, "faast_s": s["settings"][timed]["learn_s"] if timed else None}
+        gone = [n for n, setting in s["protocol"]["settings"].items() if setting != current[n][0]]
+        if gone:
+            s["settings"] = {n: r for n, r in s["settings"].items() if n not in gone}
+            s["protocol"] = {
+                **s["protocol"],
+                "settings": {n: x for n, x in s["protocol"]["settings"].items() if n not in gone},
+            }
+            s["superseded"] = [{"file": _where(f), "setting": n, "by": _where(current[n][1])} for n in gone]
         by_domain.setdefault(s["domain"], []).append((f, s))
     return [_join(d, parts) for d, parts in by_domain.items()]
 
@@ -128,8 +161,7 @@ def domain_facts(shard: dict, chosen: str) -> dict:
     time, and FAAST's learn + solve time (the setting LoRA at FAAST's time was given, measured in the peers' run)
     over one LoRA epoch's."""
     peers = {peer_name(r["method"]): {"reduction": r["reduction"], "learn_s": r["learn_s"]} for r in shard["peers"]}
-    timed = shard.get("timed_setting")
-    faast_s = shard["settings"][timed]["learn_s"] if timed else None
+    timed, faast_s = shard.get("timed_setting"), shard.get("faast_s")
     lora_s = (peers.get(LORA) or {}).get("learn_s")
     points = shard["settings"][chosen]["curve"]
     return {"kind": shard["kind"], "zero_shot": shard["zero_shot"]["ppl"], "learned_tokens": shard["learned_tokens"],
@@ -163,8 +195,11 @@ def goals(report: loko.Report, domains: dict) -> dict:
 
 def merge(shards: Sequence[dict]) -> dict:
     """The merged record: provenance of the last shard, every shard's run, the suite, the protocol (every setting
-    measured), the settings' reductions per domain, the leave-one-kind-out report, each domain's facts and the
-    goals."""
+    measured), the settings' reductions per domain, the leave-one-kind-out report, each domain's facts, the goals,
+    the settings superseded by a newer run of their name and the domains left out for it (module docstring)."""
+    left_out = [s["domain"] for s in shards if not s["settings"]]
+    superseded = [x for s in shards for x in s.get("superseded", [])]
+    shards = [s for s in shards if s["settings"]]
     reductions, kinds, lora, _ = tables(shards)
     defined = {n: d for s in shards for n, d in s["protocol"]["settings"].items()}
     settings = list(dict.fromkeys(n for s in shards for n in s["settings"]))
@@ -177,7 +212,7 @@ def merge(shards: Sequence[dict]) -> dict:
             "runs": {s["domain"]: s["runs"] for s in shards},
             "suite_domains": {s["domain"]: s["suite_domain"] for s in shards},
             "reductions": reductions, "lora": lora, "loko": report.to_dict(), "domains": domains,
-            "goals": goals(report, domains)}  # fmt: skip
+            "goals": goals(report, domains), "superseded": superseded, "left_out": left_out}  # fmt: skip
 
 
 def load_heuristics(path: Path) -> dict:
@@ -281,10 +316,24 @@ def report(merged: dict) -> list[str]:
                  f" one LoRA epoch's reduction {share(r['share_median'])}, worst kind's "
                  f"{share(r['worst_kind_share'])}.")  # fmt: skip
     lines.append(goals_line(g))
+    lines += superseded_lines(merged)
     lines += setting_lines(merged)
     if merged.get("heuristics"):
         lines += ["", *heuristic_lines(merged["heuristics"])]
     return lines
+
+
+def superseded_lines(merged: dict) -> list[str]:
+    """The settings a newer run of their name superseded, by setting and the shard that defines it now, and the
+    domains left out for it (none: no line)."""
+    by: dict[tuple[str, str], list[str]] = {}
+    for x in merged.get("superseded", []):
+        by.setdefault((x["setting"], x["by"]), []).append(Path(x["file"]).stem)
+    lines = [f"Superseded (an older setting of the name, left out of every table): {name!r} of "
+             f"{', '.join(sorted(set(ds)))}, by the one of {where}." for (name, where), ds in by.items()]  # fmt: skip
+    if merged.get("left_out"):
+        lines.append(f"Left out, every setting superseded (run again): {', '.join(merged['left_out'])}.")
+    return ["", *lines] if lines else []
 
 
 def setting_lines(merged: dict) -> list[str]:

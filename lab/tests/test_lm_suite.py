@@ -266,15 +266,16 @@ def test_the_runner_writes_one_record_per_shard_resumes_and_records_hashes_and_p
 
 
 def planted_shard(domain: str, kind: str, settings: dict, peers: tuple = (), zero: float = 10.0,
-                  learn_tokens: int = 800) -> dict:  # fmt: skip
+                  learn_tokens: int = 800, date: str = "d", fields: dict | None = None) -> dict:  # fmt: skip
     """A shard as lm_suite writes it: settings {name: (reduction, learn_s, curve reductions)}; peers (name, reduction,
-    learn_s)."""
+    learn_s); fields: {name: the setting's fields} where not the planted {"policy": {"n": name}}."""
     rows = {n: {"reduction": r, "ppl": zero * (1 - r), "learn_s": s,
                 "curve": {"tokens": [400, 800], "reduction": c, "ppl": [zero * (1 - x) for x in c]}}
             for n, (r, s, c) in settings.items()}  # fmt: skip
-    return {"provenance": {"date": "d", "git_sha": "abc", "git_dirty": False, "cpu_model": "cpu"},
+    defined = {n: (fields or {}).get(n, {"policy": {"n": n}}) for n in settings}
+    return {"provenance": {"date": date, "git_sha": "abc", "git_dirty": False, "cpu_model": "cpu"},
             "suite": {"manifest_sha256": "m" * 64},
-            "protocol": {"learn_tokens": learn_tokens, "settings": {n: {"policy": {"n": n}} for n in settings},
+            "protocol": {"learn_tokens": learn_tokens, "settings": defined,
                          "peers": ["lora", "lora_time"] if peers else []},
             "domain": domain, "kind": kind, "suite_domain": {"name": domain}, "learned_tokens": learn_tokens,
             "scored_tokens": 200, "zero_shot": {"ppl": zero}, "settings": rows,
@@ -369,8 +370,40 @@ def test_the_report_refuses_shards_that_are_not_one_run(tmp_path):
         load(a, planted_shard("a", "A", {"off": (0.02, 9.0, [0.01, 0.02])}, PEERS))
     other = planted_shard("b", "B", {"default": (0.02, 9.0, [0.01, 0.02])})
     other["protocol"]["settings"]["default"] = {"token_bias": 0}
-    with pytest.raises(ValueError, match="setting 'default' differs"):
+    with pytest.raises(ValueError, match="setting 'default' differs .* at the same time"):
         load(a, other)
+
+
+def test_a_newer_run_of_a_setting_supersedes_an_older_one_of_its_name_and_times_stay_from_one_run(tmp_path):
+    # The default changed between runs: a ran it again (beside an ablation, without peers), b did not; c ran the new
+    # one with its peers. The old "default" is left out everywhere, b with it; a's time ratio stays its peers' run's.
+    old, new = {"default": {"policy": {"ramp": 3.5}}}, {"default": {"policy": {"ramp": 7}}}
+    first = write_shards(tmp_path / "first", [
+        planted_shard("a", "A", {"default": (0.08, 40.0, [-0.02, 0.08])}, PEERS, date="2026-01-01", fields=old),
+        planted_shard("b", "B", {"default": (0.05, 30.0, [0.01, 0.05])}, PEERS, date="2026-01-01", fields=old),
+    ])  # fmt: skip
+    again = write_shards(tmp_path / "again", [
+        planted_shard("a", "A", {"default": (0.08, 41.0, [0.01, 0.08]), "off": (0.02, 9.0, [0.01, 0.02])},
+                      date="2026-02-01", fields=new),
+        planted_shard("c", "C", {"default": (0.06, 20.0, [0.01, 0.06]), "off": (0.03, 9.0, [0.01, 0.03])}, PEERS,
+                      date="2026-02-02", fields=new),
+    ])  # fmt: skip
+    merged = lm_suite_report.merge(lm_suite_report.load_shards([first, again]))
+    assert merged["left_out"] == ["b"] and set(merged["reductions"]) == {"a", "c"}
+    assert merged["protocol"]["settings"]["default"] == new["default"]
+    assert sorted((x["file"], x["setting"]) for x in merged["superseded"]) == [("a.json", "default"),
+                                                                              ("b.json", "default")]  # fmt: skip
+    a = merged["domains"]["a"]
+    assert a["curve"] == [0.01, 0.08] and a["lowest_point"] == 0.01  # the new run's curve, not the old -2%
+    # FAAST's time beside a's peers is the old run's (40 s over LoRA's 100 s), not the new run's 41 s.
+    assert a["timed_setting"] == "default" and a["time_ratio"] == pytest.approx(0.4)
+    text = "\n".join(lm_suite_report.report(merged))
+    assert "Superseded" in text and "'default' of a, b" in text and "Left out, every setting superseded" in text
+    # Two runs at one date that name different settings alike: no newer run says which one the name means.
+    clash = write_shards(tmp_path / "clash", [planted_shard("d", "D", {"default": (0.01, 1.0, [0.0, 0.01])},
+                                                            date="2026-01-01", fields=new)])  # fmt: skip
+    with pytest.raises(ValueError, match="setting 'default' differs .* at the same time"):
+        lm_suite_report.load_shards([first, clash])
 
 
 def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_floor(tmp_path):
