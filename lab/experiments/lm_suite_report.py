@@ -215,15 +215,25 @@ def merge(shards: Sequence[dict]) -> dict:
             "goals": goals(report, domains), "superseded": superseded, "left_out": left_out}  # fmt: skip
 
 
-def load_heuristics(path: Path) -> dict:
-    """A heuristics spec (lab/experiments/suite_heuristics.json): {"settings": {name: fields}, "mechanisms": [{"name",
-    "on", "off", "constants"}]}, each mechanism's on and off settings named (`on` may be the default, which the spec's
-    settings need not hold)."""
-    spec = json.loads(Path(path).read_text(encoding="utf-8"))
-    for m in spec.get("mechanisms", []):
-        if not {"name", "on", "off", "constants"} <= set(m):
-            raise ValueError(f"{path}: mechanism {m!r}: expected the keys name, on, off and constants")
-    return spec
+def load_heuristics(*paths: Path) -> dict:
+    """Heuristics specs (lab/experiments/suite_heuristics.json, suite_capacity.json), each {"settings": {name:
+    fields}, "mechanisms": [{"name", "on", "off", "constants"}]}, each mechanism's on and off settings named (`on` may
+    be the default, which a spec's settings need not hold), as one: {"mechanisms": every spec's, in order}. A
+    mechanism's name must be new, and a setting's name must mean one setting across the specs."""
+    mechanisms: list[dict] = []
+    settings: dict[str, object] = {}
+    for path in paths:
+        spec = json.loads(Path(path).read_text(encoding="utf-8"))
+        for m in spec.get("mechanisms", []):
+            if not {"name", "on", "off", "constants"} <= set(m):
+                raise ValueError(f"{path}: mechanism {m!r}: expected the keys name, on, off and constants")
+            if any(m["name"] == x["name"] for x in mechanisms):
+                raise ValueError(f"{path}: mechanism {m['name']!r} is already in an earlier spec")
+            mechanisms.append(m)
+        for name, fields in spec.get("settings", {}).items():
+            if settings.setdefault(name, fields) != fields:
+                raise ValueError(f"{path}: setting {name!r} differs from the one of that name in an earlier spec")
+    return {"settings": settings, "mechanisms": mechanisms}
 
 
 def _names(x: str | Sequence[str]) -> list[str]:
@@ -392,14 +402,19 @@ def main(argv: list[str] | None = None) -> dict:
         nargs="+",
         help="shard records or folders of them (lm_suite --out); a domain's shards are joined",
     )
-    p.add_argument("--heuristics", type=Path, default=None,
-                   help="a spec of mechanisms to judge (lab/experiments/suite_heuristics.json)")  # fmt: skip
+    p.add_argument(
+        "--heuristics",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="specs of mechanisms to judge (lab/experiments/suite_heuristics.json, suite_capacity.json)",
+    )
     p.add_argument("--out", type=Path, required=True, help="the merged record's stem (<stem>.json, <stem>.md)")
     args = p.parse_args(argv)
     shards = load_shards(args.shards)
     merged = merge(shards)
     if args.heuristics is not None:
-        merged["heuristics"] = heuristics(shards, load_heuristics(args.heuristics))
+        merged["heuristics"] = heuristics(shards, load_heuristics(*args.heuristics))
     lines = report(merged)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out.with_suffix(".json"), json.dumps(merged, indent=1, ensure_ascii=False) + "\n")

@@ -453,6 +453,15 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
     for m in committed["mechanisms"]:  # every off setting is defined and shares the default's learning pass
         off = lm_suite.setting_from_dict(m["off"], committed["settings"][m["off"]])
         assert lm_suite.learn_key(off) == lm_suite.learn_key(lm_suite.setting_from_dict("default", {})), m["name"]
+    # Several specs judge together; the keys' settings are learned, so each learns its own pass.
+    capacity = lm_suite_report.ROOT / "lab/experiments/suite_capacity.json"
+    both = lm_suite_report.load_heuristics(path, capacity)
+    assert [m["name"] for m in both["mechanisms"]][-1] == "the keys' early block"
+    assert len(both["mechanisms"]) == len(committed["mechanisms"]) + 1
+    keys = lm_suite.parse_args(["--settings", str(capacity), "--out", str(tmp_path)]).settings
+    assert [len(g) for g in lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in keys.items()})] == [1] * 3
+    with pytest.raises(ValueError, match="already in an earlier spec"):
+        lm_suite_report.load_heuristics(path, path)
 
 
 def test_a_mechanism_that_keeps_a_domain_inside_the_floor_stays_though_it_gains_too_little(tmp_path):
