@@ -244,8 +244,9 @@ def heuristics(shards: Sequence[dict], spec: dict) -> dict:
     """Each mechanism of `spec` judged by issue 74's rule (loko.heuristic_pays) at every curve point, on the domains
     that measured all of its settings: it pays when it gains enough at one point at least (the ramps matter only
     early), or when without it some domain falls below the floor at a point, and with it every domain is within the
-    floor at every point. The count of tuned constants before and after
-    removing those that do not pay. A mechanism measured on fewer than two kinds has no verdict (None)."""
+    floor at every point. A mechanism `within` another (a part of it, such as a ramp of a bias) goes when that one
+    goes. The count of tuned constants before and after removing those that do not pay. A mechanism measured on
+    fewer than two kinds has no verdict (None)."""
     from dataclasses import asdict
 
     judged = []
@@ -276,6 +277,12 @@ def heuristics(shards: Sequence[dict], spec: dict) -> dict:
         entry["reason"] = ("breaks the floor" if not floor_ok else "pays" if gains else keeps if guards
                            else "gains too little")  # fmt: skip
         judged.append(entry)
+    # A part of a mechanism (the token bias's ramp) goes when the mechanism goes, whatever its own verdict.
+    verdicts = {m["name"]: m for m in judged}
+    for m, entry in zip(spec["mechanisms"], judged, strict=True):
+        parent = verdicts.get(m.get("within", ""))
+        if parent is not None and parent["pays"] is False:
+            entry["pays"], entry["reason"] = False, f"goes with {parent['name']}"
     constants = list(dict.fromkeys(c for m in judged for c in m["constants"]))
     removed = [c for c in constants if all(m["pays"] is False for m in judged if c in m["constants"])]
     return {"mechanisms": judged, "constants_judged": constants, "constants_to_remove": removed}
@@ -334,13 +341,15 @@ def report(merged: dict) -> list[str]:
 
 
 def superseded_lines(merged: dict) -> list[str]:
-    """The settings a newer run of their name superseded, by setting and the shard that defines it now, and the
-    domains left out for it (none: no line)."""
-    by: dict[tuple[str, str], list[str]] = {}
+    """The settings a newer run of their name superseded, by shard, and the domains left out for it (none: no
+    line)."""
+    by: dict[str, list[str]] = {}
     for x in merged.get("superseded", []):
-        by.setdefault((x["setting"], x["by"]), []).append(Path(x["file"]).stem)
-    lines = [f"Superseded (an older setting of the name, left out of every table): {name!r} of "
-             f"{', '.join(sorted(set(ds)))}, by the one of {where}." for (name, where), ds in by.items()]  # fmt: skip
+        by.setdefault("/".join(Path(x["file"]).parts[-2:]), []).append(x["setting"])
+    lines = []
+    if by:
+        shards = "; ".join(f"{f}: {', '.join(names)}" for f, names in by.items())
+        lines.append(f"Superseded by a newer run of their name, left out of every table: {shards}.")
     if merged.get("left_out"):
         lines.append(f"Left out, every setting superseded (run again): {', '.join(merged['left_out'])}.")
     return ["", *lines] if lines else []

@@ -398,7 +398,11 @@ def test_a_newer_run_of_a_setting_supersedes_an_older_one_of_its_name_and_times_
     # FAAST's time beside a's peers is the old run's (40 s over LoRA's 100 s), not the new run's 41 s.
     assert a["timed_setting"] == "default" and a["time_ratio"] == pytest.approx(0.4)
     text = "\n".join(lm_suite_report.report(merged))
-    assert "Superseded" in text and "'default' of a, b" in text and "Left out, every setting superseded" in text
+    assert (
+        "Superseded" in text
+        and "a.json: default; b.json: default" in text
+        and "Left out, every setting superseded" in text
+    )
     # Two runs at one date that name different settings alike: no newer run says which one the name means.
     clash = write_shards(tmp_path / "clash", [planted_shard("d", "D", {"default": (0.01, 1.0, [0.0, 0.01])},
                                                             date="2026-01-01", fields=new)])  # fmt: skip
@@ -441,6 +445,12 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
     merged = lm_suite_report.merge(shards)
     merged["heuristics"] = judged_all
     assert any("Tuned constants judged: 4; to remove: 1 (P.noise)." in x for x in lm_suite_report.report(merged))
+    # A part of a mechanism goes with it: the ramp, within the noise, goes though it pays on its own.
+    spec["mechanisms"][0] = {**spec["mechanisms"][0], "within": "noise"}
+    parted = lm_suite_report.heuristics(shards, spec)
+    ramp = {m["name"]: m for m in parted["mechanisms"]}["ramp"]
+    assert ramp["pays"] is False and ramp["reason"] == "goes with noise"
+    assert parted["constants_to_remove"] == ["P.noise"]  # P.ramp stays: the unmeasured mechanism also holds it
     path = lm_suite_report.ROOT / "lab/experiments/suite_heuristics.json"
     committed = lm_suite_report.load_heuristics(path)
     # The runner takes the spec as its settings, the default first (the one the report checks the runs against).
