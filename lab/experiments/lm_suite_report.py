@@ -33,6 +33,7 @@ from pathlib import Path
 from faast_lab.experiments import loko
 from faast_lab.experiments._common import ROOT, measured_by, table
 
+DEFAULT = "default"  # lm_suite's name for the shipped settings (its --settings default)
 LORA = "LoRA"  # the one-epoch LoRA row's name before " (" (lm_domains_peers.run_backprop)
 LORA_TIME = "LoRA at FAAST's time"  # lm_domains_peers.run_lora_time
 # Shards of one domain must agree on these protocol fields to be joined; settings and peers may differ.
@@ -202,7 +203,8 @@ def merge(shards: Sequence[dict]) -> dict:
     shards = [s for s in shards if s["settings"]]
     reductions, kinds, lora, _ = tables(shards)
     defined = {n: d for s in shards for n, d in s["protocol"]["settings"].items()}
-    settings = list(dict.fromkeys(n for s in shards for n in s["settings"]))
+    # The shipped default first: leave-one-kind-out gives it a tie (loko's tie-break), whichever shard came first.
+    settings = sorted(dict.fromkeys(n for s in shards for n in s["settings"]), key=lambda n: n != DEFAULT)
     report = loko.loko(reductions, kinds, lora, settings=settings)
     chosen = {c.domain: c.setting for c in report.choices}
     domains = {s["domain"]: domain_facts(s, chosen[s["domain"]]) for s in shards}

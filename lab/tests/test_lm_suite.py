@@ -379,17 +379,22 @@ def test_a_newer_run_of_a_setting_supersedes_an_older_one_of_its_name_and_times_
     # one with its peers. The old "default" is left out everywhere, b with it; a's time ratio stays its peers' run's.
     old, new = {"default": {"policy": {"ramp": 3.5}}}, {"default": {"policy": {"ramp": 7}}}
     first = write_shards(tmp_path / "first", [
-        planted_shard("a", "A", {"default": (0.08, 40.0, [-0.02, 0.08])}, PEERS, date="2026-01-01", fields=old),
+        planted_shard("a", "A", {"default": (0.08, 40.0, [-0.02, 0.08]), "off": (0.08, 9.0, [0.01, 0.08])}, PEERS,
+                      date="2026-01-01", fields=old),
         planted_shard("b", "B", {"default": (0.05, 30.0, [0.01, 0.05])}, PEERS, date="2026-01-01", fields=old),
     ])  # fmt: skip
     again = write_shards(tmp_path / "again", [
-        planted_shard("a", "A", {"default": (0.08, 41.0, [0.01, 0.08]), "off": (0.02, 9.0, [0.01, 0.02])},
+        planted_shard("a", "A", {"default": (0.08, 41.0, [0.01, 0.08]), "off": (0.08, 9.0, [0.01, 0.08])},
                       date="2026-02-01", fields=new),
         planted_shard("c", "C", {"default": (0.06, 20.0, [0.01, 0.06]), "off": (0.03, 9.0, [0.01, 0.03])}, PEERS,
                       date="2026-02-02", fields=new),
     ])  # fmt: skip
     merged = lm_suite_report.merge(lm_suite_report.load_shards([first, again]))
     assert merged["left_out"] == ["b"] and set(merged["reductions"]) == {"a", "c"}
+    # "off" (unchanged, so not superseded) comes first among a's settings now, yet the default keeps its tie on a:
+    # c's figure is the default's.
+    assert list(merged["protocol"]["settings"]) == ["default", "off"]
+    assert {c["domain"]: c["setting"] for c in merged["loko"]["choices"]}["c"] == "default"
     assert merged["protocol"]["settings"]["default"] == new["default"]
     assert sorted((x["file"], x["setting"]) for x in merged["superseded"]) == [("a.json", "default"),
                                                                               ("b.json", "default")]  # fmt: skip
