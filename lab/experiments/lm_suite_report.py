@@ -221,7 +221,8 @@ def load_heuristics(*paths: Path) -> dict:
     """Heuristics specs (lab/experiments/suite_heuristics.json, suite_capacity.json), each {"settings": {name:
     fields}, "mechanisms": [{"name", "on", "off", "constants"}]}, each mechanism's on and off settings named (`on` may
     be the default, which a spec's settings need not hold), as one: {"mechanisms": every spec's, in order}. A
-    mechanism's name must be new, and a setting's name must mean one setting across the specs."""
+    mechanism's name must be new, its `within` (if any) another mechanism's name, and a setting's name must mean one
+    setting across the specs."""
     mechanisms: list[dict] = []
     settings: dict[str, object] = {}
     for path in paths:
@@ -235,6 +236,11 @@ def load_heuristics(*paths: Path) -> dict:
         for name, fields in spec.get("settings", {}).items():
             if settings.setdefault(name, fields) != fields:
                 raise ValueError(f"{path}: setting {name!r} differs from the one of that name in an earlier spec")
+    names = {m["name"] for m in mechanisms}
+    for m in mechanisms:
+        if "within" in m and m["within"] not in names - {m["name"]}:
+            raise ValueError(f"mechanism {m['name']!r}: 'within' names {m['within']!r}, expected another mechanism "
+                             f"of the specs {sorted(names - {m['name']})}")  # fmt: skip
     return {"settings": settings, "mechanisms": mechanisms}
 
 

@@ -477,6 +477,11 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
     assert [len(g) for g in lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in keys.items()})] == [1] * 3
     with pytest.raises(ValueError, match="already in an earlier spec"):
         lm_suite_report.load_heuristics(path, path)
+    orphan = tmp_path / "orphan.json"
+    orphan.write_text(json.dumps({"mechanisms": [{"name": "r", "on": "default", "off": "x", "within": "no such",
+                                                  "constants": []}]}))  # fmt: skip
+    with pytest.raises(ValueError, match="'within' names 'no such'"):
+        lm_suite_report.load_heuristics(path, orphan)
 
 
 def test_a_mechanism_that_keeps_a_domain_inside_the_floor_stays_though_it_gains_too_little(tmp_path):
