@@ -1,7 +1,7 @@
 """The dtype the residual output layer's step tuning forms the logits' change z1 in (StepChoice.change_weight,
 docs/design.md §6.3): the head products' (head_dtype; 'auto' bfloat16 where the CPU multiplies it natively). z1
 against a float64 hand computation, and the step tuned on a bfloat16 z1 against the one tuned on float32 products
-from the same statistics, by one fit and by the folds. The row passes on a bfloat16 z1 are checked against float64
+from the same statistics. The row passes on a bfloat16 z1 are checked against float64
 with the float32 ones (test_step_search, test_key_width_sample)."""
 
 from __future__ import annotations
@@ -10,15 +10,11 @@ import pytest
 import torch
 
 from faast.hf import FaastConfig, ResidualOutput, apply_faast
-from faast.hf.output import folds as output_folds
 from hf_models import tiny_model
 from test_hf_residual import noisy_phrase
-from test_hf_tuning_documents import WINDOW
-from test_hf_tuning_folds import documents
 from tolerances import BF16_CHANGE_STEP_REL, ELEMENTWISE, assert_close
 
 CPU = torch.device("cpu")
-FOLD_LEARN = {"max_length": WINDOW, "batch_size": 2}  # as test_hf_tuning_folds learns its documents
 
 
 def learned(x, key_layers="auto", **learn):  # noqa: ANN001, ANN003, ANN201 - test helper
@@ -64,23 +60,15 @@ def test_the_tail_logits_change_equals_a_float64_hand_computation(dtype):
     assert_close(z0, keys[:, : layer.hidden_size].double() @ head.T, torch.float32)
 
 
-@pytest.mark.parametrize("text", ["one fit", "folds"])
-def test_a_bfloat16_change_tunes_the_float32_products_step(text, monkeypatch):
-    # The same statistics solved twice: z1 from float32 products, then from bfloat16 ones. "folds": texts sharing
-    # their end, where the folds' step is taken (test_hf_tuning_folds); in both the folds' z1 is in that dtype too.
-    case = (noisy_phrase(), "auto", {}) if text == "one fit" else (documents([1, 2, 3, 4]), [], FOLD_LEARN)
-    fill, filled = output_folds._fill, []
-    monkeypatch.setattr(output_folds, "_fill", lambda *a: filled.append(a[4].dtype) or fill(*a))
+def test_a_bfloat16_change_tunes_the_float32_products_step():
+    # The same statistics solved twice: z1 from float32 products, then from bfloat16 ones.
     steps = {}
     for dtype in ("float32", "bfloat16"):
-        layer = learned(case[0], case[1], **case[2]).output_memory_layer
+        layer = learned(noisy_phrase()).output_memory_layer
         layer.head_dtype = dtype
-        filled.clear()
         layer.solution(CPU, torch.float32)
         steps[dtype] = layer.last_tuning
-        assert set(filled) == {getattr(torch, dtype)}  # the folds check (and search) ran on that dtype too
     want, got = steps["float32"], steps["bfloat16"]
-    assert want["step"] > 0 and (want["fold_check"] == "searched") == (text == "folds")
-    assert got["fold_check"] == want["fold_check"] and got["key_width"] == want["key_width"]
+    assert want["step"] > 0 and got["key_width"] == want["key_width"]
     assert abs(got["step"] - want["step"]) <= BF16_CHANGE_STEP_REL * want["step"]
     assert abs(got["held_out_gain"] - want["held_out_gain"]) <= BF16_CHANGE_STEP_REL * want["held_out_gain"]

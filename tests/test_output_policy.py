@@ -22,7 +22,6 @@ from faast.hf import config as config_module
 from faast.hf.output import DEFAULT_POLICY
 from faast.hf.output import bias as output_bias
 from faast.hf.output import diagnosis as output_diagnosis
-from faast.hf.output import folds as output_folds
 from faast.hf.output import head as head_module
 from faast.hf.output import layer as output_module
 from faast.hf.output import step as step_module
@@ -36,7 +35,6 @@ REPLACED = {
     step_module: (),  # the step choice reads its policy too
     output_bias: ("TOKEN_PRIOR", "TOKEN_BIAS_FULL"),
     output_diagnosis: ("PART_MIN_POSITIONS", "PART_STEP_RATIO", "DOCUMENT_POSITIONS_PER_DIM", "DOCUMENT_SHRINK_POWER"),
-    output_folds: ("FOLDS", "FOLD_STEP_RATIO"),
     tuning_module: ("STEP_ITERATIONS", "STEP_TOL", "MAX_STEP", "HELD_OUT_SHARE", "MIN_HELD_OUT", "MIN_FIT_TOKENS",
                     "FIT_PER_KEY_DIM", "SEARCH_SAMPLE_STRIDE", "SEARCH_SAMPLE_MIN_ROWS", "WIDTH_SAMPLE_MIN_ROWS",
                     "TUNE_SAMPLE", "GAP_MULTIPLE", "MIN_GRID_STEP", "GOLDEN_ITERATIONS", "WEIGHT_ITERATIONS",
@@ -63,24 +61,24 @@ def test_the_default_policy_holds_the_shipped_choices():
         4,
         2,
     )
-    assert (p.fold_step_ratio, p.folds, p.pool_auto, p.pool_dense_share, p.auto_key_block_divisor) == (
-        1.6,
-        2,
+    assert (p.document_positions_per_dim, p.document_shrink_power, p.pool_auto, p.pool_dense_share) == (
+        6,
+        0.5,
         3e-4,
         0.6,
-        7,
     )
+    assert p.auto_key_block_divisor == 7
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.max_step = 8.0  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(
     ("field", "bad"),
-    [("folds", 1), ("folds", 2.0), ("gap_multiple", -1), ("gap_multiple", True), ("tune_sample", 0),
-     ("max_step", 0.0), ("step_tol", math.nan), ("held_out_share", 1.0), ("held_out_share", 0.0),
-     ("default_weight", 1.5), ("min_grid_step", 8.0), ("pool_auto", -1e-4), ("fold_step_ratio", 0.0),
-     ("fold_step_ratio", math.nan), ("default_step_per_dim", 0), ("token_prior", "0.3"), ("pool_dense_share", 1.5),
-     ("pool_dense_share", -0.1), ("pool_dense_share", None)],
+    [("part_min_positions", 0), ("part_min_positions", 2.0), ("gap_multiple", -1), ("gap_multiple", True),
+     ("tune_sample", 0), ("max_step", 0.0), ("step_tol", math.nan), ("held_out_share", 1.0), ("held_out_share", 0.0),
+     ("default_weight", 1.5), ("min_grid_step", 8.0), ("pool_auto", -1e-4), ("part_step_ratio", 0.0),
+     ("document_shrink_power", math.nan), ("default_step_per_dim", 0), ("token_prior", "0.3"),
+     ("pool_dense_share", 1.5), ("pool_dense_share", -0.1), ("pool_dense_share", None)],
 )  # fmt: skip
 def test_a_value_out_of_range_is_refused_naming_its_field(field, bad):
     with pytest.raises(ValueError, match=f"OutputPolicy.{field}: expected"):
@@ -88,10 +86,10 @@ def test_a_value_out_of_range_is_refused_naming_its_field(field, bad):
 
 
 def test_the_policy_is_saved_with_the_configuration_and_older_ones_load_the_default(tmp_path):
-    policy = OutputPolicy(fold_step_ratio=math.inf, gap_multiple=1, token_prior=0.1)
+    policy = OutputPolicy(document_shrink_power=0.0, gap_multiple=1, token_prior=0.1)
     config = FaastConfig(output=ResidualOutput(policy=policy))
     data = json.loads(config.to_json())
-    assert data["output"]["policy"]["gap_multiple"] == 1 and data["output"]["policy"]["fold_step_ratio"] == math.inf
+    assert data["output"]["policy"]["gap_multiple"] == 1 and data["output"]["policy"]["document_shrink_power"] == 0
     assert FaastConfig.from_json(config.to_json()) == config
     del data["output"]["policy"]  # as a configuration saved before the policy existed
     assert FaastConfig.from_dict(data).output.policy == OutputPolicy()
@@ -109,6 +107,18 @@ def test_the_policy_is_saved_with_the_configuration_and_older_ones_load_the_defa
     loaded = from_pretrained(tiny_model("llama"), tmp_path / "saved")
     assert loaded.faast_config.output.policy == policy == loaded.output_memory_layer.policy
     assert loaded.output_memory_layer.held_out.policy == policy
+
+
+@pytest.mark.parametrize("removed", [{"folds": 2}, {"folds": 3, "fold_step_ratio": float("inf")}])
+def test_a_configuration_saved_with_a_removed_mechanisms_fields_loads_with_a_warning_naming_them(removed):
+    """The held-out ends in folds were removed (docs/design.md §6.3): a configuration written before loads, its other
+    fields kept, and the warning names what it leaves out."""
+    data = json.loads(FaastConfig(output=ResidualOutput(policy=OutputPolicy(gap_multiple=1))).to_json())
+    data["output"]["policy"].update(removed)
+    with pytest.warns(UserWarning, match=r"ResidualOutput.policy: \[" + ", ".join(f"'{k}'" for k in sorted(removed))):
+        loaded = FaastConfig.from_dict(data)
+    assert loaded.output.policy == OutputPolicy(gap_multiple=1)
+    assert not set(removed) & set(loaded.output.policy.to_dict())
 
 
 def test_the_layer_reads_its_policy():

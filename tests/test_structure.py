@@ -215,7 +215,7 @@ def _lab_violations(path: Path) -> list[str]:
                     modules.add(alias.asname or alias.name)
 
     def is_module(expr: ast.expr) -> bool:
-        # a name bound to a faast module, or an attribute chain down from one (faast.hf.output.folds)
+        # a name bound to a faast module, or an attribute chain down from one (faast.hf.output.diagnosis)
         while isinstance(expr, ast.Attribute):
             expr = expr.value
         return isinstance(expr, ast.Name) and expr.id in modules
@@ -298,9 +298,9 @@ def test_a_planted_lab_violation_is_found(tmp_path):
         "from faast.hf.output import tuning as tuning, OutputPolicy\n"
         "from faast.ops import _autotune\n"
         "from faast.hf.output.tuning import _search\n"
-        "import faast.hf.output.folds\n"
+        "import faast.hf.output.diagnosis\n"
         "tuning.MAX_STEP = 8.0\n"
-        "faast.hf.output.folds.FOLD_STEP_RATIO += 1\n"
+        "faast.hf.output.diagnosis.PART_STEP_RATIO += 1\n"
         "setattr(tuning, 'GAP_MULTIPLE', 0)\n"
         "policy = OutputPolicy()\n"
         "policy.max_step = 1.0\n"  # an object, not a module: not this rule's
@@ -319,7 +319,7 @@ def test_a_planted_lab_violation_is_found(tmp_path):
         "planted.py:3 from faast.ops import _autotune",
         "planted.py:4 from faast.hf.output.tuning import _search",
         "planted.py:6 tuning.MAX_STEP =",
-        "planted.py:7 faast.hf.output.folds.FOLD_STEP_RATIO =",
+        "planted.py:7 faast.hf.output.diagnosis.PART_STEP_RATIO =",
         "planted.py:8 setattr(tuning, ...)",
         "planted.py:13 setattr(tuning, ...)",
         "planted.py:14 setattr('faast.hf.output.layer.head_gradients', ...)",

@@ -33,7 +33,7 @@ INT8_HEAD_PRODUCTS_REL_BY_KERNEL = {"torch.int_mm": INT8_HEAD_PRODUCTS_REL, "tor
 
 # The step tuned on the held-out logits' change z1 formed in bfloat16 (StepChoice.change_weight) against the
 # one tuned on float32 products from the same statistics, and its held-out gain: relative (measured on the tiny llama
-# 4e-4 for one fit and 2.5e-3 for the folds' step; on SmolLM2 at 32K tokens the step moved by 0.06-0.08%).
+# 4e-4; on SmolLM2 at 32K tokens the step moved by 0.06-0.08%).
 BF16_CHANGE_STEP_REL = 1e-2
 
 # learn() under bfloat16 autocast (FaastConfig(learn_dtype=)): relative error of the output layer's key Gram against

@@ -37,7 +37,7 @@ from faast_lab.experiments._common import RESULTS, ROOT, ModelLoader, measured_b
 from faast_lab.experiments.domains import DOMAINS, EXTRA, VALIDATION, domain_texts
 from faast_lab.experiments.lm_domains_peers import run_backprop, run_knn, run_knn_tuned, run_lora_best, run_lora_time
 
-METHODS = ("default", "narrow", "fp32learn", "int8learn", "int8pass", "folds", "logit", "faast", "output", "paper",
+METHODS = ("default", "narrow", "fp32learn", "int8learn", "int8pass", "logit", "faast", "output", "paper",
            "knn", "knn_tuned", "lora", "lora_bf16", "linear", "lora_best", "lora_time")  # fmt: skip
 # "lora_bf16": LoRA with its forward pass under bfloat16 autocast, the precision FAAST's learning pass uses.
 # "fp32learn": the default as a CPU without native bfloat16 runs it: the learning pass in float32 (learn_dtype='model')
@@ -46,8 +46,6 @@ METHODS = ("default", "narrow", "fp32learn", "int8learn", "int8pass", "folds", "
 # head's logits in int8 (head_dtype='int8', what 'auto' picked there before the int8 pass; its p·H stays float32).
 # "int8pass": the default as a CPU without native bfloat16 but with AVX2 runs it now: the decoder's linears of inputs
 # up to the hidden size in int8 (learn_dtype='int8', faast/hf/int8_pass.py) and the head's logits in int8.
-# "folds": the default with the step from the held-out ends in folds taken at --fold-ratio times the one fit's
-# (OutputPolicy.fold_step_ratio of that row's layer; inf: the one fit alone), to weigh the fold rule in one run.
 # "narrow": the default with the output layer's keys h̃ alone (output_key_layers=[]: the default before wider keys).
 # "logit": the residual output layer read in logit space (the default before probability space), along the curve.
 # "faast" (the shipped middle layers + the residual output layer, both variants along the curve) and "paper" (the
@@ -73,9 +71,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--learn-tokens", type=int, default=32768)
     p.add_argument("--score-tokens", type=int, default=8192)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"subset of {','.join(METHODS)}")
-    p.add_argument("--fold-ratio", type=float, default=1.6,
-                   help="the 'folds' row's OutputPolicy.fold_step_ratio: the fold step is taken where it is"
-                        " at least this many times the one fit's; inf: never")  # fmt: skip
     p.add_argument("--ablations", action="store_true", help="also score FAAST's middle layers alone")
     p.add_argument("--parts-as-documents", action="store_true",
                    help="learn each curve part as new texts, so a text cut at a curve point is two documents to the "
@@ -204,8 +199,7 @@ INT8_PASS = "FAAST: residual output only, int8 learning pass and head logits"
 VARIANTS = {"full": "FAAST: middle layers + residual output", "output": "FAAST: residual output only",
             "logit": "FAAST: logit-space residual output (earlier default)",
             "narrow": "FAAST: residual output, keys h̃ only (previous default)",
-            "fp32learn": FP32_LEARN, "int8learn": INT8_LEARN, "int8pass": INT8_PASS,
-            "folds": "FAAST: residual output only, fold step rule"}  # fmt: skip
+            "fp32learn": FP32_LEARN, "int8learn": INT8_LEARN, "int8pass": INT8_PASS}  # fmt: skip
 
 
 def curve_parts(domain: Domain, amounts: list[int], args: argparse.Namespace) -> list[tuple[list[list[int]], bool]]:
@@ -261,15 +255,6 @@ def run_faast(domain: Domain, base, readout: Path, args: argparse.Namespace) -> 
                            learn_s, bank_bytes)  # fmt: skip
     finally:
         model.remove_faast()
-
-
-def fold_policy(ratio: float):  # noqa: ANN201 - a faast.hf.OutputPolicy
-    """The shipped OutputPolicy with fold_step_ratio `ratio` (the folds row's layer is given it)."""
-    from faast.hf import OutputPolicy
-
-    if not ratio > 0:
-        raise ValueError(f"fold_ratio: expected a ratio > 0 (inf: never take the fold step), got {ratio!r}")
-    return dataclasses.replace(OutputPolicy(), fold_step_ratio=ratio)
 
 
 def run_default(domain: Domain, base, args: argparse.Namespace, key: str = "output", residual: dict | None = None,  # noqa: ANN001
@@ -379,9 +364,6 @@ def run_domain(name: str, base, tokenizer, readout: Path, layers: list[int], arg
         run_default(domain, base, args, "int8learn", residual={"head_dtype": "int8"}, learn_dtype="model")
     if "int8pass" in args.methods:
         run_default(domain, base, args, "int8pass", residual={"head_dtype": "int8"}, learn_dtype="int8")
-    if "folds" in args.methods:
-        run_default(domain, base, args, "folds", residual={"policy": fold_policy(args.fold_ratio)},
-                    extra={"fold_ratio": args.fold_ratio})  # fmt: skip
     if "logit" in args.methods:
         run_default(domain, base, args, "logit", residual={"space": "logit"})
     if "faast" in args.methods:

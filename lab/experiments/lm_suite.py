@@ -7,8 +7,9 @@ setting, one result record per domain (a shard), resumable.
 
 --settings: a JSON object (a file, or the text itself) {setting name: ResidualOutput fields}, or a spec file
 (lab/experiments/suite_heuristics.json, suite_untuned_step.json) whose "settings" are that object; "policy" holding
-OutputPolicy fields, each over the shipped defaults: {"default": {}, "no_token_bias": {"token_bias": 0},
-"one_fit": {"policy": {"fold_step_ratio": Infinity}}}. The first setting is the one LoRA at FAAST's time gets the time
+OutputPolicy fields, each over the shipped defaults: {"default": {}, "no_bias": {"bias": 0},
+"no_document_shrink": {"policy": {"document_shrink_power": 0}}}; a field of a removed mechanism
+(faast.hf.output.policy.REMOVED_FIELDS) is refused. The first setting is the one LoRA at FAAST's time gets the time
 of (list the default first). The runs take the float32 path by default (FaastConfig(learn_dtype='model'),
 head_dtype='float32'), as the issue's goals are stated; --path auto takes faast's own choice.
 
@@ -37,7 +38,7 @@ from pathlib import Path
 from faast_lab.experiments import suite
 from faast_lab.experiments._common import ROOT, ModelLoader
 
-# OutputPolicy fields read only by the solve (tuning, diagnosis, folds, biases, the held-out plan and sample): two
+# OutputPolicy fields read only by the solve (tuning, diagnosis, biases, the held-out plan and sample): two
 # settings that differ only in these share one learning pass and are re-solved. The others (the held-out tail's
 # share and gap, which decide what the tail keeps while learning; head pooling; the key layers; the untuned step and
 # weight, fixed when the layer is built) need their own pass. A field added to OutputPolicy is not listed here until
@@ -46,8 +47,7 @@ SOLVE_TIME_FIELDS = frozenset({
     "default_step_per_dim", "token_prior", "token_bias_full", "min_held_out", "min_fit_tokens", "fit_per_key_dim",
     "tune_sample", "max_step", "step_iterations", "step_tol", "search_sample_stride", "search_sample_min_rows",
     "width_sample_min_rows", "min_grid_step", "golden_iterations", "weight_iterations", "min_gain_se",
-    "part_min_positions", "part_step_ratio", "document_positions_per_dim", "document_shrink_power", "folds",
-    "fold_step_ratio"})  # fmt: skip
+    "part_min_positions", "part_step_ratio", "document_positions_per_dim", "document_shrink_power"})  # fmt: skip
 # ResidualOutput fields the solve alone reads (the layer's public setters): the biases' steps, added after the step
 # is tuned.
 SOLVE_TIME_OUTPUT_FIELDS = ("bias", "token_bias")
@@ -59,11 +59,16 @@ def setting_from_dict(name: str, fields: Mapping, path: str = "float32"):  # noq
     """The ResidualOutput of a setting: the shipped one with `fields` over it ("policy": OutputPolicy fields over the
     shipped policy); the float32 path pins head_dtype='float32' unless the setting names it."""
     from faast.hf import OutputPolicy, ResidualOutput
+    from faast.hf.output import REMOVED_FIELDS
 
     if not isinstance(fields, Mapping):
         raise ValueError(f"--settings: setting {name!r}: expected an object of ResidualOutput fields, got {fields!r}")
     fields = dict(fields)
     policy = fields.pop("policy", {})
+    gone = sorted(set(policy) & set(REMOVED_FIELDS)) if isinstance(policy, Mapping) else []
+    if gone:  # OutputPolicy would load them with a warning and run the default under this setting's name
+        raise ValueError(f"--settings: setting {name!r}: {gone} belong to a mechanism faast no longer has; the shards "
+                         "that ran it before keep its results")  # fmt: skip
     if path == "float32":
         fields.setdefault("head_dtype", "float32")
     try:

@@ -715,34 +715,6 @@ def test_the_multi_domain_benchmark_tunes_its_peers_on_faasts_held_out_tail_end_
     assert module.solve_report(report, module) == {"off": False, "parts": [1]}
 
 
-def test_the_folds_row_takes_the_fold_step_at_the_ratio_of_the_policy_it_is_given(tmp_path, monkeypatch):
-    """--methods default,folds: the folds row's layer is given a policy whose fold ratio is below any the search can
-    give, so it computes the held-out ends' fold step and takes it; the default row keeps the shipped rule."""
-    from faast.hf import OutputPolicy
-
-    module = load_script("lm_domains")
-    with pytest.raises(ValueError, match="fold_ratio: expected a ratio > 0"):
-        module.fold_policy(0.0)
-    assert module.fold_policy(2.5) == OutputPolicy(fold_step_ratio=2.5)
-    _made_up_domain(module, monkeypatch, seed=1, texts=6)
-    shipped = OutputPolicy().fold_step_ratio
-    payload = module.main([
-        "--domains", "info", "--methods", "default,folds", "--fold-ratio", "1e-9", "--learn-tokens", "3000",
-        "--score-tokens", "400", "--window", "64", "--results-dir", str(tmp_path), "--out", "d",
-    ], load_model=tiny_loader())  # fmt: skip
-    rows = {r["method"]: r for r in payload["domains"][0]["rows"]}
-    default, folds = rows["FAAST: residual output only"], rows["FAAST: residual output only, fold step rule"]
-    assert folds["fold_ratio"] == 1e-9 and "fold_ratio" not in default
-    assert folds["tuning"]["tuned"] and folds["tuning"]["fold_step"] > 0
-    tuned = folds["tuning"]  # the tail's step, before the document shrink that follows either rule
-    assert tuned["tail_step"] == tuned["fold_step"] != tuned["one_fit_step"]
-    assert tuned["step"] == tuned["tail_step"] * tuned["document_shrink"]
-    assert tuned["one_fit_step"] == default["tuning"]["tail_step"]  # the same one fit, then the fold rule
-    assert tuned["fold_check"] == "searched"
-    assert (default["tuning"]["fold_check"] == "off") == (shipped == float("inf"))
-    assert "fold step rule" in (tmp_path / "d.md").read_text(encoding="utf-8")
-
-
 def _variants_layer(positions: int):  # noqa: ANN202 - (the script, its head, a layer that learned, its keys)
     """lm_output_variants' layer on an 8 → 11 head after learning `positions` random keys as one document."""
     variants = load_script("lm_output_variants")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from faast import provenance
+from faast.hf.output import REMOVED_FIELDS
 from faast_lab.benchmarks import _harness as H
 from faast_lab.experiments import lm_suite, lm_suite_report, loko, suite
 from hf_models import CharTokenizer, tiny_model
@@ -415,6 +416,44 @@ def test_a_newer_run_of_a_setting_supersedes_an_older_one_of_its_name_and_times_
         lm_suite_report.load_shards([first, clash])
 
 
+def test_a_removed_mechanisms_fields_leave_an_older_default_as_today_s_unless_it_acted_there(tmp_path):
+    # Shards run before the folds were removed carry their fields in every setting. On a the folds never acted (the
+    # default and "one_fit", which differ only in them, read alike): its default is today's. On b they acted: its
+    # solves were another default's, so all of b's settings are left out and b with them.
+    removed = sorted(REMOVED_FIELDS)[:1]
+    assert removed and lm_suite_report.REMOVED_FIELDS is REMOVED_FIELDS
+    then = {"default": {"policy": {"ramp": 7, removed[0]: 1.6}}, "one_fit": {"policy": {"ramp": 7, removed[0]: 9}}}
+    now = {"default": {"policy": {"ramp": 7}}}
+    old = write_shards(tmp_path / "old", [
+        planted_shard("a", "A", {"default": (0.08, 40.0, [0.01, 0.08]), "one_fit": (0.08, 40.0, [0.01, 0.08])},
+                      PEERS, date="2026-01-01", fields=then),
+        planted_shard("b", "B", {"default": (0.05, 30.0, [0.01, 0.05]), "one_fit": (0.04, 30.0, [0.01, 0.04])},
+                      PEERS, date="2026-01-01", fields=then),
+    ])  # fmt: skip
+    new = write_shards(tmp_path / "new", [planted_shard("c", "C", {"default": (0.06, 20.0, [0.01, 0.06])}, PEERS,
+                                                        date="2026-02-01", fields=now)])  # fmt: skip
+    assert not lm_suite_report.removed_acted(json.loads((old / "a.json").read_text()))
+    assert lm_suite_report.removed_acted(json.loads((old / "b.json").read_text()))
+    merged = lm_suite_report.merge(lm_suite_report.load_shards([old, new]))
+    assert [(x["file"], x["setting"], x["by"]) for x in merged["superseded"]] == [
+        ("b.json", "default", lm_suite_report.REMOVED_ACTED),
+        ("b.json", "one_fit", lm_suite_report.REMOVED_ACTED),
+    ]
+    assert merged["left_out"] == ["b"] and set(merged["reductions"]) == {"a", "c"}
+    assert set(merged["reductions"]["a"]) == {"default", "one_fit"}
+    assert "Solved with a mechanism since removed, which changed their solves, left out: b.json" in "\n".join(
+        lm_suite_report.report(merged)
+    )
+    # b run again under today's default, with its peers: that run is b's figure, and the old run is only listed
+    # (its peers do not clash with the new run's).
+    write_shards(new, [planted_shard("b", "B", {"default": (0.045, 30.0, [0.01, 0.045])}, PEERS, date="2026-02-01",
+                                     fields=now)])  # fmt: skip
+    again = lm_suite_report.merge(lm_suite_report.load_shards([old, new]))
+    assert again["left_out"] == [] and set(again["reductions"]["b"]) == {"default"}
+    assert again["reductions"]["b"]["default"] == pytest.approx(0.045)
+    assert {(x["file"], x["by"]) for x in again["superseded"]} == {("b.json", lm_suite_report.REMOVED_ACTED)}
+
+
 def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_floor(tmp_path):
     """Three kinds; 'ramp' matters at the first point only (+2 points there), 'noise' never by more than 0.1 point,
     'harm' gains 3 points at the end but with it on, one domain is 0.5% worse than zero-shot at the first point."""
@@ -449,7 +488,24 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
     assert "P.other" in judged_all["constants_judged"] and "P.other" not in judged_all["constants_to_remove"]
     merged = lm_suite_report.merge(shards)
     merged["heuristics"] = judged_all
-    assert any("Tuned constants judged: 4; to remove: 1 (P.noise)." in x for x in lm_suite_report.report(merged))
+    assert any("Tuned constants judged: 4; removed: 0; to remove: 1 (P.noise)." in x
+               for x in lm_suite_report.report(merged))  # fmt: skip
+    # A mechanism already removed is judged the same, its constants counted as removed rather than to remove.
+    spent = {"mechanisms": [{**m, "removed": m["name"] == "noise"} for m in spec["mechanisms"]]}
+    judged_spent = lm_suite_report.heuristics(shards, spent)
+    assert judged_spent["constants_removed"] == ["P.noise"] and judged_spent["constants_to_remove"] == []
+    assert {m["name"]: m for m in judged_spent["mechanisms"]}["noise"]["pays"] is False
+    merged["heuristics"] = judged_spent
+    text = "\n".join(lm_suite_report.report(merged))
+    assert "noise (removed)" in text and "removed: 1 (P.noise); to remove: 0." in text
+    # A mechanism that guards the floor on a stream outside the suite (a test) stays, however little it gains here.
+    guarded = {
+        "mechanisms": [{**m, "floor_guard": "a test"} if m["name"] == "noise" else m for m in spec["mechanisms"]]
+    }
+    judged_guarded = lm_suite_report.heuristics(shards, guarded)
+    noise = {m["name"]: m for m in judged_guarded["mechanisms"]}["noise"]
+    assert noise["pays"] is True and noise["reason"] == "keeps the floor outside the suite (a test)"
+    assert judged_guarded["constants_to_remove"] == []
     # A part of a mechanism goes with it: the ramp, within the noise, goes though it pays on its own.
     spec["mechanisms"][0] = {**spec["mechanisms"][0], "within": "noise"}
     parted = lm_suite_report.heuristics(shards, spec)
@@ -468,6 +524,13 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
     for m in committed["mechanisms"]:  # every off setting is defined and shares the default's learning pass
         off = lm_suite.setting_from_dict(m["off"], committed["settings"][m["off"]])
         assert lm_suite.learn_key(off) == lm_suite.learn_key(lm_suite.setting_from_dict("default", {})), m["name"]
+    # The removed mechanisms' settings are read by the report and refused by the runner, naming the fields.
+    gone = lm_suite_report.load_heuristics(path, lm_suite_report.ROOT / "lab/experiments/suite_removed.json")
+    removed = [m for m in gone["mechanisms"] if m.get("removed")]
+    assert removed and not any(m.get("removed") for m in committed["mechanisms"])
+    for m in removed:
+        with pytest.raises(ValueError, match=f"setting '{m['off']}': .* belong to a mechanism faast no longer has"):
+            lm_suite.setting_from_dict(m["off"], gone["settings"][m["off"]])
     # Several specs judge together; the keys' settings are learned, so each learns its own pass.
     capacity = lm_suite_report.ROOT / "lab/experiments/suite_capacity.json"
     both = lm_suite_report.load_heuristics(path, capacity)

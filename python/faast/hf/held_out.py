@@ -268,34 +268,6 @@ class HeldOutTail:
         their keys and values."""
         return self._rows()[2][self._masks(learned, min_fit)[1]]
 
-    def fold_statistics(self, learned: int, min_fit: int, folds: int) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """The documents that hold out positions under `plan`, dealt in turn into `folds` folds in the order of their
-        own content (the count, target ids and key sum of the positions each leaves out of the fit, held out and gaps:
-        learning order changes neither, and documents that tie leave the same positions out): (documents [u] int64,
-        their fold [u] int64, and for each fold (S [d_key, d_key], T [d_key, d] float64, count) of the positions its
-        documents leave out: float32 products of the kept keys and values, as the layer's tail_statistics)."""
-        keys, ys, docs, values = self._rows()
-        out_mask = self._masks(learned, min_fit)[1]
-        out_keys, out_values, out_docs, out_ys = (
-            keys[out_mask].float(),
-            values[out_mask].float(),
-            docs[out_mask],
-            ys[out_mask],
-        )
-        found = torch.unique(out_docs)
-        content = []
-        for d in found.tolist():
-            rows = out_docs == d
-            content.append((int(rows.sum()), out_ys[rows].tolist(), float(out_keys[rows].double().sum()), d))
-        documents = torch.tensor([c[-1] for c in sorted(content)], dtype=torch.long, device=docs.device)
-        fold = torch.arange(documents.numel(), device=docs.device) % folds
-        stats = []
-        for f in range(folds):
-            rows = torch.isin(out_docs, documents[fold == f])
-            k = out_keys[rows]
-            stats.append(((k.T @ k).double(), (k.T @ out_values[rows]).double(), int(rows.sum())))
-        return documents, fold, stats
-
     def _masks(self, learned: int, min_fit: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([kept] bool: held out, [kept] bool: left out of the fit, held out or gap) under `plan`."""
         _, runs, plan = self.plan(learned, min_fit)

@@ -3,7 +3,6 @@
     layer.py      ResidualOutputLayer: the statistics, the Newton step W, the solution η·W and how the model reads it
     step.py       StepChoice: the step η, weight λ and key width chosen on the held-out tail, built per solve
     tuning.py     the held-out NLL's 1-D searches (step, mixture weight, golden section)
-    folds.py      the held-out ends scored in folds
     diagnosis.py  why a tuned step is what it is (MemoryOffWarning) and the long texts' step shrink
     bias.py       the mean-gradient and token biases
     head.py       the LM head's products: logits, gradients, the Fisher's sums, their dtype and pooling
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from .diagnosis import MemoryOffWarning
 from .head import READ_CHUNK, HeadBuffers
-from .policy import DEFAULT_POLICY, OutputPolicy
+from .policy import DEFAULT_POLICY, REMOVED_FIELDS, OutputPolicy
 from .read import MIX_ROWS, key_state
 from .state import OutputState, checked_restored
 from .step import StepChoice, StepSettings
@@ -45,6 +44,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "MIX_ROWS",
     "READ_CHUNK",
+    "REMOVED_FIELDS",
     "HeadBuffers",
     "MemoryOffWarning",
     "OutputPolicy",

@@ -27,10 +27,10 @@ The step η (and λ with weight='auto') is tuned on the end of every learned tex
 most `tune_tokens` positions), scored by W fitted without those ends and up to gap_multiple times as many positions
 before each (statistics subtract exactly): a 1-D Newton search on the held-out mixture's NLL (tuning.py), whose
 mixture bounds what a wrong correction costs a token (at most −log(1−λ)). Where each held-out text has much fitted
-text of its own, η is shrunk (diagnosis.document_shrink); folds.py scores the ends in folds instead. State
-has a fixed size: d_key×d_key, d_key×d and d×d sums, two V-vectors, a d-vector and a (1 + gap_multiple)·`tune_tokens`
-buffer. Every tuned constant of these rules is a field of the layer's OutputPolicy (ResidualOutput.policy,
-faast/hf/output/policy.py). The step choice is step.StepChoice, built per solve from the layer's state.
+text of its own, η is shrunk (diagnosis.document_shrink). State has a fixed size: d_key×d_key, d_key×d and d×d sums,
+two V-vectors, a d-vector and a (1 + gap_multiple)·`tune_tokens` buffer. Every tuned constant of these rules is a
+field of the layer's OutputPolicy (ResidualOutput.policy, faast/hf/output/policy.py). The step choice is
+step.StepChoice, built per solve from the layer's state.
 
 Measured on five local domains (benchmarks and choices: lab/experiments/lm_domains.py, docs/design.md §6.3).
 """

@@ -5,20 +5,28 @@ frozen dataclass. A layer is given one through `ResidualOutput.policy` (default 
 choices), which is saved with the configuration and loads back with it; a configuration saved before the field
 existed loads with the default. To try another value, pass a policy:
 
-    policy = dataclasses.replace(OutputPolicy(), fold_step_ratio=float("inf"))
+    policy = dataclasses.replace(OutputPolicy(), document_shrink_power=0.0)
     config = FaastConfig(output=ResidualOutput(policy=policy))
 
 (or, on a layer already learned, `layer.policy = policy`: the next solve uses it). The functions of tuning,
 diagnosis, bias, held_out and head take a `policy` argument whose default is `DEFAULT_POLICY`; the layer always
-passes its own, and gives it to the StepChoice it builds per solve (step.py), whose folds read it too.
+passes its own, and gives it to the StepChoice it builds per solve (step.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import NoReturn
+
+# Fields of earlier versions whose mechanism the layer no longer has (CHANGELOG.md, "Removed"; docs/design.md §6.3): a
+# configuration saved with them loads, with a warning that names them, since nothing would read them.
+REMOVED_FIELDS = {
+    "folds": "the held-out ends scored in folds",
+    "fold_step_ratio": "the held-out ends scored in folds",
+}
 
 
 def _refuse(name: str, expected: str, value: object) -> NoReturn:
@@ -141,7 +149,8 @@ class OutputPolicy:
 
     min_gain_se: float = 2.0
     """A mixture is used only when its mean held-out gain per position exceeds this many standard errors: a sharp
-    correction mixed in with a small λ lowers the held-out NLL of random text by chance (docs/design.md §6.3)."""
+    correction mixed in with a small λ lowers the held-out NLL of random text by chance, and without this test new
+    random text read 1.2% worse than under the base model (docs/design.md §6.3, tests/test_hf_removed_heuristics.py)."""
 
     # ---------------------------------------------------------------- the step's diagnosis (diagnosis.py)
 
@@ -161,19 +170,6 @@ class OutputPolicy:
 
     document_shrink_power: float = 0.5
     """See document_positions_per_dim."""
-
-    # ---------------------------------------------------------------- the held-out ends in folds (folds.py)
-
-    folds: int = 2
-    """The documents that hold out an end are dealt into this many folds, each scored by a W fitted without its own
-    fold's left-out positions (docs/design.md §6.3)."""
-
-    fold_step_ratio: float = 1.6
-    """The folds' step is taken where it is at least this many times the one fit's (inf: the one fit alone). On the
-    validation domains' 12 tuned points the ratio was 2.08-2.24 at the two licence points, whose held-out files repeat
-    the learned licences, and 1.00-1.38 elsewhere; any ratio from 1.41 to 2 gave -15.09% against -13.37% with the one
-    fit. The benchmark's 14 points read 1.00-1.55, so 1.6 leaves them to the one fit (docs/results.md, "The held-out
-    ends in two folds"; lab/experiments/results/lm_step_rule_fit_folds_validation_cpu.md)."""
 
     # ---------------------------------------------------------------- the head's products (head) and the keys (config)
 
@@ -197,7 +193,7 @@ class OutputPolicy:
         for name, low in (("token_bias_full", 1), ("min_held_out", 1), ("min_fit_tokens", 0), ("fit_per_key_dim", 0),
                           ("gap_multiple", 0), ("tune_sample", 1), ("step_iterations", 1), ("search_sample_stride", 1),
                           ("search_sample_min_rows", 0), ("width_sample_min_rows", 0), ("golden_iterations", 0),
-                          ("weight_iterations", 0), ("part_min_positions", 1), ("folds", 2),
+                          ("weight_iterations", 0), ("part_min_positions", 1),
                           ("auto_key_block_divisor", 1)):  # fmt: skip
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
@@ -212,22 +208,27 @@ class OutputPolicy:
         _check_real("min_grid_step", self.min_grid_step, 0, self.max_step, open_low=True)
         _check_real("pool_auto", self.pool_auto, 0, 1)
         _check_real("pool_dense_share", self.pool_dense_share, 0, 1)
-        if self.fold_step_ratio != math.inf:  # inf: the one fit alone
-            _check_real("fold_step_ratio", self.fold_step_ratio, 0, open_low=True)
 
     def default_step(self, space: str) -> float:
         """The untuned η of `space` ('probability' or 'logit')."""
         return self.default_step_probability if space == "probability" else self.default_step_logit
 
     def to_dict(self) -> dict:
-        """Every field by name, JSON-ready (an infinite fold_step_ratio is written as JSON's Infinity)."""
+        """Every field by name, JSON-ready."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: object) -> OutputPolicy:
-        """Rebuild from to_dict(); fields missing take today's defaults, unknown ones raise naming them."""
+        """Rebuild from to_dict(); fields missing take today's defaults, fields of a removed mechanism
+        (`REMOVED_FIELDS`) are left out with a warning naming them, other unknown ones raise naming them."""
         if not isinstance(data, dict):
             raise ValueError(f"ResidualOutput.policy: expected a dict of OutputPolicy fields, got {data!r}")
+        gone = sorted(set(data) & set(REMOVED_FIELDS))
+        if gone:
+            what = sorted({REMOVED_FIELDS[name] for name in gone})
+            warnings.warn(f"ResidualOutput.policy: {gone} belong to a mechanism faast no longer has ({'; '.join(what)}"
+                          f"); the layer solves without them (CHANGELOG.md)", UserWarning, stacklevel=2)  # fmt: skip
+            data = {name: value for name, value in data.items() if name not in REMOVED_FIELDS}
         own = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(own))
         if unknown:

@@ -2,10 +2,10 @@
 
 `StepChoice` tunes them on the held-out ends of the learned texts: the fit leaves those positions out (their statistics
 subtract exactly), the head forms their base logits and the logits' change per unit step, `tuning` searches the step,
-`folds` checks it on the ends in folds, `diagnosis` says when the memory ends up off and `diagnosis.document_shrink`
-shrinks the step of long texts. The layer (faast.hf.output.layer.ResidualOutputLayer) builds one per solve from what it
-holds then (`ResidualOutputLayer.step_choice`): the statistics, the held-out tail, the head, its settings
-(`StepSettings`) and its OutputPolicy. A StepChoice reads only what it was given and writes nothing back: `choose`
+`diagnosis` says when the memory ends up off and `diagnosis.document_shrink` shrinks the step of long texts. The layer
+(faast.hf.output.layer.ResidualOutputLayer) builds one per solve from what it holds then
+(`ResidualOutputLayer.step_choice`): the statistics, the held-out tail, the head, its settings (`StepSettings`) and its
+OutputPolicy. A StepChoice reads only what it was given and writes nothing back: `choose`
 returns the tuning's record, which the layer keeps as `last_tuning`.
 """
 
@@ -20,7 +20,7 @@ import torch
 from ...memory import FastWeights
 from ..held_out import HeldOutTail
 from ..targets import LMHead
-from . import folds, tuning
+from . import tuning
 from .diagnosis import diagnose, document_shrink
 from .head import HeadBuffers, change_logits, float_products, head_logits, head_weight, products_dtype
 from .policy import OutputPolicy
@@ -205,21 +205,16 @@ class StepChoice:
         # The narrower keys win ties: a wider W fitted on the same text is the noisier one.
         width = min(results, key=lambda k: (results[k][0], k))
         _, eta, lam, trace, rows, logits, w, out = results[width]
+        results = {k: v if k == width else v[:3] for k, v in results.items()}  # the other width's [n, V] z1 goes
         if sampled < keys.shape[0]:  # the chosen width on every held-out row, from the sample's step
             rest = self.tail_logits(keys, ys, w, base, slice(sampled, None), out)
             logits = (base[0], out, base[1], torch.cat([logits[3], rest[3]]))
-            start = min(trace, key=lambda t: t[-1])[0]  # the sample's best step, before its significance test
+            start = min(trace, key=lambda t: t[-1])[0]  # the sample's best step, before its gain test
             tuned = tuning.tune_width(logits, log_base, fixed_step, fixed, start, compare=False, sampled=True,
                                       policy=policy)  # fmt: skip
             _, eta, lam, trace, rows = tuned
-        one_fit, fold = eta, folds.FoldTuning(None, "fixed step or weight 0")
-        if lam > 0 and fixed_step is None:  # the held-out ends in folds (also where η is 0), taken where much larger
-            spare = next((r[-1] for k, r in results.items() if k != width), None)  # the other width's z1
-            fold = folds.fold_tuning(self, keys, ys, docs, base, log_base, width, curvature, lam, eta, self.min_fit(),
-                                     spare)  # fmt: skip
-            eta, trace, rows, logits = fold.taken or (eta, trace, rows, logits)
         check_weight = lam if lam > 0 else (fixed if fixed is not None else settings.default_weight)
-        candidate = min(trace, key=lambda t: t[-1])[0]  # the search's best step, before the significance test
+        candidate = min(trace, key=lambda t: t[-1])[0]  # the search's best step, before the gain test
         diagnosis = diagnose(logits, docs, eta, check_weight, candidate, rows, log_base, policy)
         documents = self.held_out.documents(int(memory.count), self.min_fit())
         shrink = document_shrink(fitted, documents, self.hidden_size, policy) if fixed_step is None else 1.0
@@ -229,8 +224,7 @@ class StepChoice:
                       "shrunk ×%.2f", fitted / max(documents, 1), tail_step, shrink)  # fmt: skip
         record = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held, "held_out_documents": documents,
                   "tail_step": tail_step, "document_shrink": shrink, "document_gap_tokens": gap,
-                  "fitted_tokens": fitted, "key_width": width, "one_fit_step": one_fit, "fold_step": fold.step,
-                  "fold_check": fold.check, "held_out_nll": trace, **diagnosis,
+                  "fitted_tokens": fitted, "key_width": width, "held_out_nll": trace, **diagnosis,
                   "by_key_width": {k: {"held_out_nll": v[0], "step": v[1], "weight": v[2], "rows": sampled}
                                    for k, v in results.items() if len(results) > 1}}  # fmt: skip
         return eta, lam, width, record
