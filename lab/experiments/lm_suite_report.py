@@ -321,11 +321,16 @@ def heuristics(shards: Sequence[dict], spec: dict) -> dict:
             table = {s["domain"]: {x: dict(zip(s["settings"][x]["curve"]["tokens"], s["settings"][x]["curve"][
                 "reduction"], strict=True))[t] for x in on + off} for s in have}  # fmt: skip
             without = loko.loko({d: {x: row[x] for x in off} for d, row in table.items()}, kinds, settings=off)
+            ons = loko.loko({d: {x: row[x] for x in on} for d, row in table.items()}, kinds, settings=on)
+            with_it = {c.domain: c.reduction for c in ons.choices}
+            # a domain past the floor without it that it keeps within the floor: it guards the floor there
+            kept = [c.domain for c in without.choices if c.reduction < -loko.FLOOR <= with_it[c.domain]]
             entry["points"].append({"tokens": t, **asdict(loko.heuristic_pays(table, kinds, on, off)),
-                                    "lowest_without": min(c.reduction for c in without.choices)})  # fmt: skip
+                                    "lowest_without": min(c.reduction for c in without.choices),
+                                    "floor_kept": kept})  # fmt: skip
         floor_ok = all(p["floor_ok"] for p in entry["points"])
-        # Without it a domain falls below the floor where with it none does: it keeps the floor, which is a goal.
-        guards = any(p["lowest_without"] < -loko.FLOOR for p in entry["points"])
+        # Without it a domain falls past the floor where with it that domain is within: it keeps the floor, a goal.
+        guards = any(p["floor_kept"] for p in entry["points"])
         gains = any(p["median_gain"] >= loko.MEDIAN_GAIN or p["worst_gain"] >= loko.WORST_GAIN
                     for p in entry["points"])  # fmt: skip
         guard = m.get("floor_guard")

@@ -138,7 +138,7 @@ class Verdict:
     pays: bool
     median_gain: float  # suite median with it on − with it off
     worst_gain: float  # worst domain's reduction with it on − with it off
-    floor_ok: bool  # with it on, no domain (no curve point) worse than zero-shot by more than FLOOR
+    floor_ok: bool  # it makes no domain (no curve point) worse than zero-shot by more than FLOOR
     worst_point: tuple[str, float]  # (domain, reduction) of the lowest point with it on
     reason: str
 
@@ -152,18 +152,26 @@ def heuristic_pays(
 ) -> Verdict:
     """The issue's rule for keeping a mechanism: leave-one-kind-out among the settings `on` (mechanism on) and among
     `off` (the same without it); it pays when the suite's median rises by at least MEDIAN_GAIN or its worst domain by
-    at least WORST_GAIN, and with it on no domain's chosen setting reduces perplexity by less than −FLOOR (is more
-    than 0.3% worse than zero-shot) at the final point, nor at any point of `curve` ({domain: {setting: reductions
-    at the curve points}}) when given."""
+    at least WORST_GAIN, and it makes no domain more than 0.3% worse than zero-shot: no domain's chosen setting with it
+    reduces perplexity by less than −FLOOR where the chosen one without it stays within that floor, at the final point
+    nor at any point of `curve` ({domain: {setting: reductions at the curve points}}) when given. A domain past the
+    floor without it as well is not the mechanism's doing (the issue's "without making any domain worse than
+    zero-shot + 0.3%"): the default's own failure there is reported as the suite's floor goal."""
     if not on or not off or set(on) & set(off):
         raise ValueError(f"on, off: expected two disjoint non-empty lists of settings, got {list(on)} and {list(off)}")
     with_it = loko({d: {s: r for s, r in row.items() if s in on} for d, row in table.items()}, kinds, settings=on)
     without = loko({d: {s: r for s, r in row.items() if s in off} for d, row in table.items()}, kinds, settings=off)
-    points = [(c.domain, c.reduction) for c in with_it.choices]
+    off_choice = {c.domain: c for c in without.choices}
+    points, made = [(c.domain, c.reduction) for c in with_it.choices], []
     for c in with_it.choices:
-        points += [(c.domain, r) for r in ((curve or {}).get(c.domain) or {}).get(c.setting, ())]
+        alt = off_choice[c.domain]
+        ours = [c.reduction, *((curve or {}).get(c.domain) or {}).get(c.setting, ())]
+        theirs = [alt.reduction, *((curve or {}).get(c.domain) or {}).get(alt.setting, ())]
+        points += [(c.domain, r) for r in ours[1:]]
+        # past the floor with it, and within it (or not measured) without it at the same point: it made the domain so
+        made += [(c.domain, r) for i, r in enumerate(ours) if r < -FLOOR and (i >= len(theirs) or theirs[i] >= -FLOOR)]
     lowest = min(points, key=lambda p: p[1])
-    floor_ok = lowest[1] >= -FLOOR
+    floor_ok = not made
     median_gain, worst_gain = with_it.median - without.median, with_it.worst - without.worst
     gains = median_gain >= MEDIAN_GAIN or worst_gain >= WORST_GAIN
     words = (f"median {100 * median_gain:+.2f} points, worst {100 * worst_gain:+.2f} points; lowest point "

@@ -97,6 +97,12 @@ def test_a_heuristic_that_makes_a_domain_worse_than_zero_shot_plus_0_3_percent_d
     curve = {"d1": {"on": [-0.0035, 0.05, 0.11]}}
     verdict = loko.heuristic_pays(table, kinds, on=["on"], off=["off"], curve=curve)
     assert not verdict.pays and verdict.worst_point == ("d1", -0.0035)
+    # A domain past the floor without the mechanism too is not its doing: the rule asks that it make none so.
+    curve["d1"]["off"] = [-0.0034, 0.04, 0.10]
+    verdict = loko.heuristic_pays(table, kinds, on=["on"], off=["off"], curve=curve)
+    assert verdict.pays and verdict.floor_ok and verdict.worst_point == ("d1", -0.0035)
+    curve["d1"]["off"] = [-0.0029, 0.04, 0.10]  # within the floor without it: now the mechanism made d1 break it
+    assert not loko.heuristic_pays(table, kinds, on=["on"], off=["off"], curve=curve).floor_ok
     with pytest.raises(ValueError, match="disjoint"):
         loko.heuristic_pays(table, kinds, on=["on"], off=["on"])
 

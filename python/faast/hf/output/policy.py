@@ -149,8 +149,9 @@ class OutputPolicy:
 
     min_gain_se: float = 2.0
     """A mixture is used only when its mean held-out gain per position exceeds this many standard errors: a sharp
-    correction mixed in with a small λ lowers the held-out NLL of random text by chance, and without this test new
-    random text read 1.2% worse than under the base model (docs/design.md §6.3, tests/test_hf_removed_heuristics.py)."""
+    correction mixed in with a small λ lowers the held-out NLL of random text by chance; without this test some new
+    random text read over 1% worse than under the base model (docs/design.md §6.3,
+    tests/test_hf_removed_heuristics.py)."""
 
     # ---------------------------------------------------------------- the step's diagnosis (diagnosis.py)
 
