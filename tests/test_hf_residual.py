@@ -22,7 +22,6 @@ from faast.hf import (
 from faast.hf import held_out as held_out_module
 from faast.hf import learning as learning_module
 from faast.hf.output import DEFAULT_POLICY, StepChoice
-from faast.hf.output import bias as output_bias
 from faast.hf.output import head as head_module
 from faast.hf.output import layer as output_module
 from faast.hf.output import tuning as tuning_module
@@ -133,11 +132,11 @@ def mean_gradient_bias(y, mass, mu_gram, head, n, damping, beta):
     return beta * min(1.0, n / (DEFAULT_POLICY.default_step_per_dim * d)) * torch.linalg.solve(c, r_mean)
 
 
-def token_bias(y, mass, n, vocab, gamma, prior=DEFAULT_POLICY.token_prior, full=DEFAULT_POLICY.token_bias_full):
-    """γ'·log((c + κ) / (P + κ)) [V] float64: the residual output layer's token bias for the learned targets y [n]
-    (c their counts, P = mass the summed probabilities), γ' = γ·min(1, n / full)."""
+def token_bias(y, mass, vocab, gamma, prior=DEFAULT_POLICY.token_prior):
+    """γ·log((c + κ) / (P + κ)) [V] float64: the residual output layer's token bias for the learned targets y [n]
+    (c their counts, P = mass the summed probabilities)."""
     counts = torch.bincount(y, minlength=vocab).double()
-    return gamma * min(1.0, n / full) * torch.log((counts + prior) / (mass + prior))
+    return gamma * torch.log((counts + prior) / (mass + prior))
 
 
 def tail_split(lengths, tune_tokens, gap_multiple=2, min_fit=256, share=DEFAULT_POLICY.held_out_share):
@@ -221,7 +220,7 @@ def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(
     n = float(mask[:, 1:].sum())
     expected = 0.37 * newton(s[:width, :width], t[:width], n, mu_gram, mass, head, damping=0.5)
     expected_bias = mean_gradient_bias(y, mass, mu_gram, head, n, 0.5, 0.8)
-    expected_tokens = token_bias(y, mass, n, head.shape[0], gamma)
+    expected_tokens = token_bias(y, mass, head.shape[0], gamma)
     layer = model.output_memory_layer
     m = layer.folded(torch.device("cpu"), torch.float64)
     bias = layer.folded_bias(torch.device("cpu"), torch.float64)
@@ -232,7 +231,7 @@ def test_the_folded_matrix_is_the_step_times_the_kronecker_factored_newton_step(
         assert tokens is None and layer.last_tuning["token_bias_off"] == "ResidualOutput.token_bias is 0"
     else:
         assert rel(tokens, expected_tokens) < 1e-6 and layer.last_tuning["token_bias_off"] is None
-    assert layer.last_tuning["token_bias_step"] == pytest.approx(gamma * n / DEFAULT_POLICY.token_bias_full)
+    assert layer.last_tuning["token_bias_step"] == gamma
     probe = ids(batch=1, seq=9, seed=3)
     keys = full_keys(model, probe, torch.ones_like(probe, dtype=torch.bool))
     h = keys[..., :32]
@@ -442,7 +441,7 @@ def test_the_step_is_tuned_only_on_a_fit_of_at_least_fit_per_key_dim_positions_p
     else:
         default = {"step": 0.03, "weight": DEFAULT_POLICY.default_weight, "tuned": False, "saved_step": False,
                    "key_width": 32, "bias_step": 0.5, "bias_off": None,
-                   "token_bias_step": pytest.approx(output_bias.token_step(ResidualOutput().token_bias, 704)),
+                   "token_bias_step": ResidualOutput().token_bias,
                    "token_bias_off": None}  # fmt: skip
         assert layer.last_tuning == default
 
@@ -465,7 +464,7 @@ def test_a_tuned_step_is_saved_with_the_statistics_and_a_loaded_model_reads_exac
         assert torch.equal(fresh(probe).logits, model(probe).logits)
     saved = {"step": step, "weight": weight, "tuned": False, "saved_step": True, "key_width": 32, "bias_step": 0.5,
              "bias_off": None, "token_bias_off": None,
-             "token_bias_step": pytest.approx(output_bias.token_step(ResidualOutput().token_bias, 704))}  # fmt: skip
+             "token_bias_step": ResidualOutput().token_bias}  # fmt: skip
     assert fresh.output_memory_layer.last_tuning == saved
     # A file whose step is not a finite number >= 0, or whose weight is not in [0, 1], is refused before anything is
     # copied.
@@ -654,9 +653,8 @@ def test_no_step_when_it_does_not_help_and_the_default_step_when_it_cannot_be_tu
                                                        "weight": weight, "tuned": False, "saved_step": False,
                                                        "key_width": 32, "bias_off": None,
                                                        "bias_step": pytest.approx(0.5 * scale, rel=1e-12),
-                                                       "token_bias_off": None, "token_bias_step": pytest.approx(
-                                                           output_bias.token_step(ResidualOutput().token_bias, 29),
-                                                           rel=1e-12)}  # fmt: skip
+                                                       "token_bias_off": None,
+                                                       "token_bias_step": ResidualOutput().token_bias}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -33,7 +33,7 @@ from test_hf_residual import ids
 REPLACED = {
     output_module: ("DEFAULT_STEP", "DEFAULT_STEP_PER_DIM", "DEFAULT_WEIGHT"),
     step_module: (),  # the step choice reads its policy too
-    output_bias: ("TOKEN_PRIOR", "TOKEN_BIAS_FULL"),
+    output_bias: ("TOKEN_PRIOR",),
     output_diagnosis: ("PART_MIN_POSITIONS", "PART_STEP_RATIO", "DOCUMENT_POSITIONS_PER_DIM", "DOCUMENT_SHRINK_POWER"),
     tuning_module: ("STEP_ITERATIONS", "STEP_TOL", "MAX_STEP", "HELD_OUT_SHARE", "MIN_HELD_OUT", "MIN_FIT_TOKENS",
                     "FIT_PER_KEY_DIM", "SEARCH_SAMPLE_STRIDE", "SEARCH_SAMPLE_MIN_ROWS", "WIDTH_SAMPLE_MIN_ROWS",
@@ -109,10 +109,11 @@ def test_the_policy_is_saved_with_the_configuration_and_older_ones_load_the_defa
     assert loaded.output_memory_layer.held_out.policy == policy
 
 
-@pytest.mark.parametrize("removed", [{"folds": 2}, {"folds": 3, "fold_step_ratio": float("inf")}])
+@pytest.mark.parametrize("removed", [{"folds": 2}, {"folds": 3, "fold_step_ratio": float("inf")},
+                                     {"token_bias_full": 32_768}])  # fmt: skip
 def test_a_configuration_saved_with_a_removed_mechanisms_fields_loads_with_a_warning_naming_them(removed):
-    """The held-out ends in folds were removed (docs/design.md §6.3): a configuration written before loads, its other
-    fields kept, and the warning names what it leaves out."""
+    """The held-out ends in folds and the token bias's ramp were removed (docs/design.md §6.3): a configuration
+    written before loads, its other fields kept, and the warning names what it leaves out."""
     data = json.loads(FaastConfig(output=ResidualOutput(policy=OutputPolicy(gap_multiple=1))).to_json())
     data["output"]["policy"].update(removed)
     with pytest.warns(UserWarning, match=r"ResidualOutput.policy: \[" + ", ".join(f"'{k}'" for k in sorted(removed))):
@@ -122,9 +123,9 @@ def test_a_configuration_saved_with_a_removed_mechanisms_fields_loads_with_a_war
 
 
 def test_the_layer_reads_its_policy():
-    # The untuned step and weight, their ramp, the token bias's κ and ramp, and the block 'auto' widens the keys with.
+    # The untuned step and weight, their ramp, the token bias's κ, and the block 'auto' widens the keys with.
     policy = OutputPolicy(default_step_probability=0.07, default_step_per_dim=1.0, token_prior=1.0,
-                          token_bias_full=32, auto_key_block_divisor=2)  # fmt: skip
+                          auto_key_block_divisor=2)  # fmt: skip
     x = ids(batch=2, seq=30)
     layers = {}
     for name, p in (("shipped", OutputPolicy()), ("given", policy)):

@@ -44,7 +44,7 @@ from faast_lab.experiments._common import ROOT, ModelLoader
 # weight, fixed when the layer is built) need their own pass. A field added to OutputPolicy is not listed here until
 # shown solve-only, so it learns its own pass: slower, never wrong.
 SOLVE_TIME_FIELDS = frozenset({
-    "default_step_per_dim", "token_prior", "token_bias_full", "min_held_out", "min_fit_tokens", "fit_per_key_dim",
+    "default_step_per_dim", "token_prior", "min_held_out", "min_fit_tokens", "fit_per_key_dim",
     "tune_sample", "max_step", "step_iterations", "step_tol", "search_sample_stride", "search_sample_min_rows",
     "width_sample_min_rows", "min_grid_step", "golden_iterations", "weight_iterations", "min_gain_se",
     "part_min_positions", "part_step_ratio", "document_positions_per_dim", "document_shrink_power"})  # fmt: skip

@@ -16,10 +16,15 @@ superseded: left out of every table, and listed in `superseded`. A domain left w
 ratio always comes from one run.
 
 A mechanism removed from faast leaves its fields (faast.hf.output.REMOVED_FIELDS) in the policies of the shards run
-before: those fields are not part of what a setting means, so an older shard's default still reads as today's,
-except in a shard where the removed mechanism acted, that is where two of its settings that differ only in those
-fields (the default and the mechanism switched off) read different perplexities. Every setting of such a shard was
-solved with it, so all of them are left out, listed in `superseded` with the reason (run the domain again).
+before: those fields are not part of what a setting means (`today`). Where the mechanism never changed a solve of a
+shard (two of its settings that differ only in its fields read the same perplexities), every setting of the shard
+reads as today's. Where it acted (`acted_mechanisms`), only the settings that had it off (its fields at REMOVED_OFF)
+were solved as today's would be: they stay, under the name that means their setting today (the removed ramp's "off"
+setting is today's default, `current_name`), and the others are left out, listed in `superseded` with the reason. A
+shard a removed mechanism left with no setting joins none of its domain's other runs (its peers would clash with
+theirs): it is only listed. Where the shard's peers were timed against a setting a removed mechanism acted in, FAAST's
+time is that of the setting that became the default, from the same learning pass (the settings of a shard's group
+share it; only their solves differ).
 
 The merged record is what docs/results_sections.toml names (kind "lm_suite", scripts/results_formats.py): its
 `loko` holds the per-domain choices, per-kind and suite medians and worst, and the shares of one LoRA epoch's
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +60,10 @@ ZERO_SHOT_REL = 1e-4
 GOAL_SHARE, GOAL_WORST_KIND_SHARE, GOAL_TIME_RATIO = 0.8, 0.5, 0.5
 # A superseded entry's "by" where no newer run but a removed mechanism's acting left a shard's settings out.
 REMOVED_ACTED = "a mechanism since removed acted in this run"
+# The value of a removed field (REMOVED_FIELDS) under which its mechanism was off: the held-out ends in folds with the
+# one fit's step always taken, the token bias's ramp full from the first position. A removed mechanism names at least
+# one such field; its other fields (the number of folds) did nothing while it was off.
+REMOVED_OFF = {"fold_step_ratio": math.inf, "token_bias_full": 1}
 
 
 def peer_name(method: str) -> str:
@@ -102,28 +112,60 @@ def _join(domain: str, parts: Sequence[tuple[Path, dict]]) -> dict:
     return joined
 
 
-def today(setting: object) -> object:
-    """A setting's fields as they mean today: its policy without the fields of removed mechanisms (REMOVED_FIELDS)."""
+def _without(setting: object, fields: object) -> object:
+    """A setting's fields with `fields` left out of its policy."""
     if not isinstance(setting, dict) or not isinstance(setting.get("policy"), dict):
         return setting
-    return {**setting, "policy": {k: v for k, v in setting["policy"].items() if k not in REMOVED_FIELDS}}
+    return {**setting, "policy": {k: v for k, v in setting["policy"].items() if k not in fields}}
 
 
-def removed_acted(shard: dict) -> bool:
-    """Whether a removed mechanism changed a solve in `shard`: two of its settings that mean one setting today
-    (`today`) read different perplexities along the curve."""
-    read: dict[str, list] = {}
-    for name, setting in shard["protocol"]["settings"].items():
-        if name in shard["settings"]:
-            curve = shard["settings"][name]["curve"]["ppl"]
-            if read.setdefault(json.dumps(today(setting), sort_keys=True), curve) != curve:
-                return True
-    return False
+def today(setting: object) -> object:
+    """A setting's fields as they mean today: its policy without the fields of removed mechanisms (REMOVED_FIELDS)."""
+    return _without(setting, REMOVED_FIELDS)
 
 
-def _current_settings(files: Sequence[Path], shards: Sequence[dict]) -> dict[str, tuple[object, Path]]:
-    """{setting name: (its fields as the newest shard that ran it recorded them, that shard's file)}: shards are
-    ordered by their provenance dates (ISO 8601, one time zone: they order as strings)."""
+def removed_mechanisms() -> dict[str, list[str]]:
+    """{a removed mechanism's description (REMOVED_FIELDS' values): its fields}."""
+    out: dict[str, list[str]] = {}
+    for field, mechanism in REMOVED_FIELDS.items():
+        out.setdefault(mechanism, []).append(field)
+    return out
+
+
+def acted_mechanisms(shard: dict) -> list[str]:
+    """The removed mechanisms that changed a solve in `shard`: two of its settings that differ only in that
+    mechanism's fields read different perplexities along the curve."""
+    acted = []
+    for mechanism, fields in removed_mechanisms().items():
+        read: dict[str, list] = {}
+        for name, setting in shard["protocol"]["settings"].items():
+            if name in shard["settings"]:
+                curve = shard["settings"][name]["curve"]["ppl"]
+                if read.setdefault(json.dumps(_without(setting, fields), sort_keys=True), curve) != curve:
+                    acted.append(mechanism)
+                    break
+    return acted
+
+
+def solved_as_today(setting: object, acted: Sequence[str]) -> bool:
+    """Whether `setting` had each of the `acted` mechanisms off (their fields at REMOVED_OFF, or absent)."""
+    policy = setting.get("policy") if isinstance(setting, dict) else None
+    policy = policy if isinstance(policy, dict) else {}
+    fields = removed_mechanisms()
+    return all(policy.get(f, REMOVED_OFF[f]) == REMOVED_OFF[f] for m in acted for f in fields[m] if f in REMOVED_OFF)
+
+
+def current_name(setting: object, current: dict[str, tuple[object, Path, str]]) -> str | None:
+    """The name that means `setting` today: of the names whose newest run (`_current_settings`) reads as it (`today`),
+    the one run last, the default first at one date; None when no name means it now."""
+    meaning = today(setting)
+    names = [(date, n == DEFAULT, n) for n, (s, _, date) in current.items() if today(s) == meaning]
+    return max(names)[2] if names else None
+
+
+def _current_settings(files: Sequence[Path], shards: Sequence[dict]) -> dict[str, tuple[object, Path, str]]:
+    """{setting name: (its fields as the newest shard that ran it recorded them, that shard's file, its date)}: shards
+    are ordered by their provenance dates (ISO 8601, one time zone: they order as strings)."""
     current: dict[str, tuple[object, Path, str]] = {}
     for f, s in zip(files, shards, strict=True):
         date = str(s["provenance"].get("date", ""))
@@ -134,7 +176,7 @@ def _current_settings(files: Sequence[Path], shards: Sequence[dict]) -> dict[str
             elif date == have[2] and setting != have[0]:
                 raise ValueError(f"{f}: its setting {name!r} differs from the one of that name in {have[1]}, run "
                                  "at the same time: no newer run says which one the name means")  # fmt: skip
-    return {n: (setting, f) for n, (setting, f, _) in current.items()}
+    return current
 
 
 def load_shards(paths: Sequence[Path]) -> list[dict]:
@@ -157,32 +199,47 @@ def load_shards(paths: Sequence[Path]) -> list[dict]:
             raise ValueError(f"{f}: its {key} differs from {files[0].name}'s: the shards are not one suite run")
     current = _current_settings(files, shards)
     by_domain: dict[str, list[tuple[Path, dict]]] = {}
+    spent_whole: set[Path] = set()
     for f, s in zip(files, shards, strict=True):
         timed = next(iter(s["settings"])) if s.get("peers") else None
-        s = {**s, "timed_setting": timed, "faast_s": s["settings"][timed]["learn_s"] if timed else None}
-        acted = removed_acted(s)
-        if acted:  # every setting here was solved with a mechanism faast no longer has, and it acted
-            gone, by = list(s["protocol"]["settings"]), {}
-        else:
-            gone = [n for n, setting in s["protocol"]["settings"].items()
-                    if today(setting) != today(current[n][0])]  # fmt: skip
-            by = {n: _where(current[n][1]) for n in gone}
-        if gone:
-            s["settings"] = {n: r for n, r in s["settings"].items() if n not in gone}
-            s["protocol"] = {
-                **s["protocol"],
-                "settings": {n: x for n, x in s["protocol"]["settings"].items() if n not in gone},
-            }
-            s["superseded"] = [{"file": _where(f), "setting": n, "by": by.get(n, REMOVED_ACTED)} for n in gone]
-        by_domain.setdefault(s["domain"], []).append((f, {**s, "acted": acted}))
+        acted = acted_mechanisms(s)
+        defined = s["protocol"]["settings"]
+        # Where a removed mechanism acted, only the settings that had it off read as today's, each under today's name.
+        spent = [n for n, x in defined.items() if acted and not solved_as_today(x, acted)]
+        names = {n: (current_name(x, current) or n) if acted else n for n, x in defined.items() if n not in spent}
+        if len(set(names.values())) < len(names):
+            raise ValueError(f"{f}: two of its settings, {sorted(names)}, mean one setting today")
+        gone = [n for n, x in defined.items() if n not in spent and today(x) != today(current[names[n]][0])]
+        by = {n: _where(current[names[n]][1]) for n in gone}
+        kept = {n: names[n] for n in defined if n not in spent and n not in gone}
+        # FAAST's time beside the peers stays the timed setting's, superseded by a newer run or not (one run gives a
+        # ratio); where a removed mechanism acted in that setting, it is the default's of the same learning pass.
+        faast_s = s["settings"][timed]["learn_s"] if timed else None
+        timed_name = kept.get(timed, timed)
+        if timed in spent:
+            same = next((n for n, new in kept.items() if new == DEFAULT), None)
+            timed_name, faast_s = (DEFAULT, s["settings"][same]["learn_s"]) if same else (None, None)
+        protocol = {**s["protocol"], "settings": {new: today(defined[n]) for n, new in kept.items()}}
+        s = {**s, "timed_setting": timed_name, "faast_s": faast_s, "protocol": protocol,
+             "settings": {new: s["settings"][n] for n, new in kept.items()}}  # fmt: skip
+        if spent or gone:
+            s["superseded"] = [{"file": _where(f), "setting": n, "by": by.get(n, REMOVED_ACTED)} for n in defined
+                               if n in spent or n in gone]  # fmt: skip
+        by_domain.setdefault(s["domain"], []).append((f, s))
+        if acted and not kept:
+            spent_whole.add(f)
     joined = []
     for d, parts in by_domain.items():
-        # A shard left out whole for a removed mechanism joins no run of today's (its peers would clash with theirs):
-        # it is only listed, beside the domain's other shards where there are any.
-        kept = [(f, s) for f, s in parts if not s["acted"]] or parts[:1]
-        spent = [x for f, s in parts if (f, s) not in kept for x in s.get("superseded", [])]
-        kept[0] = (kept[0][0], {**kept[0][1], "superseded": kept[0][1].get("superseded", []) + spent})
-        joined.append(_join(d, [(f, {k: v for k, v in s.items() if k != "acted"}) for f, s in kept]))
+        # A shard a removed mechanism left with no setting joins no other run of its domain (its peers would clash
+        # with theirs): it is only listed, beside the domain's other shards where there are any. One whose settings a
+        # newer run of their names superseded still gives its peers and FAAST's time beside them (module docstring).
+        kept_parts = [(f, s) for f, s in parts if f not in spent_whole] or parts[:1]
+        listed = [x for f, s in parts if not any(s is k for _, k in kept_parts) for x in s.get("superseded", [])]
+        kept_parts[0] = (
+            kept_parts[0][0],
+            {**kept_parts[0][1], "superseded": kept_parts[0][1].get("superseded", []) + listed},
+        )
+        joined.append(_join(d, kept_parts))
     return joined
 
 

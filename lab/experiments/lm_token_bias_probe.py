@@ -8,9 +8,8 @@ curve's parts, a text cut at a curve point continued into the next), solved afte
 read once through the model's own read (lm_step_probe.read_states). From the kept states the probe forms the base
 logits z0 and the memory's change per unit step z1, and reads the held-out perplexity of the mixture
 (1 − λ)·softmax(z0 + b) + λ·softmax(z0 + b + η·z1) at the tuned η and λ for the token bias
-b = γ'·log((c + κ)/(P + κ)) on a grid of κ and γ (γ' = γ·min(1, N/OutputPolicy.token_bias_full), as the layer ramps
-it), and without it. The grid's point at the shipped κ and γ must equal the model's own read (`rebuilt` against
-`read`).
+b = γ·log((c + κ)/(P + κ)) on a grid of κ and γ, and without it. The grid's point at the shipped κ and γ must equal
+the model's own read (`rebuilt` against `read`).
 
 The step is the one the layer tuned (without the token bias, as it tunes); only the bias changes. κ and γ are chosen
 on the validation domains alone: the report's mean over them is the choice, other domains are listed apart.
@@ -44,14 +43,14 @@ def grid_key(kappa: float, gamma: float) -> str:
     return f"κ={kappa:g},γ={gamma:g}"
 
 
-def bias_grid(z0, z1, ys, step: float, weight: float, counts, mass, positions: float,  # noqa: ANN001
+def bias_grid(z0, z1, ys, step: float, weight: float, counts, mass,  # noqa: ANN001
               kappas: tuple[float, ...] = KAPPAS, gammas: tuple[float, ...] = GAMMAS) -> dict[str, float]:  # fmt: skip
     """Held-out perplexity {grid_key(κ, γ): ppl, 'none': ppl without the bias} of the mixture
-    (1 − λ)·softmax(z0 + b) + λ·softmax(z0 + b + η·z1), b = token_step(γ, positions)·log((c + κ)/(P + κ)).
+    (1 − λ)·softmax(z0 + b) + λ·softmax(z0 + b + η·z1), b = γ·log((c + κ)/(P + κ)).
     z0, z1 [n, V] float32 (the base logits, the change per unit step), ys [n] int64 targets, step η and weight λ as
-    tuned, counts c [V] and mass P [V] (the layer's target_count and token_mass sums over `positions`)."""
+    tuned, counts c [V] and mass P [V] (the layer's target_count and token_mass sums over the learned positions)."""
     from faast.hf.output import tuning
-    from faast.hf.output.bias import token_log_ratio, token_step
+    from faast.hf.output.bias import token_log_ratio
 
     idx = ys[:, None]
     z1_target = z1.gather(-1, idx)[:, 0]
@@ -64,7 +63,7 @@ def bias_grid(z0, z1, ys, step: float, weight: float, counts, mass, positions: f
     for kappa in kappas:
         ratio = token_log_ratio(counts, mass, prior=kappa)
         for gamma in gammas:
-            out[grid_key(kappa, gamma)] = ppl(token_step(gamma, positions) * ratio) if gamma > 0 else out["none"]
+            out[grid_key(kappa, gamma)] = ppl(gamma * ratio) if gamma > 0 else out["none"]
     return out
 
 
@@ -84,8 +83,7 @@ def point(model, windows: list[list[int]]) -> dict:  # noqa: ANN001
            "positions": float(layer.memory.count), "grid": {}}  # fmt: skip
     z1 = held_out_logits(layer, states)[1]
     if z1 is not None:  # else the memory is off, and no bias is read
-        row["grid"] = bias_grid(z0, z1, ys, step, weight, layer.target_count.targets, layer.token_mass.probability,
-                                row["positions"])  # fmt: skip
+        row["grid"] = bias_grid(z0, z1, ys, step, weight, layer.target_count.targets, layer.token_mass.probability)
     return row
 
 

@@ -438,8 +438,8 @@ def test_a_removed_mechanisms_fields_leave_an_older_default_as_today_s_unless_it
     ])  # fmt: skip
     new = write_shards(tmp_path / "new", [planted_shard("c", "C", {"default": (0.06, 20.0, [0.01, 0.06])}, PEERS,
                                                         date="2026-02-01", fields=now)])  # fmt: skip
-    assert not lm_suite_report.removed_acted(json.loads((old / "a.json").read_text()))
-    assert lm_suite_report.removed_acted(json.loads((old / "b.json").read_text()))
+    assert lm_suite_report.acted_mechanisms(json.loads((old / "a.json").read_text())) == []
+    assert lm_suite_report.acted_mechanisms(json.loads((old / "b.json").read_text())) == [REMOVED_FIELDS[removed[0]]]
     merged = lm_suite_report.merge(lm_suite_report.load_shards([old, new]))
     assert [(x["file"], x["setting"], x["by"]) for x in merged["superseded"]] == [
         ("b.json", "default", lm_suite_report.REMOVED_ACTED),
@@ -458,6 +458,57 @@ def test_a_removed_mechanisms_fields_leave_an_older_default_as_today_s_unless_it
     assert again["left_out"] == [] and set(again["reductions"]["b"]) == {"default"}
     assert again["reductions"]["b"]["default"] == pytest.approx(0.045)
     assert {(x["file"], x["by"]) for x in again["superseded"]} == {("b.json", lm_suite_report.REMOVED_ACTED)}
+
+
+def test_where_a_removed_mechanism_acted_its_off_setting_is_read_as_today_s_default_with_the_runs_peers(tmp_path):
+    # Shards run before the token bias's ramp was removed: its off setting (token_bias_full 1) and the default differ
+    # only in it. On a it acted (they read differently): only the off setting was solved as today's default is, so it
+    # is a's default now, with a's peers and FAAST's time from its own solve of the same pass; the settings solved with
+    # the ramp (the old default, no_bias) are left out. On b it never acted: b's settings stay as they are.
+    assert lm_suite_report.REMOVED_OFF["token_bias_full"] == 1 and "token_bias_full" in REMOVED_FIELDS
+    # every removed mechanism names a field whose value says it was off
+    assert all(set(f) & set(lm_suite_report.REMOVED_OFF) for f in lm_suite_report.removed_mechanisms().values())
+    then = {"default": {"policy": {"ramp": 7, "token_bias_full": 32768}},
+            "no_token_bias_ramp": {"policy": {"ramp": 7, "token_bias_full": 1}},
+            "no_bias": {"bias": 0, "policy": {"ramp": 7, "token_bias_full": 32768}}}  # fmt: skip
+    now = {"default": {"policy": {"ramp": 7}}, "no_bias": {"bias": 0, "policy": {"ramp": 7}}}
+    old = write_shards(tmp_path / "old", [
+        planted_shard("a", "A", {"default": (0.08, 40.0, [0.01, 0.08]),
+                                 "no_token_bias_ramp": (0.07, 41.0, [0.0, 0.07]),
+                                 "no_bias": (0.06, 40.5, [0.01, 0.06])}, PEERS, date="2026-01-01", fields=then),
+        planted_shard("b", "B", {"default": (0.05, 30.0, [0.01, 0.05]),
+                                 "no_token_bias_ramp": (0.05, 30.0, [0.01, 0.05]),
+                                 "no_bias": (0.04, 30.0, [0.01, 0.04])}, PEERS, date="2026-01-01", fields=then),
+    ])  # fmt: skip
+    assert lm_suite_report.acted_mechanisms(json.loads((old / "a.json").read_text())) == [
+        REMOVED_FIELDS["token_bias_full"]
+    ]
+    assert lm_suite_report.acted_mechanisms(json.loads((old / "b.json").read_text())) == []
+    # a's ablations run again today without peers, and c today with its peers
+    new = write_shards(tmp_path / "new", [
+        planted_shard("a", "A", {"default": (0.07, 9.0, [0.0, 0.07]), "no_bias": (0.065, 9.0, [0.0, 0.065])},
+                      date="2026-02-01", fields=now),
+        planted_shard("c", "C", {"default": (0.06, 20.0, [0.01, 0.06]), "no_bias": (0.05, 20.0, [0.01, 0.05])}, PEERS,
+                      date="2026-02-01", fields=now),
+    ])  # fmt: skip
+    merged = lm_suite_report.merge(lm_suite_report.load_shards([old, new]))
+    assert merged["left_out"] == []
+    assert merged["reductions"]["a"] == {"default": pytest.approx(0.07), "no_bias": pytest.approx(0.065)}
+    assert set(merged["reductions"]["b"]) == {"default", "no_token_bias_ramp", "no_bias"}
+    a = merged["domains"]["a"]
+    assert a["timed_setting"] == "default" and a["faast_s"] == 41.0 and a["time_ratio"] == pytest.approx(0.41)
+    assert a["peers"]["LoRA"]["reduction"] == 0.10 and a["curve"] == [0.0, 0.07]
+    assert sorted((x["file"], x["setting"], x["by"]) for x in merged["superseded"]) == [
+        ("a.json", "default", lm_suite_report.REMOVED_ACTED),
+        ("a.json", "no_bias", lm_suite_report.REMOVED_ACTED),
+    ]
+    # The record shows what each setting means today: no removed field.
+    assert merged["protocol"]["settings"]["default"] == now["default"]
+    # The old off setting must read as today's default does where both ran: else the runs do not compare.
+    write_shards(new, [planted_shard("a", "A", {"default": (0.071, 9.0, [0.0, 0.071])}, date="2026-02-01",
+                                     fields=now)])  # fmt: skip
+    with pytest.raises(ValueError, match="setting 'default' measured"):
+        lm_suite_report.load_shards([old, new])
 
 
 def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_floor(tmp_path):

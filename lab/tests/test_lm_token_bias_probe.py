@@ -27,15 +27,14 @@ def _case(n: int = 9, vocab: int = 13):  # noqa: ANN202
     return z0, z1, ys, counts, mass
 
 
-def test_bias_grid_is_the_biased_mixture_at_every_kappa_and_gamma_with_the_ramp():
+def test_bias_grid_is_the_biased_mixture_at_every_kappa_and_gamma():
     z0, z1, ys, counts, mass = _case()
-    positions = 8192.0  # a quarter of TOKEN_BIAS_FULL: γ' = γ / 4
-    got = bias_grid(z0, z1, ys, 0.7, 0.4, counts, mass, positions, kappas=(0.1, 1.0), gammas=(0.0, 0.3, 2.0))
+    got = bias_grid(z0, z1, ys, 0.7, 0.4, counts, mass, kappas=(0.1, 1.0), gammas=(0.0, 0.3, 2.0))
     rtol = ELEMENTWISE[torch.float32][1] * 10  # float32 logits through a log-sum-exp
     assert math.isclose(got["none"], _hand_ppl(z0, z1, ys, 0.7, 0.4, 0.0), rel_tol=rtol)
     for kappa in (0.1, 1.0):
         for gamma in (0.0, 0.3, 2.0):
-            bias = (gamma / 4) * torch.log((counts + kappa) / (mass + kappa))
+            bias = gamma * torch.log((counts + kappa) / (mass + kappa))
             want = _hand_ppl(z0, z1, ys, 0.7, 0.4, bias)
             assert math.isclose(got[grid_key(kappa, gamma)], want, rel_tol=rtol), (kappa, gamma)
     # The grid reads something: a large γ moves the perplexity away from the unbiased one.
@@ -44,8 +43,8 @@ def test_bias_grid_is_the_biased_mixture_at_every_kappa_and_gamma_with_the_ramp(
 
 def test_bias_grid_without_the_memory_step_is_the_biased_base_model():
     z0, z1, ys, counts, mass = _case(n=4, vocab=7)
-    got = bias_grid(z0, z1, ys, 0.0, 0.5, counts, mass, 65536.0, kappas=(0.3,), gammas=(0.3,))
-    bias = 0.3 * torch.log((counts + 0.3) / (mass + 0.3))  # past TOKEN_BIAS_FULL: γ' = γ
+    got = bias_grid(z0, z1, ys, 0.0, 0.5, counts, mass, kappas=(0.3,), gammas=(0.3,))
+    bias = 0.3 * torch.log((counts + 0.3) / (mass + 0.3))
     # η = 0: held_out_nll reads the base component alone, here the biased base logits.
     z = z0.double() + bias
     want = math.exp(float(-(torch.log_softmax(z, -1).gather(-1, ys[:, None])).mean()))

@@ -141,9 +141,8 @@ class ResidualOutput(_Group):
         token_bias: γ, the step of a bias added to the logits of every corrected position: γ·log((c_v + κ) /
             (P_v + κ)) for each token v, c_v how often v was a learned target and P_v the probability the model gave
             it summed over the learned positions (κ: OutputPolicy.token_prior): one iterative-scaling update of a
-            per-token logit bias toward the learned text's token counts. Scaled by positions / 32,768 below that
-            many learned positions (OutputPolicy.token_bias_full). Chosen on three validation domains with η as
-            tuned (docs/design.md §6.3); 0 turns it off.
+            per-token logit bias toward the learned text's token counts. Chosen on three validation domains with η
+            as tuned (docs/design.md §6.3); 0 turns it off.
         head_dtype: dtype of the LM-head products while learning (logits and p·H per position, float32
             accumulation, statistics in float64) and of the logits' change the solve tunes the step on (the base
             logits stay float32): 'auto' is bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16 or AMX),

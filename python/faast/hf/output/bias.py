@@ -12,8 +12,8 @@
 
 Both are sums the layer already keeps or keeps beside them (gradient_sum, target_count, token_mass), so they add,
 subtract and merge with the statistics, and both need every learned position covered: statistics loaded from a file
-written before a sum was kept read without that bias, and the layer says why. κ and the ramp of γ are the layer's
-OutputPolicy's token_prior and token_bias_full.
+written before a sum was kept read without that bias, and the layer says why. κ is the layer's OutputPolicy's
+token_prior; γ applies from the first learned position (the κ pseudo-counts already keep a few counts from moving it).
 """
 
 from __future__ import annotations
@@ -52,11 +52,6 @@ def token_log_ratio(
     return torch.log((targets.double() + prior) / (mass.double() + prior))
 
 
-def token_step(gamma: float, count: float, policy: OutputPolicy = DEFAULT_POLICY) -> float:
-    """γ' = γ·min(1, count / policy.token_bias_full): the token bias's step after `count` learned positions."""
-    return gamma * min(1.0, count / policy.token_bias_full)
-
-
 def token_bias(
     gamma: float,
     target_count: Accumulator,
@@ -65,8 +60,7 @@ def token_bias(
     policy: OutputPolicy = DEFAULT_POLICY,
 ) -> tuple:
     """(γ·log((c + κ) / (P + κ)) [V] float64 or None, why it is None): c = target_count's `targets`, P = token_mass's
-    `probability`, both over the `count` learned positions, κ = policy.token_prior; γ as given (`token_step` scales
-    it)."""
+    `probability`, both over the `count` learned positions, κ = policy.token_prior."""
     if gamma <= 0.0:
         return None, "ResidualOutput.token_bias is 0"
     for name, sums in (("token counts", target_count), ("token mass", token_mass)):

@@ -419,13 +419,11 @@ class ResidualOutputLayer(nn.Module):
         return bias, beta, why
 
     def token_logit_bias(self) -> tuple[torch.Tensor | None, float, str | None]:
-        """(γ'·log((c + κ) / (P + κ)) [V] float64 or None, γ', why it is None): the token bias added to the logits
-        of every corrected position (output_bias.token_bias), γ' = `token_bias` scaled down below
-        policy.token_bias_full learned positions (`token_step`). None when γ' is 0 or the token counts do not cover
-        every learned position (statistics from an older file)."""
-        count, policy = float(self.memory.count), self._policy
-        gamma = output_bias.token_step(self.token_bias, count, policy)
-        tokens, why = output_bias.token_bias(gamma, self.target_count, self.token_mass, count, policy)
+        """(γ·log((c + κ) / (P + κ)) [V] float64 or None, γ, why it is None): the token bias added to the logits of
+        every corrected position (output_bias.token_bias), γ = `token_bias`. None when γ is 0 or the token counts do
+        not cover every learned position (statistics from an older file)."""
+        count, gamma = float(self.memory.count), self.token_bias
+        tokens, why = output_bias.token_bias(gamma, self.target_count, self.token_mass, count, self._policy)
         return tokens, gamma, why
 
     def folded_bias(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
@@ -433,7 +431,7 @@ class ResidualOutputLayer(nn.Module):
         return self.solved(device, dtype)[4]
 
     def folded_token_bias(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-        """The token bias γ'·u [V] added to the logits of every corrected position (float32; float64 for float64),
+        """The token bias γ·u [V] added to the logits of every corrected position (float32; float64 for float64),
         None when there is none (`token_logit_bias`) or M is None."""
         return self.solved(device, dtype)[5]
 

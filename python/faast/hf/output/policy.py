@@ -26,6 +26,7 @@ from typing import NoReturn
 REMOVED_FIELDS = {
     "folds": "the held-out ends scored in folds",
     "fold_step_ratio": "the held-out ends scored in folds",
+    "token_bias_full": "the token bias's ramp below 32,768 learned positions",
 }
 
 
@@ -80,11 +81,6 @@ class OutputPolicy:
     token_prior: float = 0.3
     """κ, the pseudo-count added to both the learned count and the model's summed probability of every token in the
     token bias log((c + κ)/(P + κ)). Chosen on the validation domains with γ (docs/design.md §6.3)."""
-
-    token_bias_full: int = 32_768
-    """Below this many learned positions the token bias's γ is scaled by positions / token_bias_full: a few files'
-    counts are not the domain's, and after 8K learned tokens no γ helped on the validation domains (docs/design.md
-    §6.3)."""
 
     # ---------------------------------------------------------------- the held-out tail (held_out)
 
@@ -191,7 +187,7 @@ class OutputPolicy:
     SmolLM2's 30): blocks 4 and 10 tied on the validation domains, so the earlier (docs/design.md §6.3)."""
 
     def __post_init__(self) -> None:
-        for name, low in (("token_bias_full", 1), ("min_held_out", 1), ("min_fit_tokens", 0), ("fit_per_key_dim", 0),
+        for name, low in (("min_held_out", 1), ("min_fit_tokens", 0), ("fit_per_key_dim", 0),
                           ("gap_multiple", 0), ("tune_sample", 1), ("step_iterations", 1), ("search_sample_stride", 1),
                           ("search_sample_min_rows", 0), ("width_sample_min_rows", 0), ("golden_iterations", 0),
                           ("weight_iterations", 0), ("part_min_positions", 1),
