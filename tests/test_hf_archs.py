@@ -209,7 +209,7 @@ def test_scaled_logits_give_the_gradient_and_fisher_of_the_scaled_softmax(kind):
     bias = layer.folded_bias(torch.device("cpu"), torch.float64)
     expected = mean_gradient_bias(y, p.sum(0), mu.T @ mu, head, k.shape[0], layer.damping, layer.bias)
     assert rel(bias, expected) < STAT_REL
-    u = token_bias(y, p.sum(0), k.shape[0], head.shape[0], layer.token_bias)
+    u = token_bias(y, p.sum(0), head.shape[0], layer.token_bias)
     assert rel(layer.folded_token_bias(torch.device("cpu"), torch.float64), u) < STAT_REL
     probe = ids(batch=1, seq=7, seed=4)
     hp, base = final_norm_output(model, probe)

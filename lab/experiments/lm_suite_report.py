@@ -21,10 +21,11 @@ shard (two of its settings that differ only in its fields read the same perplexi
 reads as today's. Where it acted (`acted_mechanisms`), only the settings that had it off (its fields at REMOVED_OFF)
 were solved as today's would be: they stay, under the name that means their setting today (the removed ramp's "off"
 setting is today's default, `current_name`), and the others are left out, listed in `superseded` with the reason. A
-shard a removed mechanism left with no setting joins none of its domain's other runs (its peers would clash with
-theirs): it is only listed. Where the shard's peers were timed against a setting a removed mechanism acted in, FAAST's
-time is that of the setting that became the default, from the same learning pass (the settings of a shard's group
-share it; only their solves differ).
+shard a removed mechanism left with no setting gives its domain its peers and FAAST's time beside them where no other
+run of the domain has peers; else it is only listed (the peers would clash). Where the shard's peers were timed
+against a setting a removed mechanism acted in, FAAST's time is that of the setting that became the default where the
+shard holds it, else the timed setting's: the settings of a shard's group share one learning pass, and only their
+solves differ, by a fraction of a second.
 
 The merged record is what docs/results_sections.toml names (kind "lm_suite", scripts/results_formats.py): its
 `loko` holds the per-domain choices, per-kind and suite medians and worst, and the shares of one LoRA epoch's
@@ -216,9 +217,9 @@ def load_shards(paths: Sequence[Path]) -> list[dict]:
         # ratio); where a removed mechanism acted in that setting, it is the default's of the same learning pass.
         faast_s = s["settings"][timed]["learn_s"] if timed else None
         timed_name = kept.get(timed, timed)
-        if timed in spent:
-            same = next((n for n, new in kept.items() if new == DEFAULT), None)
-            timed_name, faast_s = (DEFAULT, s["settings"][same]["learn_s"]) if same else (None, None)
+        same = next((n for n, new in kept.items() if new == DEFAULT), None)
+        if timed in spent and same is not None:
+            timed_name, faast_s = DEFAULT, s["settings"][same]["learn_s"]
         protocol = {**s["protocol"], "settings": {new: today(defined[n]) for n, new in kept.items()}}
         s = {**s, "timed_setting": timed_name, "faast_s": faast_s, "protocol": protocol,
              "settings": {new: s["settings"][n] for n, new in kept.items()}}  # fmt: skip
@@ -230,10 +231,12 @@ def load_shards(paths: Sequence[Path]) -> list[dict]:
             spent_whole.add(f)
     joined = []
     for d, parts in by_domain.items():
-        # A shard a removed mechanism left with no setting joins no other run of its domain (its peers would clash
-        # with theirs): it is only listed, beside the domain's other shards where there are any. One whose settings a
-        # newer run of their names superseded still gives its peers and FAAST's time beside them (module docstring).
-        kept_parts = [(f, s) for f, s in parts if f not in spent_whole] or parts[:1]
+        # A shard left with no setting still gives its peers and FAAST's time beside them (module docstring), unless a
+        # removed mechanism acted in it and another run of the domain has peers (they would clash): then, or with no
+        # peers to give, it is only listed, beside the domain's other shards where there are any.
+        with_peers = [f for f, s in parts if s.get("peers")]
+        kept_parts = [(f, s) for f, s in parts
+                      if f not in spent_whole or with_peers == [f]] or parts[:1]  # fmt: skip
         listed = [x for f, s in parts if not any(s is k for _, k in kept_parts) for x in s.get("superseded", [])]
         kept_parts[0] = (
             kept_parts[0][0],
@@ -468,23 +471,20 @@ def report(merged: dict) -> list[str]:
 
 
 def superseded_lines(merged: dict) -> list[str]:
-    """The settings a newer run of their name superseded, by shard, and the domains left out for it (none: no
-    line)."""
+    """The settings a newer run of their name superseded, and those a removed mechanism acted in, by shard, and the
+    domains left out for it (none: no line)."""
     by: dict[str, list[str]] = {}
-    acted: list[str] = []
+    acted: dict[str, list[str]] = {}
     for x in merged.get("superseded", []):
         where = "/".join(Path(x["file"]).parts[-2:])
-        if x["by"] == REMOVED_ACTED:
-            acted += [where] if where not in acted else []
-        else:
-            by.setdefault(where, []).append(x["setting"])
+        (acted if x["by"] == REMOVED_ACTED else by).setdefault(where, []).append(x["setting"])
     lines = []
     if by:
         shards = "; ".join(f"{f}: {', '.join(names)}" for f, names in by.items())
         lines.append(f"Superseded by a newer run of their name, left out of every table: {shards}.")
     if acted:
-        what = "Solved with a mechanism since removed, which changed their solves, left out"
-        lines.append(f"{what}: {', '.join(acted)}.")
+        shards = "; ".join(f"{f}: {', '.join(names)}" for f, names in acted.items())
+        lines.append(f"Solved with a mechanism since removed, which changed their solves, left out: {shards}.")
     if merged.get("left_out"):
         lines.append(f"Left out, every setting superseded (run again): {', '.join(merged['left_out'])}.")
     return ["", *lines] if lines else []

@@ -447,8 +447,9 @@ def test_a_removed_mechanisms_fields_leave_an_older_default_as_today_s_unless_it
     ]
     assert merged["left_out"] == ["b"] and set(merged["reductions"]) == {"a", "c"}
     assert set(merged["reductions"]["a"]) == {"default", "one_fit"}
-    assert "Solved with a mechanism since removed, which changed their solves, left out: b.json" in "\n".join(
-        lm_suite_report.report(merged)
+    text = "\n".join(lm_suite_report.report(merged))
+    assert (
+        "Solved with a mechanism since removed, which changed their solves, left out: b.json: default, one_fit" in text
     )
     # b run again under today's default, with its peers: that run is b's figure, and the old run is only listed
     # (its peers do not clash with the new run's).
@@ -484,15 +485,25 @@ def test_where_a_removed_mechanism_acted_its_off_setting_is_read_as_today_s_defa
         REMOVED_FIELDS["token_bias_full"]
     ]
     assert lm_suite_report.acted_mechanisms(json.loads((old / "b.json").read_text())) == []
+    # d ran earlier still, under another default (ramp 3.5): its off setting is not today's default either, so no
+    # setting of d's is left, yet its peers and FAAST's time (its timed setting's) stay, joined to d's new run.
+    earlier = {n: {**x, "policy": {**x["policy"], "ramp": 3.5}} for n, x in then.items()}
+    write_shards(old, [planted_shard("d", "D", {"default": (0.03, 30.0, [0.01, 0.03]),
+                                                "no_token_bias_ramp": (0.02, 30.5, [0.0, 0.02])},
+                                     PEERS, date="2025-12-01", fields=earlier)])  # fmt: skip
     # a's ablations run again today without peers, and c today with its peers
     new = write_shards(tmp_path / "new", [
         planted_shard("a", "A", {"default": (0.07, 9.0, [0.0, 0.07]), "no_bias": (0.065, 9.0, [0.0, 0.065])},
                       date="2026-02-01", fields=now),
         planted_shard("c", "C", {"default": (0.06, 20.0, [0.01, 0.06]), "no_bias": (0.05, 20.0, [0.01, 0.05])}, PEERS,
                       date="2026-02-01", fields=now),
+        planted_shard("d", "D", {"default": (0.04, 9.0, [0.01, 0.04])}, date="2026-02-01", fields=now),
     ])  # fmt: skip
     merged = lm_suite_report.merge(lm_suite_report.load_shards([old, new]))
     assert merged["left_out"] == []
+    d = merged["domains"]["d"]
+    assert merged["reductions"]["d"] == {"default": pytest.approx(0.04)} and d["peers"]["LoRA"]["reduction"] == 0.10
+    assert d["faast_s"] == 30.0 and d["time_ratio"] == pytest.approx(0.3)
     assert merged["reductions"]["a"] == {"default": pytest.approx(0.07), "no_bias": pytest.approx(0.065)}
     assert set(merged["reductions"]["b"]) == {"default", "no_token_bias_ramp", "no_bias"}
     a = merged["domains"]["a"]
@@ -501,6 +512,8 @@ def test_where_a_removed_mechanism_acted_its_off_setting_is_read_as_today_s_defa
     assert sorted((x["file"], x["setting"], x["by"]) for x in merged["superseded"]) == [
         ("a.json", "default", lm_suite_report.REMOVED_ACTED),
         ("a.json", "no_bias", lm_suite_report.REMOVED_ACTED),
+        ("d.json", "default", lm_suite_report.REMOVED_ACTED),
+        ("d.json", "no_token_bias_ramp", "a.json"),
     ]
     # The record shows what each setting means today: no removed field.
     assert merged["protocol"]["settings"]["default"] == now["default"]
