@@ -145,3 +145,7 @@ INT8_LINEAR_REL = {"torch.int_mm": 2e-2, "torch.fbgemm": 4e-2}
 # float64 reference's (rows-long sums: about rows·2^-53 per row at the tests' at most 60 rows), with margin. A
 # float32-grade sum (2^-24 per row) fails it by a factor of 2^20.
 INT8_SLICE_ROUNDING = 2.0**-44
+
+# The document folds' key sums (float32 products per batch, summed in float64; faast/hf/document_folds.py) against the
+# memory's own sums of the same positions, or another model's that learned just those documents (measured 1.1e-7).
+DOCUMENT_FOLDS_REL = 1e-5

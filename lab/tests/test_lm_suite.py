@@ -608,6 +608,14 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
     assert len(both["mechanisms"]) == len(committed["mechanisms"]) + 1
     keys = lm_suite.parse_args(["--settings", str(capacity), "--out", str(tmp_path)]).settings
     assert [len(g) for g in lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in keys.items()})] == [1] * 3
+    # The document folds are read while learning: the candidate and the default learn a pass each.
+    folds = lm_suite_report.ROOT / "lab/experiments/suite_document_folds.json"
+    candidate = lm_suite.parse_args(["--settings", str(folds), "--out", str(tmp_path)]).settings
+    assert [len(g) for g in lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in candidate.items()})] == [
+        1,
+        1,
+    ]
+    assert lm_suite_report.load_heuristics(path, capacity, folds)["mechanisms"][-1]["on"] == "document_folds"
     with pytest.raises(ValueError, match="already in an earlier spec"):
         lm_suite_report.load_heuristics(path, path)
     orphan = tmp_path / "orphan.json"

@@ -11,6 +11,7 @@ from typing import cast
 
 import torch
 
+from .document_folds import DocumentFolds
 from .output.policy import DEFAULT_POLICY, OutputPolicy
 
 
@@ -86,16 +87,18 @@ _FLOAT16_LIMIT = 6.0e4
 
 # What HeldOutTail keeps: (keys [n, d_key], targets [n] int64, documents [n] int64, values [n, d]).
 Kept = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-# What HeldOutTail.snapshot gives: (the kept tensors or None, document -> learned positions, positions seen).
-Snapshot = tuple[Kept | None, dict[int, int], int]
+# What HeldOutTail.snapshot gives: (the kept tensors or None, document -> learned positions, positions seen, the
+# folds' snapshot).
+Snapshot = tuple[Kept | None, dict[int, int], int, tuple]
 
 
 class HeldOutTail:
     """The learned positions kept to tune the step: for every document, its last positions (those `tail_plan` may
     hold out or leave out of the fit), as keys [n, d_key] and values [n, d] (float16, or float32 when one exceeds
     float16's range), targets [n] int64 and documents [n] int64 in stream order, and each kept document's learned
-    position count. Each row of an unknown document (negative number) is a document of its own. Learning state of
-    this process, not saved.
+    position count. Each row of an unknown document (negative number) is a document of its own. With
+    policy.document_folds F ≥ 2 it also keeps every fold's key statistics (`folds`, document_folds.DocumentFolds).
+    Learning state of this process, not saved.
 
     Bounded: as more text is learned the held-out fraction f = min(held_out_share, tune_tokens / learned) only
     falls, so a document never needs more than the (1 + gap_multiple)·round(f·n) last positions it keeps now. In all
@@ -113,30 +116,50 @@ class HeldOutTail:
         policy: OutputPolicy = DEFAULT_POLICY,
     ) -> None:
         self.tune_tokens = tune_tokens
-        self.policy = policy
+        self.folds = DocumentFolds(policy.document_folds)
+        self._policy = policy
         self._kept = kept
         self._counts = dict(counts or {})  # document -> learned positions, for the documents with kept positions
         self._seen = seen  # positions learned into this buffer in all
+
+    @property
+    def policy(self) -> OutputPolicy:
+        """The OutputPolicy whose shares and fold count the buffer keeps by."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: OutputPolicy) -> None:
+        """Keep by `policy` from now on. Under another fold count the folds kept so far describe no fold of it:
+        they are forgotten, and the step is tuned on the tail alone until the memory learns anew."""
+        if policy.document_folds != self.folds.folds:
+            self.folds = DocumentFolds(policy.document_folds)
+        self._policy = policy
 
     def __len__(self) -> int:
         return 0 if self._kept is None else int(self._kept[0].shape[0])
 
     def snapshot(self) -> Snapshot:
         """What the buffer holds now, for restore (the kept tensors are replaced, never written in place)."""
-        return self._kept, dict(self._counts), self._seen
+        return self._kept, dict(self._counts), self._seen, self.folds.snapshot()
 
     def restore(self, snapshot: object) -> None:
         """Put back what snapshot() returned (a learn that failed part way leaves the buffer as it was)."""
-        self._kept, counts, self._seen = cast(Snapshot, snapshot)  # what snapshot() returned
+        self._kept, counts, self._seen, folds = cast(Snapshot, snapshot)  # what snapshot() returned
         self._counts = dict(counts)
+        self.folds.restore(folds)
 
     def clear(self) -> None:
         """Forget every kept position."""
         self._kept, self._counts, self._seen = None, {}, 0
+        self.folds.clear()
 
-    def drop_documents(self, documents: set[int]) -> int:
+    def drop_documents(self, documents: set[int], learned: HeldOutTail | None = None) -> int:
         """Forget the kept positions of `documents` (document numbers; negative: rows of unknown documents, each its
-        own), e.g. of texts a memory forgot: they must not tune its step. Returns how many positions were dropped."""
+        own), e.g. of texts a memory forgot: they must not tune its step. learned: a buffer that learned just those
+        texts (numbered apart): its fold statistics are taken out of this one's. Returns how many positions were
+        dropped."""
+        if learned is not None:
+            self.folds.subtract(learned.folds, documents)
         if self._kept is None or not documents:
             return 0
         ids = torch.tensor(sorted(documents), dtype=torch.long, device=self._kept[2].device)
@@ -150,15 +173,17 @@ class HeldOutTail:
     def extended(self, later: HeldOutTail) -> HeldOutTail:
         """A new buffer holding this one's positions followed by `later`'s: what one buffer would hold after learning
         this buffer's stream and then `later`'s (merging two memories; their documents are numbered apart)."""
-        kept, counts, seen = later.snapshot()
+        kept, counts, seen, _ = later.snapshot()
         parts = [k for k in (self._kept, kept) if k is not None]
         if not parts or not self.tune_tokens:
             return HeldOutTail(self.tune_tokens, policy=self.policy)
+        folds = self.folds.extended(later.folds)
         dtype = torch.promote_types(parts[0][0].dtype, parts[-1][0].dtype)
         joined = tuple(torch.cat([p[i].to(parts[-1][i].device, dtype if i in (0, 3) else p[i].dtype) for p in parts])
                        for i in range(4))  # fmt: skip
         joined = cast(Kept, joined)  # the four kept tensors, each joined
         merged = HeldOutTail(self.tune_tokens, joined, {**self._counts, **counts}, self._seen + seen, self.policy)
+        merged.folds = folds
         merged._trim()
         return merged
 
@@ -183,16 +208,17 @@ class HeldOutTail:
         keep = pair_mask.reshape(-1)
         new_docs = docs.reshape(-1)[keep]
         flat = keys.reshape(-1, d)[keep]
+        flat_values = values.reshape(-1, values.shape[-1])[keep]
+        new_targets = targets.reshape(-1)[keep]
         dtype = KEY_STORAGE
         if self._kept is not None and self._kept[0].dtype != KEY_STORAGE:
             dtype = self._kept[0].dtype
         else:
-            flat_values = values.reshape(-1, values.shape[-1])[keep]
             big = max(float(flat.abs().max()), float(flat_values.abs().max())) if flat.numel() else 0.0
             if big > _FLOAT16_LIMIT:
                 dtype = torch.float32
-        new = (flat.to(dtype), targets.reshape(-1)[keep], new_docs,
-               values.reshape(-1, values.shape[-1])[keep].to(dtype))  # fmt: skip
+        self.folds.add(flat, flat_values, new_targets, new_docs)  # before rounding: the sums are the memory's
+        new = (flat.to(dtype), new_targets, new_docs, flat_values.to(dtype))
         if self._kept is not None:
             new = cast(
                 Kept, tuple(torch.cat([old.to(part.dtype), part]) for old, part in zip(self._kept, new, strict=True))
@@ -287,5 +313,6 @@ class HeldOutTail:
     def capacity_bytes(self, dim_key: int, dim_value: int) -> int:
         """Bytes the buffer takes at its usual fullest, (1 + gap_multiple)·tune_tokens positions: float16 keys and
         values (dim_value wide), int64 targets and documents (float32 keys, or text of many short documents, take up
-        to twice or thrice that)."""
-        return (1 + self.policy.gap_multiple) * self.tune_tokens * ((dim_key + dim_value) * 2 + 8 + 8)
+        to twice or thrice that), and the folds' sums (DocumentFolds.capacity_bytes)."""
+        rows = (1 + self.policy.gap_multiple) * self.tune_tokens * ((dim_key + dim_value) * 2 + 8 + 8)
+        return rows + self.folds.capacity_bytes(dim_key, dim_value)

@@ -386,7 +386,8 @@ class NamedMemories:
             if isinstance(target.output, OutputState):
                 with self.bound(name):
                     layer = cast(ResidualOutputLayer, self.layers.output)  # an OutputState is that layer's
-                    layer.held_out.drop_documents(documents)
+                    learned = cast(OutputState, scratch.output).held_out  # the forgotten text's folds
+                    layer.held_out.drop_documents(documents, learned)
                     layer.restore_step(None, None, None)  # chosen with the forgotten text: not to be read again
         finally:
             self.store.delete(_SCRATCH)

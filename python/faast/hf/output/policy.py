@@ -104,6 +104,14 @@ class OutputPolicy:
     them: nearby text shares names and phrasing. Chosen on the validation domains (0, 1×, 2×, 3×, the whole document;
     docs/design.md §6.3, lab/experiments/results/lm_output_variants_validation.md)."""
 
+    document_folds: int = 0
+    """0: each held-out row is scored by W fitted without the held-out tail and the gap before it (gap_multiple), and
+    the tuned step is shrunk for long texts (document_positions_per_dim). F ≥ 2: the learned documents fall into F
+    folds by their content, the layer keeps each fold's key statistics while learning (F·(d_key² + d_key·d)
+    float64: faast/hf/document_folds.py), and each held-out row is scored by W fitted without every document of its
+    fold, so the step is tuned on text the fit never saw: no gap and no shrink. Where a fold would leave fewer than
+    the fit's minimum to fit on (one document learned), the tail's rule. Read while learning (docs/design.md §6.3)."""
+
     tune_sample: int = 2048
     """With more held-out positions than this, the held-out NLL is read on this many spread evenly over them (the fit
     still leaves out all of them): bounds the [n, V] logits. A longer span was not better (docs/design.md §6.3)."""
@@ -195,6 +203,9 @@ class OutputPolicy:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
                 _refuse(name, f"an int >= {low}", value)
+        if not (isinstance(self.document_folds, int) and not isinstance(self.document_folds, bool)
+                and (self.document_folds == 0 or self.document_folds >= 2)):  # fmt: skip
+            _refuse("document_folds", "0 (off) or an int >= 2", self.document_folds)
         for name in ("default_step_probability", "default_step_logit", "token_prior", "min_gain_se",
                      "document_positions_per_dim", "document_shrink_power"):  # fmt: skip
             _check_real(name, getattr(self, name), 0)

@@ -29,6 +29,8 @@ _log = logging.getLogger("faast.hf")
 
 # W = S⁺T·curvature⁻¹ [d_key, d] float64 for (S, T, count, curvature, key width): ResidualOutputLayer.newton.
 Newton = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int | None], torch.Tensor]
+# The held-out rows' W under document folds: (each row's fold [m] int64, fold -> W [d_key, d] float64).
+FoldWeights = tuple[torch.Tensor, dict[int, torch.Tensor]]
 
 
 def fixed_weight(space: str, weight: float | str) -> float | None:
@@ -58,6 +60,19 @@ class StepSettings:
     default_weight: float
     untuned_step: float
     restored: tuple[float | None, float | None, int | None] = (None, None, None)
+
+
+def change(keys: torch.Tensor, w: torch.Tensor | FoldWeights, rows: slice = slice(None)) -> torch.Tensor:
+    """keys[rows] [n, d_key] times W: one W [d_key, d], or each row its fold's (`FoldWeights`); [n, d] float32."""
+    if isinstance(w, torch.Tensor):
+        return keys[rows] @ w.float()
+    folds, weights = w[0][rows], w[1]
+    out = keys.new_empty((folds.shape[0], next(iter(weights.values())).shape[-1]), dtype=torch.float32)
+    part = keys[rows]
+    for fold, wf in weights.items():
+        mask = folds == fold
+        out[mask] = part[mask].float() @ wf.float()
+    return out
 
 
 class StepChoice:
@@ -105,21 +120,22 @@ class StepChoice:
         self,
         keys: torch.Tensor,
         ys: torch.Tensor,
-        w: torch.Tensor,
+        w: torch.Tensor | FoldWeights,
         base: tuple | None = None,
         rows: slice = slice(None),
         out: torch.Tensor | None = None,
     ) -> tuning.Logits:
         """(z0 [m, V] float32 and z1 [m, V] in `change_weight`'s dtype, the logits of the keys' h̃ and their change
         per unit step keys·w through the head without its bias; both at the targets ys [n], float32) for the keys
-        [n, d_key] at `rows` (default all m = n). base: `tail_base` of the same keys, reused. out: a [n, V] buffer of
-        z1's dtype written at `rows` (two calls on complementary rows fill one)."""
+        [n, d_key] at `rows` (default all m = n). w: one W [d_key, d], or `FoldWeights` (each row read by its fold's
+        W). base: `tail_base` of the same keys, reused. out: a [n, V] buffer of z1's dtype written at `rows` (two
+        calls on complementary rows fill one)."""
         if base is None:
             base = self.tail_base(keys, ys)
         weight = self.change_weight()
         if out is None:
             out = torch.empty((keys.shape[0], base[0].shape[-1]), dtype=weight.dtype, device=keys.device)
-        z1 = change_logits(self.head, keys[rows] @ w.float(), out=out[rows], weight=weight)
+        z1 = change_logits(self.head, change(keys, w, rows), out=out[rows], weight=weight)
         return base[0][rows], z1, base[1][rows], z1.gather(-1, ys[rows, None]).squeeze(-1).float()
 
     def change_weight(self) -> torch.Tensor:
@@ -138,6 +154,45 @@ class StepChoice:
     def min_fit(self) -> int:
         """Fewest positions the step's tuning fit may have (`min_fit`)."""
         return min_fit(self.policy, self.hidden_size)
+
+    def row_folds(self, documents: torch.Tensor) -> torch.Tensor | None:
+        """The fold [m] int64 of each held-out row's document [m] when the step is tuned by document folds
+        (OutputPolicy.document_folds): None where the tail's rule applies instead (no folds kept, a row of an
+        unknown document, or a fold that would leave fewer than `min_fit` positions to fit on)."""
+        folds = self.held_out.folds
+        if not folds:
+            return None
+        rows = folds.fold_of(documents)
+        if bool((rows < 0).any()):
+            return None
+        learned = float(self.memory.count)
+        if any(learned - float(folds.sums(f)[2]) < self.min_fit() for f in rows.unique().tolist()):
+            return None
+        return rows
+
+    def fitted_without(
+        self,
+        s_tail: torch.Tensor,
+        t_tail: torch.Tensor,
+        n_tail: torch.Tensor,
+        row_folds: torch.Tensor | None,
+        curvature: torch.Tensor,
+        width: int,
+    ) -> torch.Tensor | FoldWeights:
+        """The W the held-out rows are read by, keys' `width` columns: fitted without the tail's statistics (S
+        [d_key, d_key], T [d_key, d], count; float64) when row_folds is None, else one W per fold among row_folds
+        [m], fitted without that fold (`FoldWeights`). Statistics subtract exactly. The curvature keeps every
+        position: it depends on the model's predictions only, not on the tokens that followed."""
+        memory, dt = self.memory, self.memory.gram.dtype
+        if row_folds is None:
+            return self.newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt),
+                               memory.count - n_tail.to(dt), curvature, width)  # fmt: skip
+        weights = {}
+        for fold in row_folds.unique().tolist():
+            s_f, t_f, n_f = self.held_out.folds.sums(fold)
+            weights[fold] = self.newton(memory.gram - s_f.to(dt), memory.cross - t_f.to(dt),
+                                        memory.count - n_f.to(dt), curvature, width)  # fmt: skip
+        return row_folds, weights
 
     def held_out_positions(self) -> int:
         """Positions the step is tuned on: the last round(f·n) of every learned document, f = min(held_out_share,
@@ -179,8 +234,12 @@ class StepChoice:
             return step, weight, width, record
         keys, ys, docs, s_tail, t_tail, n_tail, held, gap = self.tail_statistics()
         memory = self.memory
-        dt = memory.gram.dtype
-        fitted = int(memory.count) - held - gap
+        row_folds = self.row_folds(docs)
+        if row_folds is None:
+            fitted = int(memory.count) - held - gap
+        else:  # each fold's fit leaves out its documents whole: no gap is needed
+            gap = 0
+            fitted = min(int(memory.count) - int(self.held_out.folds.sums(f)[2]) for f in row_folds.unique().tolist())
         widths = self.widths(fitted)
         # With two widths and many held-out rows, the width is chosen on a sample (its rows first), and only the chosen
         # width's change is formed for the rest: the [n, V] head products are most of the solve's time.
@@ -188,14 +247,12 @@ class StepChoice:
         if len(widths) > 1 and keys.shape[0] >= policy.width_sample_min_rows:
             order, sampled = tuning.sample_first(keys.shape[0], keys.device, policy)
             keys, ys, docs = keys[order], ys[order], docs[order]
+            row_folds = None if row_folds is None else row_folds[order]
         base = self.tail_base(keys, ys)  # the base logits are the same for every width
         log_base = tuning.base_log_targets((base[0], None, base[1], None))
         sample_rows, results = slice(0, sampled), dict[int, tuple]()
         for width in widths:
-            # Fitted without the held-out positions: their statistics subtract exactly. The curvature keeps them: it
-            # depends on the model's predictions only, not on the tokens that followed.
-            w = self.newton(memory.gram - s_tail.to(dt), memory.cross - t_tail.to(dt), memory.count - n_tail.to(dt),
-                             curvature, width)  # fmt: skip
+            w = self.fitted_without(s_tail, t_tail, n_tail, row_folds, curvature, width)
             out = base[0].new_empty(base[0].shape, dtype=self.change_weight().dtype)  # z1 [n, V]: sample, then rest
             logits = self.tail_logits(keys, ys, w, base, sample_rows, out)
             start = max((r[1] for r in results.values()), default=0.0)  # the narrower keys' step
@@ -217,13 +274,16 @@ class StepChoice:
         candidate = min(trace, key=lambda t: t[-1])[0]  # the search's best step, before the gain test
         diagnosis = diagnose(logits, docs, eta, check_weight, candidate, rows, log_base, policy)
         documents = self.held_out.documents(int(memory.count), self.min_fit())
-        shrink = document_shrink(fitted, documents, self.hidden_size, policy) if fixed_step is None else 1.0
+        shrink = 1.0
+        if fixed_step is None and row_folds is None:  # a fold's fit never saw the held-out text: nothing to shrink
+            shrink = document_shrink(fitted, documents, self.hidden_size, policy)
         tail_step, eta = eta, eta * shrink
         if shrink < 1.0:
             _log.info("faast: output layer: %.0f fitted positions per held-out text, so the tail's step %.3g is "
                       "shrunk ×%.2f", fitted / max(documents, 1), tail_step, shrink)  # fmt: skip
         record = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held, "held_out_documents": documents,
                   "tail_step": tail_step, "document_shrink": shrink, "document_gap_tokens": gap,
+                  "document_folds": 0 if row_folds is None else int(row_folds.unique().numel()),
                   "fitted_tokens": fitted, "key_width": width, "held_out_nll": trace, **diagnosis,
                   "by_key_width": {k: {"held_out_nll": v[0], "step": v[1], "weight": v[2], "rows": sampled}
                                    for k, v in results.items() if len(results) > 1}}  # fmt: skip

@@ -1,0 +1,130 @@
+"""The learned documents' key statistics by fold (OutputPolicy.document_folds; docs/design.md §6.3).
+
+With F ≥ 2 folds, every learned document falls into one fold by its content (`content_fold`: a hash of its first
+learned targets, so learning A then B puts each where B then A does), and the held-out tail (held_out.HeldOutTail)
+keeps each fold's sums S_f = Σ k kᵀ [d_key, d_key], T_f = Σ k rᵀ [d_key, d] and count, float64. The step's tuning
+(faast/hf/output/step.py) scores each held-out row by W fitted on S − S_f: without the whole of every document of its
+fold, so the step is tuned on how the memory reads text it did not learn. Sums subtract exactly, so this costs F pairs
+of sums and one solve per fold, never the keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Targets a document's fold is hashed from: its first learned positions (enough to tell two texts apart; a text's
+# first window is the same whatever was learned before it).
+HASHED_TARGETS = 64
+_MODULUS = (1 << 61) - 1  # a Mersenne prime: the hash mixes every target into every bit before the fold is taken
+
+
+def content_fold(targets: list[int], folds: int) -> int:
+    """The fold in [0, folds) of a document whose first learned targets are `targets` (token ids, stream order)."""
+    h = 0
+    for t in targets[:HASHED_TARGETS]:
+        h = (h * 1_000_003 + int(t) + 1) % _MODULUS
+    return h % folds
+
+
+# (S [F, d_key, d_key], T [F, d_key, d], count [F]), all float64.
+FoldSums = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class DocumentFolds:
+    """Each fold's key statistics and each known document's fold. `add` replaces the sums (never writes in place),
+    so a snapshot taken before a learn that fails can be put back (`snapshot` / `restore`).
+
+    Args:
+        folds: F, 0 (keep nothing) or >= 2.
+    """
+
+    def __init__(self, folds: int) -> None:
+        self.folds = folds
+        self._fold_of: dict[int, int] = {}
+        self._sums: FoldSums | None = None
+
+    def __bool__(self) -> bool:
+        return self._sums is not None
+
+    def snapshot(self) -> tuple[dict[int, int], FoldSums | None]:
+        return dict(self._fold_of), self._sums
+
+    def restore(self, snapshot: tuple[dict[int, int], FoldSums | None]) -> None:
+        fold_of, self._sums = snapshot
+        self._fold_of = dict(fold_of)
+
+    def clear(self) -> None:
+        self._fold_of, self._sums = {}, None
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor) -> None:
+        """Add learned positions: keys [n, d_key], values [n, d] (float32 or float64), targets [n] and documents [n]
+        int64 in stream order. Rows of unknown documents (negative numbers) belong to no fold: every fold's fit keeps
+        them."""
+        if not self.folds or keys.shape[0] == 0:
+            return
+        ids, counts = torch.unique_consecutive(documents, return_counts=True)
+        start, fold_rows = 0, []
+        for doc, n in zip(ids.tolist(), counts.tolist(), strict=True):
+            if doc >= 0:
+                if doc not in self._fold_of:
+                    self._fold_of[doc] = content_fold(targets[start : start + HASHED_TARGETS].tolist(), self.folds)
+                fold_rows.append(torch.full((n,), self._fold_of[doc], dtype=torch.long, device=keys.device))
+            else:
+                fold_rows.append(torch.full((n,), -1, dtype=torch.long, device=keys.device))
+            start += n
+        fold = torch.cat(fold_rows)
+        d_key, d = keys.shape[-1], values.shape[-1]
+        if self._sums is None:
+
+            def zeros(*shape: int) -> torch.Tensor:
+                return torch.zeros(shape, dtype=torch.float64, device=keys.device)
+
+            self._sums = (zeros(self.folds, d_key, d_key), zeros(self.folds, d_key, d), zeros(self.folds))
+        s, t, c = (x.clone() for x in self._sums)
+        for f in torch.unique(fold[fold >= 0]).tolist():
+            # float32 products of float32 keys, as the tail's own statistics (HeldOutTail.split) are formed
+            k, v = keys[fold == f].float(), values[fold == f].float()
+            s[f] += (k.T @ k).double()
+            t[f] += (k.T @ v).double()
+            c[f] += k.shape[0]
+        self._sums = (s, t, c)
+
+    def fold_of(self, documents: torch.Tensor) -> torch.Tensor:
+        """The fold [m] int64 of each of documents [m] (-1: unknown, or learned before the folds were kept)."""
+        return torch.tensor([self._fold_of.get(doc, -1) for doc in documents.tolist()], dtype=torch.long,
+                            device=documents.device)  # fmt: skip
+
+    def sums(self, fold: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(S_f [d_key, d_key], T_f [d_key, d], count_f []) float64 of fold `fold`."""
+        if self._sums is None:
+            raise RuntimeError("DocumentFolds: no positions were added")
+        return self._sums[0][fold], self._sums[1][fold], self._sums[2][fold]
+
+    def extended(self, later: DocumentFolds) -> DocumentFolds:
+        """The folds of this stream followed by `later`'s (their documents are numbered apart): sums add."""
+        joined = DocumentFolds(self.folds)
+        if later.folds != self.folds:  # kept under other policies: neither covers the union
+            return joined
+        joined._fold_of = {**self._fold_of, **later._fold_of}
+        parts = [p for p in (self._sums, later._sums) if p is not None]
+        if parts:
+            device = parts[-1][0].device
+            joined._sums = tuple(sum(p[i].to(device) for p in parts) for i in range(3))  # type: ignore[assignment]
+        return joined
+
+    def subtract(self, other: DocumentFolds, documents: set[int]) -> None:
+        """Take out what `other` added (the same text learned apart: its documents fall into the same folds) and
+        forget the fold of `documents` (their numbers here). Under other fold counts the sums no longer describe the
+        memory: they are dropped."""
+        for doc in documents:
+            self._fold_of.pop(doc, None)
+        if other._sums is None or self._sums is None:
+            return
+        if other.folds != self.folds:
+            self.clear()
+            return
+        self._sums = tuple(a - b.to(a.device) for a, b in zip(self._sums, other._sums, strict=True))  # type: ignore[assignment]
+
+    def capacity_bytes(self, dim_key: int, dim_value: int) -> int:
+        """Bytes of the sums: F·(d_key² + d_key·d + 1) float64."""
+        return self.folds * (dim_key * dim_key + dim_key * dim_value + 1) * 8

@@ -1,0 +1,170 @@
+"""The step tuned by document folds (OutputPolicy.document_folds; faast/hf/document_folds.py, docs/design.md §6.3):
+each fold's key sums are the memory's own for its documents, a document's fold follows its content and not the order
+texts are learned in, forget and merge keep the sums exact, each held-out row is read by a fit that never saw its
+fold, and where one document was learned the tail's rule applies."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+
+from faast.hf import FaastConfig, OutputPolicy, ResidualOutput, apply_faast
+from faast.hf.document_folds import DocumentFolds, content_fold
+from hf_models import tiny_model
+from test_hf_tuning_documents import WINDOW, noisy_phrase
+from tolerances import DOCUMENT_FOLDS_REL, rel
+
+FOLDS = 3
+POLICY = dataclasses.replace(OutputPolicy(), document_folds=FOLDS)
+CONFIG = FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=4096, head_dtype="float32", policy=POLICY),
+                     learn_dtype="model")  # fmt: skip
+# Texts of a phrase each (seeds 1-6): their documents spread over the folds.
+TEXTS = [noisy_phrase(440, seed=s) for s in range(1, 7)]
+FLOOR_NATS = math.log1p(0.003)  # the suite's floor: zero-shot + 0.3% perplexity
+
+
+def model_of(config: FaastConfig = CONFIG):
+    torch.manual_seed(0)
+    return apply_faast(tiny_model("llama"), config)
+
+
+def solve(model) -> dict:  # noqa: ANN001
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a memory left off warns: these tests read last_tuning
+        model.output_memory_layer.solved(torch.device("cpu"), torch.float32)
+    return model.output_memory_layer.last_tuning
+
+
+def fold_sums(model) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # noqa: ANN001
+    folds = model.output_memory_layer.held_out.folds
+    return [folds.sums(f) for f in range(FOLDS)]
+
+
+def test_the_folds_sums_add_up_to_the_memorys_statistics():
+    model = model_of()
+    model.learn(TEXTS, max_length=WINDOW, batch_size=2)
+    memory, sums = model.output_memory_layer.memory, fold_sums(model)
+    assert rel(sum(s for s, _, _ in sums), memory.gram) < DOCUMENT_FOLDS_REL
+    assert rel(sum(t for _, t, _ in sums), memory.cross) < DOCUMENT_FOLDS_REL
+    assert float(sum(n for _, _, n in sums)) == float(memory.count)
+    assert sum(1 for _, _, n in sums if n > 0) >= 2  # six texts: more than one fold holds some
+
+
+def test_a_documents_fold_follows_its_content_not_the_order_texts_are_learned_in():
+    forward, backward = model_of(), model_of()
+    forward.learn(TEXTS, max_length=WINDOW, batch_size=2)
+    backward.learn(TEXTS[::-1], max_length=WINDOW, batch_size=2)
+    for (s, t, n), (s2, t2, n2) in zip(fold_sums(forward), fold_sums(backward), strict=True):
+        assert float(n) == float(n2)
+        if n > 0:
+            assert rel(s2, s) < DOCUMENT_FOLDS_REL and rel(t2, t) < DOCUMENT_FOLDS_REL
+    assert content_fold([5, 6, 7], 4) == content_fold([5, 6, 7, *range(64)][:3], 4)
+    assert content_fold(list(range(100)), 5) == content_fold(list(range(64)), 5)  # the first 64 targets decide
+
+
+def test_each_held_out_row_is_read_by_a_fit_that_never_saw_its_fold():
+    model = model_of()
+    model.learn(TEXTS, max_length=WINDOW, batch_size=2)
+    layer = model.output_memory_layer
+    choice = layer.step_choice()
+    keys, _, docs, s_tail, t_tail, n_tail, _, _ = choice.tail_statistics()
+    row_folds = choice.row_folds(docs)
+    assert row_folds is not None and row_folds.unique().numel() >= 2
+    curvature = layer.damped_curvature()
+    _, weights = choice.fitted_without(s_tail, t_tail, n_tail, row_folds, curvature, layer.hidden_size)
+    by_fold = {layer.held_out.folds.fold_of(torch.tensor([i]))[0].item(): [] for i in range(len(TEXTS))}
+    for i, text in enumerate(TEXTS):
+        by_fold[layer.held_out.folds.fold_of(torch.tensor([i]))[0].item()].append(text)
+    for fold, w in weights.items():
+        others = [t for f, texts in by_fold.items() if f != fold for t in texts]
+        apart = model_of()
+        apart.learn(others, max_length=WINDOW, batch_size=2)
+        m = apart.output_memory_layer.memory
+        expected = layer.newton(m.gram, m.cross, m.count, curvature, layer.hidden_size)  # the same curvature
+        assert rel(w, expected) < 1e3 * DOCUMENT_FOLDS_REL, fold  # a solve magnifies the sums' rounding
+    # and the step's rows read through them: a row's change is its key times its own fold's W
+    change = choice.tail_logits(keys, torch.zeros(keys.shape[0], dtype=torch.long), (row_folds, weights))[1]
+    first = int(row_folds[0])
+    alone = choice.tail_logits(keys[:1], torch.zeros(1, dtype=torch.long), weights[first])[1]
+    torch.testing.assert_close(change[:1], alone)
+
+
+def test_the_step_is_tuned_by_folds_without_a_gap_or_a_shrink_and_a_new_phrase_reads_within_the_floor():
+    """Texts of a phrase each: the tail's fit has seen every held-out row's phrase and tunes a large step; a fold's
+    fit has not, so the step is tuned for text the memory did not learn, and a text of a new phrase reads within the
+    suite's floor."""
+    tail_model = model_of(dataclasses.replace(CONFIG, output=dataclasses.replace(CONFIG.output,
+                                                                                 policy=OutputPolicy())))  # fmt: skip
+    tail_model.learn(TEXTS, max_length=WINDOW, batch_size=2)
+    tail = solve(tail_model)
+    model = model_of()
+    model.learn(TEXTS, max_length=WINDOW, batch_size=2)
+    folds = solve(model)
+    assert tail["document_folds"] == 0 and tail["document_gap_tokens"] > 0
+    assert folds["document_folds"] >= 2 and folds["document_gap_tokens"] == 0 and folds["document_shrink"] == 1.0
+    assert folds["step"] < tail["step"]
+    new = torch.tensor([noisy_phrase(WINDOW, seed=40)])
+    with torch.no_grad():
+        adapted = float(model(new, labels=new).loss)
+        with model.disable_faast():
+            base = float(model(new, labels=new).loss)
+    assert adapted <= base + FLOOR_NATS
+
+
+def test_one_learned_document_is_tuned_by_the_tail():
+    model = model_of()
+    model.learn([noisy_phrase(2400, seed=1)], max_length=WINDOW, batch_size=2)
+    tuning = solve(model)
+    assert tuning["tuned"] and tuning["document_folds"] == 0 and tuning["document_gap_tokens"] > 0
+
+
+def test_forgetting_texts_takes_them_out_of_their_folds():
+    model, kept = model_of(), model_of()
+    model.learn(TEXTS, max_length=WINDOW, batch_size=2)
+    model.forget(TEXTS[1:3], max_length=WINDOW, batch_size=2)
+    kept.learn([TEXTS[0], *TEXTS[3:]], max_length=WINDOW, batch_size=2)
+    for (s, t, n), (s2, t2, n2) in zip(fold_sums(model), fold_sums(kept), strict=True):
+        assert float(n) == float(n2)
+        if n > 0:
+            assert rel(s, s2) < DOCUMENT_FOLDS_REL and rel(t, t2) < DOCUMENT_FOLDS_REL
+
+
+def test_merged_memories_hold_the_union_of_their_folds():
+    model, union = model_of(), model_of()
+    model.learn(TEXTS[:3], max_length=WINDOW, batch_size=2, memory="a")
+    model.learn(TEXTS[3:], max_length=WINDOW, batch_size=2, memory="b")
+    model.merge_memories(["a", "b"], into="ab")
+    union.learn(TEXTS, max_length=WINDOW, batch_size=2)
+    folds = model.memory_state("ab").output.held_out.folds
+    merged = [folds.sums(f) for f in range(FOLDS)]
+    for (s, t, n), (s2, t2, n2) in zip(merged, fold_sums(union), strict=True):
+        assert float(n) == float(n2)
+        if n > 0:
+            assert rel(s, s2) < DOCUMENT_FOLDS_REL and rel(t, t2) < DOCUMENT_FOLDS_REL
+
+
+def test_another_fold_count_forgets_the_folds_and_a_failed_learn_leaves_them_as_they_were():
+    folds = DocumentFolds(2)
+    keys, values = torch.randn(6, 4), torch.randn(6, 3)
+    folds.add(keys, values, torch.arange(6), torch.tensor([0, 0, 0, 1, 1, 1]))
+    before = folds.snapshot()
+    folds.add(keys, values, torch.arange(6), torch.tensor([2, 2, 2, 2, 2, 2]))
+    folds.restore(before)
+    assert set(folds.snapshot()[0]) == {0, 1}
+    total = sum(folds.sums(f)[0] for f in range(2))
+    assert rel(total, keys.double().T @ keys.double()) < DOCUMENT_FOLDS_REL
+    model = model_of()
+    model.learn(TEXTS, max_length=WINDOW, batch_size=2)
+    layer = model.output_memory_layer
+    layer.policy = dataclasses.replace(POLICY, document_folds=FOLDS + 1)
+    assert not layer.held_out.folds and solve(model)["document_folds"] == 0
+
+
+@pytest.mark.parametrize("bad", [1, -1, True, 2.0])
+def test_a_fold_count_that_is_neither_off_nor_two_or_more_is_refused(bad):
+    with pytest.raises(ValueError, match="document_folds"):
+        OutputPolicy(document_folds=bad)
