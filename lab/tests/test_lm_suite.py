@@ -54,6 +54,9 @@ def test_loko_ties_go_to_the_better_worst_then_the_order_given():
     table = {"a": {"x": 0.0, "y": 0.0, "z": 0.0}, "b1": {"x": 0.1, "y": 0.1, "z": 0.1},
              "b2": {"x": 0.2, "y": 0.2, "z": 0.2}, "b3": {"x": 0.3, "y": 0.3, "z": 0.3}}  # fmt: skip
     assert loko.choose_setting(table, kinds, "a", ["y", "x", "z"])[0] == "y"  # all tie: the first given
+    table["b1"]["x"] = 0.1 + loko.TIE / 2  # the same solve read in another run: still a tie
+    table["b2"]["x"] = 0.2 + loko.TIE / 2
+    assert loko.choose_setting(table, kinds, "a", ["y", "x", "z"])[0] == "y"
     table["b1"]["z"] = 0.15  # the same median, a better worst
     assert loko.choose_setting(table, kinds, "a", ["y", "x", "z"])[0] == "z"
     with pytest.raises(ValueError, match="at least two kinds"):
