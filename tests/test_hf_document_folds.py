@@ -1,7 +1,7 @@
 """The step tuned by document folds (OutputPolicy.document_folds; faast/hf/document_folds.py, docs/design.md §6.3):
-each fold's key sums are the memory's own for its documents, a document's fold follows its content and not the order
-texts are learned in, forget and merge keep the sums exact, each held-out row is read by a fit that never saw its
-fold, and where one document was learned the tail's rule applies."""
+each fold's key sums are the memory's own for its documents, documents are dealt into the folds in turn (the first F
+each alone), forget and merge keep the sums exact, each held-out row is read by a fit that never saw its fold, and
+where one document was learned the tail's rule applies."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from faast.hf import FaastConfig, OutputPolicy, ResidualOutput, apply_faast
-from faast.hf.document_folds import DocumentFolds, content_fold
+from faast.hf.document_folds import HASHED_TARGETS, DocumentFolds, content_key
 from hf_models import tiny_model
 from test_hf_tuning_documents import WINDOW, noisy_phrase
 from tolerances import DOCUMENT_FOLDS_REL, rel
@@ -54,16 +54,23 @@ def test_the_folds_sums_add_up_to_the_memorys_statistics():
     assert sum(1 for _, _, n in sums if n > 0) >= 2  # six texts: more than one fold holds some
 
 
-def test_a_documents_fold_follows_its_content_not_the_order_texts_are_learned_in():
-    forward, backward = model_of(), model_of()
-    forward.learn(TEXTS, max_length=WINDOW, batch_size=2)
-    backward.learn(TEXTS[::-1], max_length=WINDOW, batch_size=2)
-    for (s, t, n), (s2, t2, n2) in zip(fold_sums(forward), fold_sums(backward), strict=True):
-        assert float(n) == float(n2)
-        if n > 0:
-            assert rel(s2, s) < DOCUMENT_FOLDS_REL and rel(t2, t) < DOCUMENT_FOLDS_REL
-    assert content_fold([5, 6, 7], 4) == content_fold([5, 6, 7, *range(64)][:3], 4)
-    assert content_fold(list(range(100)), 5) == content_fold(list(range(64)), 5)  # the first 64 targets decide
+def test_documents_are_dealt_into_the_folds_in_turn_and_a_text_seen_before_falls_where_it_fell():
+    model = model_of()
+    model.learn(TEXTS[:FOLDS], max_length=WINDOW, batch_size=2)
+    folds = model.output_memory_layer.held_out.folds
+    assert folds.fold_of(torch.arange(FOLDS)).tolist() == list(range(FOLDS))  # two documents never share a fold
+    model.learn(TEXTS[FOLDS:], max_length=WINDOW, batch_size=2)
+    dealt = folds.fold_of(torch.arange(len(TEXTS))).tolist()
+    assert dealt == [i % FOLDS for i in range(len(TEXTS))]
+    # The same texts learned apart by a buffer that follows this one fall into the same folds, in any order.
+    apart = DocumentFolds(FOLDS)
+    apart.follow(folds)
+    n = HASHED_TARGETS
+    keys, values = torch.randn(n, 4), torch.randn(n, 3)
+    for doc in (4, 1):  # a document's first learned targets: its tokens after the first
+        apart.add(keys, values, torch.tensor(TEXTS[doc][1 : n + 1]), torch.full((n,), doc))
+    assert apart.fold_of(torch.tensor([4, 1])).tolist() == [dealt[4], dealt[1]]
+    assert content_key(list(range(100))) == content_key(list(range(HASHED_TARGETS)))  # the first targets decide
 
 
 def test_each_held_out_row_is_read_by_a_fit_that_never_saw_its_fold():
@@ -123,14 +130,20 @@ def test_one_learned_document_is_tuned_by_the_tail():
 
 
 def test_forgetting_texts_takes_them_out_of_their_folds():
-    model, kept = model_of(), model_of()
+    model = model_of()
     model.learn(TEXTS, max_length=WINDOW, batch_size=2)
-    model.forget(TEXTS[1:3], max_length=WINDOW, batch_size=2)
-    kept.learn([TEXTS[0], *TEXTS[3:]], max_length=WINDOW, batch_size=2)
-    for (s, t, n), (s2, t2, n2) in zip(fold_sums(model), fold_sums(kept), strict=True):
-        assert float(n) == float(n2)
-        if n > 0:
-            assert rel(s, s2) < DOCUMENT_FOLDS_REL and rel(t, t2) < DOCUMENT_FOLDS_REL
+    dealt = model.output_memory_layer.held_out.folds.fold_of(torch.arange(len(TEXTS))).tolist()
+    model.forget([TEXTS[2], TEXTS[1]], max_length=WINDOW, batch_size=2)  # in another order than learned
+    expected = [[torch.zeros(()), torch.zeros(()), 0.0] for _ in range(FOLDS)]
+    for i in (0, 3, 4, 5):  # what each kept text adds, learned alone, into the fold it was dealt
+        alone = model_of()
+        alone.learn([TEXTS[i]], max_length=WINDOW, batch_size=2)
+        m = alone.output_memory_layer.memory
+        expected[dealt[i]] = [expected[dealt[i]][0] + m.gram, expected[dealt[i]][1] + m.cross,
+                              expected[dealt[i]][2] + float(m.count)]  # fmt: skip
+    for (s, t, n), (s2, t2, n2) in zip(fold_sums(model), expected, strict=True):
+        assert float(n) == n2
+        assert rel(s, s2) < DOCUMENT_FOLDS_REL and rel(t, t2) < DOCUMENT_FOLDS_REL
 
 
 def test_merged_memories_hold_the_union_of_their_folds():

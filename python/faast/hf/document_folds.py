@@ -1,29 +1,33 @@
 """The learned documents' key statistics by fold (OutputPolicy.document_folds; docs/design.md §6.3).
 
-With F ≥ 2 folds, every learned document falls into one fold by its content (`content_fold`: a hash of its first
-learned targets, so learning A then B puts each where B then A does), and the held-out tail (held_out.HeldOutTail)
-keeps each fold's sums S_f = Σ k kᵀ [d_key, d_key], T_f = Σ k rᵀ [d_key, d] and count, float64. The step's tuning
+With F ≥ 2 folds, the learned documents are dealt into the folds in turn as they arrive, so the first F documents each
+have a fold of their own (a fold that holds every document cannot be fitted without, and two documents are the
+commonest case a tail cannot judge), and the held-out tail (held_out.HeldOutTail) keeps each fold's sums
+S_f = Σ k kᵀ [d_key, d_key], T_f = Σ k rᵀ [d_key, d] and count, float64. The step's tuning
 (faast/hf/output/step.py) scores each held-out row by W fitted on S − S_f: without the whole of every document of its
 fold, so the step is tuned on how the memory reads text it did not learn. Sums subtract exactly, so this costs F pairs
-of sums and one solve per fold, never the keys.
+of sums and one solve per fold, never the keys. A document's fold is remembered by its content (`content_key`, a hash
+of its first learned targets): the same text learned apart, to be forgotten, falls where it fell (`follow`). Beyond F
+documents the partition depends on the order of learning; each fold then holds several documents.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Targets a document's fold is hashed from: its first learned positions (enough to tell two texts apart; a text's
-# first window is the same whatever was learned before it).
+# Targets a document is known by: its first learned positions (enough to tell two texts apart; a text's first window
+# is the same whatever was learned before it).
 HASHED_TARGETS = 64
-_MODULUS = (1 << 61) - 1  # a Mersenne prime: the hash mixes every target into every bit before the fold is taken
+_MODULUS = (1 << 61) - 1  # a Mersenne prime
 
 
-def content_fold(targets: list[int], folds: int) -> int:
-    """The fold in [0, folds) of a document whose first learned targets are `targets` (token ids, stream order)."""
+def content_key(targets: list[int]) -> int:
+    """The key of a document whose first learned targets are `targets` (token ids, stream order): a hash of the first
+    HASHED_TARGETS."""
     h = 0
     for t in targets[:HASHED_TARGETS]:
         h = (h * 1_000_003 + int(t) + 1) % _MODULUS
-    return h % folds
+    return h
 
 
 # (S [F, d_key, d_key], T [F, d_key, d], count [F]), all float64.
@@ -40,21 +44,35 @@ class DocumentFolds:
 
     def __init__(self, folds: int) -> None:
         self.folds = folds
-        self._fold_of: dict[int, int] = {}
+        self._fold_of: dict[int, int] = {}  # document number -> fold
+        self._by_content: dict[int, int] = {}  # content_key -> fold, for every document dealt
+        self._dealt = 0  # documents dealt so far: the next goes to fold _dealt mod F
         self._sums: FoldSums | None = None
 
     def __bool__(self) -> bool:
         return self._sums is not None
 
-    def snapshot(self) -> tuple[dict[int, int], FoldSums | None]:
-        return dict(self._fold_of), self._sums
+    def snapshot(self) -> tuple:
+        return dict(self._fold_of), dict(self._by_content), self._dealt, self._sums
 
-    def restore(self, snapshot: tuple[dict[int, int], FoldSums | None]) -> None:
-        fold_of, self._sums = snapshot
-        self._fold_of = dict(fold_of)
+    def restore(self, snapshot: tuple) -> None:
+        fold_of, by_content, self._dealt, self._sums = snapshot
+        self._fold_of, self._by_content = dict(fold_of), dict(by_content)
 
     def clear(self) -> None:
-        self._fold_of, self._sums = {}, None
+        self._fold_of, self._by_content, self._dealt, self._sums = {}, {}, 0, None
+
+    def follow(self, other: DocumentFolds) -> None:
+        """Deal documents as `other` did: a text `other` learned falls into the fold it fell into there (what a
+        forget learns apart, to subtract from `other`)."""
+        self._by_content, self._dealt = dict(other._by_content), other._dealt
+
+    def _deal(self, targets: list[int]) -> int:
+        key = content_key(targets)
+        if key not in self._by_content:
+            self._by_content[key] = self._dealt % self.folds
+            self._dealt += 1
+        return self._by_content[key]
 
     def add(self, keys: torch.Tensor, values: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor) -> None:
         """Add learned positions: keys [n, d_key], values [n, d] (float32 or float64), targets [n] and documents [n]
@@ -67,7 +85,7 @@ class DocumentFolds:
         for doc, n in zip(ids.tolist(), counts.tolist(), strict=True):
             if doc >= 0:
                 if doc not in self._fold_of:
-                    self._fold_of[doc] = content_fold(targets[start : start + HASHED_TARGETS].tolist(), self.folds)
+                    self._fold_of[doc] = self._deal(targets[start : start + HASHED_TARGETS].tolist())
                 fold_rows.append(torch.full((n,), self._fold_of[doc], dtype=torch.long, device=keys.device))
             else:
                 fold_rows.append(torch.full((n,), -1, dtype=torch.long, device=keys.device))
@@ -106,6 +124,8 @@ class DocumentFolds:
         if later.folds != self.folds:  # kept under other policies: neither covers the union
             return joined
         joined._fold_of = {**self._fold_of, **later._fold_of}
+        joined._by_content = {**later._by_content, **self._by_content}
+        joined._dealt = self._dealt + later._dealt
         parts = [p for p in (self._sums, later._sums) if p is not None]
         if parts:
             device = parts[-1][0].device

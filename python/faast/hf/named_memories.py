@@ -370,6 +370,9 @@ class NamedMemories:
         name = self.store.require(memory)
         self.store.create(_SCRATCH, self.layers.new())
         try:
+            mine, scratch_output = self.state(name).output, self.state(_SCRATCH).output
+            if isinstance(mine, OutputState) and isinstance(scratch_output, OutputState):
+                scratch_output.held_out.folds.follow(mine.held_out.folds)  # each text to the fold it fell into
             with self.bound(_SCRATCH):
                 stats = self.learn_bound(inputs, attention_mask, **learn_options)
             scratch = self.state(_SCRATCH)
