@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from faast.hf import FaastConfig, OutputPolicy, ResidualOutput, apply_faast
-from faast.hf.document_folds import HASHED_TARGETS, DocumentFolds, content_key
+from faast.hf.document_folds import DocumentFolds
 from hf_models import tiny_model
 from test_hf_tuning_documents import WINDOW, noisy_phrase
 from tolerances import DOCUMENT_FOLDS_REL, rel
@@ -65,12 +65,18 @@ def test_documents_are_dealt_into_the_folds_in_turn_and_a_text_seen_before_falls
     # The same texts learned apart by a buffer that follows this one fall into the same folds, in any order.
     apart = DocumentFolds(FOLDS)
     apart.follow(folds)
-    n = HASHED_TARGETS
-    keys, values = torch.randn(n, 4), torch.randn(n, 3)
-    for doc in (4, 1):  # a document's first learned targets: its tokens after the first
-        apart.add(keys, values, torch.tensor(TEXTS[doc][1 : n + 1]), torch.full((n,), doc))
+    keys, values = torch.randn(2, 4), torch.randn(2, 3)
+    for doc in (4, 1):  # a document's first window's learned targets: its tokens after the first, up to WINDOW
+        apart.add(keys, values, torch.tensor([doc, doc]), {doc: TEXTS[doc][1:WINDOW]})
     assert apart.fold_of(torch.tensor([4, 1])).tolist() == [dealt[4], dealt[1]]
-    assert content_key(list(range(100))) == content_key(list(range(HASHED_TARGETS)))  # the first targets decide
+    # A text learned twice, as two documents, falls into one fold: no fold's fit sees its twin.
+    twice = model_of()
+    twice.learn([TEXTS[0], TEXTS[1], TEXTS[0]], max_length=WINDOW, batch_size=2)
+    assert twice.output_memory_layer.held_out.folds.fold_of(torch.arange(3)).tolist() == [0, 1, 0]
+    # Texts that share a header (locale files) but differ within their first window are dealt apart.
+    shared = model_of()
+    shared.learn([TEXTS[0][:80] + TEXTS[1][:300], TEXTS[0][:80] + TEXTS[2][:300]], max_length=WINDOW, batch_size=2)
+    assert shared.output_memory_layer.held_out.folds.fold_of(torch.arange(2)).tolist() == [0, 1]
 
 
 def test_each_held_out_row_is_read_by_a_fit_that_never_saw_its_fold():
@@ -163,9 +169,9 @@ def test_merged_memories_hold_the_union_of_their_folds():
 def test_another_fold_count_forgets_the_folds_and_a_failed_learn_leaves_them_as_they_were():
     folds = DocumentFolds(2)
     keys, values = torch.randn(6, 4), torch.randn(6, 3)
-    folds.add(keys, values, torch.arange(6), torch.tensor([0, 0, 0, 1, 1, 1]))
+    folds.add(keys, values, torch.tensor([0, 0, 0, 1, 1, 1]), {0: [1, 2], 1: [3]})
     before = folds.snapshot()
-    folds.add(keys, values, torch.arange(6), torch.tensor([2, 2, 2, 2, 2, 2]))
+    folds.add(keys, values, torch.tensor([2, 2, 2, 2, 2, 2]), {2: [4]})
     folds.restore(before)
     assert set(folds.snapshot()[0]) == {0, 1}
     total = sum(folds.sums(f)[0] for f in range(2))

@@ -7,7 +7,8 @@ S_f = Σ k kᵀ [d_key, d_key], T_f = Σ k rᵀ [d_key, d] and count, float64. T
 (faast/hf/output/step.py) scores each held-out row by W fitted on S − S_f: without the whole of every document of its
 fold, so the step is tuned on how the memory reads text it did not learn. Sums subtract exactly, so this costs F pairs
 of sums and one solve per fold, never the keys. A document's fold is remembered by its content (`content_key`, a hash
-of its first learned targets): the same text learned apart, to be forgotten, falls where it fell (`follow`). Beyond F
+of its first window's learned targets): the same text learned apart, to be forgotten, falls where it fell (`follow`),
+and a text learned twice, as two documents, falls into one fold, so that no fold's fit sees its twin. Beyond F
 documents the partition depends on the order of learning; each fold then holds several documents.
 """
 
@@ -15,17 +16,15 @@ from __future__ import annotations
 
 import torch
 
-# Targets a document is known by: its first learned positions (enough to tell two texts apart; a text's first window
-# is the same whatever was learned before it).
-HASHED_TARGETS = 64
 _MODULUS = (1 << 61) - 1  # a Mersenne prime
 
 
 def content_key(targets: list[int]) -> int:
-    """The key of a document whose first learned targets are `targets` (token ids, stream order): a hash of the first
-    HASHED_TARGETS."""
+    """The key of a document whose first window's learned targets are `targets` (token ids, stream order): a hash of
+    them all. A window is cut the same whatever was learned before it; files of one kind often share a header longer
+    than a hundred tokens, so the whole window is read."""
     h = 0
-    for t in targets[:HASHED_TARGETS]:
+    for t in targets:
         h = (h * 1_000_003 + int(t) + 1) % _MODULUS
     return h
 
@@ -74,10 +73,17 @@ class DocumentFolds:
             self._dealt += 1
         return self._by_content[key]
 
-    def add(self, keys: torch.Tensor, values: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor) -> None:
-        """Add learned positions: keys [n, d_key], values [n, d] (float32 or float64), targets [n] and documents [n]
-        int64 in stream order. Rows of unknown documents (negative numbers) belong to no fold: every fold's fit keeps
-        them."""
+    def knows(self, document: int) -> bool:
+        """Whether `document` (its number) has a fold."""
+        return document in self._fold_of
+
+    def add(
+        self, keys: torch.Tensor, values: torch.Tensor, documents: torch.Tensor, first_windows: dict[int, list[int]]
+    ) -> None:
+        """Add learned positions: keys [n, d_key], values [n, d] (float32 or float64) and documents [n] int64 in
+        stream order. first_windows: for each document not `knows` yet, its first window's learned targets (token
+        ids), which deal it its fold. Rows of unknown documents (negative numbers) belong to no fold: every fold's fit
+        keeps them."""
         if not self.folds or keys.shape[0] == 0:
             return
         ids, counts = torch.unique_consecutive(documents, return_counts=True)
@@ -85,7 +91,9 @@ class DocumentFolds:
         for doc, n in zip(ids.tolist(), counts.tolist(), strict=True):
             if doc >= 0:
                 if doc not in self._fold_of:
-                    self._fold_of[doc] = self._deal(targets[start : start + HASHED_TARGETS].tolist())
+                    if doc not in first_windows:
+                        raise ValueError(f"first_windows: expected the first window of document {doc}, new here")
+                    self._fold_of[doc] = self._deal(first_windows[doc])
                 fold_rows.append(torch.full((n,), self._fold_of[doc], dtype=torch.long, device=keys.device))
             else:
                 fold_rows.append(torch.full((n,), -1, dtype=torch.long, device=keys.device))

@@ -217,7 +217,12 @@ class HeldOutTail:
             big = max(float(flat.abs().max()), float(flat_values.abs().max())) if flat.numel() else 0.0
             if big > _FLOAT16_LIMIT:
                 dtype = torch.float32
-        self.folds.add(flat, flat_values, new_targets, new_docs)  # before rounding: the sums are the memory's
+        if self.folds.folds:  # each new document's first window (a row: windows never span batches) deals its fold
+            firsts: dict[int, list[int]] = {}
+            for b, doc in enumerate(docs[:, 0].tolist()):
+                if doc >= 0 and doc not in firsts and not self.folds.knows(doc):
+                    firsts[doc] = targets[b][pair_mask[b]].tolist()
+            self.folds.add(flat, flat_values, new_docs, firsts)  # before rounding: the sums are the memory's
         new = (flat.to(dtype), new_targets, new_docs, flat_values.to(dtype))
         if self._kept is not None:
             new = cast(
