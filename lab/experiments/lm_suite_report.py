@@ -65,6 +65,9 @@ REMOVED_ACTED = "a mechanism since removed acted in this run"
 # one fit's step always taken, the token bias's ramp full from the first position. A removed mechanism names at least
 # one such field; its other fields (the number of folds) did nothing while it was off.
 REMOVED_OFF = {"fold_step_ratio": math.inf, "token_bias_full": 1}
+# OutputPolicy fields added after the suite's first runs, at the value under which a run made before them solved: a
+# shard that did not record one ran without its mechanism (the document folds).
+ADDED_FIELDS = {"document_folds": 0}
 
 
 def peer_name(method: str) -> str:
@@ -121,8 +124,13 @@ def _without(setting: object, fields: object) -> object:
 
 
 def today(setting: object) -> object:
-    """A setting's fields as they mean today: its policy without the fields of removed mechanisms (REMOVED_FIELDS)."""
-    return _without(setting, REMOVED_FIELDS)
+    """A setting's fields as they mean today: its policy without the fields of removed mechanisms (REMOVED_FIELDS),
+    and with each field added since (ADDED_FIELDS) at the value that reproduces a run made before it, where the run
+    did not record it."""
+    setting = _without(setting, REMOVED_FIELDS)
+    if not isinstance(setting, dict) or not isinstance(setting.get("policy"), dict):
+        return setting
+    return {**setting, "policy": {**ADDED_FIELDS, **setting["policy"]}}
 
 
 def removed_mechanisms() -> dict[str, list[str]]:

@@ -405,7 +405,7 @@ def test_a_newer_run_of_a_setting_supersedes_an_older_one_of_its_name_and_times_
     # c's figure is the default's.
     assert list(merged["protocol"]["settings"]) == ["default", "off"]
     assert {c["domain"]: c["setting"] for c in merged["loko"]["choices"]}["c"] == "default"
-    assert merged["protocol"]["settings"]["default"] == new["default"]
+    assert merged["protocol"]["settings"]["default"] == lm_suite_report.today(new["default"])
     assert sorted((x["file"], x["setting"]) for x in merged["superseded"]) == [("a.json", "default"),
                                                                               ("b.json", "default")]  # fmt: skip
     a = merged["domains"]["a"]
@@ -519,7 +519,10 @@ def test_where_a_removed_mechanism_acted_its_off_setting_is_read_as_today_s_defa
         ("d.json", "no_token_bias_ramp", "a.json"),
     ]
     # The record shows what each setting means today: no removed field.
-    assert merged["protocol"]["settings"]["default"] == now["default"]
+    # (and each field added since at the value it had before)
+    assert merged["protocol"]["settings"]["default"] == {
+        "policy": {**lm_suite_report.ADDED_FIELDS, **now["default"]["policy"]}
+    }
     # The old off setting must read as today's default does where both ran: else the runs do not compare.
     write_shards(new, [planted_shard("a", "A", {"default": (0.071, 9.0, [0.0, 0.071])}, date="2026-02-01",
                                      fields=now)])  # fmt: skip
@@ -642,3 +645,26 @@ def test_a_mechanism_that_keeps_a_domain_inside_the_floor_stays_though_it_gains_
     assert (
         guard["pays"] is True and guard["reason"].startswith("keeps the floor") and judged["constants_to_remove"] == []
     )
+
+
+def test_a_policy_field_added_since_reads_as_off_in_the_shards_that_did_not_record_it(tmp_path):
+    # The peer runs recorded the default before OutputPolicy had document_folds; a newer run records it as 0 beside a
+    # setting that turns it on. Both defaults mean one setting: the older one is not superseded and keeps its peers.
+    assert lm_suite_report.today({"policy": {"n": 1}})["policy"] == {**lm_suite_report.ADDED_FIELDS, "n": 1}
+    before = {"default": {"policy": {"n": "default"}}}
+    after = {"default": {"policy": {"n": "default", "document_folds": 0}},
+             "folds": {"policy": {"n": "default", "document_folds": 4}}}  # fmt: skip
+    old = write_shards(tmp_path / "old", [planted_shard(d, d.upper(), {"default": (0.05, 40.0, [0.01, 0.05])}, PEERS,
+                                                        date="1", fields=before) for d in "ab"])  # fmt: skip
+    new = write_shards(tmp_path / "new", [planted_shard(d, d.upper(), {"default": (0.05, 40.0, [0.01, 0.05]),
+                                                                       "folds": (0.07, 41.0, [0.01, 0.07])},
+                                                        date="2", fields=after) for d in "ab"])  # fmt: skip
+    merged = lm_suite_report.merge(lm_suite_report.load_shards([old, new]))
+    assert merged["superseded"] == [] and set(merged["reductions"]["a"]) == {"default", "folds"}
+    assert merged["lora"]["a"] == pytest.approx(0.10)
+    # Recorded at another value, the field is another setting: the older run of the name is superseded.
+    later = write_shards(tmp_path / "later", [planted_shard(d, d.upper(), {"default": (0.07, 41.0, [0.01, 0.07])},
+                                                            date="3", fields={"default": after["folds"]})
+                                              for d in "ab"])  # fmt: skip
+    moved = lm_suite_report.merge(lm_suite_report.load_shards([old, new, later]))
+    assert {x["setting"] for x in moved["superseded"]} == {"default"}
