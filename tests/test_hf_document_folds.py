@@ -110,8 +110,8 @@ def test_the_step_is_tuned_by_folds_without_a_gap_or_a_shrink_and_a_new_phrase_r
     """Texts of a phrase each: the tail's fit has seen every held-out row's phrase and tunes a large step; a fold's
     fit has not, so the step is tuned for text the memory did not learn, and a text of a new phrase reads within the
     suite's floor."""
-    tail_model = model_of(dataclasses.replace(CONFIG, output=dataclasses.replace(CONFIG.output,
-                                                                                 policy=OutputPolicy())))  # fmt: skip
+    tail_policy = OutputPolicy(document_folds=0)
+    tail_model = model_of(dataclasses.replace(CONFIG, output=dataclasses.replace(CONFIG.output, policy=tail_policy)))
     tail_model.learn(TEXTS, max_length=WINDOW, batch_size=2)
     tail = solve(tail_model)
     model = model_of()
