@@ -379,7 +379,7 @@ def heuristics(shards: Sequence[dict], spec: dict) -> dict:
         kinds = {s["domain"]: s["kind"] for s in have}
         entry = {"name": m["name"], "on": on, "off": off, "constants": m["constants"], "domains": sorted(kinds),
                  "kinds": sorted(set(kinds.values())), "points": [], "pays": None,
-                 "removed": bool(m.get("removed", False))}  # fmt: skip
+                 "removed": bool(m.get("removed", False)), "candidate": DEFAULT not in on}  # fmt: skip
         if len(entry["kinds"]) < 2:
             entry["reason"] = f"measured on {len(entry['kinds'])} kind(s): leave-one-kind-out needs two"
             judged.append(entry)
@@ -414,12 +414,14 @@ def heuristics(shards: Sequence[dict], spec: dict) -> dict:
         parent = verdicts.get(m.get("within", ""))
         if parent is not None and parent["pays"] is False:
             entry["pays"], entry["reason"] = False, f"goes with {parent['name']}"
-    constants = list(dict.fromkeys(c for m in judged for c in m["constants"]))
+    # A candidate (its "on" setting is not the default) is not in the default: its constants are not the default's.
+    constants = list(dict.fromkeys(c for m in judged if not m["candidate"] for c in m["constants"]))
     gone = [c for c in constants if all(m["removed"] for m in judged if c in m["constants"])]
     removed = [c for c in constants if c not in gone
                and all(m["pays"] is False for m in judged if c in m["constants"])]  # fmt: skip
     return {
         "mechanisms": judged,
+        "candidates_that_pay": [m["name"] for m in judged if m["candidate"] and m["pays"]],
         "constants_judged": constants,
         "constants_to_remove": removed,
         "constants_removed": gone,
@@ -521,15 +523,19 @@ def heuristic_lines(judged: dict) -> list[str]:
                          for p in m["points"]) or "–"  # fmt: skip
 
     verdict = {True: "stays", False: "goes", None: "not judged"}
+    candidate = {True: "a candidate", False: "a candidate", None: "a candidate, not judged"}
     rows = [[m["name"] + (" (removed)" if m.get("removed") else ""), f"{len(m['domains'])} ({len(m['kinds'])} kinds)",
-             points(m), f"{verdict[m['pays']]}: {m['reason']}", ", ".join(m["constants"])]
+             points(m), f"{(candidate if m.get('candidate') else verdict)[m['pays']]}: {m['reason']}",
+             ", ".join(m["constants"])]
             for m in judged["mechanisms"]]  # fmt: skip
+    paying = judged.get("candidates_that_pay", [])
     removed, gone = judged["constants_to_remove"], judged.get("constants_removed", [])
     return [*table(["mechanism", "domains", "gain with it, points (median, worst) by learned tokens", "verdict",
                     "its constants"], rows), "",
             f"Tuned constants judged: {len(judged['constants_judged'])}; removed: {len(gone)}"
             + (f" ({', '.join(gone)})" if gone else "") + f"; to remove: {len(removed)}"
-            + (f" ({', '.join(removed)})." if removed else ".")]  # fmt: skip
+            + (f" ({', '.join(removed)})." if removed else ".")
+            + (f" Candidates outside the default that pay: {', '.join(paying)}." if paying else "")]  # fmt: skip
 
 
 def goals_line(g: dict) -> str:

@@ -647,6 +647,22 @@ def test_a_mechanism_that_keeps_a_domain_inside_the_floor_stays_though_it_gains_
     )
 
 
+def test_a_candidate_outside_the_default_is_judged_by_the_rule_and_its_constants_are_not_the_defaults(tmp_path):
+    def shard(d: str, kind: str) -> dict:
+        worst = -0.10 if d == "c" else 0.02  # the default leaves c 10% above zero-shot; the candidate keeps it at 0
+        return planted_shard(d, kind, {"default": (0.05, 40.0, [0.01, worst]), "cand": (0.05, 41.0, [0.01, 0.0])})
+
+    shards = lm_suite_report.load_shards([write_shards(tmp_path / "s", [shard(d, d.upper()) for d in "abc"])])
+    spec = {"mechanisms": [{"name": "cand", "on": "cand", "off": "default", "constants": ["P.cand"]},
+                           {"name": "lean", "on": "default", "off": "cand", "constants": ["P.lean"]}]}  # fmt: skip
+    judged = lm_suite_report.heuristics(shards, spec)
+    cand, lean = judged["mechanisms"]
+    assert cand["candidate"] and not lean["candidate"]
+    assert cand["pays"] is True and cand["points"][-1]["worst_gain"] == pytest.approx(0.10)
+    assert judged["candidates_that_pay"] == ["cand"] and judged["constants_judged"] == ["P.lean"]
+    assert "Candidates outside the default that pay: cand." in lm_suite_report.heuristic_lines(judged)[-1]
+
+
 def test_a_policy_field_added_since_reads_as_off_in_the_shards_that_did_not_record_it(tmp_path):
     # The peer runs recorded the default before OutputPolicy had document_folds; a newer run records it as 0 beside a
     # setting that turns it on. Both defaults mean one setting: the older one is not superseded and keeps its peers.
