@@ -41,12 +41,19 @@ class DocumentFolds:
         folds: F, 0 (keep nothing) or >= 2.
     """
 
-    def __init__(self, folds: int) -> None:
+    def __init__(
+        self,
+        folds: int,
+        fold_of: dict[int, int] | None = None,
+        by_content: dict[int, int] | None = None,
+        dealt: int = 0,
+        sums: FoldSums | None = None,
+    ) -> None:
         self.folds = folds
-        self._fold_of: dict[int, int] = {}  # document number -> fold
-        self._by_content: dict[int, int] = {}  # content_key -> fold, for every document dealt
-        self._dealt = 0  # documents dealt so far: the next goes to fold _dealt mod F
-        self._sums: FoldSums | None = None
+        self._fold_of: dict[int, int] = dict(fold_of or {})  # document number -> fold
+        self._by_content: dict[int, int] = dict(by_content or {})  # content_key -> fold, for every document dealt
+        self._dealt = dealt  # documents dealt so far: the next goes to fold _dealt mod F
+        self._sums = sums
 
     def __bool__(self) -> bool:
         return self._sums is not None
@@ -128,17 +135,16 @@ class DocumentFolds:
 
     def extended(self, later: DocumentFolds) -> DocumentFolds:
         """The folds of this stream followed by `later`'s (their documents are numbered apart): sums add."""
-        joined = DocumentFolds(self.folds)
         if later.folds != self.folds:  # kept under other policies: neither covers the union
-            return joined
-        joined._fold_of = {**self._fold_of, **later._fold_of}
-        joined._by_content = {**later._by_content, **self._by_content}
-        joined._dealt = self._dealt + later._dealt
+            return DocumentFolds(self.folds)
         parts = [p for p in (self._sums, later._sums) if p is not None]
+        sums: FoldSums | None = None
         if parts:
             device = parts[-1][0].device
-            joined._sums = tuple(sum(p[i].to(device) for p in parts) for i in range(3))  # type: ignore[assignment]
-        return joined
+            s, t, c = (sum(p[i].to(device) for p in parts) for i in range(3))
+            sums = (torch.as_tensor(s), torch.as_tensor(t), torch.as_tensor(c))
+        fold_of, by_content = {**self._fold_of, **later._fold_of}, {**later._by_content, **self._by_content}
+        return DocumentFolds(self.folds, fold_of, by_content, self._dealt + later._dealt, sums)
 
     def subtract(self, other: DocumentFolds, documents: set[int]) -> None:
         """Take out what `other` added (the same text learned apart: its documents fall into the same folds) and
