@@ -183,6 +183,48 @@ def test_another_fold_count_forgets_the_folds_and_a_failed_learn_leaves_them_as_
     assert not layer.held_out.folds and solve(model)["document_folds"] == 0
 
 
+GATE = OutputPolicy(document_folds=FOLDS, document_folds_gate=True)
+
+
+def learned_with(policy: OutputPolicy, texts: list[list[int]]):
+    model = model_of(dataclasses.replace(CONFIG, output=dataclasses.replace(CONFIG.output, policy=policy)))
+    model.learn(texts, max_length=WINDOW, batch_size=2)
+    return model
+
+
+def test_the_folds_gate_turns_the_memory_off_where_no_learned_document_helps_another():
+    """Texts of a phrase each: the tail's fit has seen every held-out row's phrase and tunes a step; read by the folds,
+    no step helps, so the gated memory is off and a new phrase reads as the base model does."""
+    assert solve(learned_with(OutputPolicy(), TEXTS))["step"] > 0
+    model = learned_with(GATE, TEXTS)
+    gated = solve(model)
+    assert gated["folds_gate"] == "off" and gated["step"] == 0.0 and gated["document_folds"] >= 2
+    new = torch.tensor([noisy_phrase(WINDOW, seed=40)])
+    with torch.no_grad():
+        adapted = float(model(new, labels=new).loss)
+        with model.disable_faast():
+            base = float(model(new, labels=new).loss)
+    assert adapted == pytest.approx(base, rel=1e-6)
+
+
+def test_where_the_folds_find_a_gain_the_gate_takes_the_tails_step():
+    """Texts that share a phrase: a fold's fit helps the others' documents, so the gate leaves the memory on with
+    exactly the step, weight and key width the tail's rule chooses alone."""
+    shared = [noisy_phrase(440, seed=1, noise=0.2 + 0.01 * s) for s in range(6)]
+    tail = solve(learned_with(OutputPolicy(), shared))
+    folds = solve(learned_with(POLICY, shared))
+    gated = solve(learned_with(GATE, shared))
+    assert folds["step"] > 0 and gated["folds_gate"] == "on" and gated["folds_gate_step"] == folds["step"]
+    assert (gated["step"], gated["weight"], gated["key_width"]) == (tail["step"], tail["weight"], tail["key_width"])
+    assert gated["document_folds"] == 0 and gated["document_gap_tokens"] == tail["document_gap_tokens"]
+
+
+@pytest.mark.parametrize(("folds", "gate"), [(0, True), (FOLDS, 1), (FOLDS, "yes")])
+def test_a_gate_without_folds_or_not_a_bool_is_refused(folds, gate):
+    with pytest.raises(ValueError, match="document_folds_gate"):
+        OutputPolicy(document_folds=folds, document_folds_gate=gate)
+
+
 @pytest.mark.parametrize("bad", [1, -1, True, 2.0])
 def test_a_fold_count_that_is_neither_off_nor_two_or_more_is_refused(bad):
     with pytest.raises(ValueError, match="document_folds"):

@@ -47,7 +47,8 @@ SOLVE_TIME_FIELDS = frozenset({
     "default_step_per_dim", "token_prior", "min_held_out", "min_fit_tokens", "fit_per_key_dim",
     "tune_sample", "max_step", "step_iterations", "step_tol", "search_sample_stride", "search_sample_min_rows",
     "width_sample_min_rows", "min_grid_step", "golden_iterations", "weight_iterations", "min_gain_se",
-    "part_min_positions", "part_step_ratio", "document_positions_per_dim", "document_shrink_power"})  # fmt: skip
+    "part_min_positions", "part_step_ratio", "document_positions_per_dim", "document_shrink_power",
+    "document_folds_gate"})  # fmt: skip
 # ResidualOutput fields the solve alone reads (the layer's public setters): the biases' steps, added after the step
 # is tuned.
 SOLVE_TIME_OUTPUT_FIELDS = ("bias", "token_bias")

@@ -67,7 +67,7 @@ REMOVED_ACTED = "a mechanism since removed acted in this run"
 REMOVED_OFF = {"fold_step_ratio": math.inf, "token_bias_full": 1}
 # OutputPolicy fields added after the suite's first runs, at the value under which a run made before them solved: a
 # shard that did not record one ran without its mechanism (the document folds).
-ADDED_FIELDS = {"document_folds": 0}
+ADDED_FIELDS = {"document_folds": 0, "document_folds_gate": False}
 
 
 def peer_name(method: str) -> str:

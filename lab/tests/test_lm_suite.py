@@ -622,6 +622,14 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
         1,
     ]
     assert lm_suite_report.load_heuristics(path, capacity, folds)["mechanisms"][-1]["on"] == "document_folds"
+    # The folds' gate is read by the solve alone: it shares the folds' learning pass.
+    gate = lm_suite_report.ROOT / "lab/experiments/suite_folds_gate.json"
+    gated = {**candidate, **lm_suite.parse_args(["--settings", str(gate), "--out", str(tmp_path)]).settings}
+    assert lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in gated.items()}) == [
+        ["default"],
+        ["document_folds", "folds_gate"],
+    ]
+    assert lm_suite_report.load_heuristics(path, folds, gate)["mechanisms"][-1]["on"] == "folds_gate"
     with pytest.raises(ValueError, match="already in an earlier spec"):
         lm_suite_report.load_heuristics(path, path)
     orphan = tmp_path / "orphan.json"

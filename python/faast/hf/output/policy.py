@@ -113,6 +113,11 @@ class OutputPolicy:
     the fit's minimum to fit on (one document learned), the tail's rule. Read while learning. Off by default: on the
     domain suite it kept the worst domain at zero-shot but lowered the median by 1.8 points (docs/design.md §6.3)."""
 
+    document_folds_gate: bool = False
+    """With document_folds F ≥ 2, the folds only gate the memory: it is off where, read by the folds, no step helps
+    text of documents the fit never saw (the step the folds tune is 0), and otherwise the step is the tail's, tuned by
+    the tail's rule. Costs a second tuning per solve. Requires document_folds ≥ 2 (docs/design.md §6.3)."""
+
     tune_sample: int = 2048
     """With more held-out positions than this, the held-out NLL is read on this many spread evenly over them (the fit
     still leaves out all of them): bounds the [n, V] logits. A longer span was not better (docs/design.md §6.3)."""
@@ -207,6 +212,10 @@ class OutputPolicy:
         if not (isinstance(self.document_folds, int) and not isinstance(self.document_folds, bool)
                 and (self.document_folds == 0 or self.document_folds >= 2)):  # fmt: skip
             _refuse("document_folds", "0 (off) or an int >= 2", self.document_folds)
+        if not isinstance(self.document_folds_gate, bool):
+            _refuse("document_folds_gate", "a bool", self.document_folds_gate)
+        if self.document_folds_gate and not self.document_folds:
+            _refuse("document_folds_gate", "False unless document_folds >= 2 (the gate reads the folds)", True)
         for name in ("default_step_probability", "default_step_logit", "token_prior", "min_gain_se",
                      "document_positions_per_dim", "document_shrink_power"):  # fmt: skip
             _check_real(name, getattr(self, name), 0)

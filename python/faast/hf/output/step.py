@@ -232,9 +232,34 @@ class StepChoice:
             record: dict[str, object] = {"step": step, "weight": weight, "tuned": False, "saved_step": restored,
                                          "key_width": width}  # fmt: skip
             return step, weight, width, record
-        keys, ys, docs, s_tail, t_tail, n_tail, held, gap = self.tail_statistics()
+        statistics = self.tail_statistics()
+        row_folds = self.row_folds(statistics[2])
+        if not (policy.document_folds_gate and row_folds is not None):
+            return self.tune(curvature, fixed_step, fixed, statistics, row_folds)
+        # The folds only gate: the memory stays off where no step helps text of documents the fit never saw, and
+        # otherwise takes the tail's step (OutputPolicy.document_folds_gate).
+        gate = self.tune(curvature, fixed_step, fixed, statistics, row_folds)
+        if gate[0] <= 0.0 or gate[1] <= 0.0:
+            _log.info("faast: output layer: read by document folds, no step helps unseen documents: the memory is off")
+            gate[3]["folds_gate"] = "off"
+            return gate
+        eta, lam, width, record = self.tune(curvature, fixed_step, fixed, statistics, None)
+        record["folds_gate"], record["folds_gate_step"] = "on", gate[0]
+        return eta, lam, width, record
+
+    def tune(
+        self,
+        curvature: torch.Tensor,
+        fixed_step: float | None,
+        fixed: float | None,
+        statistics: tuple,
+        row_folds: torch.Tensor | None,
+    ) -> tuple[float, float, int, dict[str, object]]:
+        """`choose` on the held-out rows of `tail_statistics`, each row read by W fitted without the tail (row_folds
+        None) or without its document's fold (row_folds [m] int64, `row_folds`)."""
+        policy, settings = self.policy, self.settings
+        keys, ys, docs, s_tail, t_tail, n_tail, held, gap = statistics
         memory = self.memory
-        row_folds = self.row_folds(docs)
         if row_folds is None:
             fitted = int(memory.count) - held - gap
         else:  # each fold's fit leaves out its documents whole: no gap is needed
@@ -283,7 +308,7 @@ class StepChoice:
                       "shrunk ×%.2f", fitted / max(documents, 1), tail_step, shrink)  # fmt: skip
         record = {"step": eta, "weight": lam, "tuned": True, "held_out_tokens": held, "held_out_documents": documents,
                   "tail_step": tail_step, "document_shrink": shrink, "document_gap_tokens": gap,
-                  "document_folds": 0 if row_folds is None else int(row_folds.unique().numel()),
+                  "document_folds": 0 if row_folds is None else int(row_folds.unique().numel()), "folds_gate": None,
                   "fitted_tokens": fitted, "key_width": width, "held_out_nll": trace, **diagnosis,
                   "by_key_width": {k: {"held_out_nll": v[0], "step": v[1], "weight": v[2], "rows": sampled}
                                    for k, v in results.items() if len(results) > 1}}  # fmt: skip
