@@ -199,6 +199,7 @@ def test_the_folds_gate_turns_the_memory_off_where_no_learned_document_helps_ano
     model = learned_with(GATE, TEXTS)
     gated = solve(model)
     assert gated["folds_gate"] == "off" and gated["step"] == 0.0 and gated["document_folds"] >= 2
+    assert "document_folds_gate" in gated["warning"]
     new = torch.tensor([noisy_phrase(WINDOW, seed=40)])
     with torch.no_grad():
         adapted = float(model(new, labels=new).loss)

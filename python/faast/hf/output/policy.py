@@ -106,8 +106,8 @@ class OutputPolicy:
 
     document_folds: int = 0
     """0: each held-out row is scored by W fitted without the held-out tail and the gap before it (gap_multiple), and
-    the tuned step is shrunk for long texts (document_positions_per_dim). F ≥ 2: the learned documents fall into F
-    folds by their content, the layer keeps each fold's key statistics while learning (F·(d_key² + d_key·d)
+    the tuned step is shrunk for long texts (document_positions_per_dim). F ≥ 2: the learned documents are dealt into
+    F folds in turn, the layer keeps each fold's key statistics while learning (F·(d_key² + d_key·d)
     float64: faast/hf/document_folds.py), and each held-out row is scored by W fitted without every document of its
     fold, so the step is tuned on text the fit never saw: no gap and no shrink. Where a fold would leave fewer than
     the fit's minimum to fit on (one document learned), the tail's rule. Read while learning. Off by default: on the
@@ -116,7 +116,9 @@ class OutputPolicy:
     document_folds_gate: bool = False
     """With document_folds F ≥ 2, the folds only gate the memory: it is off where, read by the folds, no step helps
     text of documents the fit never saw (the step the folds tune is 0), and otherwise the step is the tail's, tuned by
-    the tail's rule. Costs a second tuning per solve. Requires document_folds ≥ 2 (docs/design.md §6.3)."""
+    the tail's rule. Costs a second tuning per solve. Requires document_folds ≥ 2. Off by default: on the domain
+    suite it kept markdown-a-l at zero-shot but turned copyright off, and left the median as it was (docs/design.md
+    §6.3)."""
 
     tune_sample: int = 2048
     """With more held-out positions than this, the held-out NLL is read on this many spread evenly over them (the fit

@@ -242,6 +242,9 @@ class StepChoice:
         if gate[0] <= 0.0 or gate[1] <= 0.0:
             _log.info("faast: output layer: read by document folds, no step helps unseen documents: the memory is off")
             gate[3]["folds_gate"] = "off"
+            if gate[3].get("warning"):  # the warning's test was on fits without each text's fold: say so
+                gate[3]["warning"] = (f"{gate[3]['warning']} (Read by fits without each held-out text's document "
+                                      "fold: OutputPolicy.document_folds_gate.)")  # fmt: skip
             return gate
         eta, lam, width, record = self.tune(curvature, fixed_step, fixed, statistics, None)
         record["folds_gate"], record["folds_gate_step"] = "on", gate[0]
