@@ -445,9 +445,15 @@ def fmt_lm_suite(records: list[tuple[str, dict]]) -> list[str]:
         f" lowest curve point {change(g['lowest_point'])} ({g['lowest_point_domain']}). Suite manifest "
         f"{r['suite']['manifest_sha256'][:12]}."
     )
-    from faast_lab.experiments.lm_suite_report import heuristic_lines, setting_lines, superseded_lines
+    from faast_lab.experiments.lm_suite_report import (
+        heuristic_lines,
+        setting_lines,
+        superseded_lines,
+        tuned_peer_lines,
+    )
 
-    lines += superseded_lines(r)  # the report's own lines
+    lines += tuned_peer_lines(r)  # the report's own lines
+    lines += superseded_lines(r)
     lines += setting_lines(r)
     if r.get("heuristics"):
         lines += ["", *heuristic_lines(r["heuristics"])]

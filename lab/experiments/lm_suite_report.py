@@ -6,8 +6,10 @@
 
 Several folders may hold shards of one domain: a run of the default with its peers, and a run of more settings
 without peers (the same suite, tokens and windows; a setting's name means one setting everywhere). A domain's shards
-are joined into one: their settings side by side, the peers of the one that ran them. A setting in two shards (the
-default run again beside its ablations) must have read the same perplexities in both, which shows the runs compare.
+are joined into one: their settings side by side, each peer from the one that ran it (a peer may run in one shard
+of a domain only: one LoRA epoch in one run, the tuned peers in another). A setting in two shards (the default run
+again beside its ablations or the tuned peers) must have read the same perplexities in both, which shows the runs
+compare.
 
 A setting's name means the newest run's setting of that name: where a shard's setting differs from the one the
 newest shard (by its provenance date) ran under that name (the default changed since), that shard's copy is
@@ -22,10 +24,10 @@ reads as today's. Where it acted (`acted_mechanisms`), only the settings that ha
 were solved as today's would be: they stay, under the name that means their setting today (the removed ramp's "off"
 setting is today's default, `current_name`), and the others are left out, listed in `superseded` with the reason. A
 shard a removed mechanism left with no setting gives its domain its peers and FAAST's time beside them where no other
-run of the domain has peers; else it is only listed (the peers would clash). Where the shard's peers were timed
-against a setting a removed mechanism acted in, FAAST's time is that of the setting that became the default where the
-shard holds it, else the timed setting's: the settings of a shard's group share one learning pass, and only their
-solves differ, by a fraction of a second.
+run of the domain has the same peers; else it is only listed (the peers would clash). Where the shard's peers were
+timed against a setting a removed mechanism acted in, FAAST's time is that of the setting that became the default
+where the shard holds it, else the timed setting's: the settings of a shard's group share one learning pass, and only
+their solves differ, by a fraction of a second.
 
 The merged record is what docs/results_sections.toml names (kind "lm_suite", scripts/results_formats.py): its
 `loko` holds the per-domain choices, per-kind and suite medians and worst, and the shares of one LoRA epoch's
@@ -40,7 +42,7 @@ import argparse
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from faast.hf.output import REMOVED_FIELDS
@@ -50,6 +52,11 @@ from faast_lab.experiments._common import ROOT, measured_by, table
 DEFAULT = "default"  # lm_suite's name for the shipped settings (its --settings default)
 LORA = "LoRA"  # the one-epoch LoRA row's name before " (" (lm_domains_peers.run_backprop)
 LORA_TIME = "LoRA at FAAST's time"  # lm_domains_peers.run_lora_time
+KNN_TUNED = "kNN-LM tuned"  # lm_domains_peers.run_knn_tuned
+LORA_BEST = "LoRA-best"  # lm_domains_peers.run_lora_best
+# What a domain's facts keep of a peer row: tuning_s and tuned (the choice) for the peers tuned on the held-out tail,
+# faast_s FAAST's time in the peer's own run (_timed_peers).
+PEER_FIELDS = ("method", "reduction", "learn_s", "tuning_s", "tuned", "faast_s")
 # Shards of one domain must agree on these protocol fields to be joined; settings and peers may differ.
 JOIN_FREE = ("settings", "peers")
 # Two runs of one text and setting agree to this relative to their perplexity (the same model, windows and batches;
@@ -82,10 +89,20 @@ def _where(path: Path) -> str:
     return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
 
 
+def _has_lora(shard: dict) -> bool:
+    return any(peer_name(r["method"]) == LORA for r in shard.get("peers", []))
+
+
+def _timed_peers(shard: dict) -> list[dict]:
+    """A shard's peer rows, each with FAAST's learn + solve time of its own run (`faast_s`: the setting that ran
+    first), so that a peer's time is only ever compared with FAAST's in the same run."""
+    return [{**r, "faast_s": shard.get("faast_s")} for r in shard.get("peers", [])]
+
+
 def _join(domain: str, parts: Sequence[tuple[Path, dict]]) -> dict:
-    """One domain's shards as one: the first's record, every part's settings, the peers of the part that ran them."""
+    """One domain's shards as one: the first's record, every part's settings, each peer from the part that ran it."""
     first_file, first = parts[0]
-    joined = {**first, "settings": dict(first["settings"]), "peers": list(first.get("peers", [])),
+    joined = {**first, "settings": dict(first["settings"]), "peers": _timed_peers(first),
               "files": [_where(first_file)], "runs": [measured_by(first["provenance"])],
               "timed_setting": first.get("timed_setting"), "faast_s": first.get("faast_s")}  # fmt: skip
     for f, s in parts[1:]:
@@ -106,10 +123,14 @@ def _join(domain: str, parts: Sequence[tuple[Path, dict]]) -> dict:
         joined["protocol"] = {**joined["protocol"],
                               "settings": {**joined["protocol"]["settings"], **s["protocol"]["settings"]}}  # fmt: skip
         if s.get("peers"):
-            if joined["peers"]:
-                raise ValueError(f"{f}: {domain}'s peers also ran in {first_file}; keep one shard with peers")
-            joined["peers"], joined["timed_setting"], joined["faast_s"] = (list(s["peers"]), s["timed_setting"],
-                                                                          s["faast_s"])  # fmt: skip
+            clash = {peer_name(r["method"]) for r in s["peers"]} & {peer_name(r["method"]) for r in joined["peers"]}
+            if clash:
+                raise ValueError(f"{f}: {domain}'s peers {sorted(clash)} also ran in another shard of "
+                                 f"{[Path(x).name for x in joined['files']]}; keep one run of each peer")  # fmt: skip
+            # FAAST's time over LoRA's is one run's: the shard with one LoRA epoch gives it, else the first with peers.
+            if not joined["peers"] or _has_lora(s) and not _has_lora(joined):
+                joined["timed_setting"], joined["faast_s"] = s["timed_setting"], s["faast_s"]
+            joined["peers"] += _timed_peers(s)
         joined["files"].append(_where(f))
         joined["runs"].append(measured_by(s["provenance"]))
         joined["superseded"] = joined.get("superseded", []) + s.get("superseded", [])
@@ -240,11 +261,11 @@ def load_shards(paths: Sequence[Path]) -> list[dict]:
     joined = []
     for d, parts in by_domain.items():
         # A shard left with no setting still gives its peers and FAAST's time beside them (module docstring), unless a
-        # removed mechanism acted in it and another run of the domain has peers (they would clash): then, or with no
-        # peers to give, it is only listed, beside the domain's other shards where there are any.
-        with_peers = [f for f, s in parts if s.get("peers")]
-        kept_parts = [(f, s) for f, s in parts
-                      if f not in spent_whole or with_peers == [f]] or parts[:1]  # fmt: skip
+        # removed mechanism acted in it and another run of the domain has the same peers (they would clash): then, or
+        # with no peers to give, it is only listed, beside the domain's other shards where there are any.
+        ran = {f: {peer_name(r["method"]) for r in s.get("peers", [])} for f, s in parts}
+        alone = {f for f in ran if ran[f] and not any(ran[f] & ran[g] for g in ran if g != f)}
+        kept_parts = [(f, s) for f, s in parts if f not in spent_whole or f in alone] or parts[:1]
         listed = [x for f, s in parts if not any(s is k for _, k in kept_parts) for x in s.get("superseded", [])]
         kept_parts[0] = (
             kept_parts[0][0],
@@ -273,7 +294,7 @@ def domain_facts(shard: dict, chosen: str) -> dict:
     """A domain's figures beside its reduction: the chosen setting's lowest curve point, every peer's reduction and
     time, and FAAST's learn + solve time (the setting LoRA at FAAST's time was given, measured in the peers' run)
     over one LoRA epoch's."""
-    peers = {peer_name(r["method"]): {"reduction": r["reduction"], "learn_s": r["learn_s"]} for r in shard["peers"]}
+    peers = {peer_name(r["method"]): {k: r[k] for k in PEER_FIELDS if k in r} for r in shard["peers"]}
     timed, faast_s = shard.get("timed_setting"), shard.get("faast_s")
     lora_s = (peers.get(LORA) or {}).get("learn_s")
     points = shard["settings"][chosen]["curve"]
@@ -306,6 +327,50 @@ def goals(report: loko.Report, domains: dict) -> dict:
                     "floor": low[1]["lowest_point"] >= -loko.FLOOR}}  # fmt: skip
 
 
+def _peer_figures(peer: dict | None) -> dict | None:
+    """A tuned peer's reduction, choice and time: its tuning plus its final training (or datastore) over FAAST's learn
+    + solve in the same run."""
+    if peer is None:
+        return None
+    spent = peer["learn_s"] + peer.get("tuning_s", 0.0)
+    return {
+        "reduction": peer["reduction"],
+        "tuned": peer.get("tuned"),
+        "learn_s": peer["learn_s"],
+        "tuning_s": peer.get("tuning_s"),
+        "time_ratio": spent / peer["faast_s"] if peer.get("faast_s") else None,
+    }
+
+
+def tuned_peers(report: loko.Report, domains: dict) -> dict:
+    """The peers tuned on FAAST's held-out tail (the kNN-LM's λ and T, LoRA-best's lr and epochs) beside FAAST's
+    figure (the setting chosen on the other kinds), on the domains where either ran: per domain each one's reduction,
+    choice and time over FAAST's, and FAAST's share of LoRA-best's reduction (None where LoRA-best does not reduce
+    perplexity); per peer, the medians over the domains it ran on, FAAST's over the same domains. Empty where none
+    ran."""
+    rows = {}
+    for c in report.choices:
+        peers = domains[c.domain]["peers"]
+        knn, best = _peer_figures(peers.get(KNN_TUNED)), _peer_figures(peers.get(LORA_BEST))
+        if knn is None and best is None:
+            continue
+        share_of_best = c.reduction / best["reduction"] if best and best["reduction"] > 0 else None
+        rows[c.domain] = {"kind": c.kind, "faast": c.reduction, KNN_TUNED: knn, LORA_BEST: best,
+                          "share_of_lora_best": share_of_best}  # fmt: skip
+    medians = {}
+    for name in (KNN_TUNED, LORA_BEST):
+        ran = [r for r in rows.values() if r[name] is not None]
+        if not ran:
+            continue
+        shares = [r["share_of_lora_best"] for r in ran if r["share_of_lora_best"] is not None]
+        medians[name] = {"domains": len(ran), "kinds": len({r["kind"] for r in ran}),
+                         "reduction": statistics.median(r[name]["reduction"] for r in ran),
+                         "faast": statistics.median(r["faast"] for r in ran),
+                         "faast_better": sum(r["faast"] > r[name]["reduction"] for r in ran),
+                         "share": statistics.median(shares) if name == LORA_BEST and shares else None}  # fmt: skip
+    return {"domains": rows, "medians": medians}
+
+
 def merge(shards: Sequence[dict]) -> dict:
     """The merged record: provenance of the last shard, every shard's run, the suite, the protocol (every setting
     measured), the settings' reductions per domain, the leave-one-kind-out report, each domain's facts, the goals,
@@ -326,7 +391,8 @@ def merge(shards: Sequence[dict]) -> dict:
             "runs": {s["domain"]: s["runs"] for s in shards},
             "suite_domains": {s["domain"]: s["suite_domain"] for s in shards},
             "reductions": reductions, "lora": lora, "loko": report.to_dict(), "domains": domains,
-            "goals": goals(report, domains), "superseded": superseded, "left_out": left_out}  # fmt: skip
+            "goals": goals(report, domains), "tuned_peers": tuned_peers(report, domains),
+            "superseded": superseded, "left_out": left_out}  # fmt: skip
 
 
 def load_heuristics(*paths: Path) -> dict:
@@ -473,6 +539,7 @@ def report(merged: dict) -> list[str]:
                  f" one LoRA epoch's reduction {share(r['share_median'])}, worst kind's "
                  f"{share(r['worst_kind_share'])}.")  # fmt: skip
     lines.append(goals_line(g))
+    lines += tuned_peer_lines(merged)
     lines += superseded_lines(merged)
     lines += setting_lines(merged)
     if merged.get("heuristics"):
@@ -513,6 +580,39 @@ def setting_lines(merged: dict) -> list[str]:
             *table(["domain", "kind", *names],
                    [[d, merged["domains"][d]["kind"], *(pct(rows[d].get(n)) for n in names)] for d in rows]
                    + [["median of those", "", *medians]])]  # fmt: skip
+
+
+def tuned_peer_lines(merged: dict) -> list[str]:
+    """The tuned peers (merged["tuned_peers"]): a row per domain they ran on, and a line of medians per peer (none
+    ran: no line). A time is the peer's tuning plus final run over FAAST's learn + solve in the same run."""
+    t = merged.get("tuned_peers") or {}
+    if not t.get("domains"):
+        return []
+
+    def chose(row: dict | None, keys: tuple[tuple[str, str], ...]) -> str:
+        tuned = (row or {}).get("tuned") or {}
+        return ", ".join(f"{label} {tuned[k]:g}" for k, label in keys if k in tuned) or "–"
+
+    def figure(row: dict | None, key: str, fmt: Callable[[float | None], str]) -> str:
+        return fmt(row[key]) if row else "–"
+
+    knn_keys, lora_keys = (("lam", "λ"), ("temperature", "T")), (("lr", "lr"), ("epochs", "epochs"))
+    rows = [[d, r["kind"], pct(r["faast"]), figure(r[KNN_TUNED], "reduction", pct), chose(r[KNN_TUNED], knn_keys),
+             figure(r[KNN_TUNED], "time_ratio", ratio), figure(r[LORA_BEST], "reduction", pct),
+             chose(r[LORA_BEST], lora_keys), share(r["share_of_lora_best"]), figure(r[LORA_BEST], "time_ratio", ratio)]
+            for d, r in t["domains"].items()]  # fmt: skip
+    lines = ["", "The peers tuned on FAAST's held-out tail of the learned text (each run beside the default, whose "
+             "perplexities it read again):", "",
+             *table(["domain", "kind", "FAAST (chosen on the other kinds)", "kNN-LM tuned", "its λ, T",
+                     "its time / FAAST's", "LoRA-best", "its lr, epochs", "FAAST's share of LoRA-best's",
+                     "its time / FAAST's"], rows), ""]  # fmt: skip
+    for name, m in t["medians"].items():
+        of = f"; FAAST's median share of its reduction {share(m['share'])}" if m["share"] is not None else ""
+        lines.append(
+            f"{name} on {m['domains']} domains of {m['kinds']} kinds: median {pct(m['reduction'])} against "
+            f"FAAST's {pct(m['faast'])} on the same domains; FAAST better on {m['faast_better']}{of}."
+        )
+    return lines
 
 
 def heuristic_lines(judged: dict) -> list[str]:

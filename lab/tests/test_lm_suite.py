@@ -333,6 +333,48 @@ def test_the_report_joins_a_domains_shards_and_reads_its_peers_times_and_curve(t
     assert "| a | A | off | −2.0% | −1.0% | −10.0% | 20% | −6.0% | 0.40× |" in text
 
 
+def test_the_tuned_peers_join_from_their_own_run_and_their_times_compare_within_it(tmp_path):
+    main = write_shards(tmp_path / "main", [
+        planted_shard("a", "A", {"default": (0.08, 40.0, [0.02, 0.08])}, PEERS),
+        planted_shard("b", "B", {"default": (0.05, 30.0, [0.01, 0.05])}, PEERS),
+    ])  # fmt: skip
+    # The tuned peers ran on a alone, beside the default (which read the same perplexities, in 50 s this time).
+    tuned = planted_shard("a", "A", {"default": (0.08, 50.0, [0.02, 0.08])},
+                          (("kNN-LM tuned", 0.05, 30.0), ("LoRA-best", 0.16, 200.0)))  # fmt: skip
+    tuned["peers"][0].update(tuning_s=20.0, tuned={"lam": 0.25, "temperature": 30.0})
+    tuned["peers"][1].update(tuning_s=800.0, tuned={"lr": 0.003, "epochs": 2})
+    folder = write_shards(tmp_path / "tuned", [tuned])
+    for order in ([main, folder], [folder, main]):
+        merged = lm_suite_report.merge(lm_suite_report.load_shards(order))
+        a = merged["domains"]["a"]
+        assert set(a["peers"]) == {"LoRA", "LoRA at FAAST's time", "kNN-LM tuned", "LoRA-best"}
+        # FAAST's time over one LoRA epoch's stays the LoRA run's (40 s / 100 s), whichever folder came first.
+        assert a["time_ratio"] == pytest.approx(0.4) and a["faast_s"] == 40.0
+        t = merged["tuned_peers"]
+        assert list(t["domains"]) == ["a"]
+        row = t["domains"]["a"]
+        # Each tuned peer's time is its tuning plus final run over FAAST's in its own run (50 s).
+        assert row["kNN-LM tuned"]["time_ratio"] == pytest.approx(1.0)
+        assert row["LoRA-best"]["time_ratio"] == pytest.approx(20.0)
+        assert row["share_of_lora_best"] == pytest.approx(0.5) and row["faast"] == 0.08
+        m = t["medians"]["LoRA-best"]
+        assert (m["domains"], m["kinds"], m["faast_better"], m["share"]) == (1, 1, 0, pytest.approx(0.5))
+        assert t["medians"]["kNN-LM tuned"]["faast_better"] == 1 and t["medians"]["kNN-LM tuned"]["share"] is None
+    lines = lm_suite_report.tuned_peer_lines(merged)
+    assert "| a | A | −8.0% | −5.0% | λ 0.25, T 30 | 1.00× | −16.0% | lr 0.003, epochs 2 | 50% | 20.00× |" in lines
+    assert "\n".join(lines) in "\n".join(lm_suite_report.report(merged))
+    from results_formats import FORMATTERS
+
+    assert "\n".join(lines) in "\n".join(FORMATTERS["lm_suite"]([("x.json", merged)]))
+    # A peer that ran in two shards of a domain is refused: which run's row would count is not one answer.
+    again = write_shards(tmp_path / "again", [planted_shard("a", "A", {"off": (0.02, 9.0, [0.01, 0.02])},
+                                                            (("LoRA-best", 0.1, 9.0),))])  # fmt: skip
+    with pytest.raises(ValueError, match=r"peers \['LoRA-best'\] also ran in another shard"):
+        lm_suite_report.load_shards([main, folder, again])
+    # Without tuned peers there is no such table.
+    assert lm_suite_report.tuned_peer_lines(lm_suite_report.merge(lm_suite_report.load_shards([main]))) == []
+
+
 def test_a_setting_measured_on_some_domains_only_is_never_chosen_for_the_suite(tmp_path):
     # One folder: a and b ran the default alone, c and d ran it beside "off", which is far better on both. No domain
     # may take "off": it is not measured on every domain of the other kinds.
@@ -376,7 +418,7 @@ def test_the_report_refuses_shards_that_are_not_one_run(tmp_path):
         load(a, planted_shard("a", "A", {"off": (0.02, 9.0, [0.01, 0.02])}, zero=11.0))
     with pytest.raises(ValueError, match="protocol differs"):
         load(a, planted_shard("b", "B", {"off": (0.02, 9.0, [0.01, 0.02])}, learn_tokens=900))
-    with pytest.raises(ValueError, match="peers also ran"):
+    with pytest.raises(ValueError, match=r"peers \['LoRA', \"LoRA at FAAST's time\"\] also ran in another shard"):
         load(a, planted_shard("a", "A", {"off": (0.02, 9.0, [0.01, 0.02])}, PEERS))
     other = planted_shard("b", "B", {"default": (0.02, 9.0, [0.01, 0.02])})
     other["protocol"]["settings"]["default"] = {"token_bias": 0}
@@ -523,6 +565,13 @@ def test_where_a_removed_mechanism_acted_its_off_setting_is_read_as_today_s_defa
     assert merged["protocol"]["settings"]["default"] == {
         "policy": {**lm_suite_report.ADDED_FIELDS, **now["default"]["policy"]}
     }
+    # d's tuned peers ran later, beside today's default: d keeps the spent run's LoRA rows and time, and gains them.
+    tuned = write_shards(tmp_path / "tuned", [planted_shard("d", "D", {"default": (0.04, 12.0, [0.01, 0.04])},
+                                                            (("kNN-LM tuned", 0.05, 6.0),), date="2026-02-02",
+                                                            fields=now)])  # fmt: skip
+    d = lm_suite_report.merge(lm_suite_report.load_shards([old, new, tuned]))["domains"]["d"]
+    assert set(d["peers"]) == {"LoRA", "LoRA at FAAST's time", "kNN-LM tuned"}
+    assert d["time_ratio"] == pytest.approx(0.3) and d["peers"]["kNN-LM tuned"]["faast_s"] == 12.0
     # The old off setting must read as today's default does where both ran: else the runs do not compare.
     write_shards(new, [planted_shard("a", "A", {"default": (0.071, 9.0, [0.0, 0.071])}, date="2026-02-01",
                                      fields=now)])  # fmt: skip
