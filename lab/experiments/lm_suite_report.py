@@ -89,8 +89,8 @@ def _where(path: Path) -> str:
     return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
 
 
-def _has_lora(shard: dict) -> bool:
-    return any(peer_name(r["method"]) == LORA for r in shard.get("peers", []))
+def _peer_names(shard: dict) -> set[str]:
+    return {peer_name(r["method"]) for r in shard.get("peers", [])}
 
 
 def _timed_peers(shard: dict) -> list[dict]:
@@ -123,12 +123,12 @@ def _join(domain: str, parts: Sequence[tuple[Path, dict]]) -> dict:
         joined["protocol"] = {**joined["protocol"],
                               "settings": {**joined["protocol"]["settings"], **s["protocol"]["settings"]}}  # fmt: skip
         if s.get("peers"):
-            clash = {peer_name(r["method"]) for r in s["peers"]} & {peer_name(r["method"]) for r in joined["peers"]}
+            clash = _peer_names(s) & _peer_names(joined)
             if clash:
                 raise ValueError(f"{f}: {domain}'s peers {sorted(clash)} also ran in another shard of "
                                  f"{[Path(x).name for x in joined['files']]}; keep one run of each peer")  # fmt: skip
             # FAAST's time over LoRA's is one run's: the shard with one LoRA epoch gives it, else the first with peers.
-            if not joined["peers"] or _has_lora(s) and not _has_lora(joined):
+            if not joined["peers"] or LORA in _peer_names(s) - _peer_names(joined):
                 joined["timed_setting"], joined["faast_s"] = s["timed_setting"], s["faast_s"]
             joined["peers"] += _timed_peers(s)
         joined["files"].append(_where(f))
@@ -263,7 +263,7 @@ def load_shards(paths: Sequence[Path]) -> list[dict]:
         # A shard left with no setting still gives its peers and FAAST's time beside them (module docstring), unless a
         # removed mechanism acted in it and another run of the domain has the same peers (they would clash): then, or
         # with no peers to give, it is only listed, beside the domain's other shards where there are any.
-        ran = {f: {peer_name(r["method"]) for r in s.get("peers", [])} for f, s in parts}
+        ran = {f: _peer_names(s) for f, s in parts}
         alone = {f for f in ran if ran[f] and not any(ran[f] & ran[g] for g in ran if g != f)}
         kept_parts = [(f, s) for f, s in parts if f not in spent_whole or f in alone] or parts[:1]
         listed = [x for f, s in parts if not any(s is k for _, k in kept_parts) for x in s.get("superseded", [])]
