@@ -9,7 +9,9 @@ setting, one result record per domain (a shard), resumable.
 (lab/experiments/suite_heuristics.json, suite_untuned_step.json) whose "settings" are that object; "policy" holding
 OutputPolicy fields, each over the shipped defaults: {"default": {}, "no_bias": {"bias": 0},
 "no_document_shrink": {"policy": {"document_shrink_power": 0}}}; a field of a removed mechanism
-(faast.hf.output.policy.REMOVED_FIELDS) is refused. The first setting is the one LoRA at FAAST's time gets the time
+(faast.hf.output.policy.REMOVED_FIELDS) is refused. A setting may add an exact cache of the learned text's pairs,
+read beside FAAST: "cache": {"lam", "temperature", "k"} (lm_suite_cache; "default_cache": {"cache": {"lam": 0.1,
+"temperature": 30}} is the default with it). The first setting is the one LoRA at FAAST's time gets the time
 of (list the default first). The runs take the float32 path by default (FaastConfig(learn_dtype='model'),
 head_dtype='float32'), as the issue's goals are stated; --path auto takes faast's own choice.
 
@@ -20,7 +22,8 @@ part every setting of the group is solved and scored. Settings share a pass when
 fields that are read only when solving (SOLVE_TIME_FIELDS) and in the biases' steps (bias, token_bias): the layer's
 public `policy`, `bias` and `token_bias` setters make the next solve use new ones. Any other difference (another
 ResidualOutput field, or a policy field read while learning) learns its own pass: the public API sets those when the
-layer is built. Peers (--peers) run through
+layer is built. A cache is read only when scoring: a cached setting shares the pass and the solve of its setting
+without the cache, and its row adds the cache's pairs, bytes and times (lm_suite_cache). Peers (--peers) run through
 lm_domains_peers: one LoRA epoch, LoRA at FAAST's time (the first setting's learn + solve time), LoRA-best and the
 tuned kNN-LM. Each shard holds faast.provenance's record, the suite's hashes, the protocol and the per-setting
 perplexities; lm_suite_report merges the shards.
@@ -35,8 +38,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from faast_lab.experiments import suite
+from faast_lab.experiments import lm_suite_cache, suite
 from faast_lab.experiments._common import ROOT, ModelLoader
+from faast_lab.experiments.lm_suite_cache import CACHE, CacheSpec, CacheStates, split_cache
 
 # OutputPolicy fields read only by the solve (tuning, diagnosis, biases, the held-out plan and sample): two
 # settings that differ only in these share one learning pass and are re-solved. The others (the held-out tail's
@@ -181,12 +185,16 @@ class SuiteDomain:
         return next((r for r in self.rows if r["method"] == method), None)
 
 
-def protocol(args: argparse.Namespace, settings: Mapping[str, object], description: str) -> dict:
-    """What a shard's numbers depend on besides the text: a resumed run must match it."""
+def protocol(args: argparse.Namespace, settings: Mapping[str, object], description: str,
+             caches: Mapping[str, CacheSpec] | None = None) -> dict:  # fmt: skip
+    """What a shard's numbers depend on besides the text: a resumed run must match it. A cached setting's fields
+    hold its cache under "cache"."""
     keep = ("path", "learn_tokens", "score_tokens", "curve", "window", "batch_size", "learn_window",
             "learn_batch_size", "peers", "train_window", "train_batch_size")  # fmt: skip
-    return {"model": description, **{k: getattr(args, k) for k in keep},
-            "settings": {n: setting_to_dict(o) for n, o in settings.items()}}  # fmt: skip
+    caches = caches or {}
+    fields = {n: {**setting_to_dict(o), **({CACHE: caches[n].to_dict()} if n in caches else {})}
+              for n, o in settings.items()}  # fmt: skip
+    return {"model": description, **{k: getattr(args, k) for k in keep}, "settings": fields}
 
 
 def what_is_read(layer: object, model: object) -> tuple:
@@ -212,14 +220,28 @@ def same_read(a: tuple, b: tuple) -> bool:
 
 
 def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings: Mapping, args: argparse.Namespace,
-              tick: Callable[[int], None]) -> dict:  # fmt: skip
+              tick: Callable[[int], None], caches: Mapping[str, CacheSpec] | None = None,
+              states: CacheStates | None = None) -> dict:  # fmt: skip
     """One learning pass of a group's first setting, in the curve's parts; after each part every setting of the
     group solved (its policy and biases set on the layer) and scored, unless its solve reads as one already scored at
     that point bit for bit (a mechanism that did not act: the score is that one's, the row says whose in
-    score_reused_from); tick(tokens) after each step (the progress bar). {setting: row}."""
+    score_reused_from); a cached setting (`caches`, read from `states`) then mixes its FAAST scores with the cache's
+    (lm_suite_cache.read); tick(tokens) after each step (the progress bar). {setting: row}."""
     from faast.hf import FaastConfig, apply_faast
     from faast.hf.evaluate import perplexity
     from faast.hf.tokens import split_continuing
+
+    caches = {n: c for n, c in (caches or {}).items() if n in names}
+    if caches and states is None:
+        raise ValueError(f"states: the settings {sorted(caches)} read a cache; expected its CacheStates, got None")
+
+    def score(model: object) -> tuple:
+        """(Perplexity, FAAST's per-token log-probabilities and targets or None): kept per token where a cache
+        reads them (scored_log_probs sums the nll as perplexity does)."""
+        if not caches:
+            return perplexity(model, domain.windows, batch_size=args.batch_size, progress=False), None
+        logp, targets, result = lm_suite_cache.scored_log_probs(model, domain.windows, batch_size=args.batch_size)
+        return result, (logp, targets)
 
     config = FaastConfig(output=settings[names[0]], **({"learn_dtype": "model"} if args.path == "float32" else {}))
     model = apply_faast(base, config)
@@ -228,7 +250,7 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
     learn_s = 0.0
     try:
         layer = model.output_memory_layer
-        for part, continues in split_continuing(domain.learn, amounts):
+        for point, (part, continues) in enumerate(split_continuing(domain.learn, amounts)):
             layer.policy = settings[names[0]].policy  # the pass learns under its group's learn-time fields
             started = time.perf_counter()
             if part:
@@ -247,17 +269,26 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
                 read = what_is_read(layer, model)
                 same = next(((n, r) for f, n, r in scored if same_read(f, read)), None)
                 if same is None:
-                    result = perplexity(model, domain.windows, batch_size=args.batch_size, progress=False)
-                    scored.append((read, name, result))
+                    result, per_token = score(model)
+                    scored.append((read, name, (result, per_token)))
                 else:  # a setting whose solve came out bit for bit as another's reads as it: its score is that one
-                    result = same[1]
-                    rows[name].setdefault("score_reused_from", []).append(same[0])
-                tick(domain.scored)
+                    result, per_token = same[1]
+                    if name not in caches:  # a cached one mixes that score with its cache: its own
+                        rows[name].setdefault("score_reused_from", []).append(same[0])
+                memory = model.fast_weight_bytes()
                 row = rows[name]
+                if name in caches:  # FAAST's scores of this solve, mixed with the cache's
+                    faast_s = result.seconds
+                    result, cost = lm_suite_cache.read(states, *per_token, amounts[point], caches[name])
+                    result.seconds = faast_s + cost["search_s"]
+                    memory += cost["bytes"]
+                    row.setdefault("cache_curve", {"pairs": [], "search_s": []})
+                    row["cache_curve"]["pairs"].append(cost["pairs"])
+                    row["cache_curve"]["search_s"].append(cost["search_s"])
+                tick(domain.scored)
                 row["curve"]["ppl"].append(result.ppl)
                 row["curve"]["solve_s"].append(solve_s)
-                row.update(ppl=result.ppl, score_s=result.seconds, solve_s=solve_s,
-                           memory_bytes=model.fast_weight_bytes(),
+                row.update(ppl=result.ppl, score_s=result.seconds, solve_s=solve_s, memory_bytes=memory,
                            tuning={k: v for k, v in tuning.items() if k != "held_out_nll"})  # fmt: skip
         precision = model.learner.precision()
     finally:
@@ -265,12 +296,18 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
     for name in names:
         rows[name].update(learn_s=learn_s + rows[name]["solve_s"], pass_learn_s=learn_s, shared_pass=list(names),
                           precision=precision)  # fmt: skip
+        if name in caches:  # the cache's pairs come from a pass of their own here (lm_suite_cache): counted
+            rows[name]["cache"] = {**caches[name].to_dict(), "build_s": states.build_s, "query_s": states.query_s}
+            rows[name]["learn_s"] += states.build_s
+            rows[name]["score_s"] += states.query_s
     return rows
 
 
 def run_domain(name: str, base: object, tokenizer: object, settings: Mapping, args: argparse.Namespace,
-               manifest: Mapping, bases: Mapping | None, tick: Callable[[int], None]) -> dict:  # fmt: skip
-    """One shard: the domain's zero-shot, each setting's row and curve, the peers' rows."""
+               manifest: Mapping, bases: Mapping | None, tick: Callable[[int], None],
+               caches: Mapping[str, CacheSpec] | None = None) -> dict:  # fmt: skip
+    """One shard: the domain's zero-shot, each setting's row and curve, the peers' rows. With `caches`, the cache's
+    pairs and queries first (lm_suite_cache.build, the base model alone)."""
     import torch
 
     from faast.hf.evaluate import perplexity, token_windows
@@ -284,9 +321,13 @@ def run_domain(name: str, base: object, tokenizer: object, settings: Mapping, ar
     zero = perplexity(base, windows, batch_size=args.batch_size, progress=False)
     tick(domain.scored)
     print(f"{name}: learn {domain.learned:,} tokens, score {domain.scored:,}; zero-shot {zero.ppl:.3f}", flush=True)
+    states = None
+    if caches:
+        states = lm_suite_cache.build(base, domain.learn, windows, window=args.window, batch_size=args.batch_size)
+        tick(domain.learned)
     rows: dict[str, dict] = {}
     for group in groups(settings):
-        rows.update(run_group(domain, base, group, settings, args, tick))
+        rows.update(run_group(domain, base, group, settings, args, tick, caches, states))
         for n in group:
             print(f"  {name} {n}: ppl {rows[n]['ppl']:.3f} (learn {rows[n]['pass_learn_s']:.1f} s, solve "
                   f"{rows[n]['solve_s']:.1f} s)", flush=True)  # fmt: skip
@@ -338,11 +379,16 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
     names = args.domains or [d["name"] for d in manifest["domains"]]
     for name in names:
         suite.entry(name, manifest)  # an unknown name fails before any model loads
-    settings = {n: setting_from_dict(n, f, args.path) for n, f in args.settings.items()}
+    settings, caches = {}, {}
+    for n, f in args.settings.items():
+        fields, cache = split_cache(n, f) if isinstance(f, Mapping) else (f, None)
+        settings[n] = setting_from_dict(n, fields, args.path)
+        if cache is not None:
+            caches[n] = cache
     args.out.mkdir(parents=True, exist_ok=True)
     todo = [n for n in names if not (args.out / f"{n}.json").is_file()]
     base, tokenizer, description = (load_model or load_base_model)("smollm2")
-    wanted = protocol(args, settings, description)
+    wanted = protocol(args, settings, description, caches)
     suite_sha = suite.manifest_sha256(manifest)
     for name in sorted(set(names) - set(todo)):
         have = json.loads((args.out / f"{name}.json").read_text(encoding="utf-8"))
@@ -352,7 +398,7 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
         if (have.get("suite") or {}).get("manifest_sha256") != suite_sha:
             raise SystemExit(f"--out {args.out}: the shard {name}.json ran another suite manifest")
     # One unit per learned part and per scoring of each setting: the bar's time left is the shards' left.
-    steps_per_domain = 1 + sum(len(g) + 1 for g in groups(settings)) * (len(args.curve) + 1)
+    steps_per_domain = 1 + bool(caches) + sum(len(g) + 1 for g in groups(settings)) * (len(args.curve) + 1)
     total, done = len(todo) * steps_per_domain, 0
     bar = Bar(enabled(None), "suite")
 
@@ -364,7 +410,7 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
     try:
         for name in todo:
             record = provenance.start(ROOT)
-            shard = run_domain(name, base, tokenizer, settings, args, manifest, bases, tick)
+            shard = run_domain(name, base, tokenizer, settings, args, manifest, bases, tick, caches)
             payload = {"provenance": provenance.finish(record), "suite": {"manifest_sha256": suite_sha},
                        "protocol": wanted, **shard}  # fmt: skip
             write_text_atomic(args.out / f"{name}.json", json.dumps(payload, indent=1, ensure_ascii=False) + "\n")

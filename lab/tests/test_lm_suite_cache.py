@@ -1,0 +1,138 @@
+"""The exact cache beside FAAST (lab/experiments/lm_suite_cache.py) on a tiny model, against float64 brute force, and
+as lm_suite settings (a cached setting shares its pass and solve, and mixes its own FAAST scores with the cache)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from faast.hf.evaluate import perplexity
+from faast.hf.tokens import token_lists
+from faast_lab.experiments import lm_suite, lm_suite_cache, lm_suite_report, suite
+from hf_models import VOCAB, CharTokenizer, tiny_model
+from test_lm_suite import ARGS, fake_manifest, fake_tree, loader
+from tolerances import CACHE_MIX_REL
+
+
+def texts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+
+
+def brute_pairs(lengths: list[int], tokens: int) -> int:
+    """Pairs (t, t + 1) of one text with both positions among the stream's first `tokens` tokens, one by one."""
+    count, start = 0, 0
+    for n in lengths:
+        count += sum(1 for t in range(n - 1) if start + t + 1 < tokens)
+        start += n
+    return count
+
+
+def test_the_cache_holds_the_first_tokens_pairs_in_stream_order_and_mixes_as_float64_brute_force():
+    base = tiny_model("llama")
+    learn, windows = texts(0, (50, 7, 1, 90)), texts(1, (40, 17, 40))
+    states = lm_suite_cache.build(base, learn, windows, window=32, batch_size=2)
+    # The pairs in stream order: the values are each text's next tokens, one text after another.
+    assert torch.equal(states.values, torch.tensor([t for ids in learn for t in ids[1:]]))
+    lengths = [len(x) for x in learn]
+    for n in (0, 1, 2, 50, 51, 57, 58, 59, 100, 148, 10**6):
+        assert states.pairs(n) == brute_pairs(lengths, n), n
+    # Per token, what perplexity() sums, in the order of the cache's queries.
+    logp, targets, result = lm_suite_cache.scored_log_probs(base, windows, batch_size=2)
+    ref = perplexity(base, windows, batch_size=2, progress=False)
+    assert (result.nll, result.tokens) == (ref.nll, ref.tokens) and targets.numel() == ref.tokens
+    assert torch.equal(targets, states.targets) and torch.equal(targets, torch.tensor([t for w in windows
+                                                                                      for t in w[1:]]))  # fmt: skip
+    for k in (16, 10**6):  # some of the pairs, then all of them
+        spec = lm_suite_cache.CacheSpec(lam=0.3, temperature=5.0, k=k)
+        got, cost = lm_suite_cache.read(states, logp, targets, 100, spec)
+        n = states.pairs(100)
+        dist = torch.cdist(states.queries.double(), states.keys[:n].double()).square()
+        near = torch.topk(-dist, min(k, n), dim=-1)
+        weight = torch.softmax(near.values / spec.temperature, dim=-1)
+        hit = states.values[:n][near.indices] == targets.unsqueeze(-1)
+        p = (1 - spec.lam) * logp.double().exp() + spec.lam * (weight * hit).sum(-1)
+        assert got.nll == pytest.approx(-float(p.log().sum()), rel=CACHE_MIX_REL)
+        assert got.tokens == ref.tokens and got.nll != pytest.approx(ref.nll, rel=1e-3)  # the cache changed it
+        assert cost["pairs"] == n and cost["bytes"] == n * (base.config.hidden_size * 4 + 8) and cost["search_s"] > 0
+        # One search per point serves every λ and T.
+        again, cost = lm_suite_cache.read(states, logp, targets, 100, lm_suite_cache.CacheSpec(0.1, 30.0, k))
+        assert cost["search_s"] == 0.0 and again.nll != got.nll
+    with pytest.raises(ValueError, match="targets: the scored tokens differ"):
+        lm_suite_cache.read(states, logp, targets.flip(0), 100, spec)
+    with pytest.raises(ValueError, match="at least one cached pair"):
+        lm_suite_cache.read(states, logp, targets, 1, spec)
+
+
+@pytest.mark.parametrize(
+    ("cache", "match"),
+    [
+        ({"lam": 1.0, "temperature": 1}, "cache lam"),
+        ({"lam": 0.1, "temperature": 0}, "cache temperature"),
+        ({"lam": 0.1, "temperature": 1, "k": 0}, "cache k"),
+        ({"lam": 0.1}, "lam and temperature"),
+        ({"lam": 0.1, "temperature": 1, "size": 3}, "lam and temperature"),
+        (0.1, "lam and temperature"),
+    ],
+)
+def test_a_bad_cache_is_refused_naming_the_setting(cache, match):
+    with pytest.raises(ValueError, match=match):
+        lm_suite_cache.split_cache("bad", {"cache": cache})
+    with pytest.raises(ValueError, match="setting 'bad'"):
+        lm_suite_cache.split_cache("bad", {"cache": cache})
+    assert lm_suite_cache.split_cache("ok", {"bias": 0}) == ({"bias": 0}, None)
+
+
+def test_a_cached_setting_shares_its_pass_and_solve_and_mixes_its_own_faast_scores(tmp_path):
+    bases, sources = fake_tree(tmp_path / "tree")
+    manifest = fake_manifest(bases, sources)
+    settings = {"default": {}, "cached": {"cache": {"lam": 0.25, "temperature": 10, "k": 64}},
+                "barely": {"cache": {"lam": 1e-9, "temperature": 10}},
+                "no_bias_cached": {"bias": 0, "cache": {"lam": 0.25, "temperature": 10, "k": 64}}}  # fmt: skip
+    out = tmp_path / "shards"
+    lm_suite.main([*ARGS, "--settings", json.dumps(settings), "--out", str(out)], load_model=loader,
+                  manifest=manifest, bases=bases)  # fmt: skip
+    alone = tmp_path / "alone"
+    lm_suite.main([*ARGS, "--settings", '{"default": {}, "no_bias": {"bias": 0}}', "--out", str(alone), "--domains",
+                   "code"], load_model=loader, manifest=manifest, bases=bases)  # fmt: skip
+    shard = json.loads((out / "code.json").read_text())
+    rows, defined = shard["settings"], shard["protocol"]["settings"]
+    assert rows["cached"]["shared_pass"] == list(settings)  # the cache is read only when scoring
+    assert defined["cached"]["cache"] == {"lam": 0.25, "temperature": 10, "k": 64}
+    assert "cache" not in defined["default"]
+    assert defined["barely"]["cache"]["k"] == 1024
+    # FAAST's scores in a cached group are perplexity()'s: the default reads as it does in a run without a cache.
+    plain = json.loads((alone / "code.json").read_text())["settings"]
+    assert rows["default"]["curve"]["ppl"] == plain["default"]["curve"]["ppl"]
+    # λ near 0 reads as the FAAST setting it is added to; the cache's mix is its own score, not the default's.
+    assert rows["barely"]["curve"]["ppl"] == pytest.approx(rows["default"]["curve"]["ppl"], rel=1e-6)
+    assert all(a != b for a, b in zip(rows["cached"]["curve"]["ppl"], rows["default"]["curve"]["ppl"], strict=True))
+    assert "score_reused_from" not in rows["cached"]
+    # Each cached setting mixes the scores of its own solve: without the bias, as the no-bias run reads them.
+    learn, _, _ = suite.domain_texts("code", manifest, bases)
+    lengths = [len(x) for x in token_lists(learn, CharTokenizer(), 800)]
+    tokens = rows["cached"]["curve"]["tokens"]
+    assert rows["cached"]["cache_curve"]["pairs"] == [lm_suite_cache.pairs_within(lengths, t) for t in tokens]
+    assert rows["no_bias_cached"]["cache_curve"]["pairs"] == rows["cached"]["cache_curve"]["pairs"]
+    assert rows["no_bias_cached"]["tuning"]["bias_step"] == plain["no_bias"]["tuning"]["bias_step"] == 0
+    assert rows["no_bias_cached"]["ppl"] != rows["cached"]["ppl"]
+    # Its time counts the pass that gathered the pairs; its memory the pairs' bytes.
+    cache = rows["cached"]["cache"]
+    assert cache["build_s"] > 0 and cache["query_s"] > 0
+    assert rows["cached"]["learn_s"] == pytest.approx(rows["cached"]["pass_learn_s"] + rows["cached"]["solve_s"]
+                                                      + cache["build_s"])  # fmt: skip
+    d = tiny_model("llama").config.hidden_size
+    pairs = rows["cached"]["cache_curve"]["pairs"][-1]
+    assert rows["cached"]["memory_bytes"] - rows["default"]["memory_bytes"] == pairs * (4 * d + 8)
+    # The report reads the cached settings as settings: leave-one-kind-out may choose them.
+    merged = lm_suite_report.merge(lm_suite_report.load_shards([out]))
+    assert set(merged["reductions"]["code"]) == set(settings)
+    assert not math.isnan(merged["loko"]["median"])
+    with pytest.raises(ValueError, match="setting 'bad'"):
+        lm_suite.main([*ARGS, "--settings", '{"bad": {"cache": {"lam": 2, "temperature": 1}}}', "--out",
+                       str(tmp_path / "bad")], load_model=loader, manifest=manifest, bases=bases)  # fmt: skip
+    assert not (tmp_path / "bad").exists() or not list((tmp_path / "bad").iterdir())
