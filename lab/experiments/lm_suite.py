@@ -225,8 +225,10 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
     """One learning pass of a group's first setting, in the curve's parts; after each part every setting of the
     group solved (its policy and biases set on the layer) and scored, unless its solve reads as one already scored at
     that point bit for bit (a mechanism that did not act: the score is that one's, the row says whose in
-    score_reused_from); a cached setting (`caches`, read from `states`) then mixes its FAAST scores with the cache's
-    (lm_suite_cache.read); tick(tokens) after each step (the progress bar). {setting: row}."""
+    score_reused_from); a cached setting (`caches`, read from `states`) is solved only where no setting before it
+    at that point has its ResidualOutput (else it takes that one's solve and score: solve_shared_with), then mixes
+    its FAAST scores with the cache's (lm_suite_cache.read); tick(tokens) after each step (the progress bar).
+    {setting: row}."""
     from faast.hf import FaastConfig, apply_faast
     from faast.hf.evaluate import perplexity
     from faast.hf.tokens import split_continuing
@@ -259,24 +261,31 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
             learn_s += time.perf_counter() - started
             tick(sum(len(x) for x in part))
             scored: list[tuple[tuple, str, object]] = []  # (what was read, setting, its perplexity) at this point
+            solved: dict[str, tuple] = {}  # a cached setting's ResidualOutput -> the solve and score it was given
             for name in names:
-                layer.policy = settings[name].policy
-                # SOLVE_TIME_OUTPUT_FIELDS
-                layer.bias, layer.token_bias = settings[name].bias, settings[name].token_bias
-                started = time.perf_counter()
-                tuning = next(iter(model.solve(progress=False).values()), None) or {}
-                solve_s = time.perf_counter() - started
-                read = what_is_read(layer, model)
-                same = next(((n, r) for f, n, r in scored if same_read(f, read)), None)
-                if same is None:
-                    result, per_token = score(model)
-                    scored.append((read, name, (result, per_token)))
-                else:  # a setting whose solve came out bit for bit as another's reads as it: its score is that one
-                    result, per_token = same[1]
-                    if name not in caches:  # a cached one mixes that score with its cache: its own
-                        rows[name].setdefault("score_reused_from", []).append(same[0])
-                memory = model.fast_weight_bytes()
                 row = rows[name]
+                fields = json.dumps(setting_to_dict(settings[name]), sort_keys=True)
+                if name in caches and fields in solved:  # one ResidualOutput solves as one: the cache adds no solve
+                    tuning, solve_s, result, per_token, memory, first = solved[fields]
+                    row.setdefault("solve_shared_with", []).append(first)
+                else:
+                    layer.policy = settings[name].policy
+                    # SOLVE_TIME_OUTPUT_FIELDS
+                    layer.bias, layer.token_bias = settings[name].bias, settings[name].token_bias
+                    started = time.perf_counter()
+                    tuning = next(iter(model.solve(progress=False).values()), None) or {}
+                    solve_s = time.perf_counter() - started
+                    read = what_is_read(layer, model)
+                    same = next(((n, r) for f, n, r in scored if same_read(f, read)), None)
+                    if same is None:
+                        result, per_token = score(model)
+                        scored.append((read, name, (result, per_token)))
+                    else:  # a setting whose solve came out bit for bit as another's reads as it: its score is that one
+                        result, per_token = same[1]
+                        if name not in caches:  # a cached one mixes that score with its cache: its own
+                            row.setdefault("score_reused_from", []).append(same[0])
+                    memory = model.fast_weight_bytes()
+                    solved.setdefault(fields, (tuning, solve_s, result, per_token, memory, name))
                 if name in caches:  # FAAST's scores of this solve, mixed with the cache's
                     faast_s = result.seconds
                     result, cost = lm_suite_cache.read(states, *per_token, amounts[point], caches[name])

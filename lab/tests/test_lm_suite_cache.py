@@ -112,6 +112,9 @@ def test_a_cached_setting_shares_its_pass_and_solve_and_mixes_its_own_faast_scor
     assert rows["barely"]["curve"]["ppl"] == pytest.approx(rows["default"]["curve"]["ppl"], rel=1e-6)
     assert all(a != b for a, b in zip(rows["cached"]["curve"]["ppl"], rows["default"]["curve"]["ppl"], strict=True))
     assert "score_reused_from" not in rows["cached"]
+    # A cached setting adds no solve: its ResidualOutput's was solved already at each point.
+    assert rows["cached"]["solve_shared_with"] == rows["barely"]["solve_shared_with"] == ["default", "default"]
+    assert rows["cached"]["tuning"] == rows["default"]["tuning"] and "solve_shared_with" not in rows["no_bias_cached"]
     # Each cached setting mixes the scores of its own solve: without the bias, as the no-bias run reads them.
     learn, _, _ = suite.domain_texts("code", manifest, bases)
     lengths = [len(x) for x in token_lists(learn, CharTokenizer(), 800)]
