@@ -446,13 +446,15 @@ def fmt_lm_suite(records: list[tuple[str, dict]]) -> list[str]:
         f"{r['suite']['manifest_sha256'][:12]}."
     )
     from faast_lab.experiments.lm_suite_report import (
+        cache_lines,
         heuristic_lines,
         setting_lines,
         superseded_lines,
         tuned_peer_lines,
     )
 
-    lines += tuned_peer_lines(r)  # the report's own lines
+    lines += cache_lines(r)  # the report's own lines
+    lines += tuned_peer_lines(r)
     lines += superseded_lines(r)
     lines += setting_lines(r)
     if r.get("heuristics"):

@@ -29,6 +29,10 @@ timed against a setting a removed mechanism acted in, FAAST's time is that of th
 where the shard holds it, else the timed setting's: the settings of a shard's group share one learning pass, and only
 their solves differ, by a fraction of a second.
 
+A setting that reads an exact cache (lab/experiments/lm_suite_cache.py) takes its pairs from a pass of its own:
+where a domain chose one, FAAST's time beside the peers is scaled by that setting's learn + solve with the pass over
+without it, both from its own run (`cache_facts`), and the report lists those domains' caches.
+
 The merged record is what docs/results_sections.toml names (kind "lm_suite", scripts/results_formats.py): its
 `loko` holds the per-domain choices, per-kind and suite medians and worst, and the shares of one LoRA epoch's
 reduction; `domains` each domain's peers, times and lowest curve point; `goals` the issue's goals read off them;
@@ -297,13 +301,30 @@ def domain_facts(shard: dict, chosen: str) -> dict:
     peers = {peer_name(r["method"]): {k: r[k] for k in PEER_FIELDS if k in r} for r in shard["peers"]}
     timed, faast_s = shard.get("timed_setting"), shard.get("faast_s")
     lora_s = (peers.get(LORA) or {}).get("learn_s")
-    points = shard["settings"][chosen]["curve"]
+    row = shard["settings"][chosen]
+    points = row["curve"]
+    cache = cache_facts(row)
+    if cache is not None and faast_s:  # its pass of its own counts: FAAST's time beside the peers, scaled
+        faast_s *= cache["time_factor"]
     return {"kind": shard["kind"], "zero_shot": shard["zero_shot"]["ppl"], "learned_tokens": shard["learned_tokens"],
             "scored_tokens": shard["scored_tokens"], "curve_tokens": points["tokens"],
             "curve": points["reduction"], "lowest_point": min(points["reduction"]), "peers": peers,
             "timed_setting": timed, "faast_s": faast_s, "lora_s": lora_s,
             "time_ratio": faast_s / lora_s if faast_s and lora_s else None, "files": shard["files"],
-            "runs": shard["runs"]}  # fmt: skip
+            "runs": shard["runs"], "cache": cache}  # fmt: skip
+
+
+def cache_facts(row: dict) -> dict | None:
+    """A cached setting's cache (lm_suite_cache; None for any other setting): its λ, T and k, the pairs and bytes it
+    held at the last point, and its time factor: its learn + solve with the pairs' own pass over without it, both
+    in its own run. FAAST's time beside the peers is scaled by it where the domain chose a cached setting."""
+    cache = row.get("cache")
+    if cache is None:
+        return None
+    without = row["learn_s"] - cache["build_s"]
+    return {"lam": cache["lam"], "temperature": cache["temperature"], "k": cache["k"],
+            "pairs": row["cache_curve"]["pairs"][-1], "memory_bytes": row["memory_bytes"],
+            "build_s": cache["build_s"], "time_factor": row["learn_s"] / without}  # fmt: skip
 
 
 def _at_least(x: float | None, goal: float) -> bool | None:
@@ -539,6 +560,7 @@ def report(merged: dict) -> list[str]:
                  f" one LoRA epoch's reduction {share(r['share_median'])}, worst kind's "
                  f"{share(r['worst_kind_share'])}.")  # fmt: skip
     lines.append(goals_line(g))
+    lines += cache_lines(merged)
     lines += tuned_peer_lines(merged)
     lines += superseded_lines(merged)
     lines += setting_lines(merged)
@@ -580,6 +602,19 @@ def setting_lines(merged: dict) -> list[str]:
             *table(["domain", "kind", *names],
                    [[d, merged["domains"][d]["kind"], *(pct(rows[d].get(n)) for n in names)] for d in rows]
                    + [["median of those", "", *medians]])]  # fmt: skip
+
+
+def cache_lines(merged: dict) -> list[str]:
+    """The domains whose chosen setting reads an exact cache (domain_facts' "cache"): its λ and T, the pairs and MiB
+    it held at the last point, and its time factor (the pairs' own pass counted); none chose one: no lines."""
+    rows = [[d, f["kind"], f"λ {c['lam']:g}, T {c['temperature']:g}", f"{c['pairs']:,}",
+             f"{c['memory_bytes'] / 2**20:.1f}", ratio(c["time_factor"])]
+            for d, f in merged["domains"].items() if (c := f.get("cache")) is not None]  # fmt: skip
+    if not rows:
+        return []
+    return ["", "Where the chosen setting reads the exact cache (its time factor, learn + solve with the pairs' own "
+            "pass over without it in its run, scales FAAST's time beside the peers):", "",
+            *table(["domain", "kind", "cache", "pairs", "memory (MiB)", "time factor"], rows)]  # fmt: skip
 
 
 def tuned_peer_lines(merged: dict) -> list[str]:

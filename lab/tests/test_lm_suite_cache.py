@@ -139,3 +139,39 @@ def test_a_cached_setting_shares_its_pass_and_solve_and_mixes_its_own_faast_scor
         lm_suite.main([*ARGS, "--settings", '{"bad": {"cache": {"lam": 2, "temperature": 1}}}', "--out",
                        str(tmp_path / "bad")], load_model=loader, manifest=manifest, bases=bases)  # fmt: skip
     assert not (tmp_path / "bad").exists() or not list((tmp_path / "bad").iterdir())
+
+
+def test_a_domain_that_chose_a_cached_setting_counts_the_pairs_pass_in_faast_s_time(tmp_path):
+    from test_lm_suite import PEERS, planted_shard, write_shards
+
+    cache = {"lam": 0.1, "temperature": 30.0, "k": 1024}
+    shards = []
+    # The cache pays on kinds A and B and costs on C: a1 and b1 choose the default (C's loss outweighs), c1 the cache.
+    for domain, kind, cached in (("a1", "A", 0.20), ("b1", "B", 0.20), ("c1", "C", -0.20)):
+        rows = {"default": (0.10, 40.0, [0.05, 0.10]), "cached": (cached, 50.0, [0.1, cached])}
+        s = planted_shard(domain, kind, rows, peers=PEERS)
+        s["protocol"]["settings"]["cached"] = {"policy": {"n": "cached"}, "cache": cache}
+        s["settings"]["cached"].update(cache={**cache, "build_s": 10.0, "query_s": 1.0}, memory_bytes=3 * 2**20,
+                                       cache_curve={"pairs": [399, 799], "search_s": [0.1, 0.0]})  # fmt: skip
+        shards.append(s)
+    merged = lm_suite_report.merge(lm_suite_report.load_shards([write_shards(tmp_path / "x", shards)]))
+    chosen = {c["domain"]: c["setting"] for c in merged["loko"]["choices"]}
+    assert chosen == {"a1": "default", "b1": "default", "c1": "cached"}
+    facts = merged["domains"]
+    assert facts["a1"]["cache"] is None and facts["a1"]["time_ratio"] == pytest.approx(40.0 / 100.0)
+    # learn + solve 50 s with the pairs' 10 s pass, 40 s without: FAAST's 40 s beside the peers reads as 50 s.
+    assert facts["c1"]["cache"] == {**cache, "pairs": 799, "memory_bytes": 3 * 2**20, "build_s": 10.0,
+                                    "time_factor": pytest.approx(50.0 / 40.0)}  # fmt: skip
+    assert facts["c1"]["time_ratio"] == pytest.approx(50.0 / 100.0)
+    assert merged["goals"]["time_ratio_worst"] == pytest.approx(0.5)
+    lines = lm_suite_report.cache_lines(merged)
+    assert [x for x in lines if x.startswith("| c1 ")] == ["| c1 | C | λ 0.1, T 30 | 799 | 3.0 | 1.25× |"]
+    assert not [x for x in lines if x.startswith(("| a1 ", "| b1 "))]
+    from results_formats import FORMATTERS
+
+    assert lines[-1] in FORMATTERS["lm_suite"]([("lab/experiments/results/x.json", merged)])
+    plain = [
+        planted_shard(d, k, {"default": (0.1, 40.0, [0.0, 0.1])}, peers=PEERS) for d, k in (("a", "A"), ("b", "B"))
+    ]
+    assert lm_suite_report.cache_lines(lm_suite_report.merge(lm_suite_report.load_shards([write_shards(
+        tmp_path / "y", plain)]))) == []  # fmt: skip
