@@ -230,7 +230,7 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
     its FAAST scores with the cache's (lm_suite_cache.read); tick(tokens) after each step (the progress bar).
     {setting: row}."""
     from faast.hf import FaastConfig, apply_faast
-    from faast.hf.evaluate import perplexity
+    from faast.hf.evaluate import perplexity, token_log_probs
     from faast.hf.tokens import split_continuing
 
     caches = {n: c for n, c in (caches or {}).items() if n in names}
@@ -239,11 +239,11 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
 
     def score(model: object) -> tuple:
         """(Perplexity, FAAST's per-token log-probabilities and targets or None): kept per token where a cache
-        reads them (scored_log_probs sums the nll as perplexity does)."""
+        reads them (token_log_probs' total is what perplexity returns)."""
         if not caches:
             return perplexity(model, domain.windows, batch_size=args.batch_size, progress=False), None
-        logp, targets, result = lm_suite_cache.scored_log_probs(model, domain.windows, batch_size=args.batch_size)
-        return result, (logp, targets)
+        kept = token_log_probs(model, domain.windows, batch_size=args.batch_size, progress=False)
+        return kept.total, (kept.log_probs, kept.targets)
 
     config = FaastConfig(output=settings[names[0]], **({"learn_dtype": "model"} if args.path == "float32" else {}))
     model = apply_faast(base, config)

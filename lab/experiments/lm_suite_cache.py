@@ -79,8 +79,8 @@ def pairs_within(lengths: Sequence[int], tokens: int) -> int:
 @dataclass
 class CacheStates:
     """One domain's cache, before any reading: the learned text's pairs in stream order (keys [N, d] float32,
-    values [N] int64), the scored tokens' queries [M, d] float32 and targets [M] int64 in `scored_log_probs`' order,
-    the texts' lengths, and the seconds the two base passes took."""
+    values [N] int64), the scored tokens' queries [M, d] float32 and targets [M] int64 in the order
+    faast.hf.evaluate.token_log_probs keeps them, the texts' lengths, and the seconds the two base passes took."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -119,7 +119,7 @@ def build(base: nn.Module, learn: Sequence[Sequence[int]], windows: Sequence[Seq
           batch_size: int) -> CacheStates:  # fmt: skip
     """The cache's pairs over the learned texts (the base model's final hidden states, in windows of `window`
     tokens overlapping by one, as the kNN-LM's datastore) and the queries at the scored windows' targets (batches of
-    `batch_size`, as `scored_log_probs` reads them). `base` must be the model without FAAST."""
+    `batch_size`, as faast.hf.evaluate.token_log_probs reads them). `base` must be the model without FAAST."""
     store = KNNLM(base, KNNConfig())
     started = time.perf_counter()
     store.add(learn, window=window, batch_size=batch_size)
@@ -137,37 +137,11 @@ def build(base: nn.Module, learn: Sequence[Sequence[int]], windows: Sequence[Seq
 
 
 @torch.no_grad()
-def scored_log_probs(
-    model: nn.Module, windows: Sequence[Sequence[int]], *, batch_size: int
-) -> tuple[torch.Tensor, torch.Tensor, Perplexity]:
-    """What faast.hf.evaluate.perplexity sums, kept per token: (log-probabilities of the targets [M] float32, the
-    targets [M] int64, in window order, and the Perplexity with the same nll, summed batch by batch as it sums)."""
-    from faast.hf.lm import input_embeddings
-    from faast.hf.tokens import pad_rows
-
-    device = input_embeddings(model).weight.device
-    out, targets, nll, tokens = [], [], 0.0, 0
-    started = time.perf_counter()
-    for start in range(0, len(windows), batch_size):
-        ids, mask = pad_rows([list(w) for w in windows[start : start + batch_size]])
-        ids, mask = ids.to(device), mask.long().to(device)
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-        target = ids[:, 1:]
-        valid = (mask[:, 1:] * mask[:, :-1]).bool()
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        nll -= float(logp[valid].sum())
-        tokens += int(valid.sum())
-        out.append(logp[valid].cpu())
-        targets.append(target[valid].cpu())
-    result = Perplexity(nll=nll, tokens=tokens, seconds=time.perf_counter() - started)
-    return torch.cat(out), torch.cat(targets), result
-
-
 def read(states: CacheStates, log_probs: torch.Tensor, targets: torch.Tensor, learned: int,
          spec: CacheSpec) -> tuple[Perplexity, dict]:  # fmt: skip
-    """The perplexity of FAAST's `log_probs` [M] at `targets` [M] (scored_log_probs) mixed with the cache after
-    `learned` tokens, and what the reading cost: {"pairs", "bytes", "search_s"} (search_s 0 where an earlier
-    reading at this point searched already: one search serves every λ and T)."""
+    """The perplexity of FAAST's `log_probs` [M] at `targets` [M] (faast.hf.evaluate.token_log_probs) mixed with
+    the cache after `learned` tokens, and what the reading cost: {"pairs", "bytes", "search_s"} (search_s 0 where
+    an earlier reading at this point searched already: one search serves every λ and T)."""
     if not torch.equal(targets, states.targets):
         raise ValueError("targets: the scored tokens differ from the cache's queries (another windowing or batching)")
     pairs = states.pairs(learned)

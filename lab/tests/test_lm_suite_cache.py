@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from faast.hf.evaluate import perplexity
+from faast.hf.evaluate import perplexity, token_log_probs
 from faast.hf.tokens import token_lists
 from faast_lab.experiments import lm_suite, lm_suite_cache, lm_suite_report, suite
 from hf_models import VOCAB, CharTokenizer, tiny_model
@@ -42,7 +42,8 @@ def test_the_cache_holds_the_first_tokens_pairs_in_stream_order_and_mixes_as_flo
     for n in (0, 1, 2, 50, 51, 57, 58, 59, 100, 148, 10**6):
         assert states.pairs(n) == brute_pairs(lengths, n), n
     # Per token, what perplexity() sums, in the order of the cache's queries.
-    logp, targets, result = lm_suite_cache.scored_log_probs(base, windows, batch_size=2)
+    kept = token_log_probs(base, windows, batch_size=2, progress=False)
+    logp, targets, result = kept.log_probs, kept.targets, kept.total
     ref = perplexity(base, windows, batch_size=2, progress=False)
     assert (result.nll, result.tokens) == (ref.nll, ref.tokens) and targets.numel() == ref.tokens
     assert torch.equal(targets, states.targets) and torch.equal(targets, torch.tensor([t for w in windows

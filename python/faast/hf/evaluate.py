@@ -50,6 +50,32 @@ def perplexity(
     first are scored, so the scored tokens are the same with and without a context. progress: a bar on stderr with
     tokens/s and the time left from the second batch (None: when stderr is a terminal; faast/hf/progress.py).
     """
+    return token_log_probs(model, windows, batch_size=batch_size, context=context, progress=progress).total
+
+
+@dataclass
+class TokenScores:
+    """Every scored token of `perplexity`, kept: log_probs [M] float32 (the model's log-probability of each target)
+    and targets [M] int64, window by window in order, each window's tokens after its first; total is the
+    Perplexity `perplexity` returns (its nll summed batch by batch, so it can differ from -log_probs.sum() in the
+    last bits)."""
+
+    log_probs: torch.Tensor
+    targets: torch.Tensor
+    total: Perplexity
+
+
+@torch.no_grad()
+def token_log_probs(
+    model: nn.Module,
+    windows: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 4,
+    context: Sequence[int] = (),
+    progress: bool | None = None,
+) -> TokenScores:
+    """`perplexity`, keeping each scored token's log-probability (for mixing with another distribution, or per
+    token analysis). Arguments as `perplexity`."""
     import time
 
     from .progress import Bar, enabled
@@ -58,7 +84,7 @@ def perplexity(
         raise ValueError("windows: expected at least one window of >= 2 tokens, got none")
     device = input_embeddings(model).weight.device
     prefix = list(context)
-    nll, tokens = 0.0, 0
+    nll, tokens, kept, targets = 0.0, 0, [], []
     started = time.perf_counter()
     bar, total, done = Bar(enabled(progress), "faast score"), max(1, sum(len(w) for w in windows)), 0
     for start in range(0, len(windows), batch_size):
@@ -69,14 +95,17 @@ def perplexity(
         target = ids[:, 1:]
         valid = (mask[:, 1:] * mask[:, :-1]).bool()
         valid[:, : len(prefix)] = False  # the context's tokens and the window's first token are not scored
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        nll -= float(logp[valid].sum())
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)[valid]
+        nll -= float(logp.sum())
         tokens += int(valid.sum())
+        kept.append(logp.cpu())
+        targets.append(target[valid].cpu())
         scored = sum(len(w) for w in windows[start : start + batch_size])
         done += scored
         bar.update(scored, done / total)
     bar.close()
-    return Perplexity(nll=nll, tokens=tokens, seconds=time.perf_counter() - started)
+    result = Perplexity(nll=nll, tokens=tokens, seconds=time.perf_counter() - started)
+    return TokenScores(log_probs=torch.cat(kept), targets=torch.cat(targets), total=result)
 
 
 @dataclass
