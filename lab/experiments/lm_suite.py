@@ -40,7 +40,7 @@ from pathlib import Path
 
 from faast_lab.experiments import lm_suite_cache, suite
 from faast_lab.experiments._common import ROOT, ModelLoader
-from faast_lab.experiments.lm_suite_cache import CACHE, CacheSpec, CacheStates, split_cache
+from faast_lab.experiments.lm_suite_cache import CACHE, CacheSpec, CacheStates, TunedCacheSpec, split_cache
 
 # OutputPolicy fields read only by the solve (tuning, diagnosis, biases, the held-out plan and sample): two
 # settings that differ only in these share one learning pass and are re-solved. The others (the held-out tail's
@@ -186,7 +186,7 @@ class SuiteDomain:
 
 
 def protocol(args: argparse.Namespace, settings: Mapping[str, object], description: str,
-             caches: Mapping[str, CacheSpec] | None = None) -> dict:  # fmt: skip
+             caches: Mapping[str, CacheSpec | TunedCacheSpec] | None = None) -> dict:  # fmt: skip
     """What a shard's numbers depend on besides the text: a resumed run must match it. A cached setting's fields
     hold its cache under "cache"."""
     keep = ("path", "learn_tokens", "score_tokens", "curve", "window", "batch_size", "learn_window",
@@ -220,7 +220,7 @@ def same_read(a: tuple, b: tuple) -> bool:
 
 
 def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings: Mapping, args: argparse.Namespace,
-              tick: Callable[[int], None], caches: Mapping[str, CacheSpec] | None = None,
+              tick: Callable[[int], None], caches: Mapping[str, CacheSpec | TunedCacheSpec] | None = None,
               states: CacheStates | None = None) -> dict:  # fmt: skip
     """One learning pass of a group's first setting, in the curve's parts; after each part every setting of the
     group solved (its policy and biases set on the layer) and scored, unless its solve reads as one already scored at
@@ -237,13 +237,20 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
     if caches and states is None:
         raise ValueError(f"states: the settings {sorted(caches)} read a cache; expected its CacheStates, got None")
 
-    def score(model: object) -> tuple:
-        """(Perplexity, FAAST's per-token log-probabilities and targets or None): kept per token where a cache
-        reads them (token_log_probs' total is what perplexity returns)."""
+    tuned = any(isinstance(c, TunedCacheSpec) for c in caches.values())
+
+    def score(model: object, learned: int) -> tuple:
+        """(Perplexity, None or what a cache reads: FAAST's per-token log-probabilities and targets, and for a tuned
+        cache its tail's log-probabilities and their seconds or None): token_log_probs' total is perplexity's."""
         if not caches:
             return perplexity(model, domain.windows, batch_size=args.batch_size, progress=False), None
         kept = token_log_probs(model, domain.windows, batch_size=args.batch_size, progress=False)
-        return kept.total, (kept.log_probs, kept.targets)
+        tail, tail_scores = states.tails.get(learned) if tuned else None, None
+        if tail is not None:
+            started = time.perf_counter()
+            tail_scores = (lm_suite_cache.faast_tail_log_probs(model, tail, args.batch_size),
+                           time.perf_counter() - started)  # fmt: skip
+        return kept.total, (kept.log_probs, kept.targets, tail_scores)
 
     config = FaastConfig(output=settings[names[0]], **({"learn_dtype": "model"} if args.path == "float32" else {}))
     model = apply_faast(base, config)
@@ -278,7 +285,7 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
                     read = what_is_read(layer, model)
                     same = next(((n, r) for f, n, r in scored if same_read(f, read)), None)
                     if same is None:
-                        result, per_token = score(model)
+                        result, per_token = score(model, amounts[point])
                         scored.append((read, name, (result, per_token)))
                     else:  # a setting whose solve came out bit for bit as another's reads as it: its score is that one
                         result, per_token = same[1]
@@ -288,12 +295,13 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
                     solved.setdefault(fields, (tuning, solve_s, result, per_token, memory, name))
                 if name in caches:  # FAAST's scores of this solve, mixed with the cache's
                     faast_s = result.seconds
-                    result, cost = lm_suite_cache.read(states, *per_token, amounts[point], caches[name])
+                    result, cost = lm_suite_cache.read_at(states, caches[name], amounts[point], result, per_token)
                     result.seconds = faast_s + cost["search_s"]
                     memory += cost["bytes"]
-                    row.setdefault("cache_curve", {"pairs": [], "search_s": []})
-                    row["cache_curve"]["pairs"].append(cost["pairs"])
-                    row["cache_curve"]["search_s"].append(cost["search_s"])
+                    kept = ("pairs", "search_s") + (("lam", "temperature", "tune_s") if "tune_s" in cost else ())
+                    curve = row.setdefault("cache_curve", {k: [] for k in kept})
+                    for k in kept:
+                        curve[k].append(cost[k])
                 tick(domain.scored)
                 row["curve"]["ppl"].append(result.ppl)
                 row["curve"]["solve_s"].append(solve_s)
@@ -308,13 +316,18 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
         if name in caches:  # the cache's pairs come from a pass of their own here (lm_suite_cache): counted
             rows[name]["cache"] = {**caches[name].to_dict(), "build_s": states.build_s, "query_s": states.query_s}
             rows[name]["learn_s"] += states.build_s
+            curve = rows[name]["cache_curve"]
+            if "tune_s" in curve:  # a tuned cache: its last point's choice, and that point's tuning in its time
+                rows[name]["cache"].update(lam=curve["lam"][-1], temperature=curve["temperature"][-1],
+                                           tune_s=curve["tune_s"][-1])  # fmt: skip
+                rows[name]["learn_s"] += curve["tune_s"][-1]
             rows[name]["score_s"] += states.query_s
     return rows
 
 
 def run_domain(name: str, base: object, tokenizer: object, settings: Mapping, args: argparse.Namespace,
                manifest: Mapping, bases: Mapping | None, tick: Callable[[int], None],
-               caches: Mapping[str, CacheSpec] | None = None) -> dict:  # fmt: skip
+               caches: Mapping[str, CacheSpec | TunedCacheSpec] | None = None) -> dict:  # fmt: skip
     """One shard: the domain's zero-shot, each setting's row and curve, the peers' rows. With `caches`, the cache's
     pairs and queries first (lm_suite_cache.build, the base model alone)."""
     import torch
@@ -332,7 +345,15 @@ def run_domain(name: str, base: object, tokenizer: object, settings: Mapping, ar
     print(f"{name}: learn {domain.learned:,} tokens, score {domain.scored:,}; zero-shot {zero.ppl:.3f}", flush=True)
     states = None
     if caches:
-        states = lm_suite_cache.build(base, domain.learn, windows, window=args.window, batch_size=args.batch_size)
+        from faast.hf import ResidualOutput
+        from faast_lab.experiments.lm_baselines import faast_min_fit
+
+        tails_at = []
+        if any(isinstance(c, TunedCacheSpec) for c in caches.values()):  # every curve point's tail
+            tails_at = sorted({p for p in args.curve if p < domain.learned} | {domain.learned})
+        states = lm_suite_cache.build(base, domain.learn, windows, window=args.window, batch_size=args.batch_size,
+                                      tails_at=tails_at, tune_tokens=ResidualOutput().tune_tokens,
+                                      min_fit=faast_min_fit(base.config.hidden_size))  # fmt: skip
         tick(domain.learned)
     rows: dict[str, dict] = {}
     for group in groups(settings):

@@ -315,15 +315,17 @@ def domain_facts(shard: dict, chosen: str) -> dict:
 
 
 def cache_facts(row: dict) -> dict | None:
-    """A cached setting's cache (lm_suite_cache; None for any other setting): its λ, T and k, the pairs and bytes it
-    held at the last point, and its time factor: its learn + solve with the pairs' own pass over without it, both
-    in its own run. FAAST's time beside the peers is scaled by it where the domain chose a cached setting."""
+    """A cached setting's cache (lm_suite_cache; None for any other setting): its λ, T and k (a tuned cache's at the
+    last point, λ 0 where it chose none), the pairs and bytes it held at the last point, and its time factor: its
+    learn + solve with the pairs' own pass (and a tuned cache's tuning) over without them, both in its own run.
+    FAAST's time beside the peers is scaled by it where the domain chose a cached setting."""
     cache = row.get("cache")
     if cache is None:
         return None
-    without = row["learn_s"] - cache["build_s"]
+    without = row["learn_s"] - cache["build_s"] - cache.get("tune_s", 0.0)
     return {"lam": cache["lam"], "temperature": cache["temperature"], "k": cache["k"],
-            "pairs": row["cache_curve"]["pairs"][-1], "memory_bytes": row["memory_bytes"],
+            "tuned": bool(cache.get("tune")), "pairs": row["cache_curve"]["pairs"][-1],
+            "memory_bytes": row["memory_bytes"],
             "build_s": cache["build_s"], "time_factor": row["learn_s"] / without}  # fmt: skip
 
 
@@ -607,7 +609,12 @@ def setting_lines(merged: dict) -> list[str]:
 def cache_lines(merged: dict) -> list[str]:
     """The domains whose chosen setting reads an exact cache (domain_facts' "cache"): its λ and T, the pairs and MiB
     it held at the last point, and its time factor (the pairs' own pass counted); none chose one: no lines."""
-    rows = [[d, f["kind"], f"λ {c['lam']:g}, T {c['temperature']:g}", f"{c['pairs']:,}",
+
+    def chose(c: dict) -> str:
+        fixed = "off" if c["lam"] == 0 else f"λ {c['lam']:g}, T {c['temperature']:g}"
+        return f"tuned: {fixed}" if c.get("tuned") else fixed
+
+    rows = [[d, f["kind"], chose(c), f"{c['pairs']:,}",
              f"{c['memory_bytes'] / 2**20:.1f}", ratio(c["time_factor"])]
             for d, f in merged["domains"].items() if (c := f.get("cache")) is not None]  # fmt: skip
     if not rows:

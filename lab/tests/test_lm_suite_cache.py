@@ -161,7 +161,7 @@ def test_a_domain_that_chose_a_cached_setting_counts_the_pairs_pass_in_faast_s_t
     facts = merged["domains"]
     assert facts["a1"]["cache"] is None and facts["a1"]["time_ratio"] == pytest.approx(40.0 / 100.0)
     # learn + solve 50 s with the pairs' 10 s pass, 40 s without: FAAST's 40 s beside the peers reads as 50 s.
-    assert facts["c1"]["cache"] == {**cache, "pairs": 799, "memory_bytes": 3 * 2**20, "build_s": 10.0,
+    assert facts["c1"]["cache"] == {**cache, "tuned": False, "pairs": 799, "memory_bytes": 3 * 2**20, "build_s": 10.0,
                                     "time_factor": pytest.approx(50.0 / 40.0)}  # fmt: skip
     assert facts["c1"]["time_ratio"] == pytest.approx(50.0 / 100.0)
     assert merged["goals"]["time_ratio_worst"] == pytest.approx(0.5)
@@ -176,3 +176,121 @@ def test_a_domain_that_chose_a_cached_setting_counts_the_pairs_pass_in_faast_s_t
     ]
     assert lm_suite_report.cache_lines(lm_suite_report.merge(lm_suite_report.load_shards([write_shards(
         tmp_path / "y", plain)]))) == []  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- the cache tuned on the tail
+
+
+def test_search_apart_finds_the_nearest_pairs_of_other_documents_only():
+    g = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(40, 8, generator=g), torch.randint(0, 5, (40,), generator=g)
+    key_docs = torch.tensor([0] * 10 + [1] * 25 + [2] * 5)
+    queries, targets = torch.randn(7, 8, generator=g), torch.randint(0, 5, (7,), generator=g)
+    docs = torch.tensor([0, 1, 2, 1, 0, 2, 1])
+    for k in (3, 30, 100):  # 30: more than document 1's others hold (15), so some neighbours are missing
+        neg, hit = lm_suite_cache.search_apart(queries, targets, docs, keys, values, key_docs, k, query_chunk=3)
+        for i in range(7):
+            other = (key_docs != docs[i]).nonzero()[:, 0]
+            dist = (queries[i].double() - keys[other].double()).square().sum(-1)
+            order = dist.argsort()[: min(k, 40)]
+            n = min(k, 40, other.numel())
+            torch.testing.assert_close(-neg[i, :n].double(), dist[order[:n]], rtol=1e-5, atol=1e-5)
+            assert torch.equal(hit[i, :n], values[other[order[:n]]] == targets[i])
+            assert (neg[i, n:] == lm_suite_cache.FAR).all() and not hit[i, n:].any()  # missing: far, and no hit
+
+
+def synthetic(helpful: bool) -> tuple:
+    """A cache of three documents and a tail of 12 positions in documents 0 and 1: each tail query sits next to
+    pairs of the other documents whose next token is the target (helpful) or another token (not)."""
+    g = torch.Generator().manual_seed(5)
+    d, per_doc = 6, 20
+    centers, targets = torch.randn(12, d, generator=g) * 10, torch.randint(0, 50, (12,), generator=g)
+    keys, values = [], []
+    for doc in range(3):
+        for j in range(per_doc):
+            i = (doc * per_doc + j) % 12
+            keys.append(centers[i] + 0.01 * torch.randn(d, generator=g))
+            values.append(int(targets[i]) if helpful else (int(targets[i]) + 1) % 50)
+    states = lm_suite_cache.CacheStates(keys=torch.stack(keys), values=torch.tensor(values), queries=torch.zeros(0, d),
+                                        targets=torch.zeros(0, dtype=torch.int64), lengths=[per_doc + 1] * 3,
+                                        build_s=0.0, query_s=0.0)  # fmt: skip
+    tail = lm_suite_cache.Tail(rows=[], queries=centers, targets=targets, seconds=0.0,
+                               documents=torch.tensor([0] * 6 + [1] * 6))  # fmt: skip
+    faast = torch.full((12,), math.log(0.05))
+    return states, tail, faast
+
+
+@pytest.mark.parametrize("helpful", [True, False])
+def test_the_tuned_cache_takes_the_grid_s_best_on_the_tail_and_none_where_it_only_costs(helpful):
+    states, tail, faast = synthetic(helpful)
+    spec = lm_suite_cache.TunedCacheSpec(k=8)
+    chosen, record = lm_suite_cache.tune(states, tail, faast, 10**6, spec)
+    grid = record["grid"]
+    assert len(grid) == 1 + len(spec.lams) * len(spec.temperatures) and record["tail_positions"] == 12
+    # Each grid point against float64 brute force over the other documents' pairs.
+    docs = lm_suite_cache.pair_documents(states.lengths, 10**6)
+    for point in grid[1:]:
+        p = []
+        for i in range(12):
+            other = (docs != tail.documents[i]).nonzero()[:, 0]
+            dist = (tail.queries[i].double() - states.keys[other].double()).square().sum(-1)
+            near = dist.argsort()[:8]
+            w = torch.softmax(-dist[near] / point["temperature"], 0)
+            cache = float((w * (states.values[other[near]] == tail.targets[i])).sum())
+            p.append((1 - point["lam"]) * 0.05 + point["lam"] * cache)
+        assert point["nll"] == pytest.approx(-float(torch.tensor(p).double().log().mean()), rel=CACHE_MIX_REL)
+    best = min(grid, key=lambda x: x["nll"])
+    if helpful:
+        assert chosen == lm_suite_cache.CacheSpec(best["lam"], best["temperature"], 8) and chosen.lam == max(spec.lams)
+    else:  # every λ > 0 only moves mass away from the target: off
+        assert chosen is None and best["lam"] == 0.0
+
+
+def test_a_tuned_cache_reads_as_faast_where_no_tail_or_no_gain_and_counts_its_tuning(tmp_path):
+    bases, sources = fake_tree(tmp_path / "tree")
+    manifest = fake_manifest(bases, sources)
+    out = tmp_path / "tuned"
+    settings = {"default": {}, "tuned": {"cache": {"tune": True, "k": 64}}}
+    lm_suite.main([*ARGS, "--curve", "100", "--settings", json.dumps(settings), "--out", str(out), "--domains",
+                   "code"], load_model=loader, manifest=manifest, bases=bases)  # fmt: skip
+    shard = json.loads((out / "code.json").read_text())
+    rows = shard["settings"]
+    grids = {"lams": list(lm_suite_cache.LAMS), "temperatures": list(lm_suite_cache.TEMPERATURES)}
+    assert shard["protocol"]["settings"]["tuned"]["cache"] == {"tune": True, "k": 64, **grids}
+    curve, tuned = rows["tuned"]["cache_curve"], rows["tuned"]["curve"]["ppl"]
+    # 100 tokens hold no tail out (too little to fit on): the cache is off and untuned there.
+    assert curve["lam"][0] == 0.0 and curve["temperature"][0] is None and curve["tune_s"][0] == 0.0
+    assert curve["tune_s"][1] > 0  # 800 tokens hold a tail out
+    for i, lam in enumerate(curve["lam"]):
+        if lam == 0.0:  # off: FAAST's own perplexity, to the bit
+            assert tuned[i] == rows["default"]["curve"]["ppl"][i] and curve["search_s"][i] == 0.0
+    # Its last point reads as a fixed cache of the λ and T it chose there (off: as the default).
+    cache = rows["tuned"]["cache"]
+    assert (cache["lam"], cache["temperature"]) == (curve["lam"][-1], curve["temperature"][-1])
+    if cache["lam"] > 0:
+        fixed = tmp_path / "fixed"
+        again = {
+            "default": {},
+            "fixed": {"cache": {"lam": cache["lam"], "temperature": cache["temperature"], "k": 64}},
+        }
+        lm_suite.main([*ARGS, "--curve", "100", "--settings", json.dumps(again), "--out", str(fixed), "--domains",
+                       "code"], load_model=loader, manifest=manifest, bases=bases)  # fmt: skip
+        read = json.loads((fixed / "code.json").read_text())["settings"]["fixed"]["ppl"]
+        assert rows["tuned"]["ppl"] == pytest.approx(read, rel=1e-6)
+    # Its time counts the pairs' pass and the last point's tuning (the tail's base pass, FAAST's scores, the grid).
+    assert rows["tuned"]["learn_s"] == pytest.approx(rows["tuned"]["pass_learn_s"] + rows["tuned"]["solve_s"]
+                                                     + cache["build_s"] + cache["tune_s"])  # fmt: skip
+    facts = lm_suite_report.cache_facts(rows["tuned"])
+    assert facts["tuned"] and facts["time_factor"] > 1
+
+
+@pytest.mark.parametrize(
+    ("cache", "match"),
+    [({"tune": True, "k": 0}, "cache k"), ({"tune": True, "lams": [1.5]}, "cache lam"),
+     ({"tune": True, "temperatures": []}, "non-empty"), ({"tune": True, "lam": 0.1}, "takes k, lams")],
+)  # fmt: skip
+def test_a_bad_tuned_cache_is_refused_naming_the_setting(cache, match):
+    with pytest.raises(ValueError, match=match):
+        lm_suite_cache.split_cache("bad", {"cache": cache})
+    with pytest.raises(ValueError, match="setting 'bad'"):
+        lm_suite_cache.split_cache("bad", {"cache": cache})
