@@ -11,8 +11,9 @@ OutputPolicy fields, each over the shipped defaults: {"default": {}, "no_bias": 
 "no_document_shrink": {"policy": {"document_shrink_power": 0}}}; a field of a removed mechanism
 (faast.hf.output.policy.REMOVED_FIELDS) is refused. A setting may add an exact cache of the learned text's pairs,
 read beside FAAST: "cache": {"lam", "temperature", "k"} (lm_suite_cache; "default_cache": {"cache": {"lam": 0.1,
-"temperature": 30}} is the default with it). The first setting is the one LoRA at FAAST's time gets the time
-of (list the default first). The runs take the float32 path by default (FaastConfig(learn_dtype='model'),
+"temperature": 30}} is the default with it), or one whose λ and T are tuned at each point on FAAST's held-out
+tail: "cache": {"tune": true, "k"} (lm_suite_cache.tune). The first setting is the one LoRA at FAAST's time gets
+the time of (list the default first). The runs take the float32 path by default (FaastConfig(learn_dtype='model'),
 head_dtype='float32'), as the issue's goals are stated; --path auto takes faast's own choice.
 
 Per domain (lab/experiments/suite.py: the manifest's files, checked against their hashes first): the learned text's

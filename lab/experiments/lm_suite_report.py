@@ -620,7 +620,8 @@ def cache_lines(merged: dict) -> list[str]:
     if not rows:
         return []
     return ["", "Where the chosen setting reads the exact cache (its time factor, learn + solve with the pairs' own "
-            "pass over without it in its run, scales FAAST's time beside the peers):", "",
+            "pass, and a tuned cache's tuning, over without them in its run, scales FAAST's time beside the peers; "
+            "a tuned cache's choice is its last point's):", "",
             *table(["domain", "kind", "cache", "pairs", "memory (MiB)", "time factor"], rows)]  # fmt: skip
 
 

@@ -294,3 +294,14 @@ def test_a_bad_tuned_cache_is_refused_naming_the_setting(cache, match):
         lm_suite_cache.split_cache("bad", {"cache": cache})
     with pytest.raises(ValueError, match="setting 'bad'"):
         lm_suite_cache.split_cache("bad", {"cache": cache})
+
+
+def test_the_tuned_cache_spec_file_is_the_default_beside_the_default_with_the_tuned_cache():
+    args = lm_suite.parse_args(
+        ["--out", "x", "--settings", str(lm_suite.ROOT / "lab/experiments/suite_cache_tuned.json")]
+    )
+    assert list(args.settings) == ["default", "default_cache_tuned"]
+    fields, cache = lm_suite_cache.split_cache("default_cache_tuned", args.settings["default_cache_tuned"])
+    assert fields == {} and cache == lm_suite_cache.TunedCacheSpec()
+    spec = json.loads((lm_suite.ROOT / "lab/experiments/suite_cache_tuned.json").read_text())
+    assert spec["mechanisms"][0]["on"] == ["default_cache_tuned"] and spec["mechanisms"][0]["off"] == "default"
