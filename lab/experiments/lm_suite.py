@@ -228,7 +228,8 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
     that point bit for bit (a mechanism that did not act: the score is that one's, the row says whose in
     score_reused_from); a cached setting (`caches`, read from `states`) is solved only where no setting before it
     at that point has its ResidualOutput (else it takes that one's solve and score: solve_shared_with), then mixes
-    its FAAST scores with the cache's (lm_suite_cache.read); tick(tokens) after each step (the progress bar).
+    its FAAST scores with the cache's (lm_suite_cache.read_at; a tuned cache chooses its λ and T on FAAST's scores
+    of the held-out tail first); tick(tokens) after each step (the progress bar).
     {setting: row}."""
     from faast.hf import FaastConfig, apply_faast
     from faast.hf.evaluate import perplexity, token_log_probs

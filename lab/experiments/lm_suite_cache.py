@@ -11,6 +11,11 @@ over the learned text (`build`); at a curve point of N learned tokens the cache 
 That pass is timed apart (build_s) and counted in the setting's learn time: a library build would take the pairs
 from FAAST's own learning pass, which already computes h̃. Forward only, as FAAST: nothing is trained.
 
+A tuned cache ("cache": {"tune": true, "k"}) chooses its λ and T at each curve point as FAAST chooses its step, on
+the held-out tail of the learned text (`tune`): each tail position is read against the pairs of the other learned
+documents (a held-out file has no pairs of its own in the cache), mixed with FAAST's log-probabilities of the tail
+from the same solve, over a grid that holds λ = 0 (no cache). Where no tail is held out, it is off.
+
 Experiment code, not part of the faast package; it uses only faast's public names.
 """
 
