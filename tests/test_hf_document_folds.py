@@ -1,7 +1,8 @@
 """The step tuned by document folds (OutputPolicy.document_folds; faast/hf/document_folds.py, docs/design.md §6.3):
 each fold's key sums are the memory's own for its documents, documents are dealt into the folds in turn (the first F
 each alone), forget and merge keep the sums exact, each held-out row is read by a fit that never saw its fold, and
-where one document was learned the tail's rule applies."""
+where fewer documents than folds were learned the tail's rule applies; the folds as a gate (the default) keep the
+memory off where no learned document helps another."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from test_hf_tuning_documents import WINDOW, noisy_phrase
 from tolerances import DOCUMENT_FOLDS_REL, rel
 
 FOLDS = 3
-POLICY = dataclasses.replace(OutputPolicy(), document_folds=FOLDS)
+POLICY = dataclasses.replace(OutputPolicy(), document_folds=FOLDS, document_folds_gate=False)
+# The tail's rule alone: no folds kept, so nothing gates it.
+TAIL = OutputPolicy(document_folds=0)
 CONFIG = FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=4096, head_dtype="float32", policy=POLICY),
                      learn_dtype="model")  # fmt: skip
 # Texts of a phrase each (seeds 1-6): their documents spread over the folds.
@@ -110,7 +113,7 @@ def test_the_step_is_tuned_by_folds_without_a_gap_or_a_shrink_and_a_new_phrase_r
     """Texts of a phrase each: the tail's fit has seen every held-out row's phrase and tunes a large step; a fold's
     fit has not, so the step is tuned for text the memory did not learn, and a text of a new phrase reads within the
     suite's floor."""
-    tail_policy = OutputPolicy(document_folds=0)
+    tail_policy = TAIL
     tail_model = model_of(dataclasses.replace(CONFIG, output=dataclasses.replace(CONFIG.output, policy=tail_policy)))
     tail_model.learn(TEXTS, max_length=WINDOW, batch_size=2)
     tail = solve(tail_model)
@@ -133,6 +136,21 @@ def test_one_learned_document_is_tuned_by_the_tail():
     model.learn([noisy_phrase(2400, seed=1)], max_length=WINDOW, batch_size=2)
     tuning = solve(model)
     assert tuning["tuned"] and tuning["document_folds"] == 0 and tuning["document_gap_tokens"] > 0
+
+
+@pytest.mark.parametrize("policy", [POLICY, dataclasses.replace(POLICY, document_folds_gate=True)])
+def test_fewer_documents_than_folds_are_tuned_by_the_tail(policy):
+    """With fewer learned documents than folds, a fold's fit would hold too little of the text: the tail's rule reads
+    them, step and all, gated or not; one more document and the folds apply."""
+    few = [noisy_phrase(1200, seed=s) for s in range(1, FOLDS)]
+    tail_model = model_of(dataclasses.replace(CONFIG, output=dataclasses.replace(CONFIG.output, policy=TAIL)))
+    tail_model.learn(few, max_length=WINDOW, batch_size=2)
+    tail = solve(tail_model)
+    tuning = solve(learned_with(policy, few))
+    assert tuning["document_folds"] == 0 and tuning["folds_gate"] is None
+    assert (tuning["step"], tuning["weight"], tuning["key_width"]) == (tail["step"], tail["weight"], tail["key_width"])
+    full = solve(learned_with(policy, [*few, noisy_phrase(1200, seed=FOLDS)]))
+    assert full["document_folds"] >= 2 if not policy.document_folds_gate else full["folds_gate"] in ("on", "off")
 
 
 def test_forgetting_texts_takes_them_out_of_their_folds():
@@ -195,7 +213,7 @@ def learned_with(policy: OutputPolicy, texts: list[list[int]]):
 def test_the_folds_gate_turns_the_memory_off_where_no_learned_document_helps_another():
     """Texts of a phrase each: the tail's fit has seen every held-out row's phrase and tunes a step; read by the folds,
     no step helps, so the gated memory is off and a new phrase reads as the base model does."""
-    assert solve(learned_with(OutputPolicy(), TEXTS))["step"] > 0
+    assert solve(learned_with(TAIL, TEXTS))["step"] > 0
     model = learned_with(GATE, TEXTS)
     gated = solve(model)
     assert gated["folds_gate"] == "off" and gated["step"] == 0.0 and gated["document_folds"] >= 2
@@ -212,7 +230,7 @@ def test_where_the_folds_find_a_gain_the_gate_takes_the_tails_step():
     """Texts that share a phrase: a fold's fit helps the others' documents, so the gate leaves the memory on with
     exactly the step, weight and key width the tail's rule chooses alone."""
     shared = [noisy_phrase(440, seed=1, noise=0.2 + 0.01 * s) for s in range(6)]
-    tail = solve(learned_with(OutputPolicy(), shared))
+    tail = solve(learned_with(TAIL, shared))
     folds = solve(learned_with(POLICY, shared))
     gated = solve(learned_with(GATE, shared))
     assert folds["step"] > 0 and gated["folds_gate"] == "on" and gated["folds_gate_step"] == folds["step"]
@@ -220,8 +238,8 @@ def test_where_the_folds_find_a_gain_the_gate_takes_the_tails_step():
     assert gated["document_folds"] == 0 and gated["document_gap_tokens"] == tail["document_gap_tokens"]
 
 
-@pytest.mark.parametrize(("folds", "gate"), [(0, True), (FOLDS, 1), (FOLDS, "yes")])
-def test_a_gate_without_folds_or_not_a_bool_is_refused(folds, gate):
+@pytest.mark.parametrize(("folds", "gate"), [(0, 1), (FOLDS, 1), (FOLDS, "yes")])
+def test_a_gate_that_is_not_a_bool_is_refused(folds, gate):
     with pytest.raises(ValueError, match="document_folds_gate"):
         OutputPolicy(document_folds=folds, document_folds_gate=gate)
 

@@ -71,7 +71,7 @@ def test_the_default_policy_holds_the_shipped_choices():
         3e-4,
         0.6,
     )
-    assert (p.auto_key_block_divisor, p.document_folds) == (7, 0)
+    assert (p.auto_key_block_divisor, p.document_folds, p.document_folds_gate) == (7, 4, True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.max_step = 8.0  # type: ignore[misc]
 
