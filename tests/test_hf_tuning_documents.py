@@ -17,7 +17,10 @@ from faast.hf.output import tuning as tuning_module
 from hf_models import VOCAB, tiny_model
 from tolerances import ORDER_STEP_REL
 
-CONFIG = FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=4096))
+# The tail's rule alone (no document folds, so no gate): what these tests are about; the folds' gate on top of it is
+# tests/test_hf_document_folds.py's.
+TAIL = OutputPolicy(document_folds=0)
+CONFIG = FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=4096, policy=TAIL))
 WINDOW = 100  # the tiny models take 128 positions
 
 
@@ -94,7 +97,7 @@ def test_the_sampled_step_search_tunes_the_same_step_in_either_order():
     # With many held-out rows the step is tuned on a spread of tune_sample of them and its search starts from every
     # search_sample_stride-th of those. Both samples are drawn with the documents in an order of their own content,
     # so the two orders pick the same rows, and the steps agree to rounding, not merely to the search's tolerance.
-    policy = OutputPolicy(tune_sample=150, search_sample_min_rows=64)
+    policy = dataclasses.replace(TAIL, tune_sample=150, search_sample_min_rows=64)
     a, b = noisy_phrase(700, seed=1), noisy_phrase(400, seed=2)
     first, second = (learned(*calls, policy=policy).output_memory_layer.last_tuning
                      for calls in (([a], [b]), ([b], [a])))  # fmt: skip
@@ -221,7 +224,7 @@ def test_one_long_text_reads_at_the_tails_step_times_the_document_shrink_and_man
     assert tuned["step"] == pytest.approx(tuned["tail_step"] * expected, rel=1e-12)
     m = layer.folded(torch.device("cpu"), torch.float32)
     # Without the shrink the tail tunes the same step, and what is read is M / shrink: the shrink scales M alone.
-    unshrunk = learned([text], policy=OutputPolicy(document_positions_per_dim=10**9)).output_memory_layer
+    unshrunk = learned([text], policy=dataclasses.replace(TAIL, document_positions_per_dim=10**9)).output_memory_layer
     assert unshrunk.last_tuning["document_shrink"] == 1.0
     assert unshrunk.last_tuning["step"] == pytest.approx(tuned["tail_step"], rel=1e-9)
     torch.testing.assert_close(m, expected * unshrunk.folded(torch.device("cpu"), torch.float32), rtol=1e-5, atol=1e-7)

@@ -29,6 +29,9 @@ timed against a setting a removed mechanism acted in, FAAST's time is that of th
 where the shard holds it, else the timed setting's: the settings of a shard's group share one learning pass, and only
 their solves differ, by a fraction of a second.
 
+`--settings` names the settings leave-one-kind-out chooses among (`only`): where the default changed, the runs of an
+earlier default's ablations stay on disk, and are set aside, named, until they are run again around today's.
+
 A setting that reads an exact cache (lab/experiments/lm_suite_cache.py) takes its pairs from a pass of its own:
 where a domain chose one, FAAST's time beside the peers is scaled by that setting's learn + solve with the pass over
 without it, both from its own run (`cache_facts`), and the report lists those domains' caches.
@@ -108,7 +111,8 @@ def _join(domain: str, parts: Sequence[tuple[Path, dict]]) -> dict:
     first_file, first = parts[0]
     joined = {**first, "settings": dict(first["settings"]), "peers": _timed_peers(first),
               "files": [_where(first_file)], "runs": [measured_by(first["provenance"])],
-              "timed_setting": first.get("timed_setting"), "faast_s": first.get("faast_s")}  # fmt: skip
+              "timed_setting": first.get("timed_setting"), "timed_superseded": first.get("timed_superseded", False),
+              "faast_s": first.get("faast_s")}  # fmt: skip
     for f, s in parts[1:]:
         zero, have = s["zero_shot"]["ppl"], first["zero_shot"]["ppl"]
         if abs(zero - have) > ZERO_SHOT_REL * have:
@@ -134,6 +138,7 @@ def _join(domain: str, parts: Sequence[tuple[Path, dict]]) -> dict:
             # FAAST's time over LoRA's is one run's: the shard with one LoRA epoch gives it, else the first with peers.
             if not joined["peers"] or LORA in _peer_names(s) - _peer_names(joined):
                 joined["timed_setting"], joined["faast_s"] = s["timed_setting"], s["faast_s"]
+                joined["timed_superseded"] = s.get("timed_superseded", False)
             joined["peers"] += _timed_peers(s)
         joined["files"].append(_where(f))
         joined["runs"].append(measured_by(s["provenance"]))
@@ -254,8 +259,10 @@ def load_shards(paths: Sequence[Path]) -> list[dict]:
         if timed in spent and same is not None:
             timed_name, faast_s = DEFAULT, s["settings"][same]["learn_s"]
         protocol = {**s["protocol"], "settings": {new: today(defined[n]) for n, new in kept.items()}}
-        s = {**s, "timed_setting": timed_name, "faast_s": faast_s, "protocol": protocol,
-             "settings": {new: s["settings"][n] for n, new in kept.items()}}  # fmt: skip
+        # where the timed setting itself was superseded, FAAST's time beside the peers is an earlier setting's: said
+        timed_gone = timed is not None and timed_name not in kept.values()
+        s = {**s, "timed_setting": timed_name, "timed_superseded": timed_gone, "faast_s": faast_s,
+             "protocol": protocol, "settings": {new: s["settings"][n] for n, new in kept.items()}}  # fmt: skip
         if spent or gone:
             s["superseded"] = [{"file": _where(f), "setting": n, "by": by.get(n, REMOVED_ACTED)} for n in defined
                                if n in spent or n in gone]  # fmt: skip
@@ -277,6 +284,25 @@ def load_shards(paths: Sequence[Path]) -> list[dict]:
         )
         joined.append(_join(d, kept_parts))
     return joined
+
+
+def only(shards: Sequence[dict], names: Sequence[str]) -> list[dict]:
+    """The joined shards with only the settings `names` (each measured on some domain, else a ValueError naming it),
+    the others listed in each shard's `set_aside` (the report names them): leave-one-kind-out then chooses among
+    `names` alone, such as today's default and its ablations where older runs measured settings of an earlier
+    default. Peers and FAAST's time beside them stay."""
+    measured = {n for s in shards for n in s["settings"]}
+    missing = [n for n in names if n not in measured]
+    if missing:
+        raise ValueError(f"settings: expected settings the shards measured {sorted(measured)}, got {missing}")
+    kept = []
+    for s in shards:
+        keep = [n for n in s["settings"] if n in names]
+        aside = [n for n in s["settings"] if n not in names]
+        protocol = {**s["protocol"], "settings": {n: s["protocol"]["settings"][n] for n in keep}}
+        kept.append({**s, "settings": {n: s["settings"][n] for n in keep}, "protocol": protocol,
+                     "set_aside": s.get("set_aside", []) + aside})  # fmt: skip
+    return kept
 
 
 def tables(shards: Sequence[dict]) -> tuple[dict, dict, dict, dict]:
@@ -309,7 +335,8 @@ def domain_facts(shard: dict, chosen: str) -> dict:
     return {"kind": shard["kind"], "zero_shot": shard["zero_shot"]["ppl"], "learned_tokens": shard["learned_tokens"],
             "scored_tokens": shard["scored_tokens"], "curve_tokens": points["tokens"],
             "curve": points["reduction"], "lowest_point": min(points["reduction"]), "peers": peers,
-            "timed_setting": timed, "faast_s": faast_s, "lora_s": lora_s,
+            "timed_setting": timed, "timed_superseded": bool(shard.get("timed_superseded")), "faast_s": faast_s,
+            "lora_s": lora_s,
             "time_ratio": faast_s / lora_s if faast_s and lora_s else None, "files": shard["files"],
             "runs": shard["runs"], "cache": cache}  # fmt: skip
 
@@ -415,7 +442,8 @@ def merge(shards: Sequence[dict]) -> dict:
             "suite_domains": {s["domain"]: s["suite_domain"] for s in shards},
             "reductions": reductions, "lora": lora, "loko": report.to_dict(), "domains": domains,
             "goals": goals(report, domains), "tuned_peers": tuned_peers(report, domains),
-            "superseded": superseded, "left_out": left_out}  # fmt: skip
+            "superseded": superseded, "left_out": left_out,
+            "set_aside": sorted({n for s in shards for n in s.get("set_aside", [])})}  # fmt: skip
 
 
 def load_heuristics(*paths: Path) -> dict:
@@ -587,7 +615,14 @@ def superseded_lines(merged: dict) -> list[str]:
         shards = "; ".join(f"{f}: {', '.join(names)}" for f, names in acted.items())
         lines.append(f"Solved with a mechanism since removed, which changed their solves, left out: {shards}.")
     if merged.get("left_out"):
-        lines.append(f"Left out, every setting superseded (run again): {', '.join(merged['left_out'])}.")
+        lines.append(f"Left out, no setting left to choose from (run again): {', '.join(merged['left_out'])}.")
+    if merged.get("set_aside"):
+        lines.append(f"Set aside (not among the settings chosen from): {', '.join(merged['set_aside'])}.")
+    timed = sorted(d for d, f in merged["domains"].items() if f.get("timed_superseded"))
+    if timed:
+        lines.append(f"FAAST's time beside the peers is that of the setting that ran beside them, since superseded, "
+                     f"on {len(timed)} domain{'s' if len(timed) != 1 else ''} ({', '.join(timed)}): a time ratio "
+                     "comes from one run only.")  # fmt: skip
     return ["", *lines] if lines else []
 
 
@@ -712,9 +747,18 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="specs of mechanisms to judge (lab/experiments/suite_heuristics.json, suite_capacity.json)",
     )
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        default=None,
+        help="the settings leave-one-kind-out chooses among (default: every one the shards measured); the rest are "
+        "set aside, and named",
+    )
     p.add_argument("--out", type=Path, required=True, help="the merged record's stem (<stem>.json, <stem>.md)")
     args = p.parse_args(argv)
     shards = load_shards(args.shards)
+    if args.settings is not None:
+        shards = only(shards, args.settings)
     merged = merge(shards)
     if args.heuristics is not None:
         merged["heuristics"] = heuristics(shards, load_heuristics(*args.heuristics))

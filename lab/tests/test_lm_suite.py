@@ -454,11 +454,14 @@ def test_a_newer_run_of_a_setting_supersedes_an_older_one_of_its_name_and_times_
     assert a["curve"] == [0.01, 0.08] and a["lowest_point"] == 0.01  # the new run's curve, not the old -2%
     # FAAST's time beside a's peers is the old run's (40 s over LoRA's 100 s), not the new run's 41 s.
     assert a["timed_setting"] == "default" and a["time_ratio"] == pytest.approx(0.4)
+    # ... and the report says that a's time is the superseded setting's; c's is the current default's own.
+    assert a["timed_superseded"] and not merged["domains"]["c"]["timed_superseded"]
     text = "\n".join(lm_suite_report.report(merged))
     assert (
         "Superseded" in text
         and "a.json: default; b.json: default" in text
-        and "Left out, every setting superseded" in text
+        and "Left out, no setting left to choose from" in text
+        and "since superseded, on 1 domain (a)" in text
     )
     # Two runs at one date that name different settings alike: no newer run says which one the name means.
     clash = write_shards(tmp_path / "clash", [planted_shard("d", "D", {"default": (0.01, 1.0, [0.0, 0.01])},
@@ -663,21 +666,29 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
     assert len(both["mechanisms"]) == len(committed["mechanisms"]) + 1
     keys = lm_suite.parse_args(["--settings", str(capacity), "--out", str(tmp_path)]).settings
     assert [len(g) for g in lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in keys.items()})] == [1] * 3
-    # The document folds are read while learning: the candidate and the default learn a pass each.
+    # The document folds are read while learning. Today's default keeps them (as a gate), so the candidate that tunes
+    # the step on them differs from it in a solve-time field only, and shares its pass.
     folds = lm_suite_report.ROOT / "lab/experiments/suite_document_folds.json"
     candidate = lm_suite.parse_args(["--settings", str(folds), "--out", str(tmp_path)]).settings
-    assert [len(g) for g in lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in candidate.items()})] == [
-        1,
-        1,
+    assert lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in candidate.items()}) == [
+        ["default", "document_folds"]
     ]
     assert lm_suite_report.load_heuristics(path, capacity, folds)["mechanisms"][-1]["on"] == "document_folds"
-    # The folds' gate is read by the solve alone: it shares the folds' learning pass.
+    # The folds' gate is read by the solve alone: the earlier gate's setting is today's default, in one pass.
     gate = lm_suite_report.ROOT / "lab/experiments/suite_folds_gate.json"
     gated = {**candidate, **lm_suite.parse_args(["--settings", str(gate), "--out", str(tmp_path)]).settings}
     assert lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in gated.items()}) == [
-        ["default"],
-        ["document_folds", "folds_gate"],
+        ["default", "document_folds", "folds_gate"],
     ]
+    assert lm_suite.setting_from_dict("g", gated["folds_gate"]) == lm_suite.setting_from_dict("d", {})
+    # Around today's default: the bias off shares its pass, the folds off (no gate) learns its own.
+    today = lm_suite_report.ROOT / "lab/experiments/suite_gated.json"
+    around = lm_suite.parse_args(["--settings", str(today), "--out", str(tmp_path)]).settings
+    assert lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in around.items()}) == [
+        ["default", "no_bias"],
+        ["no_folds_gate"],
+    ]
+    assert [m["off"] for m in lm_suite_report.load_heuristics(today)["mechanisms"]] == ["no_bias", "no_folds_gate"]
     assert lm_suite_report.load_heuristics(path, folds, gate)["mechanisms"][-1]["on"] == "folds_gate"
     with pytest.raises(ValueError, match="already in an earlier spec"):
         lm_suite_report.load_heuristics(path, path)
@@ -741,3 +752,19 @@ def test_a_policy_field_added_since_reads_as_off_in_the_shards_that_did_not_reco
                                               for d in "ab"])  # fmt: skip
     moved = lm_suite_report.merge(lm_suite_report.load_shards([old, new, later]))
     assert {x["setting"] for x in moved["superseded"]} == {"default"}
+
+
+def test_the_settings_chosen_among_may_be_named_and_the_rest_are_set_aside_and_said(tmp_path):
+    # "old" is an earlier default's ablation that wins every median; named out, it is set aside and never chosen, and
+    # the peers and FAAST's time beside them stay.
+    shards = lm_suite_report.load_shards([write_shards(tmp_path / "s", [
+        planted_shard(d, d.upper(), {"default": (0.05, 40.0, [0.01, 0.05]), "off": (0.04, 9.0, [0.01, 0.04]),
+                                     "old": (0.09, 9.0, [0.01, 0.09])}, PEERS) for d in "abc"])])  # fmt: skip
+    assert {c["setting"] for c in lm_suite_report.merge(shards)["loko"]["choices"]} == {"old"}
+    merged = lm_suite_report.merge(lm_suite_report.only(shards, ["default", "off"]))
+    assert {c["setting"] for c in merged["loko"]["choices"]} == {"default"}
+    assert list(merged["protocol"]["settings"]) == ["default", "off"] and merged["set_aside"] == ["old"]
+    assert merged["domains"]["a"]["time_ratio"] == pytest.approx(0.4) and merged["lora"]["a"] == pytest.approx(0.10)
+    assert "Set aside (not among the settings chosen from): old." in "\n".join(lm_suite_report.report(merged))
+    with pytest.raises(ValueError, match=r"settings: expected settings the shards measured .* got \['nope'\]"):
+        lm_suite_report.only(shards, ["default", "nope"])

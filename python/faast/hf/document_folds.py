@@ -1,12 +1,13 @@
 """The learned documents' key statistics by fold (OutputPolicy.document_folds; docs/design.md §6.3).
 
-With F ≥ 2 folds, the learned documents are dealt into the folds in turn as they arrive, so the first F documents each
-have a fold of their own (a fold that holds every document cannot be fitted without, and two documents are the
-commonest case a tail cannot judge), and the held-out tail (held_out.HeldOutTail) keeps each fold's sums
-S_f = Σ k kᵀ [d_key, d_key], T_f = Σ k rᵀ [d_key, d] and count, float64. The step's tuning
-(faast/hf/output/step.py) scores each held-out row by W fitted on S − S_f: without the whole of every document of its
-fold, so the step is tuned on how the memory reads text it did not learn. Sums subtract exactly, so this costs F pairs
-of sums and one solve per fold, never the keys. A document's fold is remembered by its content (`content_key`, a hash
+With F ≥ 2 folds (4 by default), the learned documents are dealt into the folds in turn as they arrive, so the first F
+documents each have a fold of their own (a fold that holds every document cannot be fitted without), and the held-out
+tail (held_out.HeldOutTail) keeps each fold's sums S_f = Σ k kᵀ [d_key, d_key], T_f = Σ k rᵀ [d_key, d] and count,
+float64. The step's tuning (faast/hf/output/step.py) can then score each held-out row by W fitted on S − S_f: without
+the whole of every document of its fold, which is how the memory reads text it did not learn. The folds apply once
+every fold holds a document (step.py `row_folds`); by default they only gate the memory
+(OutputPolicy.document_folds_gate). Sums subtract exactly, so this costs F pairs of sums and one solve per fold, never
+the keys. A document's fold is remembered by its content (`content_key`, a hash
 of its first window's learned targets): the same text learned apart, to be forgotten, falls where it fell (`follow`),
 and a text learned twice, as two documents, falls into one fold, so that no fold's fit sees its twin. Beyond F
 documents the partition depends on the order of learning; each fold then holds several documents.

@@ -119,7 +119,9 @@ class OutputPolicy:
     the tail's, tuned by the tail's rule; a second tuning per solve. False: the step itself is tuned on the folds (no
     gap and no long-text shrink), which lowered the suite's median by 1.8 points. On the domain suite the gate keeps
     new files at zero-shot where no learned file helps another (markdown-a-l: +11.6% worse than zero-shot without
-    it) and reads as the tail's rule elsewhere (docs/design.md §6.3)."""
+    it) and reads as the tail's rule elsewhere (docs/design.md §6.3). What it judges is new documents: where the text
+    to read continues the learned documents themselves and they share nothing with one another, document_folds=0
+    (the tail's rule) keeps the memory on for them."""
 
     tune_sample: int = 2048
     """With more held-out positions than this, the held-out NLL is read on this many spread evenly over them (the fit

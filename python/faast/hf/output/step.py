@@ -249,7 +249,9 @@ class StepChoice:
             gate[3]["folds_gate"] = "off"
             if gate[3].get("warning"):  # the warning's test was on fits without each text's fold: say so
                 gate[3]["warning"] = (f"{gate[3]['warning']} (Read by fits without each held-out text's document "
-                                      "fold: OutputPolicy.document_folds_gate.)")  # fmt: skip
+                                      "fold, as new documents read: OutputPolicy.document_folds_gate. To read the "
+                                      "learned texts themselves again, OutputPolicy(document_folds=0) judges by "
+                                      "their own ends.)")  # fmt: skip
             return gate
         eta, lam, width, record = self.tune(curvature, fixed_step, fixed, statistics, None)
         record["folds_gate"], record["folds_gate_step"] = "on", gate[0]
