@@ -111,7 +111,7 @@ class OutputPolicy:
     faast/hf/document_folds.py), so that a held-out row can be scored by W fitted without every document of its fold:
     text the fit never saw. Read while learning. What the folds decide is document_folds_gate's. Where fewer
     documents than folds were learned, or a fold would leave fewer than the fit's minimum to fit on, the tail's rule
-    alone. 4: the gate's choice on the domain suite (docs/design.md §6.3)."""
+    alone. 4: the count the gate was measured with on the domain suite, the only one tried (docs/design.md §6.3)."""
 
     document_folds_gate: bool = True
     """With document_folds F ≥ 2 (inert without): True, the folds only gate the memory: it is off where, read by the
