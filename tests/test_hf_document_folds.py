@@ -16,13 +16,11 @@ import torch
 from faast.hf import FaastConfig, OutputPolicy, ResidualOutput, apply_faast
 from faast.hf.document_folds import DocumentFolds
 from hf_models import tiny_model
-from test_hf_tuning_documents import WINDOW, noisy_phrase
+from test_hf_tuning_documents import TAIL, WINDOW, noisy_phrase
 from tolerances import DOCUMENT_FOLDS_REL, rel
 
 FOLDS = 3
 POLICY = dataclasses.replace(OutputPolicy(), document_folds=FOLDS, document_folds_gate=False)
-# The tail's rule alone: no folds kept, so nothing gates it.
-TAIL = OutputPolicy(document_folds=0)
 CONFIG = FaastConfig(output=ResidualOutput(key_layers=[], tune_tokens=4096, head_dtype="float32", policy=POLICY),
                      learn_dtype="model")  # fmt: skip
 # Texts of a phrase each (seeds 1-6): their documents spread over the folds.

@@ -15,7 +15,7 @@ import torch
 
 from faast.hf import FaastConfig, MemoryOffWarning, OutputPolicy, ResidualOutput, apply_faast
 from hf_models import VOCAB, tiny_model
-from test_hf_tuning_documents import WINDOW, noisy_phrase, random_text
+from test_hf_tuning_documents import TAIL, WINDOW, noisy_phrase, random_text
 
 # The suite's floor (lab/experiments/loko.py FLOOR): no text may read above the base model's perplexity + 0.3%.
 FLOOR_NATS = math.log1p(0.003)
@@ -68,7 +68,7 @@ def test_texts_that_share_nothing_still_tune_a_step_that_lowers_a_new_texts_loss
     """The other half of the folds' stream: texts of a phrase each, whose held-out ends the fit predicts. Under the
     tail's rule the memory is on and a new text of a learned phrase reads better than under the base model. (The
     default's gate turns it off here, since no learned text helps another: tests/test_hf_document_folds.py.)"""
-    model, off = learned([noisy_phrase(440, seed=s) for s in (1, 2, 3, 4)], policy=OutputPolicy(document_folds=0))
+    model, off = learned([noisy_phrase(440, seed=s) for s in (1, 2, 3, 4)], policy=TAIL)
     tuning = model.output_memory_layer.last_tuning
     assert not off and not tuning["off"] and tuning["step"] > 0.0
     text = noisy_phrase(440, seed=2)  # a learned phrase, read again
