@@ -6,10 +6,11 @@
 
 Several folders may hold shards of one domain: a run of the default with its peers, and a run of more settings
 without peers (the same suite, tokens and windows; a setting's name means one setting everywhere). A domain's shards
-are joined into one: their settings side by side, each peer from the one that ran it (a peer may run in one shard
-of a domain only: one LoRA epoch in one run, the tuned peers in another). A setting in two shards (the default run
-again beside its ablations or the tuned peers) must have read the same perplexities in both, which shows the runs
-compare.
+are joined into one: their settings side by side, each peer from the one that ran it (one LoRA epoch in one run,
+the tuned peers in another). A peer run again in a newer shard (by its provenance date) supersedes the older run's
+rows, and FAAST's time beside them, listed in `superseded_peers`; two runs of a peer at one date are refused. A
+setting in two shards (the default run again beside its ablations or the tuned peers) must have read the same
+perplexities in both, which shows the runs compare.
 
 A setting's name means the newest run's setting of that name: where a shard's setting differs from the one the
 newest shard (by its provenance date) ran under that name (the default changed since), that shard's copy is
@@ -113,6 +114,8 @@ def _join(domain: str, parts: Sequence[tuple[Path, dict]]) -> dict:
               "files": [_where(first_file)], "runs": [measured_by(first["provenance"])],
               "timed_setting": first.get("timed_setting"), "timed_superseded": first.get("timed_superseded", False),
               "faast_s": first.get("faast_s")}  # fmt: skip
+    # Each peer's run (date, file): a peer run again in a newer shard supersedes the older run's rows.
+    peer_from = dict.fromkeys(_peer_names(first), (first["provenance"]["date"], _where(first_file)))
     for f, s in parts[1:]:
         zero, have = s["zero_shot"]["ppl"], first["zero_shot"]["ppl"]
         if abs(zero - have) > ZERO_SHOT_REL * have:
@@ -131,15 +134,31 @@ def _join(domain: str, parts: Sequence[tuple[Path, dict]]) -> dict:
         joined["protocol"] = {**joined["protocol"],
                               "settings": {**joined["protocol"]["settings"], **s["protocol"]["settings"]}}  # fmt: skip
         if s.get("peers"):
-            clash = _peer_names(s) & _peer_names(joined)
-            if clash:
+            date, where = s["provenance"]["date"], _where(f)
+            clash = _peer_names(s) & set(peer_from)
+            if any(peer_from[n][0] == date for n in clash):
                 raise ValueError(f"{f}: {domain}'s peers {sorted(clash)} also ran in another shard of "
-                                 f"{[Path(x).name for x in joined['files']]}; keep one run of each peer")  # fmt: skip
+                                 f"{[Path(x).name for x in joined['files']]} at the same time: no newer run says "
+                                 "which to keep")  # fmt: skip
+            newer = {n for n in clash if peer_from[n][0] < date}
+            for old in sorted({peer_from[n][1] for n in newer}):
+                gone = sorted(n for n in newer if peer_from[n][1] == old)
+                joined["superseded_peers"] = [*joined.get("superseded_peers", []),
+                                              {"file": old, "peers": gone, "by": where}]  # fmt: skip
+            older = sorted(clash - newer)
+            if older:
+                by = sorted({peer_from[n][1] for n in older})
+                joined["superseded_peers"] = [*joined.get("superseded_peers", []),
+                                              {"file": where, "peers": older, "by": ", ".join(by)}]  # fmt: skip
+            joined["peers"] = [r for r in joined["peers"] if peer_name(r["method"]) not in newer]
+            rows = [r for r in _timed_peers(s) if peer_name(r["method"]) not in older]
+            names = {peer_name(r["method"]) for r in rows}
             # FAAST's time over LoRA's is one run's: the shard with one LoRA epoch gives it, else the first with peers.
-            if not joined["peers"] or LORA in _peer_names(s) - _peer_names(joined):
+            if rows and (not joined["peers"] or LORA in names - _peer_names(joined)):
                 joined["timed_setting"], joined["faast_s"] = s["timed_setting"], s["faast_s"]
                 joined["timed_superseded"] = s.get("timed_superseded", False)
-            joined["peers"] += _timed_peers(s)
+            joined["peers"] += rows
+            peer_from.update(dict.fromkeys(names, (date, where)))
         joined["files"].append(_where(f))
         joined["runs"].append(measured_by(s["provenance"]))
         joined["superseded"] = joined.get("superseded", []) + s.get("superseded", [])
@@ -427,6 +446,7 @@ def merge(shards: Sequence[dict]) -> dict:
     the settings superseded by a newer run of their name and the domains left out for it (module docstring)."""
     left_out = [s["domain"] for s in shards if not s["settings"]]
     superseded = [x for s in shards for x in s.get("superseded", [])]
+    superseded_peers = [x for s in shards for x in s.get("superseded_peers", [])]
     shards = [s for s in shards if s["settings"]]
     reductions, kinds, lora, _ = tables(shards)
     defined = {n: d for s in shards for n, d in s["protocol"]["settings"].items()}
@@ -442,7 +462,7 @@ def merge(shards: Sequence[dict]) -> dict:
             "suite_domains": {s["domain"]: s["suite_domain"] for s in shards},
             "reductions": reductions, "lora": lora, "loko": report.to_dict(), "domains": domains,
             "goals": goals(report, domains), "tuned_peers": tuned_peers(report, domains),
-            "superseded": superseded, "left_out": left_out,
+            "superseded": superseded, "superseded_peers": superseded_peers, "left_out": left_out,
             "set_aside": sorted({n for s in shards for n in s.get("set_aside", [])})}  # fmt: skip
 
 
@@ -614,6 +634,16 @@ def superseded_lines(merged: dict) -> list[str]:
     if acted:
         shards = "; ".join(f"{f}: {', '.join(names)}" for f, names in acted.items())
         lines.append(f"Solved with a mechanism since removed, which changed their solves, left out: {shards}.")
+    # Grouped by folder and peers: a peer run again is usually run again on many domains at once.
+    peers: dict[tuple[str, str], list[str]] = {}
+    for x in merged.get("superseded_peers", []):
+        where = Path(x["file"])
+        folder = f"{where.parent.name}/" if len(where.parts) > 1 else ""
+        peers.setdefault((folder, ", ".join(x["peers"])), []).append(where.stem)
+    if peers:
+        shards = "; ".join(f"{f}{{{', '.join(ds)}}}.json: {names}" for (f, names), ds in peers.items())
+        lines.append(f"Peers run again by a newer run, the older rows left out (with FAAST's time beside them): "
+                     f"{shards}.")  # fmt: skip
     if merged.get("left_out"):
         lines.append(f"Left out, no setting left to choose from (run again): {', '.join(merged['left_out'])}.")
     if merged.get("set_aside"):

@@ -470,6 +470,34 @@ def test_a_newer_run_of_a_setting_supersedes_an_older_one_of_its_name_and_times_
         lm_suite_report.load_shards([first, clash])
 
 
+def test_peers_run_again_by_a_newer_run_supersede_the_older_rows_and_faast_s_time_beside_them(tmp_path):
+    # a's default ran beside LoRA twice; the newer run's rows and time ratio are kept, in either order of the folders.
+    curve = [0.01, 0.08]
+    first = write_shards(tmp_path / "first", [
+        planted_shard("a", "A", {"default": (0.08, 40.0, curve)}, PEERS, date="2026-01-01"),
+        planted_shard("b", "B", {"default": (0.05, 30.0, [0.01, 0.05])}, PEERS, date="2026-01-01"),
+    ])  # fmt: skip
+    again = write_shards(tmp_path / "again", [
+        planted_shard("a", "A", {"default": (0.08, 25.0, curve)},
+                      (("LoRA", 0.12, 100.0), ("LoRA at FAAST's time", 0.03, 25.0)), date="2026-02-01"),
+    ])  # fmt: skip
+    for order in ([first, again], [again, first]):
+        merged = lm_suite_report.merge(lm_suite_report.load_shards(order))
+        a = merged["domains"]["a"]
+        assert a["time_ratio"] == pytest.approx(0.25) and not a["timed_superseded"]
+        assert a["peers"]["LoRA"]["reduction"] == 0.12 and a["peers"]["LoRA at FAAST's time"]["reduction"] == 0.03
+        assert merged["domains"]["b"]["time_ratio"] == pytest.approx(0.3)  # b's single run stays
+        assert [(x["file"], x["peers"]) for x in merged["superseded_peers"]] == [
+            ("a.json", ["LoRA", "LoRA at FAAST's time"])]  # fmt: skip
+        text = "\n".join(lm_suite_report.report(merged))
+        assert "Peers run again by a newer run" in text and "{a}.json: LoRA, LoRA at FAAST's time" in text
+    # Two runs of a peer at one date: no newer run says which to keep.
+    same = write_shards(tmp_path / "same", [planted_shard("a", "A", {"default": (0.08, 25.0, curve)}, PEERS,
+                                                          date="2026-01-01")])  # fmt: skip
+    with pytest.raises(ValueError, match="peers .* at the same time"):
+        lm_suite_report.load_shards([first, same])
+
+
 def test_a_removed_mechanisms_fields_leave_an_older_default_as_today_s_unless_it_acted_there(tmp_path):
     # Shards run before the folds were removed carry their fields in every setting. On a the folds never acted (the
     # default and "one_fit", which differ only in them, read alike): its default is today's. On b they acted: its
