@@ -1,0 +1,246 @@
+"""FAAST's learn + solve time over one LoRA epoch's, timed again and again on the same domain (issue 74's time goal).
+
+    python -m faast_lab.experiments.lm_suite_timing --domains multiprocessing idlelib --repeats 3 \
+        --out lab/experiments/results/lm_suite_timing_cpu
+    python -m faast_lab.experiments.lm_suite_timing --report lab/experiments/results/lm_suite_timing_cpu
+
+The suite (lm_suite) times each domain's FAAST pass and its LoRA epoch once, minutes apart, and a virtual machine's
+speed drifts within a run: one domain's ratio says little on its own. Here each repetition times both on the same
+tokens, in alternating order (FAAST first, then LoRA first), and a reference product (REFERENCE: a float32 matrix
+product of the learning pass's shape) is timed just before and just after each, so the report can give each ratio as
+measured and with each phase's time scaled by the speed the reference saw during it. No text is scored: the suite's
+shards hold the perplexities of the same passes.
+
+Per domain: the suite's learned tokens (lm_suite: --learn-tokens of the manifest's learned files); FAAST with the
+shipped default on the float32 path (FaastConfig(learn_dtype='model'), head_dtype='float32'), learned in one call and
+solved once; one LoRA epoch as lm_suite's peer (lm_domains_peers: the rank matched to the shipped readout's layers,
+--train-window, --train-batch-size, --lora-lr). One record per domain (a shard), resumable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from faast_lab.experiments import suite
+from faast_lab.experiments._common import ROOT, ModelLoader
+
+# The reference: ROWS × d by d × 4d in float32, the shape of the pass's up-projections (rows: a learning batch's
+# positions), repeated REPEATS times; what it measures is the machine's speed at that moment, in GFLOP/s.
+REFERENCE_ROWS, REFERENCE_REPEATS = 2048, 8
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--domains", nargs="+", default=None, help="suite domains (default: all of the manifest)")
+    p.add_argument("--repeats", type=int, default=3, help="timings of each side per domain")
+    p.add_argument("--out", type=Path, help="the folder of the shard records (<domain>.json)")
+    p.add_argument("--report", type=Path, help="print the report of this folder's shards instead of running")
+    p.add_argument("--learn-tokens", type=int, default=32768)
+    p.add_argument("--learn-window", type=int, default=256)
+    p.add_argument("--learn-batch-size", type=int, default=8)
+    p.add_argument("--train-window", type=int, default=256)
+    p.add_argument("--train-batch-size", type=int, default=4)
+    p.add_argument("--lora-lr", type=float, default=1e-3)
+    p.add_argument("--manifest", type=Path, default=suite.MANIFEST)
+    args = p.parse_args(argv)
+    if (args.out is None) == (args.report is None):
+        p.error("expected one of --out (run) and --report (print the report)")
+    if args.repeats < 1:
+        p.error(f"--repeats: expected at least 1, got {args.repeats}")
+    return args
+
+
+def reference_gflops(hidden: int) -> float:
+    """The machine's speed now: GFLOP/s of REFERENCE_REPEATS float32 products [REFERENCE_ROWS, d] @ [d, 4d]."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(REFERENCE_ROWS, hidden, generator=gen)
+    b = torch.randn(hidden, 4 * hidden, generator=gen)
+    a @ b  # the first call allocates
+    started = time.perf_counter()
+    for _ in range(REFERENCE_REPEATS):
+        a @ b
+    seconds = time.perf_counter() - started
+    return 2 * REFERENCE_ROWS * hidden * 4 * hidden * REFERENCE_REPEATS / seconds / 1e9
+
+
+def time_faast(base: object, learn: list[list[int]], args: argparse.Namespace) -> dict:
+    """The shipped default on the float32 path: one learn() call over every text, one solve."""
+    from faast.hf import FaastConfig, ResidualOutput, apply_faast
+
+    model = apply_faast(base, FaastConfig(learn_dtype="model", output=ResidualOutput(head_dtype="float32")))
+    try:
+        started = time.perf_counter()
+        model.learn(learn, max_length=args.learn_window, batch_size=args.learn_batch_size, progress=False)
+        pass_s = time.perf_counter() - started
+        started = time.perf_counter()
+        model.solve(progress=False)
+        solve_s = time.perf_counter() - started
+    finally:
+        model.remove_faast()
+    return {"pass_s": pass_s, "solve_s": solve_s, "seconds": pass_s + solve_s}
+
+
+def time_lora(base: object, learn: list[list[int]], args: argparse.Namespace) -> dict:
+    """One LoRA epoch as the suite's peer (lm_domains_peers.run_backprop): its training seconds."""
+    import torch
+
+    from faast.hf import FaastConfig
+    from faast.hf.default import DEFAULT_READOUT
+    from faast_lab.experiments.lm_baselines import apply_lora, fit_causal_lm, lora_rank_for
+
+    layers = FaastConfig.load(DEFAULT_READOUT / "faast_config.json").middle.layers
+    torch.manual_seed(0)
+    lora = apply_lora(base, lora_rank_for(base, len(layers) * base.config.hidden_size**2))
+    try:
+        trainable = [p for p in lora.parameters() if p.requires_grad]
+        stats = fit_causal_lm(lora, trainable, learn, window=args.train_window, batch_size=args.train_batch_size,
+                              lr=args.lora_lr, epochs=1)  # fmt: skip
+    finally:
+        lora.unload()
+    return {"seconds": stats.seconds, "steps": stats.steps, "last_loss": stats.last_loss}
+
+
+def timed(phase: Callable[[], dict], hidden: int) -> dict:
+    """A phase's times with the reference's speed just before and just after it."""
+    before = reference_gflops(hidden)
+    row = phase()
+    return {**row, "reference_gflops": [before, reference_gflops(hidden)]}
+
+
+def run_domain(name: str, base: object, tokenizer: object, args: argparse.Namespace, manifest: Mapping,
+               bases: Mapping | None, tick: Callable[[], None]) -> dict:  # fmt: skip
+    """One shard: `repeats` rounds of FAAST and LoRA on the domain's learned tokens, FAAST first in even rounds."""
+    from faast.hf.tokens import token_lists
+
+    learn_texts, _, record = suite.domain_texts(name, manifest, bases)
+    learn = token_lists(learn_texts, tokenizer, args.learn_tokens)
+    hidden = base.config.hidden_size
+    rounds = []
+    for r in range(args.repeats):
+        sides = {"faast": lambda: time_faast(base, learn, args), "lora": lambda: time_lora(base, learn, args)}
+        order = ("faast", "lora") if r % 2 == 0 else ("lora", "faast")
+        row: dict = {"order": list(order)}
+        for side in order:
+            row[side] = timed(sides[side], hidden)
+            tick()
+        row["ratio"] = row["faast"]["seconds"] / row["lora"]["seconds"]
+        print(f"{name} round {r + 1}: FAAST {row['faast']['seconds']:.1f} s, LoRA {row['lora']['seconds']:.1f} s, "
+              f"ratio {row['ratio']:.3f}", flush=True)  # fmt: skip
+        rounds.append(row)
+    return {"domain": name, "kind": record["kind"], "suite_domain": record,
+            "learned_tokens": sum(len(x) for x in learn), "rounds": rounds}  # fmt: skip
+
+
+def protocol(args: argparse.Namespace, description: str) -> dict:
+    keep = ("repeats", "learn_tokens", "learn_window", "learn_batch_size", "train_window", "train_batch_size",
+            "lora_lr")  # fmt: skip
+    return {"model": description, "path": "float32", "reference": {"rows": REFERENCE_ROWS,
+            "repeats": REFERENCE_REPEATS}, **{k: getattr(args, k) for k in keep}}  # fmt: skip
+
+
+def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None, manifest: Mapping | None = None,
+         bases: Mapping[str, Path] | None = None) -> list[Path]:  # fmt: skip
+    """Run the shards not yet in --out (or print --report's); returns every shard's path. load_model, manifest,
+    bases: as lm_suite.main's (tests)."""
+    args = parse_args(argv)
+    if args.report is not None:
+        print(report(sorted(args.report.glob("*.json"))))
+        return sorted(args.report.glob("*.json"))
+    from faast import provenance
+    from faast.hf.default import load_base_model
+    from faast.hf.progress import Bar, enabled
+    from faast.persist import write_text_atomic
+
+    manifest = suite.load_manifest(args.manifest) if manifest is None else manifest
+    names = args.domains or [d["name"] for d in manifest["domains"]]
+    for name in names:
+        suite.entry(name, manifest)  # an unknown name fails before any model loads
+    args.out.mkdir(parents=True, exist_ok=True)
+    todo = [n for n in names if not (args.out / f"{n}.json").is_file()]
+    base, tokenizer, description = (load_model or load_base_model)("smollm2")
+    wanted, suite_sha = protocol(args, description), suite.manifest_sha256(manifest)
+    for name in sorted(set(names) - set(todo)):
+        have = json.loads((args.out / f"{name}.json").read_text(encoding="utf-8"))
+        if have.get("protocol") != wanted or (have.get("suite") or {}).get("manifest_sha256") != suite_sha:
+            raise SystemExit(f"--out {args.out}: the shard {name}.json ran another protocol or suite manifest; "
+                             "resume with the same options or write to another folder")  # fmt: skip
+    total, done = 2 * args.repeats * len(todo), 0
+    bar = Bar(enabled(None), "timing")
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        bar.update(0, done / total)
+
+    try:
+        for name in todo:
+            record = provenance.start(ROOT)
+            shard = run_domain(name, base, tokenizer, args, manifest, bases, tick)
+            payload = {"provenance": provenance.finish(record), "suite": {"manifest_sha256": suite_sha},
+                       "protocol": wanted, **shard}  # fmt: skip
+            write_text_atomic(args.out / f"{name}.json", json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
+    finally:
+        bar.close()
+    return [args.out / f"{n}.json" for n in names]
+
+
+# ---------------------------------------------------------------------------------------------------------- report
+def scaled_ratio(row: Mapping) -> float:
+    """A round's ratio with each side's seconds scaled by the reference's mean speed during it (seconds × GFLOP/s:
+    work at a fixed speed), so a machine that ran slower during one side does not count against it."""
+    work = {s: row[s]["seconds"] * statistics.fmean(row[s]["reference_gflops"]) for s in ("faast", "lora")}
+    return work["faast"] / work["lora"]
+
+
+def summary(shard: Mapping) -> dict:
+    """A shard's ratios as measured and scaled, their median, range, and the reference's spread (max / min)."""
+    rounds = shard["rounds"]
+    ratios = [r["ratio"] for r in rounds]
+    scaled = [scaled_ratio(r) for r in rounds]
+    speeds = [g for r in rounds for s in ("faast", "lora") for g in r[s]["reference_gflops"]]
+    return {"domain": shard["domain"], "kind": shard["kind"], "rounds": len(rounds), "ratios": ratios,
+            "median": statistics.median(ratios), "scaled": scaled, "scaled_median": statistics.median(scaled),
+            "faast_s": statistics.median(r["faast"]["seconds"] for r in rounds),
+            "solve_s": statistics.median(r["faast"]["solve_s"] for r in rounds),
+            "lora_s": statistics.median(r["lora"]["seconds"] for r in rounds),
+            "reference_spread": max(speeds) / min(speeds)}  # fmt: skip
+
+
+def report(paths: Sequence[Path]) -> str:
+    """Markdown: one row per shard, then the worst median and the machine of each shard's provenance."""
+    if not paths:
+        raise ValueError("report: expected shard records (<domain>.json), got none")
+    shards = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]
+    rows = sorted((summary(s) for s in shards), key=lambda r: -r["median"])
+    lines = ["| domain | kind | rounds | FAAST learn + solve / LoRA epoch, each round | median | scaled by the "
+             "reference, each round | median | FAAST s (solve s) | LoRA s | reference spread |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['domain']} | {r['kind']} | {r['rounds']} | {', '.join(f'{x:.3f}' for x in r['ratios'])} "
+                     f"| **{r['median']:.3f}** | {', '.join(f'{x:.3f}' for x in r['scaled'])} | "
+                     f"{r['scaled_median']:.3f} | {r['faast_s']:.1f} ({r['solve_s']:.1f}) | {r['lora_s']:.1f} | "
+                     f"{r['reference_spread']:.2f}× |")  # fmt: skip
+    worst = rows[0]
+    lines += ["", f"Worst median: {worst['median']:.3f}× ({worst['domain']}); scaled: "
+              f"{max(r['scaled_median'] for r in rows):.3f}×. Seconds are medians over the rounds."]  # fmt: skip
+    lines.append("")
+    for s in sorted(shards, key=lambda s: s["domain"]):
+        prov = s["provenance"]
+        lines.append(
+            f"- {s['domain']}: {prov.get('cpu_model')} ({prov.get('physical_cores')} cores; "
+            f"{', '.join(prov.get('cpu_flags', []))}), torch {prov.get('torch')}, git "
+            f"{str(prov.get('git_sha'))[:7]}{' (dirty)' if prov.get('git_dirty') else ''}, "
+            f"{prov.get('date')}, load {prov.get('loadavg_at_start')} → {prov.get('loadavg_at_end')}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
