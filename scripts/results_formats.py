@@ -467,12 +467,21 @@ def fmt_lm_suite(records: list[tuple[str, dict]]) -> list[str]:
     return lines
 
 
+def fmt_lm_suite_timing(records: list[tuple[str, dict]]) -> list[str]:
+    """lab/experiments/lm_suite_timing.py's shards, one per domain: FAAST's learn + solve over one LoRA epoch in
+    each alternating round, as measured and scaled by the reference product's speed."""
+    from faast_lab.experiments.lm_suite_timing import report_lines
+
+    return report_lines([r for _, r in records])
+
+
 # docs/results_sections.toml names a section's formatter by these keys (`kind`).
 FORMATTERS: dict[str, Callable[..., list[str]]] = {
     "demo": fmt_demo,
     "cpu_paths": fmt_cpu_paths,
     "lm_domains": fmt_lm_domains,
     "lm_suite": fmt_lm_suite,
+    "lm_suite_timing": fmt_lm_suite_timing,
     "lm_stream": fmt_lm_stream,
     "hf_overhead": fmt_hf_overhead,
     "serving": fmt_serving,

@@ -32,7 +32,7 @@ from results_formats import FORMATTERS, source
 ROOT = Path(__file__).resolve().parent.parent  # --root points it at a copy of the tree (the test does)
 SECTIONS, OUTPUT = Path("docs/results_sections.toml"), Path("docs/results.md")
 WIDTH = 119  # the docs' line length
-COMBINED = ("demo",)  # kinds whose records share one table
+COMBINED = ("demo", "lm_suite_timing")  # kinds whose records share one table
 RESULT_DIRS = ("lab/experiments/results", "lab/benchmarks/results")
 HEADER = """# Measured results
 

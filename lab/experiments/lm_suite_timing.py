@@ -29,8 +29,8 @@ from pathlib import Path
 from faast_lab.experiments import suite
 from faast_lab.experiments._common import ROOT, ModelLoader
 
-# The reference: ROWS × d by d × 4d in float32, the shape of the pass's up-projections (rows: a learning batch's
-# positions), repeated REPEATS times; what it measures is the machine's speed at that moment, in GFLOP/s.
+# The reference: a learning batch's rows (ROWS × d) by a d × 4d matrix in float32, repeated REPEATS times: the
+# machine's speed at that moment, in GFLOP/s. It is short (under a second), so it reads the moment, not the phase.
 REFERENCE_ROWS, REFERENCE_REPEATS = 2048, 8
 
 
@@ -213,24 +213,37 @@ def summary(shard: Mapping) -> dict:
             "reference_spread": max(speeds) / min(speeds)}  # fmt: skip
 
 
-def report(paths: Sequence[Path]) -> str:
-    """Markdown: one row per shard, then the worst median and the machine of each shard's provenance."""
-    if not paths:
+def report_lines(shards: Sequence[Mapping]) -> list[str]:
+    """Markdown: one row per shard, the worst median first, then a line naming it (scripts/results_formats.py)."""
+    if not shards:
         raise ValueError("report: expected shard records (<domain>.json), got none")
-    shards = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]
     rows = sorted((summary(s) for s in shards), key=lambda r: -r["median"])
-    lines = ["| domain | kind | rounds | FAAST learn + solve / LoRA epoch, each round | median | scaled by the "
-             "reference, each round | median | FAAST s (solve s) | LoRA s | reference spread |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| domain | kind | rounds | FAAST learn + solve / LoRA epoch, each round | median | scaled by the "
+        "reference, each round | median | FAAST s (solve s) | LoRA s | reference spread |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['domain']} | {r['kind']} | {r['rounds']} | {', '.join(f'{x:.3f}' for x in r['ratios'])} "
-                     f"| **{r['median']:.3f}** | {', '.join(f'{x:.3f}' for x in r['scaled'])} | "
-                     f"{r['scaled_median']:.3f} | {r['faast_s']:.1f} ({r['solve_s']:.1f}) | {r['lora_s']:.1f} | "
-                     f"{r['reference_spread']:.2f}× |")  # fmt: skip
-    worst = rows[0]
-    lines += ["", f"Worst median: {worst['median']:.3f}× ({worst['domain']}); scaled: "
-              f"{max(r['scaled_median'] for r in rows):.3f}×. Seconds are medians over the rounds."]  # fmt: skip
-    lines.append("")
+        lines.append(
+            f"| {r['domain']} | {r['kind']} | {r['rounds']} | {', '.join(f'{x:.3f}' for x in r['ratios'])} "
+            f"| **{r['median']:.3f}** | {', '.join(f'{x:.3f}' for x in r['scaled'])} | "
+            f"{r['scaled_median']:.3f} | {r['faast_s']:.1f} ({r['solve_s']:.1f}) | {r['lora_s']:.1f} | "
+            f"{r['reference_spread']:.2f}× |"
+        )
+    worst, scaled = rows[0], max(rows, key=lambda r: r["scaled_median"])
+    return [
+        *lines,
+        "",
+        f"Worst median ratio {worst['median']:.3f}× ({worst['domain']}); scaled by the reference "
+        f"{scaled['scaled_median']:.3f}× ({scaled['domain']}). Seconds are medians over the rounds; the reference "
+        "spread is its fastest reading over its slowest within the shard.",
+    ]
+
+
+def report(paths: Sequence[Path]) -> str:
+    """report_lines of the shards at `paths`, then each shard's machine and run (its provenance)."""
+    shards = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]
+    lines = [*report_lines(shards), ""]
     for s in sorted(shards, key=lambda s: s["domain"]):
         prov = s["provenance"]
         lines.append(

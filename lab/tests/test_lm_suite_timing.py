@@ -67,6 +67,6 @@ def test_the_report_puts_the_worst_median_first_and_names_it(tmp_path):
     table = [line for line in text.splitlines() if line.startswith("| ") and "domain" not in line]
     assert table[0].startswith("| slow |") and "**0.550**" in table[0]
     assert table[1].startswith("| fast |") and "**0.400**" in table[1]
-    assert "Worst median: 0.550× (slow)" in text
+    assert "Worst median ratio 0.550× (slow)" in text
     with pytest.raises(ValueError, match="expected shard records"):
         lm_suite_timing.report([])
