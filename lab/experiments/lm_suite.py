@@ -401,10 +401,8 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
          bases: Mapping[str, Path] | None = None) -> list[Path]:  # fmt: skip
     """Run the suite's shards not yet in --out; returns every shard's path. load_model: the base model for 'smollm2'
     (default faast.hf.default.load_base_model); manifest, bases: a suite other than the committed one (tests)."""
-    from faast import provenance
     from faast.hf.default import load_base_model
     from faast.hf.progress import Bar, enabled
-    from faast.persist import write_text_atomic
 
     args = parse_args(argv)
     manifest = suite.load_manifest(args.manifest) if manifest is None else manifest
@@ -440,15 +438,25 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
         bar.update(tokens, min(1.0, done / total) if total else None)
 
     try:
-        for name in todo:
-            record = provenance.start(ROOT)
-            shard = run_domain(name, base, tokenizer, settings, args, manifest, bases, tick, caches)
-            payload = {"provenance": provenance.finish(record), "suite": {"manifest_sha256": suite_sha},
-                       "protocol": wanted, **shard}  # fmt: skip
-            write_text_atomic(args.out / f"{name}.json", json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
+        write_shards(args.out, todo, lambda n: run_domain(n, base, tokenizer, settings, args, manifest, bases, tick,
+                                                          caches), suite_sha, wanted)  # fmt: skip
     finally:
         bar.close()
     return [args.out / f"{n}.json" for n in names]
+
+
+def write_shards(out: Path, names: Sequence[str], run: Callable[[str], dict], suite_sha: str, wanted: dict) -> None:
+    """Each domain's shard, out/<name>.json, written atomically as it finishes: the provenance of its run (started
+    before it), the suite manifest's hash, the protocol and run(name)'s fields (also lm_suite_timing's)."""
+    from faast import provenance
+    from faast.persist import write_text_atomic
+
+    for name in names:
+        record = provenance.start(ROOT)
+        shard = run(name)
+        payload = {"provenance": provenance.finish(record), "suite": {"manifest_sha256": suite_sha},
+                   "protocol": wanted, **shard}  # fmt: skip
+        write_text_atomic(out / f"{name}.json", json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
 
 
 if __name__ == "__main__":

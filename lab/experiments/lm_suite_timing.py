@@ -27,7 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from faast_lab.experiments import suite
-from faast_lab.experiments._common import ROOT, ModelLoader
+from faast_lab.experiments._common import ModelLoader
+from faast_lab.experiments.lm_suite import write_shards
 
 # The reference: a learning batch's rows (ROWS × d) by a d × 4d matrix in float32, repeated REPEATS times: the
 # machine's speed at that moment, in GFLOP/s. It is short (under a second), so it reads the moment, not the phase.
@@ -153,10 +154,8 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
     if args.report is not None:
         print(report(sorted(args.report.glob("*.json"))))
         return sorted(args.report.glob("*.json"))
-    from faast import provenance
     from faast.hf.default import load_base_model
     from faast.hf.progress import Bar, enabled
-    from faast.persist import write_text_atomic
 
     manifest = suite.load_manifest(args.manifest) if manifest is None else manifest
     names = args.domains or [d["name"] for d in manifest["domains"]]
@@ -180,12 +179,8 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
         bar.update(0, done / total)
 
     try:
-        for name in todo:
-            record = provenance.start(ROOT)
-            shard = run_domain(name, base, tokenizer, args, manifest, bases, tick)
-            payload = {"provenance": provenance.finish(record), "suite": {"manifest_sha256": suite_sha},
-                       "protocol": wanted, **shard}  # fmt: skip
-            write_text_atomic(args.out / f"{name}.json", json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
+        write_shards(args.out, todo, lambda n: run_domain(n, base, tokenizer, args, manifest, bases, tick), suite_sha,
+                     wanted)  # fmt: skip
     finally:
         bar.close()
     return [args.out / f"{n}.json" for n in names]
