@@ -19,11 +19,11 @@ def test_each_round_times_both_sides_in_alternating_order_beside_the_reference_a
     bases, sources = fake_tree(tmp_path / "tree")
     manifest = fake_manifest(bases, sources)
     out = tmp_path / "timing"
-    argv = [*ARGS, "--repeats", "2", "--domains", "code", "--out", str(out)]
+    argv = [*ARGS, "--repeats", "2", "--warmup", "1", "--domains", "code", "--out", str(out)]
     paths = lm_suite_timing.main(argv, load_model=loader, manifest=manifest, bases=bases)
     assert [p.name for p in paths] == ["code.json"] == [p.name for p in out.iterdir()]
     shard = json.loads(paths[0].read_text())
-    assert shard["provenance"]["git_sha"] and shard["protocol"]["repeats"] == 2
+    assert shard["provenance"]["git_sha"] and shard["protocol"]["repeats"] == 2 and shard["protocol"]["warmup"] == 1
     assert shard["learned_tokens"] == 800 and shard["kind"] == "python"
     rounds = shard["rounds"]
     assert [r["order"] for r in rounds] == [["faast", "lora"], ["lora", "faast"]]
