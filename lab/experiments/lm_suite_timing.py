@@ -6,8 +6,8 @@
 
 The suite (lm_suite) times each domain's FAAST pass and its LoRA epoch once, minutes apart, and a virtual machine's
 speed drifts within a run: one domain's ratio says little on its own. Here each repetition times both on the same
-tokens, in alternating order (FAAST first, then LoRA first), and a reference product (REFERENCE: a float32 matrix
-product of the learning pass's shape) is timed just before and just after each, so the report can give each ratio as
+tokens, in alternating order (FAAST first, then LoRA first), and a short reference product (REFERENCE_ROWS: a float32
+product of a learning batch's rows) is timed just before and just after each, so the report can give each ratio as
 measured and with each phase's time scaled by the speed the reference saw during it. No text is scored: the suite's
 shards hold the perplexities of the same passes.
 
@@ -95,11 +95,12 @@ def time_lora(base: object, learn: list[list[int]], args: argparse.Namespace) ->
 
     from faast.hf import FaastConfig
     from faast.hf.default import DEFAULT_READOUT
-    from faast_lab.experiments.lm_baselines import apply_lora, fit_causal_lm, lora_rank_for
+    from faast_lab.experiments.lm_baselines import apply_lora, fit_causal_lm
+    from faast_lab.experiments.lm_domains_peers import lora_rank
 
     layers = FaastConfig.load(DEFAULT_READOUT / "faast_config.json").middle.layers
     torch.manual_seed(0)
-    lora = apply_lora(base, lora_rank_for(base, len(layers) * base.config.hidden_size**2))
+    lora = apply_lora(base, lora_rank(base, layers))
     try:
         trainable = [p for p in lora.parameters() if p.requires_grad]
         stats = fit_causal_lm(lora, trainable, learn, window=args.train_window, batch_size=args.train_batch_size,
@@ -157,8 +158,9 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
     bases: as lm_suite.main's (tests)."""
     args = parse_args(argv)
     if args.report is not None:
-        print(report(sorted(args.report.glob("*.json"))))
-        return sorted(args.report.glob("*.json"))
+        paths = sorted(args.report.glob("*.json"))
+        print(report(paths))
+        return paths
     from faast.hf.default import load_base_model
     from faast.hf.progress import Bar, enabled
 
@@ -200,7 +202,8 @@ def scaled_ratio(row: Mapping) -> float:
 
 
 def summary(shard: Mapping) -> dict:
-    """A shard's ratios as measured and scaled, their median, range, and the reference's spread (max / min)."""
+    """A shard's ratios as measured and scaled, their medians, the median seconds, and the reference's spread (its
+    fastest reading over its slowest)."""
     rounds = shard["rounds"]
     ratios = [r["ratio"] for r in rounds]
     scaled = [scaled_ratio(r) for r in rounds]
