@@ -199,6 +199,18 @@ def test_another_fold_count_forgets_the_folds_and_a_failed_learn_leaves_them_as_
     assert not layer.held_out.folds and solve(model)["document_folds"] == 0
 
 
+def test_a_learn_that_fails_after_good_batches_leaves_the_folds_sums_as_they_were():
+    model = model_of()
+    model.learn(TEXTS[:3], max_length=WINDOW, batch_size=2)
+    before = [tuple(x.clone() for x in sums) for sums in fold_sums(model)]
+    with pytest.raises((ValueError, TypeError)):  # the batches before the bad item add to the folds in place
+        model.learn(TEXTS[3:] + [["bad"]], max_length=WINDOW, batch_size=1)
+    for now, was in zip(fold_sums(model), before, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(now, was, strict=True))
+    model.learn(TEXTS[3:], max_length=WINDOW, batch_size=2)  # and learning goes on from them
+    memory, sums = model.output_memory_layer.memory, fold_sums(model)
+    assert rel(sum(s for s, _, _ in sums), memory.gram) < DOCUMENT_FOLDS_REL
+
 GATE = OutputPolicy(document_folds=FOLDS, document_folds_gate=True)
 
 
