@@ -211,6 +211,7 @@ def test_a_learn_that_fails_after_good_batches_leaves_the_folds_sums_as_they_wer
     memory, sums = model.output_memory_layer.memory, fold_sums(model)
     assert rel(sum(s for s, _, _ in sums), memory.gram) < DOCUMENT_FOLDS_REL
 
+
 GATE = OutputPolicy(document_folds=FOLDS, document_folds_gate=True)
 
 
