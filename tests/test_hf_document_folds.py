@@ -203,7 +203,7 @@ def test_a_learn_that_fails_after_good_batches_leaves_the_folds_sums_as_they_wer
     model = model_of()
     model.learn(TEXTS[:3], max_length=WINDOW, batch_size=2)
     before = [tuple(x.clone() for x in sums) for sums in fold_sums(model)]
-    with pytest.raises((ValueError, TypeError)):  # the batches before the bad item add to the folds in place
+    with pytest.raises((ValueError, TypeError)):  # the batches before the bad item have added to the folds
         model.learn(TEXTS[3:] + [["bad"]], max_length=WINDOW, batch_size=1)
     for now, was in zip(fold_sums(model), before, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(now, was, strict=True))
