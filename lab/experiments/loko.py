@@ -111,6 +111,14 @@ def choose_setting(table: Table, kinds: Mapping[str, str], domain: str,
     return chosen, best[0]
 
 
+def best_on_itself(row: Mapping[str, float], order: Sequence[str]) -> str:
+    """The setting of `order` with the highest reduction in `row` (one domain's), the earliest of those within TIE of
+    it: the same solve read in two runs is one result, so a tie names the setting given first (the default)."""
+    measured = [s for s in order if s in row]
+    top = max(row[s] for s in measured)
+    return next(s for s in measured if row[s] >= top - TIE)
+
+
 def loko(table: Table, kinds: Mapping[str, str], lora: Mapping[str, float] | None = None,
          settings: Sequence[str] | None = None) -> Report:  # fmt: skip
     """Leave-one-kind-out over `table`: each domain's reduction under the setting chosen on the other kinds; per kind
@@ -121,7 +129,7 @@ def loko(table: Table, kinds: Mapping[str, str], lora: Mapping[str, float] | Non
     choices = []
     for domain in table:
         setting, score = choose_setting(table, kinds, domain, settings)
-        own = max(_settings_order(table, settings), key=lambda s: table[domain].get(s, float("-inf")))
+        own = best_on_itself(table[domain], _settings_order(table, settings))
         peer = lora.get(domain)
         reduction = table[domain][setting]
         share = reduction / peer if peer is not None and peer > 0 else None

@@ -59,6 +59,10 @@ def test_loko_ties_go_to_the_better_worst_then_the_order_given():
     assert loko.choose_setting(table, kinds, "a", ["y", "x", "z"])[0] == "y"
     table["b1"]["z"] = 0.15  # the same median, a better worst
     assert loko.choose_setting(table, kinds, "a", ["y", "x", "z"])[0] == "z"
+    # The setting best on a domain itself: a tie within TIE names the one given first, a clear win the winner.
+    assert loko.best_on_itself({"x": 0.2 + loko.TIE / 2, "y": 0.2}, ["y", "x"]) == "y"
+    assert loko.best_on_itself({"x": 0.2 + 2 * loko.TIE, "y": 0.2}, ["y", "x"]) == "x"
+    assert loko.best_on_itself({"x": 0.3}, ["y", "x"]) == "x"  # a setting not measured on the domain is passed by
     with pytest.raises(ValueError, match="at least two kinds"):
         loko.loko({"b1": table["b1"]}, {"b1": "B"})
     with pytest.raises(ValueError, match="missing \\['a'\\]"):
@@ -709,14 +713,21 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
         ["default", "document_folds", "folds_gate"],
     ]
     assert lm_suite.setting_from_dict("g", gated["folds_gate"]) == lm_suite.setting_from_dict("d", {})
-    # Around today's default: the bias off shares its pass, the folds off (no gate) learns its own.
+    # Around today's default: every ablation of the earlier spec shares its pass, the folds off (no gate) learns its
+    # own; the spec holds the earlier one's settings as they are, so its runs are the ablations around today's.
     today = lm_suite_report.ROOT / "lab/experiments/suite_gated.json"
     around = lm_suite.parse_args(["--settings", str(today), "--out", str(tmp_path)]).settings
     assert lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in around.items()}) == [
-        ["default", "no_bias"],
+        ["default", "no_bias", "no_token_bias", "no_step_ramp", "no_document_shrink", "no_gain_gate"],
         ["no_folds_gate"],
     ]
-    assert [m["off"] for m in lm_suite_report.load_heuristics(today)["mechanisms"]] == ["no_bias", "no_folds_gate"]
+    assert {n: around[n] for n in committed["settings"]} == committed["settings"]
+    judged_today = lm_suite_report.load_heuristics(today)["mechanisms"]
+    assert [m["off"] for m in judged_today] == [
+        "no_bias",
+        "no_folds_gate",
+        *[m["off"] for m in committed["mechanisms"][1:]],
+    ]
     assert lm_suite_report.load_heuristics(path, folds, gate)["mechanisms"][-1]["on"] == "folds_gate"
     with pytest.raises(ValueError, match="already in an earlier spec"):
         lm_suite_report.load_heuristics(path, path)
