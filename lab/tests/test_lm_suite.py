@@ -720,6 +720,7 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
     assert lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in around.items()}) == [
         ["default", "no_bias", "no_token_bias", "no_step_ramp", "no_document_shrink", "no_gain_gate"],
         ["no_folds_gate"],
+        ["keys_h_alone"],
     ]
     assert {n: around[n] for n in committed["settings"]} == committed["settings"]
     judged_today = lm_suite_report.load_heuristics(today)["mechanisms"]
@@ -727,7 +728,13 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
         "no_bias",
         "no_folds_gate",
         *[m["off"] for m in committed["mechanisms"][1:]],
+        "keys_h_alone",
     ]
+    # The keys' early block is judged around today's default as suite_capacity.json judged it around the earlier one.
+    earlier = lm_suite_report.load_heuristics(capacity)
+    assert (
+        judged_today[-1] == earlier["mechanisms"][0] and around["keys_h_alone"] == earlier["settings"]["keys_h_alone"]
+    )
     assert lm_suite_report.load_heuristics(path, folds, gate)["mechanisms"][-1]["on"] == "folds_gate"
     with pytest.raises(ValueError, match="already in an earlier spec"):
         lm_suite_report.load_heuristics(path, path)
