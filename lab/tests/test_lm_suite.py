@@ -713,8 +713,8 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
         ["default", "document_folds", "folds_gate"],
     ]
     assert lm_suite.setting_from_dict("g", gated["folds_gate"]) == lm_suite.setting_from_dict("d", {})
-    # Around today's default: every ablation of the earlier spec shares its pass, the folds off (no gate) learns its
-    # own; the spec holds the earlier one's settings as they are, so its runs are the ablations around today's.
+    # Around today's default: every ablation of the earlier spec shares its pass; the folds off (no gate) and h̃ alone
+    # as the keys learn their own. The spec holds the earlier one's settings as they are: its runs are today's.
     today = lm_suite_report.ROOT / "lab/experiments/suite_gated.json"
     around = lm_suite.parse_args(["--settings", str(today), "--out", str(tmp_path)]).settings
     assert lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in around.items()}) == [
