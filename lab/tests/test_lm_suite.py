@@ -745,6 +745,26 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
         lm_suite_report.load_heuristics(path, orphan)
 
 
+def test_the_shrink_threshold_candidate_shares_the_default_pass_and_changes_that_constant_alone(tmp_path):
+    import dataclasses
+
+    from faast.hf.output.diagnosis import document_shrink
+
+    path = lm_suite_report.ROOT / "lab/experiments/suite_shrink_threshold.json"
+    settings = lm_suite.parse_args(["--settings", str(path), "--out", str(tmp_path)]).settings
+    built = {n: lm_suite.setting_from_dict(n, f) for n, f in settings.items()}
+    assert lm_suite.groups(built) == [["default", "positions_per_dim_2"]]  # read by the solve alone: one pass
+    default, candidate = built["default"], built["positions_per_dim_2"]
+    assert candidate.policy.document_positions_per_dim == 2 != default.policy.document_positions_per_dim
+    same = dataclasses.replace(candidate.policy, document_positions_per_dim=default.policy.document_positions_per_dim)
+    assert dataclasses.replace(candidate, policy=same) == default
+    # One learned file of 8K: the tail's gap leaves 3,277 fitted positions; the default does not shrink, P = 2 does.
+    assert document_shrink(3277, 1, 576, default.policy) == 1.0
+    assert document_shrink(3277, 1, 576, candidate.policy) == pytest.approx((2 * 576 / 3277) ** 0.5)
+    judged = lm_suite_report.load_heuristics(lm_suite_report.ROOT / "lab/experiments/suite_gated.json", path)
+    assert (judged["mechanisms"][-1]["on"], judged["mechanisms"][-1]["off"]) == ("positions_per_dim_2", "default")
+
+
 def test_a_mechanism_that_keeps_a_domain_inside_the_floor_stays_though_it_gains_too_little(tmp_path):
     def shard(d: str, kind: str) -> dict:
         low = -0.004 if d == "c" else 0.001  # without it, c is 0.4% worse than zero-shot at the first point
