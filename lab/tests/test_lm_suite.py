@@ -765,6 +765,24 @@ def test_the_shrink_threshold_candidate_shares_the_default_pass_and_changes_that
     assert (judged["mechanisms"][-1]["on"], judged["mechanisms"][-1]["off"]) == ("positions_per_dim_2", "default")
 
 
+def test_the_ablations_around_the_shrink_candidate_are_today_s_with_its_threshold_and_share_one_pass(tmp_path):
+    root = lm_suite_report.ROOT / "lab/experiments"
+    around = json.loads((root / "suite_gated_p2.json").read_text(encoding="utf-8"))["settings"]
+    today = json.loads((root / "suite_gated.json").read_text(encoding="utf-8"))["settings"]
+    candidate = json.loads((root / "suite_shrink_threshold.json").read_text(encoding="utf-8"))["settings"]
+    two = {"document_positions_per_dim": 2}
+    assert around["positions_per_dim_2"] == candidate["positions_per_dim_2"]
+    for name, fields in around.items():  # each is today's ablation of that name with the threshold at 2, no more
+        base = dict(today["default" if name == "positions_per_dim_2" else name.removesuffix("_p2")])
+        assert fields == {**base, "policy": {**base.get("policy", {}), **two}}, name
+    built = {n: lm_suite.setting_from_dict(n, f) for n, f in around.items()}
+    assert lm_suite.groups(built) == [list(around)]
+    spec = lm_suite_report.load_heuristics(root / "suite_gated.json", root / "suite_shrink_threshold.json",
+                                           root / "suite_gated_p2.json")  # fmt: skip
+    judged = [m for m in spec["mechanisms"] if m["on"] == "positions_per_dim_2" and m["off"] != "default"]
+    assert {m["off"] for m in judged} == {*around} - {"positions_per_dim_2"} | {"no_document_shrink"}
+
+
 def test_a_mechanism_that_keeps_a_domain_inside_the_floor_stays_though_it_gains_too_little(tmp_path):
     def shard(d: str, kind: str) -> dict:
         low = -0.004 if d == "c" else 0.001  # without it, c is 0.4% worse than zero-shot at the first point
