@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -12,6 +13,7 @@ import pytest
 
 from faast import provenance
 from faast.hf.output import REMOVED_FIELDS
+from faast.hf.output.diagnosis import document_shrink
 from faast_lab.benchmarks import _harness as H
 from faast_lab.experiments import lm_suite, lm_suite_report, loko, suite
 from hf_models import CharTokenizer, tiny_model
@@ -746,10 +748,6 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
 
 
 def test_the_shrink_threshold_candidate_shares_the_default_pass_and_changes_that_constant_alone(tmp_path):
-    import dataclasses
-
-    from faast.hf.output.diagnosis import document_shrink
-
     path = lm_suite_report.ROOT / "lab/experiments/suite_shrink_threshold.json"
     settings = lm_suite.parse_args(["--settings", str(path), "--out", str(tmp_path)]).settings
     built = {n: lm_suite.setting_from_dict(n, f) for n, f in settings.items()}
