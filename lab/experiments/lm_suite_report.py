@@ -30,6 +30,12 @@ timed against a setting a removed mechanism acted in, FAAST's time is that of th
 where the shard holds it, else the timed setting's: the settings of a shard's group share one learning pass, and only
 their solves differ, by a fraction of a second.
 
+The name `default` means what faast ships: where a shard ran faast's shipped setting (by the fields it recorded,
+`today`), under any name, that setting reads as `default` there, and a setting named `default` with other fields (an
+earlier default) is superseded, wherever no newer run of that name is. A default changed in a field the solve alone
+reads (lm_suite's SOLVE_TIME_FIELDS) then needs no run again: the candidate's runs beside the earlier default are its
+runs.
+
 `--settings` names the settings leave-one-kind-out chooses among (`only`): where the default changed, the runs of an
 earlier default's ablations stay on disk, and are set aside, named, until they are run again around today's.
 
@@ -221,6 +227,13 @@ def current_name(setting: object, current: dict[str, tuple[object, Path, str]]) 
     return max(names)[2] if names else None
 
 
+def shipped_setting(path: str = "float32") -> dict:
+    """faast's shipped setting as lm_suite records a setting of no fields on `path` (its protocol's "path")."""
+    from faast_lab.experiments import lm_suite
+
+    return lm_suite.setting_to_dict(lm_suite.setting_from_dict(DEFAULT, {}, path))
+
+
 def _current_settings(files: Sequence[Path], shards: Sequence[dict]) -> dict[str, tuple[object, Path, str]]:
     """{setting name: (its fields as the newest shard that ran it recorded them, that shard's file, its date)}: shards
     are ordered by their provenance dates (ISO 8601, one time zone: they order as strings)."""
@@ -237,11 +250,12 @@ def _current_settings(files: Sequence[Path], shards: Sequence[dict]) -> dict[str
     return current
 
 
-def load_shards(paths: Sequence[Path]) -> list[dict]:
+def load_shards(paths: Sequence[Path], shipped: object = None) -> list[dict]:
     """The shard records of `paths` (folders: their *.json), a domain's shards joined (module docstring), in the
     order the domains first appear; a domain whose every setting was superseded has none (`merge` leaves it out).
     The shards must share one suite manifest and one protocol but for settings and peers (a ValueError names the
-    first file that does not)."""
+    first file that does not). `shipped`: the fields `default` means where a shard ran them (default: faast's shipped
+    setting on the shards' path, `shipped_setting`)."""
     files = [f for p in paths for f in (sorted(Path(p).glob("*.json")) if Path(p).is_dir() else [Path(p)])]
     shards = [json.loads(f.read_text(encoding="utf-8")) for f in files]
     if not shards:
@@ -256,6 +270,13 @@ def load_shards(paths: Sequence[Path]) -> list[dict]:
             key = "suite" if s.get("suite") != first.get("suite") else "protocol"
             raise ValueError(f"{f}: its {key} differs from {files[0].name}'s: the shards are not one suite run")
     current = _current_settings(files, shards)
+    meaning = today(shipped_setting(str(first["protocol"].get("path", "float32"))) if shipped is None else shipped)
+    ran = [(str(s["provenance"].get("date", "")), f) for f, s in zip(files, shards, strict=True)
+           if any(today(x) == meaning for x in s["protocol"]["settings"].values())]  # fmt: skip
+    newest = max(ran) if ran else None
+    if newest is not None and (DEFAULT not in current or current[DEFAULT][2] <= newest[0]):
+        current[DEFAULT] = (meaning, newest[1], newest[0])  # faast's shipped setting ran: `default` means it
+    shipped_ran = current.get(DEFAULT, (None,))[0] is meaning
     by_domain: dict[str, list[tuple[Path, dict]]] = {}
     spent_whole: set[Path] = set()
     for f, s in zip(files, shards, strict=True):
@@ -264,10 +285,11 @@ def load_shards(paths: Sequence[Path]) -> list[dict]:
         defined = s["protocol"]["settings"]
         # Where a removed mechanism acted, only the settings that had it off read as today's, each under today's name.
         spent = [n for n, x in defined.items() if acted and not solved_as_today(x, acted)]
-        names = {n: (current_name(x, current) or n) if acted else n for n, x in defined.items() if n not in spent}
-        if len(set(names.values())) < len(names):
-            raise ValueError(f"{f}: two of its settings, {sorted(names)}, mean one setting today")
+        names = {n: DEFAULT if shipped_ran and today(x) == meaning else (current_name(x, current) or n) if acted else n
+                 for n, x in defined.items() if n not in spent}  # fmt: skip
         gone = [n for n, x in defined.items() if n not in spent and today(x) != today(current[names[n]][0])]
+        if len({names[n] for n in names if n not in gone}) < len(names) - len(gone):
+            raise ValueError(f"{f}: two of its settings, {sorted(names)}, mean one setting today")
         by = {n: _where(current[names[n]][1]) for n in gone}
         kept = {n: names[n] for n in defined if n not in spent and n not in gone}
         # FAAST's time beside the peers stays the timed setting's, superseded by a newer run or not (one run gives a

@@ -543,6 +543,42 @@ def test_a_removed_mechanisms_fields_leave_an_older_default_as_today_s_unless_it
     assert {(x["file"], x["by"]) for x in again["superseded"]} == {("b.json", lm_suite_report.REMOVED_ACTED)}
 
 
+def test_a_candidate_run_under_its_own_name_reads_as_the_default_once_its_fields_ship(tmp_path):
+    # The default (threshold 6) ran with its peers; a candidate differing in a solve-time field (threshold 2) ran later
+    # under its own name, on a alone beside its ablation, and on b beside the default in one pass.
+    six, two = {"policy": {"n": "shipped", "P": 6}}, {"policy": {"n": "shipped", "P": 2}}
+    main = write_shards(tmp_path / "main", [
+        planted_shard(d, d.upper(), {"default": (0.05, 30.0, [0.01, 0.05])}, PEERS, date="2026-01-01",
+                      fields={"default": six}) for d in "ab"
+    ])  # fmt: skip
+    cand = write_shards(tmp_path / "cand", [
+        planted_shard("a", "A", {"p2": (0.07, 31.0, [0.01, 0.07]), "no_bias_p2": (0.06, 31.0, [0.0, 0.06])},
+                      date="2026-01-02", fields={"p2": two, "no_bias_p2": {"bias": 0, **two}}),
+        planted_shard("b", "B", {"default": (0.05, 30.0, [0.01, 0.05]), "p2": (0.04, 30.0, [0.02, 0.04])},
+                      date="2026-01-02", fields={"default": six, "p2": two}),
+    ])  # fmt: skip
+    # While the threshold 6 ships, each name means what it ran.
+    before = lm_suite_report.merge(lm_suite_report.load_shards([main, cand], shipped=six))
+    assert before["reductions"]["a"] == {"default": 0.05, "p2": 0.07, "no_bias_p2": 0.06}
+    assert before["reductions"]["b"] == {"default": 0.05, "p2": 0.04} and before["superseded"] == []
+    # Once 2 ships, the candidate's runs are the default's, and every run of the earlier default is superseded by
+    # them; the peers and FAAST's time beside them stay the peers' run's, said superseded.
+    after = lm_suite_report.merge(lm_suite_report.load_shards([main, cand], shipped=two))
+    assert after["reductions"]["a"] == {"default": 0.07, "no_bias_p2": 0.06}
+    assert after["reductions"]["b"] == {"default": 0.04}
+    assert sorted((x["file"], x["setting"], x["by"]) for x in after["superseded"]) == [
+        ("a.json", "default", "b.json"), ("b.json", "default", "b.json"), ("b.json", "default", "b.json")
+    ]  # fmt: skip
+    a = after["domains"]["a"]
+    assert a["peers"]["LoRA"]["reduction"] == 0.10 and a["faast_s"] == 30.0 and a["timed_superseded"]
+    assert after["protocol"]["settings"]["default"] == lm_suite_report.today(two)
+    # A run of the default's name made after the candidate's, under other fields, is what the name means.
+    later = write_shards(tmp_path / "later", [planted_shard("c", "C", {"default": (0.03, 9.0, [0.0, 0.03])},
+                                                            date="2026-01-03", fields={"default": six})])  # fmt: skip
+    again = lm_suite_report.merge(lm_suite_report.load_shards([main, cand, later], shipped=two))
+    assert again["reductions"]["a"] == {"default": 0.05, "p2": 0.07, "no_bias_p2": 0.06}
+
+
 def test_where_a_removed_mechanism_acted_its_off_setting_is_read_as_today_s_default_with_the_runs_peers(tmp_path):
     # Shards run before the token bias's ramp was removed: its off setting (token_bias_full 1) and the default differ
     # only in it. On a it acted (they read differently): only the off setting was solved as today's default is, so it
@@ -779,6 +815,27 @@ def test_the_ablations_around_the_shrink_candidate_are_today_s_with_its_threshol
                                            root / "suite_gated_p2.json")  # fmt: skip
     judged = [m for m in spec["mechanisms"] if m["on"] == "positions_per_dim_2" and m["off"] != "default"]
     assert {m["off"] for m in judged} == {*around} - {"positions_per_dim_2"} | {"no_document_shrink"}
+
+
+def test_the_ablations_with_passes_of_their_own_around_the_shrink_candidate_are_today_s_with_its_threshold(tmp_path):
+    root = lm_suite_report.ROOT / "lab/experiments"
+    path = root / "suite_gated_p2_passes.json"
+    around = json.loads(path.read_text(encoding="utf-8"))["settings"]
+    today = json.loads((root / "suite_gated.json").read_text(encoding="utf-8"))["settings"]
+    assert set(around) == {"no_folds_gate_p2", "keys_h_alone_p2"}
+    for name, fields in around.items():  # today's ablation of that name with the threshold at 2, no more
+        base = dict(today[name.removesuffix("_p2")])
+        assert fields == {**base, "policy": {**base.get("policy", {}), "document_positions_per_dim": 2}}, name
+    settings = lm_suite.parse_args(["--settings", str(path), "--out", str(tmp_path)]).settings
+    candidate = json.loads((root / "suite_shrink_threshold.json").read_text(encoding="utf-8"))["settings"]
+    built = {n: lm_suite.setting_from_dict(n, f) for n, f in {**candidate, **settings}.items()}
+    # each learns a pass of its own: neither shares the candidate's (nor the other's)
+    assert lm_suite.groups(built) == [["default", "positions_per_dim_2"], ["no_folds_gate_p2"], ["keys_h_alone_p2"]]
+    spec = lm_suite_report.load_heuristics(root / "suite_gated.json", root / "suite_shrink_threshold.json",
+                                           root / "suite_gated_p2.json", path)  # fmt: skip
+    judged = {m["off"] for m in spec["mechanisms"] if m["on"] == "positions_per_dim_2"}
+    # with suite_gated_p2.json, every ablation of today's default is judged around the candidate
+    assert {f"{n}_p2" if f"{n}_p2" in judged else n for n in today if n != "default"} <= judged
 
 
 def test_a_mechanism_that_keeps_a_domain_inside_the_floor_stays_though_it_gains_too_little(tmp_path):
