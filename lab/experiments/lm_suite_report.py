@@ -274,9 +274,10 @@ def load_shards(paths: Sequence[Path], shipped: object = None) -> list[dict]:
     ran = [(str(s["provenance"].get("date", "")), f) for f, s in zip(files, shards, strict=True)
            if any(today(x) == meaning for x in s["protocol"]["settings"].values())]  # fmt: skip
     newest = max(ran) if ran else None
-    if newest is not None and (DEFAULT not in current or current[DEFAULT][2] <= newest[0]):
-        current[DEFAULT] = (meaning, newest[1], newest[0])  # faast's shipped setting ran: `default` means it
-    shipped_ran = current.get(DEFAULT, (None,))[0] is meaning
+    # faast's shipped setting ran, and no run of the default's name is newer: `default` means it
+    shipped_ran = newest is not None and (DEFAULT not in current or current[DEFAULT][2] <= newest[0])
+    if shipped_ran:
+        current[DEFAULT] = (meaning, newest[1], newest[0])
     by_domain: dict[str, list[tuple[Path, dict]]] = {}
     spent_whole: set[Path] = set()
     for f, s in zip(files, shards, strict=True):
