@@ -200,14 +200,14 @@ def test_a_memory_that_ends_up_off_says_so_once_in_what_learn_and_solve_return()
             assert torch.equal(adapted, model(x).logits)  # off: the model reads exactly as the base model
 
 
-def test_the_document_shrink_is_one_up_to_six_positions_per_dimension_then_their_square_root():
+def test_the_document_shrink_is_one_up_to_two_positions_per_dimension_then_their_square_root():
     shrink, d = diagnosis_module.document_shrink, 32
-    assert OutputPolicy().document_positions_per_dim == 6 and OutputPolicy().document_shrink_power == 0.5
-    assert shrink(6 * d * 3, 3, d) == 1.0 and shrink(100, 1, d) == 1.0 and shrink(0, 0, d) == 1.0
-    assert shrink(6 * d * 3 + 3, 3, d) == pytest.approx(((6 * d * 3) / (6 * d * 3 + 3)) ** 0.5, rel=1e-15)
-    assert shrink(24 * d, 1, d) == pytest.approx(0.5, rel=1e-15)
-    assert shrink(24 * d, 2, d) == pytest.approx(0.5**0.5, rel=1e-15)
-    assert shrink(24 * d, 0, d) == shrink(24 * d, 1, d)  # no held-out document counts as one
+    assert OutputPolicy().document_positions_per_dim == 2 and OutputPolicy().document_shrink_power == 0.5
+    assert shrink(2 * d * 3, 3, d) == 1.0 and shrink(60, 1, d) == 1.0 and shrink(0, 0, d) == 1.0
+    assert shrink(2 * d * 3 + 3, 3, d) == pytest.approx(((2 * d * 3) / (2 * d * 3 + 3)) ** 0.5, rel=1e-15)
+    assert shrink(8 * d, 1, d) == pytest.approx(0.5, rel=1e-15)
+    assert shrink(8 * d, 2, d) == pytest.approx(0.5**0.5, rel=1e-15)
+    assert shrink(8 * d, 0, d) == shrink(8 * d, 1, d)  # no held-out document counts as one
 
 
 def test_one_long_text_reads_at_the_tails_step_times_the_document_shrink_and_many_short_ones_at_the_tails(caplog):
@@ -218,7 +218,7 @@ def test_one_long_text_reads_at_the_tails_step_times_the_document_shrink_and_man
     assert len(said) == 1 and f"shrunk ×{layer.last_tuning['document_shrink']:.2f}" in said[0]
     tuned = layer.last_tuning
     per_document = tuned["fitted_tokens"] / tuned["held_out_documents"]
-    expected = (6 * 32 / per_document) ** 0.5
+    expected = (OutputPolicy().document_positions_per_dim * 32 / per_document) ** 0.5
     assert tuned["held_out_documents"] == 1 and tuned["tail_step"] > 0.05 and expected < 0.5
     assert tuned["document_shrink"] == pytest.approx(expected, rel=1e-12)
     assert tuned["step"] == pytest.approx(tuned["tail_step"] * expected, rel=1e-12)
@@ -228,10 +228,10 @@ def test_one_long_text_reads_at_the_tails_step_times_the_document_shrink_and_man
     assert unshrunk.last_tuning["document_shrink"] == 1.0
     assert unshrunk.last_tuning["step"] == pytest.approx(tuned["tail_step"], rel=1e-9)
     torch.testing.assert_close(m, expected * unshrunk.folded(torch.device("cpu"), torch.float32), rtol=1e-5, atol=1e-7)
-    # The same amount of text as 12 documents: each held-out one has under 6·d fitted positions of its own.
+    # The same amount of text as 30 documents: each held-out one has under 2·d fitted positions of its own.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="faast.hf"):
-        parts = learned([noisy_phrase(250, seed=3 + i) for i in range(12)]).output_memory_layer.last_tuning
+        parts = learned([noisy_phrase(100, seed=3 + i) for i in range(30)]).output_memory_layer.last_tuning
     assert not [r for r in caplog.records if "shrunk" in r.getMessage()]
-    assert parts["fitted_tokens"] / parts["held_out_documents"] <= 6 * 32 and parts["held_out_documents"] == 12
+    assert parts["fitted_tokens"] / parts["held_out_documents"] <= 2 * 32 and parts["held_out_documents"] == 30
     assert parts["document_shrink"] == 1.0 and parts["step"] == parts["tail_step"] > 0

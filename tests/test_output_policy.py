@@ -66,7 +66,7 @@ def test_the_default_policy_holds_the_shipped_choices():
         2,
     )
     assert (p.document_positions_per_dim, p.document_shrink_power, p.pool_auto, p.pool_dense_share) == (
-        6,
+        2,
         0.5,
         3e-4,
         0.6,

@@ -5,13 +5,14 @@
         lab/experiments/results/lm_step_probe_longest1_continues_cpu.json --out lm_step_rule_fit_continues_cpu
 
 The residual output layer multiplies the step its held-out tail tunes by min(1, (P / L)^a), L the fitted positions per
-held-out text (faast.hf.output.diagnosis.document_shrink: P = 6·d, a = 0.5). Each tuned point of a step-probe file
-(lab/experiments/lm_step_probe.py) keeps the held-out files' perplexity along a grid of steps (`curve`, the tuned step
-times 2^(k/4), k = -8..8, λ at the shipped weight, W alone). From it this script reads, for every rule (P, a) of a
-grid, the perplexity at the step that rule would have taken: the tail's step is the probe's tuned step divided by the
-shrink the layer applied (the shipped constants, from the fitted positions and held-out texts the probe recorded;
-`--tail-steps` for files written before the shrink existed, whose tuned step is the tail's). Between grid points the
-log-perplexity is interpolated linearly in log η; a step off the grid takes the nearest end and is counted.
+held-out text (faast.hf.output.diagnosis.document_shrink: P = 2·d, a = 0.5 today). Each tuned point of a step-probe
+file (lab/experiments/lm_step_probe.py) keeps the held-out files' perplexity along a grid of steps (`curve`, the tuned
+step times 2^(k/4), k = -8..8, λ at the shipped weight, W alone). From it this script reads, for every rule (P, a) of
+a grid, the perplexity at the step that rule would have taken: the tail's step is the probe's tuned step divided by
+the shrink the layer applied (P = 6·d, a = 0.5 when the probes ran: PROBED_THRESHOLD, PROBED_POWER; from the fitted
+positions and held-out texts the probe recorded; `--tail-steps` for files written before the shrink existed, whose
+tuned step is the tail's). Between grid points the log-perplexity is interpolated linearly in log η; a step off the
+grid takes the nearest end and is counted.
 
 Reported: each rule's mean perplexity change against the base model over the tuned points, per point for the shipped
 rule, no shrink and the best rule, and the oracle (the step chosen on the held-out files) as the headroom; and, with
@@ -31,6 +32,9 @@ from faast import provenance
 from faast_lab.experiments._common import RESULTS, ROOT
 
 HIDDEN = 576  # SmolLM2-135M's hidden size d, the probe's model
+# The long-text shrink the probe files' layer applied, (PROBED_THRESHOLD / L)^PROBED_POWER: OutputPolicy's
+# document_positions_per_dim was 6 and document_shrink_power 0.5 when they ran.
+PROBED_THRESHOLD, PROBED_POWER = 6 * HIDDEN, 0.5
 THRESHOLDS = (2000, 2500, 3000, 3456, 4000, 5000, 6000, 8000, 12000)  # P, fitted positions per held-out text
 POWERS = (0.25, 0.5, 0.75, 1.0, 1.5)
 # --folds probe files: a point takes the two-fold step (lm_step_probe.fold_steps) where it is at least R times the
@@ -84,7 +88,7 @@ def points(files: list[Path], tail_files: list[Path], domains: list[str]) -> lis
             if not row.get("tuned") or not row.get("curve") or (domains and row["domain"] not in domains):
                 continue
             fitted, docs = int(row["fitted_tokens"]), int(row["held_out_documents"])
-            applied = shrink(fitted, docs, 6 * HIDDEN, 0.5) if shipped else 1.0
+            applied = shrink(fitted, docs, PROBED_THRESHOLD, PROBED_POWER) if shipped else 1.0
             out.append({"file": path.name, "git": payload["provenance"].get("git_sha"), "domain": row["domain"],
                         "tokens": row["tokens"], "fitted": fitted, "documents": docs,
                         "tail_step": row["tuned_step"] / applied, "base": row["ppl_base"],
@@ -116,13 +120,14 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("files: no tuned point with a curve in the given probe files")
     rules = [evaluate(pts, t, a) for t in THRESHOLDS for a in POWERS]
     none = evaluate(pts, math.inf, 1.0)
-    shipped = evaluate(pts, 6 * HIDDEN, 0.5)
+    shipped = evaluate(pts, PROBED_THRESHOLD, PROBED_POWER)
     best = min(rules, key=lambda r: (r["mean"], -r["threshold"]))
     oracle = sum(p["oracle"] / p["base"] - 1 for p in pts) / len(pts)
     lines = [f"{len(pts)} tuned points from {', '.join(f.name for f in [*args.files, *args.tail_steps])}. Perplexity "
              "change against the base model at the step each rule takes (W alone, λ at the shipped weight), read "
              "off the probe's curves.", "",
-             f"- no shrink: {none['mean']:+.3%}; shipped (P = {6 * HIDDEN}, a = 0.5): {shipped['mean']:+.3%}; best "
+             f"- no shrink: {none['mean']:+.3%}; shipped (P = {PROBED_THRESHOLD}, a = {PROBED_POWER}): "
+             f"{shipped['mean']:+.3%}; best "
              f"of the grid: P = {best['threshold']}, a = {best['power']}: {best['mean']:+.3%}; oracle step: "
              f"{oracle:+.3%}",
              f"- steps off the probe's grid (read at its end): shipped {shipped['off_grid']}, best {best['off_grid']}",
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         fitted = min(
             (evaluate(rest, t, a) for t in THRESHOLDS for a in POWERS), key=lambda r: (r["mean"], -r["threshold"])
         )
-        margin = fitted["mean"] - evaluate(rest, 6 * HIDDEN, 0.5)["mean"]
+        margin = fitted["mean"] - evaluate(rest, PROBED_THRESHOLD, PROBED_POWER)["mean"]
         robust.append({"left_out": i, "threshold": fitted["threshold"], "power": fitted["power"], "margin": margin})
     lines += ["", "## Leaving one point out", "",
               "The grid's best rule on the other points, and its mean change minus the shipped rule's there.", "",

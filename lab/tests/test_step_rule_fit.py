@@ -43,10 +43,11 @@ def test_the_perplexity_is_read_off_the_curve_log_linearly_and_clamped_at_its_en
 
 def _probe_file(path: Path, points: list[tuple[int, int, float, float]], shipped: bool) -> None:
     """A probe JSON whose held-out perplexity is least at a known step: points (fitted, documents, tail step, best
-    step); its tuned step is the tail's shrunk as the layer ships (shipped) or the tail's itself."""
+    step); its tuned step is the tail's shrunk as the probes' layer did (shipped) or the tail's itself."""
+    fit = load_fit()
     rows = []
     for fitted, docs, tail, best in points:
-        tuned = tail * (document_shrink(fitted, docs, 576) if shipped else 1.0)
+        tuned = tail * (fit.shrink(fitted, docs, fit.PROBED_THRESHOLD, fit.PROBED_POWER) if shipped else 1.0)
         curve = [[tuned * s, 8.0 * math.exp(0.05 * math.log(tuned * s / best) ** 2)] for s in STEPS]
         # gap 0 tunes the best step; a gap whose fit chose other keys (width 1152) is left out of the gap table
         gap_steps = {"0": {"step": best, "key_width": 576}, "2": {"step": tuned, "key_width": 576}}

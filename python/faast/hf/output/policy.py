@@ -178,7 +178,7 @@ class OutputPolicy:
     """A text's own step is "much larger" beyond this many times the chosen one: the layer then warns
     (MemoryOffWarning; docs/design.md §6.3)."""
 
-    document_positions_per_dim: float = 6
+    document_positions_per_dim: float = 2
     """The tail's step is multiplied by min(1, (document_positions_per_dim·d / L)^document_shrink_power), L the
     positions fitted per held-out text and d the hidden size: a tail cut from one long file rewards what is particular
     to it. Chosen on the validation domains, 2,500-8,000 positions × powers 0.25-1.5 (docs/design.md §6.3,
