@@ -227,11 +227,13 @@ def current_name(setting: object, current: dict[str, tuple[object, Path, str]]) 
     return max(names)[2] if names else None
 
 
-def shipped_setting(path: str = "float32") -> dict:
-    """faast's shipped setting as lm_suite records a setting of no fields on `path` (its protocol's "path")."""
+def shipped_setting(path: str = "float32", fields: dict | None = None) -> dict:
+    """faast's shipped setting as lm_suite records a setting of no fields on `path` (its protocol's "path"); with
+    `fields` (lm_suite's setting fields, over the shipped ones), that setting as lm_suite records it: an earlier
+    default, such as {"policy": {"document_positions_per_dim": 6}}."""
     from faast_lab.experiments import lm_suite
 
-    return lm_suite.setting_to_dict(lm_suite.setting_from_dict(DEFAULT, {}, path))
+    return lm_suite.setting_to_dict(lm_suite.setting_from_dict(DEFAULT, fields or {}, path))
 
 
 def _current_settings(files: Sequence[Path], shards: Sequence[dict]) -> dict[str, tuple[object, Path, str]]:
@@ -250,12 +252,13 @@ def _current_settings(files: Sequence[Path], shards: Sequence[dict]) -> dict[str
     return current
 
 
-def load_shards(paths: Sequence[Path], shipped: object = None) -> list[dict]:
+def load_shards(paths: Sequence[Path], shipped: object = None, default: dict | None = None) -> list[dict]:
     """The shard records of `paths` (folders: their *.json), a domain's shards joined (module docstring), in the
     order the domains first appear; a domain whose every setting was superseded has none (`merge` leaves it out).
     The shards must share one suite manifest and one protocol but for settings and peers (a ValueError names the
     first file that does not). `shipped`: the fields `default` means where a shard ran them (default: faast's shipped
-    setting on the shards' path, `shipped_setting`)."""
+    setting on the shards' path, `shipped_setting`, or with `default`'s fields over it: an earlier default's report
+    regenerated as it read then)."""
     files = [f for p in paths for f in (sorted(Path(p).glob("*.json")) if Path(p).is_dir() else [Path(p)])]
     shards = [json.loads(f.read_text(encoding="utf-8")) for f in files]
     if not shards:
@@ -270,7 +273,8 @@ def load_shards(paths: Sequence[Path], shipped: object = None) -> list[dict]:
             key = "suite" if s.get("suite") != first.get("suite") else "protocol"
             raise ValueError(f"{f}: its {key} differs from {files[0].name}'s: the shards are not one suite run")
     current = _current_settings(files, shards)
-    meaning = today(shipped_setting(str(first["protocol"].get("path", "float32"))) if shipped is None else shipped)
+    path = str(first["protocol"].get("path", "float32"))
+    meaning = today(shipped_setting(path, default) if shipped is None else shipped)
     ran = [(str(s["provenance"].get("date", "")), f) for f, s in zip(files, shards, strict=True)
            if any(today(x) == meaning for x in s["protocol"]["settings"].values())]  # fmt: skip
     newest = max(ran) if ran else None
@@ -807,9 +811,20 @@ def main(argv: list[str] | None = None) -> dict:
         help="the settings leave-one-kind-out chooses among (default: every one the shards measured); the rest are "
         "set aside, and named",
     )
+    p.add_argument(
+        "--default",
+        type=json.loads,
+        default=None,
+        metavar="FIELDS",
+        help="a JSON object of lm_suite setting fields over the shipped ones: the setting `default` means (default: "
+        "what faast ships), so that an earlier default's report reads as it did, e.g. "
+        '\'{"policy": {"document_positions_per_dim": 6}}\'',
+    )
     p.add_argument("--out", type=Path, required=True, help="the merged record's stem (<stem>.json, <stem>.md)")
     args = p.parse_args(argv)
-    shards = load_shards(args.shards)
+    if args.default is not None and not isinstance(args.default, dict):
+        p.error(f"--default: expected a JSON object of setting fields, got {args.default!r}")
+    shards = load_shards(args.shards, default=args.default)
     if args.settings is not None:
         shards = only(shards, args.settings)
     merged = merge(shards)

@@ -744,13 +744,14 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
         ["default", "document_folds"]
     ]
     assert lm_suite_report.load_heuristics(path, capacity, folds)["mechanisms"][-1]["on"] == "document_folds"
-    # The folds' gate is read by the solve alone: the earlier gate's setting is today's default, in one pass.
+    # The folds' gate is read by the solve alone: the earlier gate's setting became the default (at the shrink's
+    # threshold of then, which both specs pin), and shares its pass.
     gate = lm_suite_report.ROOT / "lab/experiments/suite_folds_gate.json"
     gated = {**candidate, **lm_suite.parse_args(["--settings", str(gate), "--out", str(tmp_path)]).settings}
     assert lm_suite.groups({n: lm_suite.setting_from_dict(n, f) for n, f in gated.items()}) == [
         ["default", "document_folds", "folds_gate"],
     ]
-    assert lm_suite.setting_from_dict("g", gated["folds_gate"]) == lm_suite.setting_from_dict("d", {})
+    assert lm_suite.setting_from_dict("g", gated["folds_gate"]) == lm_suite.setting_from_dict("d", gated["default"])
     # Around today's default: every ablation of the earlier spec shares its pass; the folds off (no gate) and h̃ alone
     # as the keys learn their own. The spec holds the earlier one's settings as they are: its runs are today's.
     today = lm_suite_report.ROOT / "lab/experiments/suite_gated.json"
@@ -783,59 +784,86 @@ def test_a_mechanism_stays_only_where_it_pays_at_a_curve_point_and_keeps_the_flo
         lm_suite_report.load_heuristics(path, orphan)
 
 
-def test_the_shrink_threshold_candidate_shares_the_default_pass_and_changes_that_constant_alone(tmp_path):
+def test_the_shipped_shrink_threshold_was_judged_beside_the_earlier_default_in_its_pass_changing_that_constant_alone(
+    tmp_path,
+):
     path = lm_suite_report.ROOT / "lab/experiments/suite_shrink_threshold.json"
     settings = lm_suite.parse_args(["--settings", str(path), "--out", str(tmp_path)]).settings
     built = {n: lm_suite.setting_from_dict(n, f) for n, f in settings.items()}
     assert lm_suite.groups(built) == [["default", "positions_per_dim_2"]]  # read by the solve alone: one pass
-    default, candidate = built["default"], built["positions_per_dim_2"]
-    assert candidate.policy.document_positions_per_dim == 2 != default.policy.document_positions_per_dim
-    same = dataclasses.replace(candidate.policy, document_positions_per_dim=default.policy.document_positions_per_dim)
-    assert dataclasses.replace(candidate, policy=same) == default
-    # One learned file of 8K: the tail's gap leaves 3,277 fitted positions; the default does not shrink, P = 2 does.
-    assert document_shrink(3277, 1, 576, default.policy) == 1.0
+    earlier, candidate = built["default"], built["positions_per_dim_2"]
+    assert candidate.policy.document_positions_per_dim == 2 != earlier.policy.document_positions_per_dim == 6
+    same = dataclasses.replace(candidate.policy, document_positions_per_dim=earlier.policy.document_positions_per_dim)
+    assert dataclasses.replace(candidate, policy=same) == earlier
+    # the candidate is what faast ships: the report reads its runs as the default's
+    assert lm_suite_report.today(lm_suite_report.shipped_setting()) == lm_suite_report.today(
+        lm_suite.setting_to_dict(candidate)
+    )
+    # One learned file of 8K: the tail's gap leaves 3,277 fitted positions; P = 6 did not shrink, P = 2 does.
+    assert document_shrink(3277, 1, 576, earlier.policy) == 1.0
     assert document_shrink(3277, 1, 576, candidate.policy) == pytest.approx((2 * 576 / 3277) ** 0.5)
     judged = lm_suite_report.load_heuristics(lm_suite_report.ROOT / "lab/experiments/suite_gated.json", path)
     assert (judged["mechanisms"][-1]["on"], judged["mechanisms"][-1]["off"]) == ("positions_per_dim_2", "default")
 
 
-def test_the_ablations_around_the_shrink_candidate_are_today_s_with_its_threshold_and_share_one_pass(tmp_path):
+def test_the_threshold_comparison_regenerates_as_it_read_with_the_earlier_default_named(tmp_path, capsys):
+    # Once P = 2 ships, the report run with no --default reads the candidate as the default; --default gives the
+    # earlier default its name back, and the committed record comes back as it is.
+    results = lm_suite_report.ROOT / "lab/experiments/results"
+    folders = ["lm_suite_cpu", "lm_suite_cpu_gated", "lm_suite_cpu_gate_off", "lm_suite_cpu_gated_peers",
+               "lm_suite_cpu_knn", "lm_suite_cpu_lora_best", "lm_suite_cpu_ablations_gated", "lm_suite_cpu_keys_gated",
+               "lm_suite_cpu_shrink_gated"]  # fmt: skip
+    specs = lm_suite_report.ROOT / "lab/experiments"
+    argv = [*(str(results / f) for f in folders), "--settings", "default", "no_bias", "no_folds_gate", "no_token_bias",
+            "no_step_ramp", "no_document_shrink", "no_gain_gate", "keys_h_alone", "positions_per_dim_2",
+            "--heuristics", str(specs / "suite_gated.json"), str(specs / "suite_shrink_threshold.json")]  # fmt: skip
+    six = '{"policy": {"document_positions_per_dim": 6}}'
+    lm_suite_report.main([*argv, "--default", six, "--out", str(tmp_path / "again")])
+    again = (tmp_path / "again.json").read_text(encoding="utf-8")
+    assert again == (results / "lm_suite_cpu_shrink.json").read_text(encoding="utf-8")
+    with pytest.raises(ValueError, match="settings: expected settings the shards measured"):
+        lm_suite_report.main([*argv, "--out", str(tmp_path / "today")])  # P = 6 has no runs under today's meaning
+    with pytest.raises(SystemExit):
+        lm_suite_report.main([*argv, "--default", "[6]", "--out", str(tmp_path / "bad")])
+    assert "--default: expected a JSON object of setting fields" in capsys.readouterr().err
+
+
+def test_the_default_s_ablations_are_the_earlier_ones_at_the_shipped_threshold_and_judge_every_mechanism(tmp_path):
     root = lm_suite_report.ROOT / "lab/experiments"
-    around = json.loads((root / "suite_gated_p2.json").read_text(encoding="utf-8"))["settings"]
-    today = json.loads((root / "suite_gated.json").read_text(encoding="utf-8"))["settings"]
-    candidate = json.loads((root / "suite_shrink_threshold.json").read_text(encoding="utf-8"))["settings"]
+    solve, passes = root / "suite_gated_p2.json", root / "suite_gated_p2_passes.json"
+    around = {**json.loads(solve.read_text(encoding="utf-8"))["settings"],
+              **json.loads(passes.read_text(encoding="utf-8"))["settings"]}  # fmt: skip
+    earlier = lm_suite_report.load_heuristics(root / "suite_gated.json")
     two = {"document_positions_per_dim": 2}
-    assert around["positions_per_dim_2"] == candidate["positions_per_dim_2"]
-    for name, fields in around.items():  # each is today's ablation of that name with the threshold at 2, no more
-        base = dict(today["default" if name == "positions_per_dim_2" else name.removesuffix("_p2")])
+    for name, fields in around.items():  # each is the earlier ablation of that name with the threshold at 2, no more
+        base = dict(earlier["settings"]["default" if name == "positions_per_dim_2" else name.removesuffix("_p2")])
         assert fields == {**base, "policy": {**base.get("policy", {}), **two}}, name
     built = {n: lm_suite.setting_from_dict(n, f) for n, f in around.items()}
-    assert lm_suite.groups(built) == [list(around)]
-    spec = lm_suite_report.load_heuristics(root / "suite_gated.json", root / "suite_shrink_threshold.json",
-                                           root / "suite_gated_p2.json")  # fmt: skip
-    judged = [m for m in spec["mechanisms"] if m["on"] == "positions_per_dim_2" and m["off"] != "default"]
-    assert {m["off"] for m in judged} == {*around} - {"positions_per_dim_2"} | {"no_document_shrink"}
+    assert built["positions_per_dim_2"] == lm_suite.setting_from_dict("default", {})  # what ships
+    # the solve-time ones share the default's pass; the folds' gate and h̃ alone each learn their own
+    assert lm_suite.groups(built) == [
+        ["positions_per_dim_2", "no_bias_p2", "no_token_bias_p2", "no_step_ramp_p2", "no_gain_gate_p2"],
+        ["no_folds_gate_p2"],
+        ["keys_h_alone_p2"],
+    ]
+    spec = lm_suite_report.load_heuristics(solve, passes)
 
+    # every mechanism the earlier default was judged on, judged around today's; the shrink's own ablation (power 0
+    # never reads the threshold) is the earlier run's
+    def key(ms: list[dict]) -> list[tuple]:
+        return sorted((m["name"], tuple(m["constants"]), m.get("floor_guard")) for m in ms)
 
-def test_the_ablations_with_passes_of_their_own_around_the_shrink_candidate_are_today_s_with_its_threshold(tmp_path):
-    root = lm_suite_report.ROOT / "lab/experiments"
-    path = root / "suite_gated_p2_passes.json"
-    around = json.loads(path.read_text(encoding="utf-8"))["settings"]
-    today = json.loads((root / "suite_gated.json").read_text(encoding="utf-8"))["settings"]
-    assert set(around) == {"no_folds_gate_p2", "keys_h_alone_p2"}
-    for name, fields in around.items():  # today's ablation of that name with the threshold at 2, no more
-        base = dict(today[name.removesuffix("_p2")])
-        assert fields == {**base, "policy": {**base.get("policy", {}), "document_positions_per_dim": 2}}, name
-    settings = lm_suite.parse_args(["--settings", str(path), "--out", str(tmp_path)]).settings
-    candidate = json.loads((root / "suite_shrink_threshold.json").read_text(encoding="utf-8"))["settings"]
-    built = {n: lm_suite.setting_from_dict(n, f) for n, f in {**candidate, **settings}.items()}
-    # each learns a pass of its own: neither shares the candidate's (nor the other's)
-    assert lm_suite.groups(built) == [["default", "positions_per_dim_2"], ["no_folds_gate_p2"], ["keys_h_alone_p2"]]
-    spec = lm_suite_report.load_heuristics(root / "suite_gated.json", root / "suite_shrink_threshold.json",
-                                           root / "suite_gated_p2.json", path)  # fmt: skip
-    judged = {m["off"] for m in spec["mechanisms"] if m["on"] == "positions_per_dim_2"}
-    # with suite_gated_p2.json, every ablation of today's default is judged around the candidate
-    assert {f"{n}_p2" if f"{n}_p2" in judged else n for n in today if n != "default"} <= judged
+    assert key(spec["mechanisms"]) == key(earlier["mechanisms"])
+    assert all(m["on"] == "default" for m in spec["mechanisms"])
+    offs = {m["off"] for m in spec["mechanisms"]}
+    assert offs == {*around} - {"positions_per_dim_2"} | {"no_document_shrink"}
+    shrink_off = lm_suite.setting_from_dict("x", earlier["settings"]["no_document_shrink"]).policy
+    assert dataclasses.replace(shrink_off, document_positions_per_dim=2) != shrink_off
+    assert (
+        document_shrink(100_000, 1, 576, shrink_off)
+        == 1.0
+        == document_shrink(100_000, 1, 576, dataclasses.replace(shrink_off, document_positions_per_dim=2))
+    )
 
 
 def test_a_mechanism_that_keeps_a_domain_inside_the_floor_stays_though_it_gains_too_little(tmp_path):
