@@ -14,7 +14,10 @@ shards hold the perplexities of the same passes.
 Per domain: the suite's learned tokens (lm_suite: --learn-tokens of the manifest's learned files); FAAST with the
 shipped default on the float32 path (FaastConfig(learn_dtype='model'), head_dtype='float32'), learned in one call and
 solved once; one LoRA epoch as lm_suite's peer (lm_domains_peers: the rank matched to the shipped readout's layers,
---train-window, --train-batch-size, --lora-lr). One record per domain (a shard), resumable.
+--train-window, --train-batch-size, --lora-lr). With --base, each round also times the frozen base model's forward
+over the learning pass's windows and batches, logits included: what any forward-only pass costs at least, and what
+LoRA's epoch runs before its backward. The report then gives FAAST's pass over it, and it over LoRA's epoch. One
+record per domain (a shard), resumable.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--domains", nargs="+", default=None, help="suite domains (default: all of the manifest)")
     p.add_argument("--repeats", type=int, default=3, help="timings of each side per domain")
     p.add_argument("--warmup", type=int, default=0, help="untimed FAAST learn + solve runs before a domain's rounds")
+    p.add_argument("--base", action="store_true", help="also time the base model's forward over the same windows")
     p.add_argument("--out", type=Path, help="the folder of the shard records (<domain>.json)")
     p.add_argument("--report", type=Path, help="print the report of this folder's shards instead of running")
     p.add_argument("--learn-tokens", type=int, default=32768)
@@ -89,6 +93,22 @@ def time_faast(base: object, learn: list[list[int]], args: argparse.Namespace) -
     return {"pass_s": pass_s, "solve_s": solve_s, "seconds": pass_s + solve_s}
 
 
+def time_base(base: object, learn: list[list[int]], args: argparse.Namespace) -> dict:
+    """The frozen base model's forward, logits included, over the windows FAAST learns ([--learn-window] tokens
+    overlapping by one, --learn-batch-size to a batch, right padded): its seconds."""
+    import torch
+
+    from faast.hf.tokens import overlapping_windows, pad_rows
+
+    windows = [w for ids in learn for w in overlapping_windows(ids, args.learn_window)]
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(windows), args.learn_batch_size):
+            ids, mask = pad_rows(windows[i : i + args.learn_batch_size])
+            base(input_ids=ids, attention_mask=mask)
+    return {"seconds": time.perf_counter() - started, "windows": len(windows)}
+
+
 def time_lora(base: object, learn: list[list[int]], args: argparse.Namespace) -> dict:
     """One LoRA epoch as the suite's peer (lm_domains_peers.run_backprop): its training seconds."""
     import torch
@@ -119,7 +139,8 @@ def timed(phase: Callable[[], dict], hidden: int) -> dict:
 
 def run_domain(name: str, base: object, tokenizer: object, args: argparse.Namespace, manifest: Mapping,
                bases: Mapping | None, tick: Callable[[], None]) -> dict:  # fmt: skip
-    """One shard: `repeats` rounds of FAAST and LoRA on the domain's learned tokens, FAAST first in even rounds."""
+    """One shard: `repeats` rounds of FAAST and LoRA (and the base forward, with --base) on the domain's learned
+    tokens, FAAST first in even rounds and the order reversed in odd ones."""
     from faast.hf.tokens import token_lists
 
     learn_texts, _, record = suite.domain_texts(name, manifest, bases)
@@ -132,14 +153,21 @@ def run_domain(name: str, base: object, tokenizer: object, args: argparse.Namesp
     rounds = []
     for r in range(args.repeats):
         sides = {"faast": lambda: time_faast(base, learn, args), "lora": lambda: time_lora(base, learn, args)}
-        order = ("faast", "lora") if r % 2 == 0 else ("lora", "faast")
+        if args.base:
+            sides["base"] = lambda: time_base(base, learn, args)
+        order = tuple(sides) if r % 2 == 0 else tuple(reversed(sides))
         row: dict = {"order": list(order)}
         for side in order:
             row[side] = timed(sides[side], hidden)
             tick()
         row["ratio"] = row["faast"]["seconds"] / row["lora"]["seconds"]
-        print(f"{name} round {r + 1}: FAAST {row['faast']['seconds']:.1f} s, LoRA {row['lora']['seconds']:.1f} s, "
-              f"ratio {row['ratio']:.3f}", flush=True)  # fmt: skip
+        also = ""
+        if args.base:
+            row["base_ratio"] = row["base"]["seconds"] / row["lora"]["seconds"]
+            row["faast_over_base"] = row["faast"]["pass_s"] / row["base"]["seconds"]
+            also = f", base forward {row['base']['seconds']:.1f} s"
+        print(f"{name} round {r + 1}: FAAST {row['faast']['seconds']:.1f} s, LoRA {row['lora']['seconds']:.1f} s"
+              f"{also}, ratio {row['ratio']:.3f}", flush=True)  # fmt: skip
         rounds.append(row)
     return {"domain": name, "kind": record["kind"], "suite_domain": record,
             "learned_tokens": sum(len(x) for x in learn), "rounds": rounds}  # fmt: skip
@@ -148,8 +176,10 @@ def run_domain(name: str, base: object, tokenizer: object, args: argparse.Namesp
 def protocol(args: argparse.Namespace, description: str) -> dict:
     keep = ("repeats", "warmup", "learn_tokens", "learn_window", "learn_batch_size", "train_window",
             "train_batch_size", "lora_lr")  # fmt: skip
+    # "base" only where it ran, so the folders timed before it resume under the protocol they ran
     return {"model": description, "path": "float32", "reference": {"rows": REFERENCE_ROWS,
-            "repeats": REFERENCE_REPEATS}, **{k: getattr(args, k) for k in keep}}  # fmt: skip
+            "repeats": REFERENCE_REPEATS}, **{k: getattr(args, k) for k in keep},
+            **({"base": True} if args.base else {})}  # fmt: skip
 
 
 def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None, manifest: Mapping | None = None,
@@ -177,7 +207,7 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
         if have.get("protocol") != wanted or (have.get("suite") or {}).get("manifest_sha256") != suite_sha:
             raise SystemExit(f"--out {args.out}: the shard {name}.json ran another protocol or suite manifest; "
                              "resume with the same options or write to another folder")  # fmt: skip
-    total, done = 2 * args.repeats * len(todo), 0
+    total, done = (3 if args.base else 2) * args.repeats * len(todo), 0
     bar = Bar(enabled(None), "timing")
 
     def tick() -> None:
@@ -208,12 +238,17 @@ def summary(shard: Mapping) -> dict:
     ratios = [r["ratio"] for r in rounds]
     scaled = [scaled_ratio(r) for r in rounds]
     speeds = [g for r in rounds for s in ("faast", "lora") for g in r[s]["reference_gflops"]]
-    return {"domain": shard["domain"], "kind": shard["kind"], "rounds": len(rounds), "ratios": ratios,
-            "median": statistics.median(ratios), "scaled": scaled, "scaled_median": statistics.median(scaled),
-            "faast_s": statistics.median(r["faast"]["seconds"] for r in rounds),
-            "solve_s": statistics.median(r["faast"]["solve_s"] for r in rounds),
-            "lora_s": statistics.median(r["lora"]["seconds"] for r in rounds),
-            "reference_spread": max(speeds) / min(speeds)}  # fmt: skip
+    out = {"domain": shard["domain"], "kind": shard["kind"], "rounds": len(rounds), "ratios": ratios,
+           "median": statistics.median(ratios), "scaled": scaled, "scaled_median": statistics.median(scaled),
+           "faast_s": statistics.median(r["faast"]["seconds"] for r in rounds),
+           "solve_s": statistics.median(r["faast"]["solve_s"] for r in rounds),
+           "lora_s": statistics.median(r["lora"]["seconds"] for r in rounds),
+           "reference_spread": max(speeds) / min(speeds)}  # fmt: skip
+    if all("base" in r for r in rounds):  # --base: the base forward's medians
+        out["base_s"] = statistics.median(r["base"]["seconds"] for r in rounds)
+        out["base_ratio"] = statistics.median(r["base_ratio"] for r in rounds)
+        out["faast_over_base"] = statistics.median(r["faast_over_base"] for r in rounds)
+    return out
 
 
 def report_lines(shards: Sequence[Mapping]) -> list[str]:
@@ -221,10 +256,12 @@ def report_lines(shards: Sequence[Mapping]) -> list[str]:
     if not shards:
         raise ValueError("report: expected shard records (<domain>.json), got none")
     rows = sorted((summary(s) for s in shards), key=lambda r: -r["median"])
+    base = any("base_s" in r for r in rows)
     lines = [
         "| domain | kind | rounds | FAAST learn + solve / LoRA epoch, each round | median | scaled by the "
-        "reference, each round | median | FAAST s (solve s) | LoRA s | reference spread |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "reference, each round | median | FAAST s (solve s) | LoRA s | reference spread |"
+        + (" base forward s | FAAST's pass / base forward | base forward / LoRA epoch |" if base else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if base else ""),
     ]
     for r in rows:
         lines.append(
@@ -232,14 +269,32 @@ def report_lines(shards: Sequence[Mapping]) -> list[str]:
             f"| **{r['median']:.3f}** | {', '.join(f'{x:.3f}' for x in r['scaled'])} | "
             f"{r['scaled_median']:.3f} | {r['faast_s']:.1f} ({r['solve_s']:.1f}) | {r['lora_s']:.1f} | "
             f"{r['reference_spread']:.2f}× |"
+            + (
+                (
+                    f" {r['base_s']:.1f} | {r['faast_over_base']:.2f}× | {r['base_ratio']:.3f} |"
+                    if "base_s" in r
+                    else " – | – | – |"
+                )  # fmt: skip
+                if base
+                else ""
+            )
         )
     worst, scaled = rows[0], max(rows, key=lambda r: r["scaled_median"])
+    tail = ""
+    if base:
+        timed = [r for r in rows if "base_s" in r]
+        tail = (
+            f" The base forward alone is {min(r['base_ratio'] for r in timed):.3f}× to "
+            f"{max(r['base_ratio'] for r in timed):.3f}× of LoRA's epoch (medians), and FAAST's pass "
+            f"{min(r['faast_over_base'] for r in timed):.2f}× to {max(r['faast_over_base'] for r in timed):.2f}× "
+            "of it: the base forward is the least a forward-only pass over these windows costs."
+        )
     return [
         *lines,
         "",
         f"Worst median ratio {worst['median']:.3f}× ({worst['domain']}); scaled by the reference "
         f"{scaled['scaled_median']:.3f}× ({scaled['domain']}). Seconds are medians over the rounds; the reference "
-        "spread is its fastest reading over its slowest within the shard.",
+        "spread is its fastest reading over its slowest within the shard." + tail,
     ]
 
 

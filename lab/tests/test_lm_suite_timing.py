@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from faast.hf.tokens import overlapping_windows, token_lists
 from faast_lab.experiments import lm_suite_timing
 from test_lm_suite import fake_manifest, fake_tree, loader
 from tolerances import REORDER_REL
@@ -38,6 +39,33 @@ def test_each_round_times_both_sides_in_alternating_order_beside_the_reference_a
     with pytest.raises(SystemExit, match="another protocol"):
         lm_suite_timing.main([*argv[:-4], "--repeats", "3", "--domains", "code", "--out", str(out)],
                              load_model=loader, manifest=manifest, bases=bases)  # fmt: skip
+
+
+def test_with_base_each_round_also_times_the_base_forward_over_the_learning_windows_in_reversed_order(tmp_path):
+    pytest.importorskip("peft")
+    bases, sources = fake_tree(tmp_path / "tree")
+    manifest = fake_manifest(bases, sources)
+    out = tmp_path / "timing"
+    argv = [*ARGS, "--repeats", "2", "--base", "--domains", "code", "--out", str(out)]
+    (path,) = lm_suite_timing.main(argv, load_model=loader, manifest=manifest, bases=bases)
+    shard = json.loads(path.read_text())
+    assert shard["protocol"]["base"] is True
+    rounds = shard["rounds"]
+    assert [r["order"] for r in rounds] == [["faast", "lora", "base"], ["base", "lora", "faast"]]
+    # the learned tokens in windows of 64 overlapping by one, as FAAST learns them
+    texts = lm_suite_timing.suite.domain_texts("code", manifest, bases)[0]
+    learn = token_lists(texts, loader("t")[1], 800)
+    windows = [w for ids in learn for w in overlapping_windows(ids, 64)]
+    assert sum(len(x) for x in learn) == 800 and rounds[0]["base"]["windows"] == len(windows) > 1
+    for r in rounds:
+        assert r["base"]["seconds"] > 0 and all(g > 0 for g in r["base"]["reference_gflops"])
+        assert r["base_ratio"] == pytest.approx(r["base"]["seconds"] / r["lora"]["seconds"], rel=REORDER_REL)
+        assert r["faast_over_base"] == pytest.approx(r["faast"]["pass_s"] / r["base"]["seconds"], rel=REORDER_REL)
+    text = lm_suite_timing.report([path])
+    assert "| base forward s | FAAST's pass / base forward | base forward / LoRA epoch |" in text
+    assert "The base forward alone is" in text
+    # the folders timed without --base resume under the protocol they ran
+    assert "base" not in lm_suite_timing.protocol(lm_suite_timing.parse_args([*ARGS, "--out", "x"]), "m")
 
 
 def shard(domain: str, rounds: list[tuple[float, float, float, float]]) -> dict:
