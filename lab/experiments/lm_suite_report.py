@@ -34,7 +34,8 @@ The name `default` means what faast ships: where a shard ran faast's shipped set
 `today`), under any name, that setting reads as `default` there, and a setting named `default` with other fields (an
 earlier default) is superseded, wherever no newer run of that name is. A default changed in a field the solve alone
 reads (lm_suite's SOLVE_TIME_FIELDS) then needs no run again: the candidate's runs beside the earlier default are its
-runs.
+runs. `--default FIELDS` gives the name back to an earlier default (its fields over the shipped ones), so a report
+made while it shipped regenerates as it read.
 
 `--settings` names the settings leave-one-kind-out chooses among (`only`): where the default changed, the runs of an
 earlier default's ablations stay on disk, and are set aside, named, until they are run again around today's.
