@@ -264,20 +264,14 @@ def report_lines(shards: Sequence[Mapping]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if base else ""),
     ]
     for r in rows:
+        extra = " – | – | – |" if base else ""
+        if "base_s" in r:
+            extra = f" {r['base_s']:.1f} | {r['faast_over_base']:.2f}× | {r['base_ratio']:.3f} |"
         lines.append(
             f"| {r['domain']} | {r['kind']} | {r['rounds']} | {', '.join(f'{x:.3f}' for x in r['ratios'])} "
             f"| **{r['median']:.3f}** | {', '.join(f'{x:.3f}' for x in r['scaled'])} | "
             f"{r['scaled_median']:.3f} | {r['faast_s']:.1f} ({r['solve_s']:.1f}) | {r['lora_s']:.1f} | "
-            f"{r['reference_spread']:.2f}× |"
-            + (
-                (
-                    f" {r['base_s']:.1f} | {r['faast_over_base']:.2f}× | {r['base_ratio']:.3f} |"
-                    if "base_s" in r
-                    else " – | – | – |"
-                )  # fmt: skip
-                if base
-                else ""
-            )
+            f"{r['reference_spread']:.2f}× |{extra}"
         )
     worst, scaled = rows[0], max(rows, key=lambda r: r["scaled_median"])
     tail = ""
