@@ -249,6 +249,26 @@ def test_where_the_folds_find_a_gain_the_gate_takes_the_tails_step():
     assert gated["document_folds"] == 0 and gated["document_gap_tokens"] == tail["document_gap_tokens"]
 
 
+def test_the_gated_solve_forms_the_held_out_rows_base_logits_once(monkeypatch):
+    """The gate's tuning and the tail's read the same held-out rows: the head forms their base logits once, and the
+    solve chooses what each tuning alone chooses (test_where_the_folds_find_a_gain_the_gate_takes_the_tails_step)."""
+    from faast.hf.output import step
+
+    shared = [noisy_phrase(440, seed=1, noise=0.2 + 0.01 * s) for s in range(6)]
+    model = learned_with(GATE, shared)
+    formed = []
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        formed.append(args[1].shape[0])
+        return head_logits(*args, **kwargs)
+
+    head_logits = step.head_logits
+    monkeypatch.setattr(step, "head_logits", counted)
+    gated = solve(model)
+    assert gated["folds_gate"] == "on" and gated["held_out_tokens"] > 0
+    assert formed == [gated["held_out_tokens"]]
+
+
 @pytest.mark.parametrize(("folds", "gate"), [(0, 1), (FOLDS, 1), (FOLDS, "yes")])
 def test_a_gate_that_is_not_a_bool_is_refused(folds, gate):
     with pytest.raises(ValueError, match="document_folds_gate"):

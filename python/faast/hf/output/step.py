@@ -242,8 +242,10 @@ class StepChoice:
         if not (policy.document_folds_gate and row_folds is not None):
             return self.tune(curvature, fixed_step, fixed, statistics, row_folds)
         # The folds only gate: the memory stays off where no step helps text of documents the fit never saw, and
-        # otherwise takes the tail's step (OutputPolicy.document_folds_gate).
-        gate = self.tune(curvature, fixed_step, fixed, statistics, row_folds)
+        # otherwise takes the tail's step (OutputPolicy.document_folds_gate). Both tunings read the same held-out
+        # rows, so the gate's base logits serve the tail's when their rows come in the same order.
+        bases: dict[bool, tuple] = {}
+        gate = self.tune(curvature, fixed_step, fixed, statistics, row_folds, bases)
         if gate[0] <= 0.0 or gate[1] <= 0.0:
             _log.info("faast: output layer: read by document folds, no step helps unseen documents: the memory is off")
             gate[3]["folds_gate"] = "off"
@@ -253,7 +255,7 @@ class StepChoice:
                                       "learned texts themselves again, OutputPolicy(document_folds=0) judges by "
                                       "their own ends.)")  # fmt: skip
             return gate
-        eta, lam, width, record = self.tune(curvature, fixed_step, fixed, statistics, None)
+        eta, lam, width, record = self.tune(curvature, fixed_step, fixed, statistics, None, bases)
         record["folds_gate"], record["folds_gate_step"] = "on", gate[0]
         return eta, lam, width, record
 
@@ -264,9 +266,12 @@ class StepChoice:
         fixed: float | None,
         statistics: tuple,
         row_folds: torch.Tensor | None,
+        bases: dict[bool, tuple] | None = None,
     ) -> tuple[float, float, int, dict[str, object]]:
         """`choose` on the held-out rows of `tail_statistics`, each row read by W fitted without the tail (row_folds
-        None) or without its document's fold (row_folds [m] int64, `row_folds`)."""
+        None) or without its document's fold (row_folds [m] int64, `row_folds`). bases: the base logits of an
+        earlier call on the same statistics, by whether its rows were put in sample order (its z0 [m, V] and log
+        base [m]); this call's are added. None: formed and dropped here."""
         policy, settings = self.policy, self.settings
         keys, ys, docs, s_tail, t_tail, n_tail, held, gap = statistics
         memory = self.memory
@@ -279,12 +284,19 @@ class StepChoice:
         # With two widths and many held-out rows, the width is chosen on a sample (its rows first), and only the chosen
         # width's change is formed for the rest: the [n, V] head products are most of the solve's time.
         sampled = keys.shape[0]
-        if len(widths) > 1 and keys.shape[0] >= policy.width_sample_min_rows:
+        ordered = len(widths) > 1 and keys.shape[0] >= policy.width_sample_min_rows
+        if ordered:
             order, sampled = tuning.sample_first(keys.shape[0], keys.device, policy)
             keys, ys, docs = keys[order], ys[order], docs[order]
             row_folds = None if row_folds is None else row_folds[order]
-        base = self.tail_base(keys, ys)  # the base logits are the same for every width
-        log_base = tuning.base_log_targets((base[0], None, base[1], None))
+        if bases is not None and ordered in bases:
+            base, log_base = bases[ordered]
+        else:  # the base logits are the same for every width
+            base = self.tail_base(keys, ys)
+            log_base = tuning.base_log_targets((base[0], None, base[1], None))
+            if bases is not None:  # one kept at a time: each is [m, V]
+                bases.clear()
+                bases[ordered] = (base, log_base)
         sample_rows, results = slice(0, sampled), dict[int, tuple]()
         for width in widths:
             w = self.fitted_without(s_tail, t_tail, n_tail, row_folds, curvature, width)
