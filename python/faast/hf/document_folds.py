@@ -35,8 +35,9 @@ FoldSums = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class DocumentFolds:
-    """Each fold's key statistics and each known document's fold. `add` replaces the sums (never writes in place),
-    so a snapshot taken before a learn that fails can be put back (`snapshot` / `restore`).
+    """Each fold's key statistics and each known document's fold. `add` writes into the sums in place; `snapshot`
+    copies them, so a learn that fails can put back what it took (`snapshot` / `restore`): one copy per learn() call,
+    not one per batch.
 
     Args:
         folds: F, 0 (keep nothing) or >= 2.
@@ -60,11 +61,14 @@ class DocumentFolds:
         return self._sums is not None
 
     def snapshot(self) -> tuple:
-        return dict(self._fold_of), dict(self._by_content), self._dealt, self._sums
+        sums = None if self._sums is None else tuple(x.clone() for x in self._sums)
+        return dict(self._fold_of), dict(self._by_content), self._dealt, sums
 
     def restore(self, snapshot: tuple) -> None:
-        fold_of, by_content, self._dealt, self._sums = snapshot
+        fold_of, by_content, self._dealt, sums = snapshot
         self._fold_of, self._by_content = dict(fold_of), dict(by_content)
+        # copied again: later adds write in place, and the snapshot may be restored more than once
+        self._sums = None if sums is None else tuple(x.clone() for x in sums)
 
     def clear(self) -> None:
         self._fold_of, self._by_content, self._dealt, self._sums = {}, {}, 0, None
@@ -114,14 +118,13 @@ class DocumentFolds:
                 return torch.zeros(shape, dtype=torch.float64, device=keys.device)
 
             self._sums = (zeros(self.folds, d_key, d_key), zeros(self.folds, d_key, d), zeros(self.folds))
-        s, t, c = (x.clone() for x in self._sums)
+        s, t, c = self._sums
         for f in torch.unique(fold[fold >= 0]).tolist():
             # float32 products of float32 keys, as the tail's own statistics (HeldOutTail.split) are formed
             k, v = keys[fold == f].float(), values[fold == f].float()
             s[f] += (k.T @ k).double()
             t[f] += (k.T @ v).double()
             c[f] += k.shape[0]
-        self._sums = (s, t, c)
 
     def fold_of(self, documents: torch.Tensor) -> torch.Tensor:
         """The fold [m] int64 of each of documents [m] (-1: unknown, or learned before the folds were kept)."""
