@@ -251,6 +251,12 @@ def summary(shard: Mapping) -> dict:
     return out
 
 
+def _span(values: Sequence[float], digits: int) -> str:
+    """'a× to b×' over the values, or 'a×' where they read the same at `digits` decimals."""
+    low, high = f"{min(values):.{digits}f}×", f"{max(values):.{digits}f}×"
+    return low if low == high else f"{low} to {high}"
+
+
 def report_lines(shards: Sequence[Mapping]) -> list[str]:
     """Markdown: one row per shard, the worst median first, then a line naming it (scripts/results_formats.py)."""
     if not shards:
@@ -278,10 +284,9 @@ def report_lines(shards: Sequence[Mapping]) -> list[str]:
     if base:
         timed = [r for r in rows if "base_s" in r]
         tail = (
-            f" The base forward alone is {min(r['base_ratio'] for r in timed):.3f}× to "
-            f"{max(r['base_ratio'] for r in timed):.3f}× of LoRA's epoch (medians), and FAAST's pass "
-            f"{min(r['faast_over_base'] for r in timed):.2f}× to {max(r['faast_over_base'] for r in timed):.2f}× "
-            "of it: the base forward is the least a forward-only pass over these windows costs."
+            f" The base forward alone is {_span([r['base_ratio'] for r in timed], 3)} of LoRA's epoch (medians), "
+            f"and FAAST's pass {_span([r['faast_over_base'] for r in timed], 2)} of it: the base forward is the "
+            "least a forward-only pass over these windows costs."
         )
     return [
         *lines,

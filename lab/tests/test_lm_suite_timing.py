@@ -64,6 +64,8 @@ def test_with_base_each_round_also_times_the_base_forward_over_the_learning_wind
     text = lm_suite_timing.report([path])
     assert "| base forward s | FAAST's pass / base forward | base forward / LoRA epoch |" in text
     assert "The base forward alone is" in text
+    alone = text.split("The base forward alone is ")[1].split(" of LoRA's epoch")[0]
+    assert " to " not in alone and alone.endswith("×")  # one domain: one value, not a span from it to itself
     # the folders timed without --base resume under the protocol they ran
     assert "base" not in lm_suite_timing.protocol(lm_suite_timing.parse_args([*ARGS, "--out", "x"]), "m")
 
