@@ -173,7 +173,8 @@ class HeldOutTail:
     def extended(self, later: HeldOutTail) -> HeldOutTail:
         """A new buffer holding this one's positions followed by `later`'s: what one buffer would hold after learning
         this buffer's stream and then `later`'s (merging two memories; their documents are numbered apart)."""
-        kept, counts, seen, _ = later.snapshot()
+        # its fields, not snapshot(): that copies the folds' sums, which folds.extended reads without a copy
+        kept, counts, seen = later._kept, later._counts, later._seen
         parts = [k for k in (self._kept, kept) if k is not None]
         if not parts or not self.tune_tokens:
             return HeldOutTail(self.tune_tokens, policy=self.policy)
