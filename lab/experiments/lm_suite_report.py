@@ -79,7 +79,7 @@ JOIN_FREE = ("settings", "peers")
 # between 2 AMD EPYC cores with AVX2 and 2 Intel Xeon cores with AVX-512). Another text, window or default moves it by
 # 1e-3 or more.
 ZERO_SHOT_REL = 1e-4
-# The goals (docs/language_models.md, the domain suite).
+# The suite's goals (lab/README.md, "The report").
 GOAL_SHARE, GOAL_WORST_KIND_SHARE, GOAL_TIME_RATIO = 0.8, 0.5, 0.5
 # A superseded entry's "by" where no newer run but a removed mechanism's acting left a shard's settings out.
 REMOVED_ACTED = "a mechanism since removed acted in this run"

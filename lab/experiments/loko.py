@@ -9,7 +9,7 @@ same domains (again beyond TIE), then by the order the settings are given in (pu
 keeps it). TIE is what one solve reads as in two runs: settings whose solves are the same at a point (the untuned
 step's ramp is off past 4K positions) must tie there, whichever run measured them.
 
-`heuristic_pays` is the rule a constant or mechanism must pass to stay (docs/language_models.md, the domain suite):
+`heuristic_pays` is the rule a constant or mechanism must pass to stay (lab/README.md, "What stays in the default"):
 with it on, under leave-one-kind-out among the settings that have it on, the suite's median reduction is at least
 MEDIAN_GAIN higher than with it off (among the settings that have it off), or its worst domain's at least WORST_GAIN
 higher, and no domain ends worse than zero-shot by more than FLOOR (at the final point and, given, at every curve

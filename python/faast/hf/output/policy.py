@@ -183,9 +183,9 @@ class OutputPolicy:
     positions fitted per held-out text and d the hidden size: a tail cut from one long file rewards what is particular
     to it. 2 against 6 was chosen by leave-one-kind-out on the domain suite (6 let one learned 8K file go unshrunk, and
     the memory read above zero-shot there); the value 2 was proposed by a probe on two domains
-    (docs/language_models.md; docs/results.md "The long-document shrink's threshold"). 1, which read best in that
-    probe, lost to 2 on the suite (worse at 32K on 22 of 25 domains; no kind chose it). The power was chosen on the
-    validation domains (docs/design.md §6.3)."""
+    (docs/language_models.md, "How the default was chosen"; docs/results.md "The long-document shrink's
+    threshold"). 1, which read best in that probe, lost to 2 on the suite (worse at 32K on 22 of 25 domains; no kind
+    chose it). The power was chosen on the validation domains (docs/design.md §6.3)."""
 
     document_shrink_power: float = 0.5
     """See document_positions_per_dim."""
