@@ -12,9 +12,12 @@ OutputPolicy fields, each over the shipped defaults: {"default": {}, "no_bias": 
 (faast.hf.output.policy.REMOVED_FIELDS) is refused. A setting may add an exact cache of the learned text's pairs,
 read beside FAAST: "cache": {"lam", "temperature", "k"} (lm_suite_cache; "default_cache": {"cache": {"lam": 0.1,
 "temperature": 30}} is the default with it), or one whose λ and T are tuned at each point on FAAST's held-out
-tail: "cache": {"tune": true, "k"} (lm_suite_cache.tune). The first setting is the one LoRA at FAAST's time gets
-the time of (list the default first). The runs take the float32 path by default (FaastConfig(learn_dtype='model'),
-head_dtype='float32'), as the issue's goals are stated; --path auto takes faast's own choice.
+tail: "cache": {"tune": true, "k"} (lm_suite_cache.tune). A setting may add middle memory layers read through a
+trained readout: "readout": "shipped" (the readout faast ships for SmolLM2, faast.hf.default.DEFAULT_READOUT) or a
+save_pretrained folder of one; it learns a pass of its own (`split_readout`). The first setting is the one LoRA at
+FAAST's time gets the time of (list the default first). The runs take the float32 path by default
+(FaastConfig(learn_dtype='model'), head_dtype='float32'), as the issue's goals are stated; --path auto takes faast's
+own choice.
 
 Per domain (lab/experiments/suite.py: the manifest's files, checked against their hashes first): the learned text's
 first --learn-tokens tokens, the held-out files' first --score-tokens in --window-token windows; zero-shot; then each
@@ -58,6 +61,7 @@ SOLVE_TIME_FIELDS = frozenset({
 # is tuned.
 SOLVE_TIME_OUTPUT_FIELDS = ("bias", "token_bias")
 PEERS = ("lora", "lora_time", "lora_best", "knn_tuned")
+READOUT = "readout"  # a setting's field: the middle layers' readout folder ("shipped": faast's for SmolLM2)
 CURVE = (2048, 8192)  # and the last point, --learn-tokens
 
 
@@ -96,11 +100,35 @@ def learn_key(output: object) -> str:
     return json.dumps(fields, sort_keys=True)
 
 
-def groups(settings: Mapping[str, object]) -> list[list[str]]:
-    """The settings' names in groups that share a learning pass, in the order given."""
+def split_readout(name: str, fields: Mapping) -> tuple[dict, str | None]:
+    """A setting's fields as (the others, its readout or None): "shipped" or a save_pretrained folder holding a
+    configuration with middle layers. A ValueError names the setting."""
+    fields = dict(fields)
+    readout = fields.pop(READOUT, None)
+    if readout is None:
+        return fields, None
+    if not isinstance(readout, str) or not readout:
+        raise ValueError(f"--settings: setting {name!r}: 'readout' expects \"shipped\" or a folder written by "
+                         f"save_pretrained, got {readout!r}")  # fmt: skip
+    if readout != "shipped" and not (Path(readout) / "faast_config.json").is_file():
+        raise ValueError(f"--settings: setting {name!r}: 'readout' {readout!r} holds no faast_config.json")
+    return fields, readout
+
+
+def readout_folder(readout: str) -> Path:
+    """The folder of a setting's readout ("shipped": faast.hf.default.DEFAULT_READOUT)."""
+    from faast.hf.default import DEFAULT_READOUT
+
+    return DEFAULT_READOUT if readout == "shipped" else Path(readout)
+
+
+def groups(settings: Mapping[str, object], readouts: Mapping[str, str] | None = None) -> list[list[str]]:
+    """The settings' names in groups that share a learning pass, in the order given: a setting with a readout
+    (`readouts`, by name) shares only with settings of the same readout."""
+    readouts = readouts or {}
     by_key: dict[str, list[str]] = {}
     for name, output in settings.items():
-        by_key.setdefault(learn_key(output), []).append(name)
+        by_key.setdefault(f"{learn_key(output)}|{readouts.get(name)}", []).append(name)
     return list(by_key.values())
 
 
@@ -187,14 +215,15 @@ class SuiteDomain:
 
 
 def protocol(args: argparse.Namespace, settings: Mapping[str, object], description: str,
-             caches: Mapping[str, CacheSpec | TunedCacheSpec] | None = None) -> dict:  # fmt: skip
+             caches: Mapping[str, CacheSpec | TunedCacheSpec] | None = None,
+             readouts: Mapping[str, str] | None = None) -> dict:  # fmt: skip
     """What a shard's numbers depend on besides the text: a resumed run must match it. A cached setting's fields
-    hold its cache under "cache"."""
+    hold its cache under "cache", a setting with middle layers its readout under "readout"."""
     keep = ("path", "learn_tokens", "score_tokens", "curve", "window", "batch_size", "learn_window",
             "learn_batch_size", "peers", "train_window", "train_batch_size")  # fmt: skip
-    caches = caches or {}
-    fields = {n: {**setting_to_dict(o), **({CACHE: caches[n].to_dict()} if n in caches else {})}
-              for n, o in settings.items()}  # fmt: skip
+    caches, readouts = caches or {}, readouts or {}
+    fields = {n: {**setting_to_dict(o), **({CACHE: caches[n].to_dict()} if n in caches else {}),
+                  **({READOUT: readouts[n]} if n in readouts else {})} for n, o in settings.items()}  # fmt: skip
     return {"model": description, **{k: getattr(args, k) for k in keep}, "settings": fields}
 
 
@@ -222,16 +251,17 @@ def same_read(a: tuple, b: tuple) -> bool:
 
 def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings: Mapping, args: argparse.Namespace,
               tick: Callable[[int], None], caches: Mapping[str, CacheSpec | TunedCacheSpec] | None = None,
-              states: CacheStates | None = None) -> dict:  # fmt: skip
+              states: CacheStates | None = None, readout: str | None = None) -> dict:  # fmt: skip
     """One learning pass of a group's first setting, in the curve's parts; after each part every setting of the
     group solved (its policy and biases set on the layer) and scored, unless its solve reads as one already scored at
     that point bit for bit (a mechanism that did not act: the score is that one's, the row says whose in
     score_reused_from); a cached setting (`caches`, read from `states`) is solved only where no setting before it
     at that point has its ResidualOutput (else it takes that one's solve and score: solve_shared_with), then mixes
     its FAAST scores with the cache's (lm_suite_cache.read_at; a tuned cache chooses its λ and T on FAAST's scores
-    of the held-out tail first); tick(tokens) after each step (the progress bar).
+    of the held-out tail first); tick(tokens) after each step (the progress bar). readout: the group's middle layers
+    (`split_readout`), loaded with from_pretrained under the group's first setting; None: the output layer alone.
     {setting: row}."""
-    from faast.hf import FaastConfig, apply_faast
+    from faast.hf import FaastConfig, apply_faast, from_pretrained
     from faast.hf.evaluate import perplexity, token_log_probs
     from faast.hf.tokens import split_continuing
 
@@ -254,8 +284,12 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
                            time.perf_counter() - started)  # fmt: skip
         return kept.total, (kept.log_probs, kept.targets, tail_scores)
 
-    config = FaastConfig(output=settings[names[0]], **({"learn_dtype": "model"} if args.path == "float32" else {}))
-    model = apply_faast(base, config)
+    path = {"learn_dtype": "model"} if args.path == "float32" else {}
+    if readout is None:
+        model = apply_faast(base, FaastConfig(output=settings[names[0]], **path))
+    else:  # the middle layers and their trained readout as saved, the output layer as the setting has it
+        model = from_pretrained(base, readout_folder(readout), output=settings[names[0]], **path)
+    middle = model.faast_config.middle
     amounts = sorted({p for p in args.curve if p < domain.learned} | {domain.learned})
     rows = {n: {"curve": {"tokens": amounts, "ppl": [], "solve_s": []}} for n in names}
     learn_s = 0.0
@@ -315,6 +349,8 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
     for name in names:
         rows[name].update(learn_s=learn_s + rows[name]["solve_s"], pass_learn_s=learn_s, shared_pass=list(names),
                           precision=precision)  # fmt: skip
+        if middle is not None:  # the blocks whose inputs the middle layers rewrite
+            rows[name]["middle_layers"] = list(middle.layers)
         if name in caches:  # the cache's pairs come from a pass of their own here (lm_suite_cache): counted
             rows[name]["cache"] = {**caches[name].to_dict(), "build_s": states.build_s, "query_s": states.query_s}
             rows[name]["learn_s"] += states.build_s
@@ -329,9 +365,11 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
 
 def run_domain(name: str, base: object, tokenizer: object, settings: Mapping, args: argparse.Namespace,
                manifest: Mapping, bases: Mapping | None, tick: Callable[[int], None],
-               caches: Mapping[str, CacheSpec | TunedCacheSpec] | None = None) -> dict:  # fmt: skip
+               caches: Mapping[str, CacheSpec | TunedCacheSpec] | None = None,
+               readouts: Mapping[str, str] | None = None) -> dict:  # fmt: skip
     """One shard: the domain's zero-shot, each setting's row and curve, the peers' rows. With `caches`, the cache's
-    pairs and queries first (lm_suite_cache.build, the base model alone)."""
+    pairs and queries first (lm_suite_cache.build, the base model alone); `readouts`: the settings' middle layers
+    (`split_readout`), by name."""
     import torch
 
     from faast.hf.evaluate import perplexity, token_windows
@@ -358,8 +396,9 @@ def run_domain(name: str, base: object, tokenizer: object, settings: Mapping, ar
                                       min_fit=faast_min_fit(base.config.hidden_size))  # fmt: skip
         tick(domain.learned)
     rows: dict[str, dict] = {}
-    for group in groups(settings):
-        rows.update(run_group(domain, base, group, settings, args, tick, caches, states))
+    readouts = readouts or {}
+    for group in groups(settings, readouts):
+        rows.update(run_group(domain, base, group, settings, args, tick, caches, states, readouts.get(group[0])))
         for n in group:
             print(f"  {name} {n}: ppl {rows[n]['ppl']:.3f} (learn {rows[n]['pass_learn_s']:.1f} s, solve "
                   f"{rows[n]['solve_s']:.1f} s)", flush=True)  # fmt: skip
@@ -409,16 +448,19 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
     names = args.domains or [d["name"] for d in manifest["domains"]]
     for name in names:
         suite.entry(name, manifest)  # an unknown name fails before any model loads
-    settings, caches = {}, {}
+    settings, caches, readouts = {}, {}, {}
     for n, f in args.settings.items():
         fields, cache = split_cache(n, f) if isinstance(f, Mapping) else (f, None)
+        fields, readout = split_readout(n, fields) if isinstance(fields, Mapping) else (fields, None)
         settings[n] = setting_from_dict(n, fields, args.path)
         if cache is not None:
             caches[n] = cache
+        if readout is not None:
+            readouts[n] = readout
     args.out.mkdir(parents=True, exist_ok=True)
     todo = [n for n in names if not (args.out / f"{n}.json").is_file()]
     base, tokenizer, description = (load_model or load_base_model)("smollm2")
-    wanted = protocol(args, settings, description, caches)
+    wanted = protocol(args, settings, description, caches, readouts)
     suite_sha = suite.manifest_sha256(manifest)
     for name in sorted(set(names) - set(todo)):
         have = json.loads((args.out / f"{name}.json").read_text(encoding="utf-8"))
@@ -428,7 +470,7 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
         if (have.get("suite") or {}).get("manifest_sha256") != suite_sha:
             raise SystemExit(f"--out {args.out}: the shard {name}.json ran another suite manifest")
     # One unit per learned part and per scoring of each setting: the bar's time left is the shards' left.
-    steps_per_domain = 1 + bool(caches) + sum(len(g) + 1 for g in groups(settings)) * (len(args.curve) + 1)
+    steps_per_domain = 1 + bool(caches) + sum(len(g) + 1 for g in groups(settings, readouts)) * (len(args.curve) + 1)
     total, done = len(todo) * steps_per_domain, 0
     bar = Bar(enabled(None), "suite")
 
@@ -439,7 +481,7 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
 
     try:
         write_shards(args.out, todo, lambda n: run_domain(n, base, tokenizer, settings, args, manifest, bases, tick,
-                                                          caches), suite_sha, wanted)  # fmt: skip
+                                                          caches, readouts), suite_sha, wanted)  # fmt: skip
     finally:
         bar.close()
     return [args.out / f"{n}.json" for n in names]
