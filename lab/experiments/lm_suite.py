@@ -14,7 +14,9 @@ read beside FAAST: "cache": {"lam", "temperature", "k"} (lm_suite_cache; "defaul
 "temperature": 30}} is the default with it), or one whose λ and T are tuned at each point on FAAST's held-out
 tail: "cache": {"tune": true, "k"} (lm_suite_cache.tune). A setting may add middle memory layers read through a
 trained readout: "readout": "shipped" (the readout faast ships for SmolLM2, faast.hf.default.DEFAULT_READOUT) or a
-save_pretrained folder of one; it learns a pass of its own (`split_readout`). The first setting is the one LoRA at
+save_pretrained folder of one; it learns a pass of its own (`split_readout`). A setting may add memories on the upper
+blocks' MLPs, "mlp": {"blocks": [...], "step": η} (lm_suite_mlp); settings with the same blocks share a pass and a
+capture of its keys and values. The first setting is the one LoRA at
 FAAST's time gets the time of (list the default first). The runs take the float32 path by default
 (FaastConfig(learn_dtype='model'), head_dtype='float32'), as the issue's goals are stated; --path auto takes faast's
 own choice.
@@ -45,6 +47,7 @@ from pathlib import Path
 from faast_lab.experiments import lm_suite_cache, suite
 from faast_lab.experiments._common import ROOT, ModelLoader
 from faast_lab.experiments.lm_suite_cache import CACHE, CacheSpec, CacheStates, TunedCacheSpec, split_cache
+from faast_lab.experiments.lm_suite_mlp import MLP, MlpCapture, MlpSpec, check_blocks, module_name, split_mlp
 
 # OutputPolicy fields read only by the solve (tuning, diagnosis, biases, the held-out plan and sample): two
 # settings that differ only in these share one learning pass and are re-solved. The others (the held-out tail's
@@ -122,13 +125,16 @@ def readout_folder(readout: str) -> Path:
     return DEFAULT_READOUT if readout == "shipped" else Path(readout)
 
 
-def groups(settings: Mapping[str, object], readouts: Mapping[str, str] | None = None) -> list[list[str]]:
+def groups(settings: Mapping[str, object], readouts: Mapping[str, str] | None = None,
+           mlps: Mapping[str, MlpSpec] | None = None) -> list[list[str]]:  # fmt: skip
     """The settings' names in groups that share a learning pass, in the order given: a setting with a readout
-    (`readouts`, by name) shares only with settings of the same readout."""
-    readouts = readouts or {}
+    (`readouts`, by name) shares only with settings of the same readout, one with MLP memories (`mlps`) only with
+    settings of the same blocks."""
+    readouts, mlps = readouts or {}, mlps or {}
     by_key: dict[str, list[str]] = {}
     for name, output in settings.items():
-        by_key.setdefault(f"{learn_key(output)}|{readouts.get(name)}", []).append(name)
+        blocks = mlps[name].blocks if name in mlps else None
+        by_key.setdefault(f"{learn_key(output)}|{readouts.get(name)}|{blocks}", []).append(name)
     return list(by_key.values())
 
 
@@ -216,14 +222,17 @@ class SuiteDomain:
 
 def protocol(args: argparse.Namespace, settings: Mapping[str, object], description: str,
              caches: Mapping[str, CacheSpec | TunedCacheSpec] | None = None,
-             readouts: Mapping[str, str] | None = None) -> dict:  # fmt: skip
+             readouts: Mapping[str, str] | None = None,
+             mlps: Mapping[str, MlpSpec] | None = None) -> dict:  # fmt: skip
     """What a shard's numbers depend on besides the text: a resumed run must match it. A cached setting's fields
-    hold its cache under "cache", a setting with middle layers its readout under "readout"."""
+    hold its cache under "cache", a setting with middle layers its readout under "readout", one with MLP memories
+    its blocks and step under "mlp"."""
     keep = ("path", "learn_tokens", "score_tokens", "curve", "window", "batch_size", "learn_window",
             "learn_batch_size", "peers", "train_window", "train_batch_size")  # fmt: skip
-    caches, readouts = caches or {}, readouts or {}
+    caches, readouts, mlps = caches or {}, readouts or {}, mlps or {}
     fields = {n: {**setting_to_dict(o), **({CACHE: caches[n].to_dict()} if n in caches else {}),
-                  **({READOUT: readouts[n]} if n in readouts else {})} for n, o in settings.items()}  # fmt: skip
+                  **({READOUT: readouts[n]} if n in readouts else {}),
+                  **({MLP: mlps[n].to_dict()} if n in mlps else {})} for n, o in settings.items()}  # fmt: skip
     return {"model": description, **{k: getattr(args, k) for k in keep}, "settings": fields}
 
 
@@ -251,7 +260,8 @@ def same_read(a: tuple, b: tuple) -> bool:
 
 def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings: Mapping, args: argparse.Namespace,
               tick: Callable[[int], None], caches: Mapping[str, CacheSpec | TunedCacheSpec] | None = None,
-              states: CacheStates | None = None, readout: str | None = None) -> dict:  # fmt: skip
+              states: CacheStates | None = None, readout: str | None = None,
+              mlps: Mapping[str, MlpSpec] | None = None) -> dict:  # fmt: skip
     """One learning pass of a group's first setting, in the curve's parts; after each part every setting of the
     group solved (its policy and biases set on the layer) and scored, unless its solve reads as one already scored at
     that point bit for bit (a mechanism that did not act: the score is that one's, the row says whose in
@@ -260,7 +270,8 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
     its FAAST scores with the cache's (lm_suite_cache.read_at; a tuned cache chooses its λ and T on FAAST's scores
     of the held-out tail first); tick(tokens) after each step (the progress bar). readout: the group's middle layers
     (`split_readout`), loaded with from_pretrained under the group's first setting; None: the output layer alone.
-    {setting: row}."""
+    mlps: the group's MLP memories (lm_suite_mlp, one set of blocks): each learned part is also captured, and each
+    setting learns its memories from the capture before it is solved. {setting: row}."""
     from faast.hf import FaastConfig, apply_faast, from_pretrained
     from faast.hf.evaluate import perplexity, token_log_probs
     from faast.hf.tokens import split_continuing
@@ -285,6 +296,12 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
         return kept.total, (kept.log_probs, kept.targets, tail_scores)
 
     path = {"learn_dtype": "model"} if args.path == "float32" else {}
+    mlps = {n: s for n, s in (mlps or {}).items() if n in names}
+    capture = None
+    if mlps:
+        blocks = check_blocks(base, mlps)
+        path["target_modules"] = [module_name(b) for b in blocks]
+        capture = MlpCapture(base, blocks, args.learn_window, args.learn_batch_size)
     if readout is None:
         model = apply_faast(base, FaastConfig(output=settings[names[0]], **path))
     else:  # the middle layers and their trained readout as saved, the output layer as the setting has it
@@ -292,7 +309,7 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
     middle = model.faast_config.middle
     amounts = sorted({p for p in args.curve if p < domain.learned} | {domain.learned})
     rows = {n: {"curve": {"tokens": amounts, "ppl": [], "solve_s": []}} for n in names}
-    learn_s = 0.0
+    learn_s, mlp_s = 0.0, dict[str, float]()
     try:
         layer = model.output_memory_layer
         for point, (part, continues) in enumerate(split_continuing(domain.learn, amounts)):
@@ -302,6 +319,8 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
                 model.learn(part, max_length=args.learn_window, batch_size=args.learn_batch_size, continues=continues,
                             progress=False)  # fmt: skip
             learn_s += time.perf_counter() - started
+            if capture is not None and part:
+                capture.add(model, part)
             tick(sum(len(x) for x in part))
             scored: list[tuple[tuple, str, object]] = []  # (what was read, setting, its perplexity) at this point
             solved: dict[str, tuple] = {}  # a cached setting's ResidualOutput -> the solve and score it was given
@@ -315,10 +334,12 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
                     layer.policy = settings[name].policy
                     # SOLVE_TIME_OUTPUT_FIELDS
                     layer.bias, layer.token_bias = settings[name].bias, settings[name].token_bias
+                    if capture is not None:
+                        mlp_s[name] = capture.learn(model, mlps.get(name))
                     started = time.perf_counter()
                     tuning = next(iter(model.solve(progress=False).values()), None) or {}
                     solve_s = time.perf_counter() - started
-                    read = what_is_read(layer, model)
+                    read = (*what_is_read(layer, model), mlps[name].to_dict() if name in mlps else None)
                     same = next(((n, r) for f, n, r in scored if same_read(f, read)), None)
                     if same is None:
                         result, per_token = score(model, amounts[point])
@@ -351,6 +372,9 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
                           precision=precision)  # fmt: skip
         if middle is not None:  # the blocks whose inputs the middle layers rewrite
             rows[name]["middle_layers"] = list(middle.layers)
+        if capture is not None and name in mlps:  # the capture passes and the last point's module learning count
+            rows[name][MLP] = {**mlps[name].to_dict(), "capture_s": capture.seconds, "learn_s": mlp_s[name]}
+            rows[name]["learn_s"] += capture.seconds + mlp_s[name]
         if name in caches:  # the cache's pairs come from a pass of their own here (lm_suite_cache): counted
             rows[name]["cache"] = {**caches[name].to_dict(), "build_s": states.build_s, "query_s": states.query_s}
             rows[name]["learn_s"] += states.build_s
@@ -366,10 +390,11 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
 def run_domain(name: str, base: object, tokenizer: object, settings: Mapping, args: argparse.Namespace,
                manifest: Mapping, bases: Mapping | None, tick: Callable[[int], None],
                caches: Mapping[str, CacheSpec | TunedCacheSpec] | None = None,
-               readouts: Mapping[str, str] | None = None) -> dict:  # fmt: skip
+               readouts: Mapping[str, str] | None = None,
+               mlps: Mapping[str, MlpSpec] | None = None) -> dict:  # fmt: skip
     """One shard: the domain's zero-shot, each setting's row and curve, the peers' rows. With `caches`, the cache's
     pairs and queries first (lm_suite_cache.build, the base model alone); `readouts`: the settings' middle layers
-    (`split_readout`), by name."""
+    (`split_readout`), by name; `mlps`: their MLP memories (lm_suite_mlp), by name."""
     import torch
 
     from faast.hf.evaluate import perplexity, token_windows
@@ -397,8 +422,9 @@ def run_domain(name: str, base: object, tokenizer: object, settings: Mapping, ar
         tick(domain.learned)
     rows: dict[str, dict] = {}
     readouts = readouts or {}
-    for group in groups(settings, readouts):
-        rows.update(run_group(domain, base, group, settings, args, tick, caches, states, readouts.get(group[0])))
+    for group in groups(settings, readouts, mlps):
+        rows.update(run_group(domain, base, group, settings, args, tick, caches, states, readouts.get(group[0]),
+                              mlps))  # fmt: skip
         for n in group:
             print(f"  {name} {n}: ppl {rows[n]['ppl']:.3f} (learn {rows[n]['pass_learn_s']:.1f} s, solve "
                   f"{rows[n]['solve_s']:.1f} s)", flush=True)  # fmt: skip
@@ -448,19 +474,22 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
     names = args.domains or [d["name"] for d in manifest["domains"]]
     for name in names:
         suite.entry(name, manifest)  # an unknown name fails before any model loads
-    settings, caches, readouts = {}, {}, {}
+    settings, caches, readouts, mlps = {}, {}, {}, {}
     for n, f in args.settings.items():
         fields, cache = split_cache(n, f) if isinstance(f, Mapping) else (f, None)
         fields, readout = split_readout(n, fields) if isinstance(fields, Mapping) else (fields, None)
+        fields, mlp = split_mlp(n, fields) if isinstance(fields, Mapping) else (fields, None)
         settings[n] = setting_from_dict(n, fields, args.path)
         if cache is not None:
             caches[n] = cache
         if readout is not None:
             readouts[n] = readout
+        if mlp is not None:
+            mlps[n] = mlp
     args.out.mkdir(parents=True, exist_ok=True)
     todo = [n for n in names if not (args.out / f"{n}.json").is_file()]
     base, tokenizer, description = (load_model or load_base_model)("smollm2")
-    wanted = protocol(args, settings, description, caches, readouts)
+    wanted = protocol(args, settings, description, caches, readouts, mlps)
     suite_sha = suite.manifest_sha256(manifest)
     for name in sorted(set(names) - set(todo)):
         have = json.loads((args.out / f"{name}.json").read_text(encoding="utf-8"))
@@ -470,7 +499,8 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
         if (have.get("suite") or {}).get("manifest_sha256") != suite_sha:
             raise SystemExit(f"--out {args.out}: the shard {name}.json ran another suite manifest")
     # One unit per learned part and per scoring of each setting: the bar's time left is the shards' left.
-    steps_per_domain = 1 + bool(caches) + sum(len(g) + 1 for g in groups(settings, readouts)) * (len(args.curve) + 1)
+    passes = groups(settings, readouts, mlps)
+    steps_per_domain = 1 + bool(caches) + sum(len(g) + 1 for g in passes) * (len(args.curve) + 1)
     total, done = len(todo) * steps_per_domain, 0
     bar = Bar(enabled(None), "suite")
 
@@ -481,7 +511,7 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
 
     try:
         write_shards(args.out, todo, lambda n: run_domain(n, base, tokenizer, settings, args, manifest, bases, tick,
-                                                          caches, readouts), suite_sha, wanted)  # fmt: skip
+                                                          caches, readouts, mlps), suite_sha, wanted)  # fmt: skip
     finally:
         bar.close()
     return [args.out / f"{n}.json" for n in names]

@@ -1,0 +1,145 @@
+"""Memories on the upper blocks' MLPs as a domain-suite setting (issue 74, item 4): a setting's field
+"mlp": {"blocks": [ℓ, ...], "step": η} puts a faast module memory (FaastConfig.target_modules) on the down projection
+of each block ℓ's MLP, read beside the output layer the rest of the setting describes.
+
+Keys: the down projection's input a [d_ff] (the MLP's gated activation). Values: η times the gradient of the next
+token's log-likelihood with respect to the last block's output r (the final norm's input), in closed form through
+the final RMSNorm and the head, so learning needs no backward pass. With h̃ = g ⊙ r / ρ, ρ = sqrt(mean(r²) + ε),
+p = softmax(H h̃) and y the next token:
+
+    u = g ⊙ (H[y] − pᵀH),    ∂ log p_y / ∂r = u / ρ − r (r·u) / (d ρ³)
+
+A block below the last takes the same value: its output reaches r through the residual stream, and the blocks above
+it are passed over (no backward pass through them). Each memory is W = pinv_ε(A)·V over the learned rows
+(FaastConfig.regulariser), read as f(a) + a·W. The keys and values come from a capture pass of their own over each
+learned part, with every memory off (the base model's activations, as faast's memories learn); its time and each
+setting's module learning count in that setting's learn time. The module memories are the public target_modules API:
+`learn_module` adds the rows, `module_memories` holds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+MLP = "mlp"  # a setting's field: {"blocks": [...], "step": η}
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpSpec:
+    """The MLP memories of a setting: the blocks whose down projections get one, and the values' step η (> 0)."""
+
+    blocks: tuple[int, ...]
+    step: float
+
+    def to_dict(self) -> dict:
+        return {"blocks": list(self.blocks), "step": self.step}
+
+
+def split_mlp(name: str, fields: Mapping) -> tuple[dict, MlpSpec | None]:
+    """A setting's fields as (the others, its MlpSpec or None). A ValueError names the setting."""
+    fields = dict(fields)
+    spec = fields.pop(MLP, None)
+    if spec is None:
+        return fields, None
+    if not isinstance(spec, Mapping) or set(spec) != {"blocks", "step"}:
+        raise ValueError(f"--settings: setting {name!r}: 'mlp' expects {{\"blocks\": [block, ...], \"step\": η}}, "
+                         f"got {spec!r}")  # fmt: skip
+    blocks, step = spec["blocks"], spec["step"]
+    if (not isinstance(blocks, list) or not blocks or len(set(blocks)) != len(blocks)
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)):  # fmt: skip
+        raise ValueError(f"--settings: setting {name!r}: 'mlp' blocks: expected a non-empty list of distinct block "
+                         f"indices >= 0, got {blocks!r}")  # fmt: skip
+    if isinstance(step, bool) or not isinstance(step, int | float) or not (step > 0 and math.isfinite(step)):
+        raise ValueError(f"--settings: setting {name!r}: 'mlp' step: expected a number > 0, got {step!r}")
+    return fields, MlpSpec(tuple(sorted(blocks)), float(step))
+
+
+def module_name(block: int) -> str:
+    """The qualified name of block `block`'s MLP down projection in a Llama-type causal LM (SmolLM2)."""
+    return f"model.layers.{block}.mlp.down_proj"
+
+
+def check_blocks(base: object, specs: Mapping[str, MlpSpec]) -> list[int]:
+    """Every block the settings name, sorted; a ValueError names a setting whose block the model lacks."""
+    blocks = int(base.config.num_hidden_layers)
+    for name, spec in specs.items():
+        missing = [b for b in spec.blocks if b >= blocks]
+        if missing:
+            raise ValueError(f"--settings: setting {name!r}: 'mlp' blocks {missing} are not in the model's "
+                             f"{blocks} blocks")  # fmt: skip
+    return sorted({b for s in specs.values() for b in s.blocks})
+
+
+class MlpCapture:
+    """The learned text's keys (per block) and values (η = 1), float32 rows in learning order, and the seconds their
+    capture passes took."""
+
+    def __init__(self, base: object, blocks: Sequence[int], window: int, batch_size: int) -> None:
+        self.base, self.blocks, self.window, self.batch_size = base, list(blocks), window, batch_size
+        self.keys: dict[int, list] = {b: [] for b in self.blocks}
+        self.values: list = []
+        self.seconds = 0.0
+
+    def add(self, model: object, part: Sequence[Sequence[int]]) -> None:
+        """Capture `part` (token lists) in windows of `window` tokens overlapping by one, every memory of `model`
+        (the FaastModel over this base) off."""
+        import torch
+
+        from faast.hf.tokens import overlapping_windows, pad_rows
+
+        started = time.perf_counter()
+        base = self.base
+        decoder, norm = base.get_decoder(), base.get_decoder().norm
+        head = base.get_output_embeddings().weight.detach()
+        scale, eps = norm.weight.detach(), float(norm.variance_epsilon)
+        seen: dict[object, torch.Tensor] = {}
+        handles = [base.get_submodule(module_name(b)).register_forward_pre_hook(
+            lambda _m, args, b=b: seen.__setitem__(b, args[0].detach())) for b in self.blocks]  # fmt: skip
+        handles.append(norm.register_forward_pre_hook(lambda _m, args: seen.__setitem__("r", args[0].detach())))
+        rows = [w for ids in part for w in overlapping_windows(ids, self.window)]
+        try:
+            with torch.no_grad(), model.disable_faast():
+                for i in range(0, len(rows), self.batch_size):
+                    ids, mask = pad_rows(rows[i : i + self.batch_size])
+                    decoder(input_ids=ids, attention_mask=mask.long(), use_cache=False)
+                    pair = mask[:, :-1] & mask[:, 1:]
+                    r = seen["r"][:, :-1][pair].float()
+                    self.values.append(log_likelihood_gradient(r, ids[:, 1:][pair], head, scale, eps))
+                    for b in self.blocks:
+                        self.keys[b].append(seen[b][:, :-1][pair].float())
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.seconds += time.perf_counter() - started
+
+    def learn(self, model: object, spec: MlpSpec | None) -> float:
+        """Empty every module memory of `model`, then learn `spec`'s blocks from the rows captured so far with
+        values η·∂ log p_y/∂r (None: every module memory stays empty). Returns the seconds it took."""
+        import torch
+
+        started = time.perf_counter()
+        for b in self.blocks:
+            model.module_memories.entry(module_name(b)).memory.reset()
+        if spec is not None and self.values:
+            values = torch.cat(self.values) * spec.step
+            for b in spec.blocks:
+                keys = torch.cat(self.keys[b])
+                with torch.no_grad():
+                    own = self.base.get_submodule(module_name(b))(keys)
+                model.learn_module(keys, targets=own + values, name=module_name(b))
+        return time.perf_counter() - started
+
+
+def log_likelihood_gradient(r: object, targets: object, head: object, scale: object, eps: float) -> object:
+    """∂ log p_y / ∂r [n, d] float32 for the final norm's inputs r [n, d] and the next tokens `targets` [n]: through
+    RMSNorm(scale, eps) and the head [V, d], in closed form (the module docstring)."""
+    import torch
+
+    rho = (r.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    hidden = scale * r / rho
+    p = torch.softmax(hidden @ head.T, -1)
+    u = scale * (head[targets] - p @ head)
+    return u / rho - r * (r * u).sum(-1, keepdim=True) / (r.shape[-1] * rho**3)

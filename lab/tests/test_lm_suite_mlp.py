@@ -1,0 +1,103 @@
+"""Memories on the upper blocks' MLPs as an lm_suite setting (lab/experiments/lm_suite_mlp.py, "mlp"): the closed-form
+values against autograd, a pass and a capture shared by the settings of one set of blocks, a step that scales what is
+read, and bad specs refused."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from faast_lab.experiments import lm_suite, lm_suite_mlp, lm_suite_report
+from hf_models import tiny_model
+from test_lm_suite import ARGS, fake_manifest, fake_tree, loader
+from tolerances import ELEMENTWISE
+
+
+def test_the_closed_form_values_are_the_log_likelihood_gradient_autograd_gives():
+    # The oracle: RMSNorm and the head in float64 under autograd (the model's own RMSNorm computes in float32).
+    g = torch.Generator().manual_seed(0)
+    d, vocab, n, eps = 24, 50, 7, 1e-5
+    head = torch.randn(vocab, d, generator=g, dtype=torch.float64)
+    scale = torch.rand(d, generator=g, dtype=torch.float64) + 0.5
+    r = torch.randn(n, d, generator=g, dtype=torch.float64) * 3
+    y = torch.randint(0, vocab, (n,), generator=g)
+    wanted = r.clone().requires_grad_(True)
+    hidden = scale * wanted / (wanted.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    torch.log_softmax(hidden @ head.T, -1)[torch.arange(n), y].sum().backward()
+    got = lm_suite_mlp.log_likelihood_gradient(r, y, head, scale, eps)
+    atol, rtol = ELEMENTWISE[torch.float64]
+    torch.testing.assert_close(got, wanted.grad, atol=atol, rtol=rtol)
+
+
+def test_mlp_settings_share_a_pass_and_read_their_memories_with_their_step(tmp_path):
+    bases, sources = fake_tree(tmp_path / "tree")
+    manifest = fake_manifest(bases, sources)
+    settings = {"default": {}, "tiny": {"mlp": {"blocks": [3], "step": 1e-9}},
+                "small": {"mlp": {"blocks": [3], "step": 1e-3}}, "large": {"mlp": {"blocks": [3], "step": 1e-2}},
+                "two": {"mlp": {"blocks": [2, 3], "step": 1e-3}}}  # fmt: skip
+    out = tmp_path / "shards"
+    lm_suite.main([*ARGS, "--settings", json.dumps(settings), "--out", str(out)],
+                  load_model=loader, manifest=manifest, bases=bases)  # fmt: skip
+    shard = json.loads((out / "code.json").read_text())
+    rows, defined = shard["settings"], shard["protocol"]["settings"]
+    # One pass and one capture per set of blocks; the default learns without either.
+    assert rows["default"]["shared_pass"] == ["default"] and rows["two"]["shared_pass"] == ["two"]
+    assert rows["tiny"]["shared_pass"] == ["tiny", "small", "large"]
+    assert defined["small"]["mlp"] == {"blocks": [3], "step": 1e-3} and "mlp" not in defined["default"]
+    assert "mlp" not in rows["default"]
+    for name in ("tiny", "small", "large", "two"):
+        mlp = rows[name]["mlp"]
+        assert mlp["capture_s"] > 0 and mlp["learn_s"] > 0
+        # The capture and the module learning count in the setting's time.
+        assert rows[name]["learn_s"] == pytest.approx(
+            rows[name]["pass_learn_s"] + rows[name]["solve_s"] + mlp["capture_s"] + mlp["learn_s"]
+        )
+    assert rows["tiny"]["mlp"]["capture_s"] == rows["large"]["mlp"]["capture_s"]
+    # A vanishing step reads as the default; a larger one moves further from it at every point.
+    default, tiny = rows["default"]["curve"]["ppl"], rows["tiny"]["curve"]["ppl"]
+    assert tiny == pytest.approx(default, rel=1e-6)
+    small, large = rows["small"]["curve"]["ppl"], rows["large"]["curve"]["ppl"]
+    for d, s, big in zip(default, small, large, strict=True):
+        assert 0 < abs(s - d) < abs(big - d)
+    assert "score_reused_from" not in rows["small"] and "score_reused_from" not in rows["large"]
+    assert rows["two"]["curve"]["ppl"] != rows["small"]["curve"]["ppl"]
+    # The module memories' statistics count in the memory.
+    assert rows["two"]["memory_bytes"] > rows["small"]["memory_bytes"] > rows["default"]["memory_bytes"]
+    # The report reads them as settings that leave-one-kind-out may choose.
+    merged = lm_suite_report.merge(lm_suite_report.load_shards([out]))
+    assert set(merged["reductions"]["code"]) == set(settings)
+    assert not math.isnan(merged["loko"]["median"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (3, "expects"),
+        ({"blocks": [3]}, "expects"),
+        ({"blocks": [3], "step": 1, "extra": 0}, "expects"),
+        ({"blocks": [], "step": 1}, "blocks"),
+        ({"blocks": [1, 1], "step": 1}, "blocks"),
+        ({"blocks": [-1], "step": 1}, "blocks"),
+        ({"blocks": [True], "step": 1}, "blocks"),
+        ({"blocks": [1], "step": 0}, "step"),
+        ({"blocks": [1], "step": "1"}, "step"),
+        ({"blocks": [1], "step": math.nan}, "step"),
+        ({"blocks": [1], "step": math.inf}, "step"),
+    ],
+)
+def test_a_bad_mlp_spec_is_refused_naming_the_setting(spec, says):
+    with pytest.raises(ValueError, match=f"setting 'bad'.*'mlp'.*{says}"):
+        lm_suite_mlp.split_mlp("bad", {"mlp": spec})
+    assert lm_suite_mlp.split_mlp("ok", {"bias": 0}) == ({"bias": 0}, None)
+    fields, spec_ok = lm_suite_mlp.split_mlp("ok", {"mlp": {"blocks": [3, 1], "step": 2}, "bias": 0})
+    assert fields == {"bias": 0} and spec_ok == lm_suite_mlp.MlpSpec((1, 3), 2.0)
+
+
+def test_a_block_the_model_lacks_is_refused_naming_the_setting():
+    specs = {"ok": lm_suite_mlp.MlpSpec((1,), 1.0), "far": lm_suite_mlp.MlpSpec((2, 9), 1.0)}
+    with pytest.raises(ValueError, match=r"setting 'far'.*\[9\].*4 blocks"):
+        lm_suite_mlp.check_blocks(tiny_model("llama"), specs)
+    assert lm_suite_mlp.check_blocks(tiny_model("llama"), {"ok": specs["ok"]}) == [1]
