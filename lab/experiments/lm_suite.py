@@ -15,8 +15,8 @@ read beside FAAST: "cache": {"lam", "temperature", "k"} (lm_suite_cache; "defaul
 tail: "cache": {"tune": true, "k"} (lm_suite_cache.tune). A setting may add middle memory layers read through a
 trained readout: "readout": "shipped" (the readout faast ships for SmolLM2, faast.hf.default.DEFAULT_READOUT) or a
 save_pretrained folder of one; it learns a pass of its own (`split_readout`). A setting may add memories on the upper
-blocks' MLPs, "mlp": {"blocks": [...], "step": η} (lm_suite_mlp); settings with the same blocks share a pass and a
-capture of its keys and values. The first setting is the one LoRA at
+blocks' MLPs, "mlp": {"blocks": [...], "step": η, "ridge": μ (optional)} (lm_suite_mlp); settings with the same
+blocks and ridge share a pass and a capture of its keys and values. The first setting is the one LoRA at
 FAAST's time gets the time of (list the default first). The runs take the float32 path by default
 (FaastConfig(learn_dtype='model'), head_dtype='float32'), as the issue's goals are stated; --path auto takes faast's
 own choice.
@@ -129,12 +129,12 @@ def groups(settings: Mapping[str, object], readouts: Mapping[str, str] | None = 
            mlps: Mapping[str, MlpSpec] | None = None) -> list[list[str]]:  # fmt: skip
     """The settings' names in groups that share a learning pass, in the order given: a setting with a readout
     (`readouts`, by name) shares only with settings of the same readout, one with MLP memories (`mlps`) only with
-    settings of the same blocks."""
+    settings of the same blocks and ridge."""
     readouts, mlps = readouts or {}, mlps or {}
     by_key: dict[str, list[str]] = {}
     for name, output in settings.items():
-        blocks = mlps[name].blocks if name in mlps else None
-        by_key.setdefault(f"{learn_key(output)}|{readouts.get(name)}|{blocks}", []).append(name)
+        memories = mlps[name].learn_key() if name in mlps else None
+        by_key.setdefault(f"{learn_key(output)}|{readouts.get(name)}|{memories}", []).append(name)
     return list(by_key.values())
 
 
@@ -226,7 +226,7 @@ def protocol(args: argparse.Namespace, settings: Mapping[str, object], descripti
              mlps: Mapping[str, MlpSpec] | None = None) -> dict:  # fmt: skip
     """What a shard's numbers depend on besides the text: a resumed run must match it. A cached setting's fields
     hold its cache under "cache", a setting with middle layers its readout under "readout", one with MLP memories
-    its blocks and step under "mlp"."""
+    its blocks, step and ridge under "mlp"."""
     keep = ("path", "learn_tokens", "score_tokens", "curve", "window", "batch_size", "learn_window",
             "learn_batch_size", "peers", "train_window", "train_batch_size")  # fmt: skip
     caches, readouts, mlps = caches or {}, readouts or {}, mlps or {}
@@ -272,7 +272,7 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
     (`split_readout`), loaded with from_pretrained under the group's first setting; None: the output layer alone.
     mlps: the group's MLP memories (lm_suite_mlp, one set of blocks): each learned part is also captured, and each
     setting learns its memories from the capture before it is solved. {setting: row}."""
-    from faast.hf import FaastConfig, apply_faast, from_pretrained
+    from faast.hf import FaastConfig, Regulariser, apply_faast, from_pretrained
     from faast.hf.evaluate import perplexity, token_log_probs
     from faast.hf.tokens import split_continuing
 
@@ -301,6 +301,7 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
     if mlps:
         blocks = check_blocks(base, mlps)
         path["target_modules"] = [module_name(b) for b in blocks]
+        path["regulariser"] = Regulariser(ridge=next(iter(mlps.values())).ridge)  # one per group (groups)
         capture = MlpCapture(base, blocks, args.learn_window, args.learn_batch_size)
     if readout is None:
         model = apply_faast(base, FaastConfig(output=settings[names[0]], **path))

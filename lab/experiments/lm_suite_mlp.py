@@ -1,6 +1,6 @@
 """Memories on the upper blocks' MLPs as a domain-suite setting (issue 74, item 4): a setting's field
-"mlp": {"blocks": [ℓ, ...], "step": η} puts a faast module memory (FaastConfig.target_modules) on the down projection
-of each block ℓ's MLP, read beside the output layer the rest of the setting describes.
+"mlp": {"blocks": [ℓ, ...], "step": η[, "ridge": μ]} puts a faast module memory (FaastConfig.target_modules) on the
+down projection of each block ℓ's MLP, read beside the output layer the rest of the setting describes.
 
 Keys: the down projection's input a [d_ff] (the MLP's gated activation). Values: η times the gradient of the next
 token's log-likelihood with respect to the last block's output r (the final norm's input), in closed form through
@@ -10,7 +10,8 @@ p = softmax(H h̃) and y the next token:
     u = g ⊙ (H[y] − pᵀH),    ∂ log p_y / ∂r = u / ρ − r (r·u) / (d ρ³)
 
 A block below the last takes the same value: its output reaches r through the residual stream, and the blocks above
-it are passed over (no backward pass through them). Each memory is W = pinv_ε(A)·V over the learned rows
+it are passed over (no backward pass through them). Each memory is W = pinv_ε(A)·V over the learned rows, or
+(AᵀA + μI)⁻¹AᵀV with "ridge" μ: a number, or "auto" for the one generalised cross-validation chooses at each solve
 (FaastConfig.regulariser), read as f(a) + a·W. The keys and values come from a capture pass of their own over each
 learned part, with every memory off (the base model's activations, as faast's memories learn); its time and each
 setting's module learning count in that setting's learn time. The module memories are the public target_modules API:
@@ -24,18 +25,25 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 
-MLP = "mlp"  # a setting's field: {"blocks": [...], "step": η}
+MLP = "mlp"  # a setting's field: {"blocks": [...], "step": η, "ridge": μ (optional)}
 
 
 @dataclasses.dataclass(frozen=True)
 class MlpSpec:
-    """The MLP memories of a setting: the blocks whose down projections get one, and the values' step η (> 0)."""
+    """The MLP memories of a setting: the blocks whose down projections get one, the values' step η (> 0) and the
+    solve's ridge (None: the truncated pseudo-inverse; a number >= 0 or "auto": Regulariser(ridge=))."""
 
     blocks: tuple[int, ...]
     step: float
+    ridge: float | str | None = None
 
     def to_dict(self) -> dict:
-        return {"blocks": list(self.blocks), "step": self.step}
+        return {"blocks": list(self.blocks), "step": self.step, **({"ridge": self.ridge} if self.ridge is not None
+                                                                   else {})}  # fmt: skip
+
+    def learn_key(self) -> str:
+        """What a shared pass and capture depend on: the blocks and the ridge (the memories' configuration)."""
+        return f"{list(self.blocks)}|{self.ridge}"
 
 
 def split_mlp(name: str, fields: Mapping) -> tuple[dict, MlpSpec | None]:
@@ -44,9 +52,9 @@ def split_mlp(name: str, fields: Mapping) -> tuple[dict, MlpSpec | None]:
     spec = fields.pop(MLP, None)
     if spec is None:
         return fields, None
-    if not isinstance(spec, Mapping) or set(spec) != {"blocks", "step"}:
-        raise ValueError(f"--settings: setting {name!r}: 'mlp' expects {{\"blocks\": [block, ...], \"step\": η}}, "
-                         f"got {spec!r}")  # fmt: skip
+    if not isinstance(spec, Mapping) or not {"blocks", "step"} <= set(spec) <= {"blocks", "step", "ridge"}:
+        raise ValueError(f"--settings: setting {name!r}: 'mlp' expects {{\"blocks\": [block, ...], \"step\": η}} and "
+                         f"optionally \"ridge\", got {spec!r}")  # fmt: skip
     blocks, step = spec["blocks"], spec["step"]
     if (not isinstance(blocks, list) or not blocks or len(set(blocks)) != len(blocks)
             or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)):  # fmt: skip
@@ -54,7 +62,12 @@ def split_mlp(name: str, fields: Mapping) -> tuple[dict, MlpSpec | None]:
                          f"indices >= 0, got {blocks!r}")  # fmt: skip
     if isinstance(step, bool) or not isinstance(step, int | float) or not (step > 0 and math.isfinite(step)):
         raise ValueError(f"--settings: setting {name!r}: 'mlp' step: expected a number > 0, got {step!r}")
-    return fields, MlpSpec(tuple(sorted(blocks)), float(step))
+    ridge = spec.get("ridge")
+    if ridge is not None and ridge != "auto" and (isinstance(ridge, bool) or not isinstance(ridge, int | float)
+                                                  or not (ridge >= 0 and math.isfinite(ridge))):  # fmt: skip
+        raise ValueError(f"--settings: setting {name!r}: 'mlp' ridge: expected a number >= 0 or \"auto\", got "
+                         f"{ridge!r}")  # fmt: skip
+    return fields, MlpSpec(tuple(sorted(blocks)), float(step), ridge if ridge in (None, "auto") else float(ridge))
 
 
 def module_name(block: int) -> str:

@@ -37,7 +37,8 @@ def test_mlp_settings_share_a_pass_and_read_their_memories_with_their_step(tmp_p
     manifest = fake_manifest(bases, sources)
     settings = {"default": {}, "tiny": {"mlp": {"blocks": [3], "step": 1e-9}},
                 "small": {"mlp": {"blocks": [3], "step": 1e-3}}, "large": {"mlp": {"blocks": [3], "step": 1e-2}},
-                "two": {"mlp": {"blocks": [2, 3], "step": 1e-3}}}  # fmt: skip
+                "two": {"mlp": {"blocks": [2, 3], "step": 1e-3}},
+                "ridged": {"mlp": {"blocks": [3], "step": 1e-3, "ridge": "auto"}}}  # fmt: skip
     out = tmp_path / "shards"
     lm_suite.main([*ARGS, "--settings", json.dumps(settings), "--out", str(out)],
                   load_model=loader, manifest=manifest, bases=bases)  # fmt: skip
@@ -46,9 +47,11 @@ def test_mlp_settings_share_a_pass_and_read_their_memories_with_their_step(tmp_p
     # One pass and one capture per set of blocks; the default learns without either.
     assert rows["default"]["shared_pass"] == ["default"] and rows["two"]["shared_pass"] == ["two"]
     assert rows["tiny"]["shared_pass"] == ["tiny", "small", "large"]
+    assert rows["ridged"]["shared_pass"] == ["ridged"]  # another ridge: another configuration of the memories
+    assert defined["ridged"]["mlp"] == {"blocks": [3], "step": 1e-3, "ridge": "auto"}
     assert defined["small"]["mlp"] == {"blocks": [3], "step": 1e-3} and "mlp" not in defined["default"]
     assert "mlp" not in rows["default"]
-    for name in ("tiny", "small", "large", "two"):
+    for name in ("tiny", "small", "large", "two", "ridged"):
         mlp = rows[name]["mlp"]
         assert mlp["capture_s"] > 0 and mlp["learn_s"] > 0
         # The capture and the module learning count in the setting's time.
@@ -64,6 +67,9 @@ def test_mlp_settings_share_a_pass_and_read_their_memories_with_their_step(tmp_p
         assert 0 < abs(s - d) < abs(big - d)
     assert "score_reused_from" not in rows["small"] and "score_reused_from" not in rows["large"]
     assert rows["two"]["curve"]["ppl"] != rows["small"]["curve"]["ppl"]
+    # The ridge GCV chooses solves otherwise than the pseudo-inverse, and its memory still acts.
+    ridged = rows["ridged"]["curve"]["ppl"]
+    assert all(r not in (d, s) for d, s, r in zip(default, small, ridged, strict=True))
     # The module memories' statistics count in the memory.
     assert rows["two"]["memory_bytes"] > rows["small"]["memory_bytes"] > rows["default"]["memory_bytes"]
     # The report reads them as settings that leave-one-kind-out may choose.
@@ -86,6 +92,9 @@ def test_mlp_settings_share_a_pass_and_read_their_memories_with_their_step(tmp_p
         ({"blocks": [1], "step": "1"}, "step"),
         ({"blocks": [1], "step": math.nan}, "step"),
         ({"blocks": [1], "step": math.inf}, "step"),
+        ({"blocks": [1], "step": 1, "ridge": -1}, "ridge"),
+        ({"blocks": [1], "step": 1, "ridge": "gcv"}, "ridge"),
+        ({"blocks": [1], "step": 1, "ridge": True}, "ridge"),
     ],
 )
 def test_a_bad_mlp_spec_is_refused_naming_the_setting(spec, says):
@@ -94,6 +103,8 @@ def test_a_bad_mlp_spec_is_refused_naming_the_setting(spec, says):
     assert lm_suite_mlp.split_mlp("ok", {"bias": 0}) == ({"bias": 0}, None)
     fields, spec_ok = lm_suite_mlp.split_mlp("ok", {"mlp": {"blocks": [3, 1], "step": 2}, "bias": 0})
     assert fields == {"bias": 0} and spec_ok == lm_suite_mlp.MlpSpec((1, 3), 2.0)
+    _, ridged = lm_suite_mlp.split_mlp("ok", {"mlp": {"blocks": [1], "step": 2, "ridge": 1}})
+    assert ridged == lm_suite_mlp.MlpSpec((1,), 2.0, 1.0) and ridged.learn_key() != spec_ok.learn_key()
 
 
 def test_a_block_the_model_lacks_is_refused_naming_the_setting():
