@@ -485,6 +485,8 @@ def main(argv: list[str] | None = None, *, load_model: ModelLoader | None = None
             caches[n] = cache
         if readout is not None:
             readouts[n] = readout
+        if mlp is not None and readout is not None:  # from_pretrained's module memories: not wired, not measured
+            raise ValueError(f"--settings: setting {n!r}: 'mlp' and 'readout' do not combine; expected one of them")
         if mlp is not None:
             mlps[n] = mlp
     args.out.mkdir(parents=True, exist_ok=True)

@@ -112,3 +112,12 @@ def test_a_block_the_model_lacks_is_refused_naming_the_setting():
     with pytest.raises(ValueError, match=r"setting 'far'.*\[9\].*4 blocks"):
         lm_suite_mlp.check_blocks(tiny_model("llama"), specs)
     assert lm_suite_mlp.check_blocks(tiny_model("llama"), {"ok": specs["ok"]}) == [1]
+
+
+def test_mlp_memories_with_a_readout_are_refused_naming_the_setting(tmp_path):
+    bases, sources = fake_tree(tmp_path / "tree")
+    settings = {"both": {"mlp": {"blocks": [3], "step": 1.0}, "readout": "shipped"}}
+    with pytest.raises(ValueError, match="setting 'both'.*'mlp' and 'readout'"):
+        lm_suite.main([*ARGS, "--settings", json.dumps(settings), "--out", str(tmp_path / "shards")],
+                      load_model=loader, manifest=fake_manifest(bases, sources), bases=bases)  # fmt: skip
+    assert not (tmp_path / "shards").exists()
