@@ -107,6 +107,32 @@ def test_discount_weights_old_rows_geometrically():
     assert abs(float(manual.count) - 45.0) < 1e-12
 
 
+@pytest.mark.parametrize("ridge", [None, 0.5, "auto"])
+def test_scale_values_equals_learning_scaled_values_and_keeps_the_spectrum(ridge):
+    keys, values, scores = data(90)
+    scaled = memory(ridge=ridge).update(keys, values, scores)
+    one = scaled.weights
+    spectrum = scaled._cache.get(("eigh", scaled.state_key))
+    assert scaled.scale_values(3.0) is scaled
+    learned = memory(ridge=ridge).update(keys, 3.0 * values, scores)
+    assert_same_statistics(statistics(scaled), statistics(learned))
+    assert rel(scaled.weights, learned.weights) < TRUTH_REL_W
+    assert rel(scaled.weights, 3.0 * one) < TRUTH_REL_W  # GCV picks the same ridge for scaled values
+    assert (spectrum is None) == (ridge == 0.5)  # a fixed ridge solves by Cholesky, the others by eigh
+    if spectrum is not None:  # the eigendecomposition of the unchanged S is reused, not recomputed
+        assert scaled._cache[("eigh", scaled.state_key)] is spectrum
+
+
+@pytest.mark.parametrize("factor", [0, -1.0, float("nan"), float("inf"), True, "2"])
+def test_scale_values_refuses_a_bad_factor_untouched(factor):
+    keys, values, scores = data(40)
+    m = memory().update(keys, values, scores)
+    before = statistics(m)
+    with pytest.raises((TypeError, ValueError), match="factor"):
+        m.scale_values(factor)
+    assert_same_statistics(statistics(m), before, scale=0.0)
+
+
 def test_prior_interpolation():
     keys, values, scores = data(60)
     prior = torch.randn(DK, DV, dtype=torch.float64)

@@ -337,6 +337,8 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
                     layer.bias, layer.token_bias = settings[name].bias, settings[name].token_bias
                     if capture is not None:
                         mlp_s[name] = capture.learn(model, mlps.get(name))
+                        if capture.choice is not None:  # a tuned step: what each point chose, on what held-out NLL
+                            row.setdefault("mlp_curve", []).append(capture.choice)
                     started = time.perf_counter()
                     tuning = next(iter(model.solve(progress=False).values()), None) or {}
                     solve_s = time.perf_counter() - started
@@ -374,7 +376,9 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
         if middle is not None:  # the blocks whose inputs the middle layers rewrite
             rows[name]["middle_layers"] = list(middle.layers)
         if capture is not None and name in mlps:  # the capture passes and the last point's module learning count
-            rows[name][MLP] = {**mlps[name].to_dict(), "capture_s": capture.seconds, "learn_s": mlp_s[name]}
+            rows[name][MLP] = {**mlps[name].to_dict(), "capture_s": capture.seconds, "learn_s": mlp_s[name],
+                               **({"chosen_step": rows[name]["mlp_curve"][-1]["step"]} if mlps[name].tuned
+                                  else {})}  # fmt: skip
             rows[name]["learn_s"] += capture.seconds + mlp_s[name]
         if name in caches:  # the cache's pairs come from a pass of their own here (lm_suite_cache): counted
             rows[name]["cache"] = {**caches[name].to_dict(), "build_s": states.build_s, "query_s": states.query_s}

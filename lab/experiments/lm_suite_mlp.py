@@ -16,6 +16,15 @@ it are passed over (no backward pass through them). Each memory is W = pinv_ε(A
 learned part, with every memory off (the base model's activations, as faast's memories learn); its time and each
 setting's module learning count in that setting's learn time. The module memories are the public target_modules API:
 `learn_module` adds the rows, `module_memories` holds them.
+
+"step": [η₁, η₂, ...] (a list) tunes the step at each solve, as the output layer tunes its own: the learned text's
+held-out tail is cut by the rule FAAST's step tuning uses (lm_baselines.tuning.tuning_split: per document its last
+positions, and a gap before them, with the fewest fitted positions `faast_min_fit` sets for keys as wide as the
+MLP's), the memories learn the fit prefixes, and the held-out positions are scored with the whole model as it reads
+(output layer included) at step 0 (no MLP memories) and at each ηᵢ. Only T scales with the step
+(FastWeights.scale_values), so one eigendecomposition per block serves every candidate. The step of the lowest
+held-out NLL then learns the held-out and gap positions too; 0 leaves the memories empty. Where nothing can be held
+out (too little learned text for keys this wide), the memories stay empty.
 """
 
 from __future__ import annotations
@@ -34,12 +43,18 @@ class MlpSpec:
     solve's ridge (None: the truncated pseudo-inverse; a number >= 0 or "auto": Regulariser(ridge=))."""
 
     blocks: tuple[int, ...]
-    step: float
+    step: float | tuple[float, ...]
     ridge: float | str | None = None
 
+    @property
+    def tuned(self) -> bool:
+        """Whether the step is chosen at each solve among 0 and the listed steps (the module docstring)."""
+        return isinstance(self.step, tuple)
+
     def to_dict(self) -> dict:
-        return {"blocks": list(self.blocks), "step": self.step, **({"ridge": self.ridge} if self.ridge is not None
-                                                                   else {})}  # fmt: skip
+        step = list(self.step) if isinstance(self.step, tuple) else self.step
+        return {"blocks": list(self.blocks), "step": step, **({"ridge": self.ridge} if self.ridge is not None
+                                                              else {})}  # fmt: skip
 
     def learn_key(self) -> str:
         """What a shared pass and capture depend on: the blocks and the ridge (the memories' configuration)."""
@@ -60,14 +75,26 @@ def split_mlp(name: str, fields: Mapping) -> tuple[dict, MlpSpec | None]:
             or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)):  # fmt: skip
         raise ValueError(f"--settings: setting {name!r}: 'mlp' blocks: expected a non-empty list of distinct block "
                          f"indices >= 0, got {blocks!r}")  # fmt: skip
-    if isinstance(step, bool) or not isinstance(step, int | float) or not (step > 0 and math.isfinite(step)):
-        raise ValueError(f"--settings: setting {name!r}: 'mlp' step: expected a number > 0, got {step!r}")
+
+    def positive(x: object) -> bool:
+        return not isinstance(x, bool) and isinstance(x, int | float) and x > 0 and math.isfinite(x)
+
+    if isinstance(step, list):
+        if not step or not all(positive(x) for x in step) or len(set(step)) != len(step):
+            raise ValueError(f"--settings: setting {name!r}: 'mlp' step: expected a number > 0 or a non-empty list of "
+                             f"distinct numbers > 0 (tuned), got {step!r}")  # fmt: skip
+        step = tuple(sorted(float(x) for x in step))
+    elif not positive(step):
+        raise ValueError(f"--settings: setting {name!r}: 'mlp' step: expected a number > 0 or a list of them (tuned), "
+                         f"got {step!r}")  # fmt: skip
+    else:
+        step = float(step)
     ridge = spec.get("ridge")
     if ridge is not None and ridge != "auto" and (isinstance(ridge, bool) or not isinstance(ridge, int | float)
                                                   or not (ridge >= 0 and math.isfinite(ridge))):  # fmt: skip
         raise ValueError(f"--settings: setting {name!r}: 'mlp' ridge: expected a number >= 0 or \"auto\", got "
                          f"{ridge!r}")  # fmt: skip
-    return fields, MlpSpec(tuple(sorted(blocks)), float(step), ridge if ridge in (None, "auto") else float(ridge))
+    return fields, MlpSpec(tuple(sorted(blocks)), step, ridge if ridge in (None, "auto") else float(ridge))
 
 
 def module_name(block: int) -> str:
@@ -94,7 +121,9 @@ class MlpCapture:
         self.base, self.blocks, self.window, self.batch_size = base, list(blocks), window, batch_size
         self.keys: dict[int, list] = {b: [] for b in self.blocks}
         self.values: list = []
+        self.documents: list[list[int]] = []  # the captured token lists, in order: len − 1 rows each
         self.seconds = 0.0
+        self.choice: dict | None = None  # the last tuned learn's choice (`learn`)
 
     def add(self, model: object, part: Sequence[Sequence[int]]) -> None:
         """Capture `part` (token lists) in windows of `window` tokens overlapping by one, every memory of `model`
@@ -113,6 +142,7 @@ class MlpCapture:
             lambda _m, args, b=b: seen.__setitem__(b, args[0].detach())) for b in self.blocks]  # fmt: skip
         handles.append(norm.register_forward_pre_hook(lambda _m, args: seen.__setitem__("r", args[0].detach())))
         rows = [w for ids in part for w in overlapping_windows(ids, self.window)]
+        self.documents.extend(list(ids) for ids in part)
         try:
             with torch.no_grad(), model.disable_faast():
                 for i in range(0, len(rows), self.batch_size):
@@ -130,20 +160,76 @@ class MlpCapture:
 
     def learn(self, model: object, spec: MlpSpec | None) -> float:
         """Empty every module memory of `model`, then learn `spec`'s blocks from the rows captured so far with
-        values η·∂ log p_y/∂r (None: every module memory stays empty). Returns the seconds it took."""
-        import torch
-
+        values η·∂ log p_y/∂r (None: every module memory stays empty); a tuned step is chosen first (the module
+        docstring) and `choice` says how. Returns the seconds it took, the tuning's included."""
         started = time.perf_counter()
+        self.choice = None
         for b in self.blocks:
             model.module_memories.entry(module_name(b)).memory.reset()
         if spec is not None and self.values:
-            values = torch.cat(self.values) * spec.step
-            for b in spec.blocks:
-                keys = torch.cat(self.keys[b])
-                with torch.no_grad():
-                    own = self.base.get_submodule(module_name(b))(keys)
-                model.learn_module(keys, targets=own + values, name=module_name(b))
+            if spec.tuned:
+                self._learn_tuned(model, spec)
+            else:
+                self._learn_rows(model, spec.blocks, None, spec.step)
         return time.perf_counter() - started
+
+    def _learn_rows(self, model: object, blocks: Sequence[int], rows: object, step: float) -> None:
+        """learn_module on each block's memory: the captured rows where the bool mask `rows` is True (None: all),
+        values η = step."""
+        import torch
+
+        values = torch.cat(self.values)
+        for b in blocks:
+            keys = torch.cat(self.keys[b])
+            if rows is not None:
+                keys = keys[rows]
+            with torch.no_grad(), model.disable_faast():  # f(a) alone: the memory may already hold rows
+                own = self.base.get_submodule(module_name(b))(keys)
+            model.learn_module(keys, targets=own + step * (values if rows is None else values[rows]),
+                               name=module_name(b))  # fmt: skip
+
+    def _learn_tuned(self, model: object, spec: MlpSpec) -> None:
+        """Choose spec's step among 0 and spec.step by the held-out NLL (the module docstring), then learn with it."""
+        import torch
+
+        from faast.hf import ResidualOutput
+        from faast_lab.experiments.lm_baselines.tuning import faast_min_fit, held_out_nll, tuning_split
+
+        width = int(self.keys[self.blocks[0]][0].shape[-1])
+        try:
+            split = tuning_split(self.documents, ResidualOutput().tune_tokens, faast_min_fit(width))
+        except ValueError:  # too little learned text to hold any out: the memories stay empty
+            self.choice = {"step": 0.0, "tuned": False, "fit_tokens": 0, "held_tokens": 0, "grid": []}
+            return
+        counts = [max(0, len(ids) - 1) for ids in split.documents]
+        rows = sum(int(v.shape[0]) for v in self.values)
+        if sum(counts) != rows:  # the rows are each document's len − 1 pairs, in order (overlapping_windows)
+            raise RuntimeError(f"the capture holds {rows} rows, its documents {sum(counts)} positions")
+        fit = torch.cat([torch.arange(n) < n - held - gap for n, (held, gap) in zip(counts, split.plan, strict=True)])
+
+        def score() -> float:
+            nll, count = held_out_nll(model, split, self.window, self.batch_size)
+            return nll / count
+
+        memories = [model.module_memories.entry(module_name(b)).memory for b in spec.blocks]
+        grid = [{"step": 0.0, "nll": score()}]
+        self._learn_rows(model, spec.blocks, fit, 1.0)
+        current = 1.0
+        for step in spec.step:
+            for memory in memories:
+                memory.scale_values(step / current)
+            current = step
+            grid.append({"step": step, "nll": score()})
+        best = min(grid, key=lambda g: g["nll"])["step"]  # the first (smallest step) of equal NLLs
+        for memory in memories:
+            if best == 0:
+                memory.reset()
+            else:
+                memory.scale_values(best / current)
+        if best > 0:
+            self._learn_rows(model, spec.blocks, ~fit, best)
+        self.choice = {"step": best, "tuned": True, "fit_tokens": split.fit_tokens, "held_tokens": split.held_tokens,
+                       "grid": grid}  # fmt: skip
 
 
 def log_likelihood_gradient(r: object, targets: object, head: object, scale: object, eps: float) -> object:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from faast_lab.experiments import lm_suite, lm_suite_mlp, lm_suite_report
-from hf_models import tiny_model
+from faast_lab.experiments.lm_baselines.tuning import faast_min_fit, held_out_nll, tuning_split
+from hf_models import VOCAB, tiny_model
 from test_lm_suite import ARGS, fake_manifest, fake_tree, loader
 from tolerances import ELEMENTWISE
 
@@ -78,6 +79,80 @@ def test_mlp_settings_share_a_pass_and_read_their_memories_with_their_step(tmp_p
     assert not math.isnan(merged["loko"]["median"])
 
 
+def patterned_model(docs_per_pattern: int = 4, length: int = 300) -> tuple:
+    """A tiny Llama with a module memory on block 3's down projection, its output layer learned on documents that
+    each repeat a pattern of 13 tokens (text a memory can learn), and an MlpCapture of them."""
+    from faast.hf import FaastConfig, apply_faast
+
+    torch.manual_seed(0)
+    base = tiny_model("llama")
+    g = torch.Generator().manual_seed(1)
+    docs = [(torch.randint(3, VOCAB, (13,), generator=g).tolist() * 30)[:length] for _ in range(docs_per_pattern)]
+    model = apply_faast(base, FaastConfig(target_modules=[lm_suite_mlp.module_name(3)]))
+    model.learn(docs, max_length=64, batch_size=4, progress=False)
+    capture = lm_suite_mlp.MlpCapture(base, [3], 64, 4)
+    capture.add(model, docs)
+    return base, model, capture, docs
+
+
+# The output layer turns itself off on these few patterned documents (says so); the MLP memory is what is tested.
+@pytest.mark.filterwarnings("ignore::faast.hf.MemoryOffWarning")
+def test_a_tuned_step_is_the_held_out_argmin_and_then_learns_every_row_at_it():
+    base, model, capture, docs = patterned_model()
+    name = lm_suite_mlp.module_name(3)
+    memory = model.module_memories.entry(name).memory
+    capture.learn(model, lm_suite_mlp.MlpSpec((3,), (0.01, 0.1, 1.0)))
+    choice = capture.choice
+    assert choice["tuned"] and [g["step"] for g in choice["grid"]] == [0.0, 0.01, 0.1, 1.0]
+    assert choice["step"] == min(choice["grid"], key=lambda g: g["nll"])["step"] > 0  # the pattern is learnable
+    tuned = {k: getattr(memory, k).clone() for k in ("gram", "cross", "count")}
+    # The oracle: each step learned afresh on the fit prefixes (the split cut independently), scored the same way.
+    split = tuning_split(docs, 2048, faast_min_fit(64))
+    assert choice["held_tokens"] == split.held_tokens > 0 and choice["fit_tokens"] == split.fit_tokens
+    cut = [len(d) - 1 - h - g for d, (h, g) in zip(docs, split.plan, strict=True)]
+    fit = torch.cat([torch.arange(len(d) - 1) < n for d, n in zip(docs, cut, strict=True)])
+    keys, values = torch.cat(capture.keys[3]), torch.cat(capture.values)
+    with torch.no_grad(), model.disable_faast():
+        own = base.get_submodule(name)(keys)
+    for point in choice["grid"]:
+        memory.reset()
+        if point["step"] > 0:
+            model.learn_module(keys[fit], targets=own[fit] + point["step"] * values[fit], name=name)
+        nll, count = held_out_nll(model, split, 64, 4)
+        assert nll / count == pytest.approx(point["nll"], rel=1e-5)
+    # Then every row at the chosen step: the statistics of learning all of them at it.
+    capture.learn(model, lm_suite_mlp.MlpSpec((3,), choice["step"]))
+    assert capture.choice is None  # a fixed step chooses nothing
+    assert float(tuned["count"]) == float(memory.count) == fit.numel()
+    for k in ("gram", "cross"):
+        torch.testing.assert_close(tuned[k], getattr(memory, k), rtol=1e-9, atol=1e-9 * float(tuned[k].abs().max()))
+
+
+@pytest.mark.filterwarnings("ignore::faast.hf.MemoryOffWarning")
+def test_a_tuned_step_leaves_the_memories_empty_where_nothing_can_be_held_out():
+    _, model, capture, _ = patterned_model(docs_per_pattern=1, length=200)  # 199 positions: under min_held_out
+    capture.learn(model, lm_suite_mlp.MlpSpec((3,), (0.01, 1.0)))
+    assert capture.choice == {"step": 0.0, "tuned": False, "fit_tokens": 0, "held_tokens": 0, "grid": []}
+    assert float(model.module_memories.entry(lm_suite_mlp.module_name(3)).memory.count) == 0
+
+
+def test_a_tuned_setting_records_each_points_choice(tmp_path):
+    bases, sources = fake_tree(tmp_path / "tree")
+    settings = {"default": {}, "tuned": {"mlp": {"blocks": [3], "step": [1e-2, 1e-3]}}}
+    out = tmp_path / "shards"
+    lm_suite.main([*ARGS, "--settings", json.dumps(settings), "--out", str(out)],
+                  load_model=loader, manifest=fake_manifest(bases, sources), bases=bases)  # fmt: skip
+    shard = json.loads((out / "code.json").read_text())
+    row = shard["settings"]["tuned"]
+    assert shard["protocol"]["settings"]["tuned"]["mlp"]["step"] == [1e-3, 1e-2]
+    first, last = row["mlp_curve"]
+    # 383 positions at the first point hold out under min_held_out: the memories stay empty, it reads as the default.
+    assert not first["tuned"] and first["step"] == 0
+    assert row["curve"]["ppl"][0] == pytest.approx(shard["settings"]["default"]["curve"]["ppl"][0], rel=1e-6)
+    assert last["tuned"] and [g["step"] for g in last["grid"]] == [0.0, 1e-3, 1e-2]
+    assert last["step"] == min(last["grid"], key=lambda g: g["nll"])["step"] == row["mlp"]["chosen_step"]
+
+
 @pytest.mark.parametrize(
     ("spec", "says"),
     [
@@ -92,6 +167,10 @@ def test_mlp_settings_share_a_pass_and_read_their_memories_with_their_step(tmp_p
         ({"blocks": [1], "step": "1"}, "step"),
         ({"blocks": [1], "step": math.nan}, "step"),
         ({"blocks": [1], "step": math.inf}, "step"),
+        ({"blocks": [1], "step": []}, "step"),
+        ({"blocks": [1], "step": [1, 1]}, "step"),
+        ({"blocks": [1], "step": [1, 0]}, "step"),
+        ({"blocks": [1], "step": [1, True]}, "step"),
         ({"blocks": [1], "step": 1, "ridge": -1}, "ridge"),
         ({"blocks": [1], "step": 1, "ridge": "gcv"}, "ridge"),
         ({"blocks": [1], "step": 1, "ridge": True}, "ridge"),
@@ -105,6 +184,9 @@ def test_a_bad_mlp_spec_is_refused_naming_the_setting(spec, says):
     assert fields == {"bias": 0} and spec_ok == lm_suite_mlp.MlpSpec((1, 3), 2.0)
     _, ridged = lm_suite_mlp.split_mlp("ok", {"mlp": {"blocks": [1], "step": 2, "ridge": 1}})
     assert ridged == lm_suite_mlp.MlpSpec((1,), 2.0, 1.0) and ridged.learn_key() != spec_ok.learn_key()
+    _, tuned = lm_suite_mlp.split_mlp("ok", {"mlp": {"blocks": [1], "step": [50, 25]}})
+    assert tuned == lm_suite_mlp.MlpSpec((1,), (25.0, 50.0)) and tuned.tuned and not spec_ok.tuned
+    assert tuned.to_dict() == {"blocks": [1], "step": [25.0, 50.0]} and tuned.learn_key() == "[1]|None"
 
 
 def test_a_block_the_model_lacks_is_refused_naming_the_setting():

@@ -430,6 +430,23 @@ class FastWeights(SummedStatistics):
         return self
 
     @torch.no_grad()
+    def scale_values(self, factor: float) -> FastWeights:
+        """Multiply every value learned so far by factor > 0: T ← factor·T and ‖Y‖² ← factor²·‖Y‖², with S and N
+        unchanged. The data's solution W* becomes factor·W* (pseudo-inverse, a fixed ridge, or GCV, whose score
+        scales by factor² and so picks the same ridge; a prior is blended in as before), and a cached
+        eigendecomposition of S is kept: a step chosen after learning, by trying several, costs no new one.
+        Raises ValueError on a blend memory or a factor that is not a finite number > 0, with the memory untouched."""
+        self._require_exact("scale_values")
+        factor = _validate.require_nonnegative_number("factor", factor, allow_zero=False)
+        spectrum = self._cache.get(("eigh", self.state_key))
+        self.cross.mul_(factor)
+        self.target_sqnorm.mul_(factor * factor)
+        self.mark_changed()
+        if spectrum is not None:  # S is untouched: its eigendecomposition still holds
+            self._cache[("eigh", self.state_key)] = spectrum
+        return self
+
+    @torch.no_grad()
     def reset(self) -> FastWeights:
         """Forget everything: zero statistics and counters (the prior stays)."""
         for name in (*_STATISTICS, "num_dropped", "_rejected"):
