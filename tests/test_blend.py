@@ -81,11 +81,11 @@ def test_mask_must_agree_across_the_batch():
         m.update(keys, values, mask=mask)
 
 
-@pytest.mark.parametrize("method", ["merge", "forget", "apply_discount"])
+@pytest.mark.parametrize("method", ["merge", "forget", "apply_discount", "scale_values"])
 def test_exact_only_operations_are_refused(method):
     m = FastWeights(DK, DV, mode="blend", blend_window=32, blend_chunk=8)
     args = {"merge": (FastWeights(DK, DV, mode="blend", blend_window=32, blend_chunk=8),),
-            "forget": stream(4)[:2], "apply_discount": (0.5,)}[method]  # fmt: skip
+            "forget": stream(4)[:2], "apply_discount": (0.5,), "scale_values": (2.0,)}[method]  # fmt: skip
     with pytest.raises(ValueError, match="mode='exact'"):
         getattr(m, method)(*args)
 

@@ -17,14 +17,15 @@ learned part, with every memory off (the base model's activations, as faast's me
 setting's module learning count in that setting's learn time. The module memories are the public target_modules API:
 `learn_module` adds the rows, `module_memories` holds them.
 
-"step": [η₁, η₂, ...] (a list) tunes the step at each solve, as the output layer tunes its own: the learned text's
-held-out tail is cut by the rule FAAST's step tuning uses (lm_baselines.tuning.tuning_split: per document its last
-positions, and a gap before them, with the fewest fitted positions `faast_min_fit` sets for keys as wide as the
-MLP's), the memories learn the fit prefixes, and the held-out positions are scored with the whole model as it reads
-(output layer included) at step 0 (no MLP memories) and at each ηᵢ. Only T scales with the step
-(FastWeights.scale_values), so one eigendecomposition per block serves every candidate. The step of the lowest
-held-out NLL then learns the held-out and gap positions too; 0 leaves the memories empty. Where nothing can be held
-out (too little learned text for keys this wide), the memories stay empty.
+"step": [η₁, η₂, ...] (a list) tunes the step at each solve on documents the fit did not see: the learned documents
+are dealt into two folds in turn, each block's memory is fitted on each fold alone, and the held-out positions (per
+document its end, the share FAAST's step tuning holds out: lm_baselines.tuning.tuning_split) of each fold's documents
+are scored by the whole model as it reads (output layer included) with the memories fitted on the other fold, at step
+0 (no MLP memories) and at each ηᵢ. Only T scales with the step (FastWeights.scale_values), so one eigendecomposition
+per fold and block serves every candidate. The two folds' statistics then add, at the step of the lowest held-out NLL;
+0 leaves the memories empty. So a memory that only recalls its own documents, and would not help on new ones, is
+turned off. With fewer than two documents, or too little text to hold any out, the memories stay empty. A document cut
+between curve points counts as two.
 """
 
 from __future__ import annotations
@@ -162,6 +163,8 @@ class MlpCapture:
         """Empty every module memory of `model`, then learn `spec`'s blocks from the rows captured so far with
         values η·∂ log p_y/∂r (None: every module memory stays empty); a tuned step is chosen first (the module
         docstring) and `choice` says how. Returns the seconds it took, the tuning's included."""
+        import torch
+
         started = time.perf_counter()
         self.choice = None
         for b in self.blocks:
@@ -170,65 +173,75 @@ class MlpCapture:
             if spec.tuned:
                 self._learn_tuned(model, spec)
             else:
-                self._learn_rows(model, spec.blocks, None, spec.step)
+                values = torch.cat(self.values) * spec.step
+                for b in spec.blocks:
+                    keys = torch.cat(self.keys[b])
+                    with torch.no_grad():
+                        own = self.base.get_submodule(module_name(b))(keys)
+                    model.learn_module(keys, targets=own + values, name=module_name(b))
         return time.perf_counter() - started
 
-    def _learn_rows(self, model: object, blocks: Sequence[int], rows: object, step: float) -> None:
-        """learn_module on each block's memory: the captured rows where the bool mask `rows` is True (None: all),
-        values η = step."""
-        import torch
-
-        values = torch.cat(self.values)
-        for b in blocks:
-            keys = torch.cat(self.keys[b])
-            if rows is not None:
-                keys = keys[rows]
-            with torch.no_grad(), model.disable_faast():  # f(a) alone: the memory may already hold rows
-                own = self.base.get_submodule(module_name(b))(keys)
-            model.learn_module(keys, targets=own + step * (values if rows is None else values[rows]),
-                               name=module_name(b))  # fmt: skip
-
     def _learn_tuned(self, model: object, spec: MlpSpec) -> None:
-        """Choose spec's step among 0 and spec.step by the held-out NLL (the module docstring), then learn with it."""
+        """Choose spec's step among 0 and spec.step by the held-out NLL of documents the fit did not see (the
+        module docstring), then learn every row with it."""
         import torch
 
         from faast.hf import ResidualOutput
-        from faast_lab.experiments.lm_baselines.tuning import faast_min_fit, held_out_nll, tuning_split
+        from faast_lab.experiments.lm_baselines.tuning import TuningSplit, held_out_nll, tuning_split
 
-        width = int(self.keys[self.blocks[0]][0].shape[-1])
-        try:
-            split = tuning_split(self.documents, ResidualOutput().tune_tokens, faast_min_fit(width))
-        except ValueError:  # too little learned text to hold any out: the memories stay empty
-            self.choice = {"step": 0.0, "tuned": False, "fit_tokens": 0, "held_tokens": 0, "grid": []}
-            return
-        counts = [max(0, len(ids) - 1) for ids in split.documents]
+        docs = self.documents
+        counts = [max(0, len(ids) - 1) for ids in docs]
         rows = sum(int(v.shape[0]) for v in self.values)
         if sum(counts) != rows:  # the rows are each document's len − 1 pairs, in order (overlapping_windows)
             raise RuntimeError(f"the capture holds {rows} rows, its documents {sum(counts)} positions")
-        fit = torch.cat([torch.arange(n) < n - held - gap for n, (held, gap) in zip(counts, split.plan, strict=True)])
+        folds = [[i for i, n in enumerate(counts) if n > 0][f::2] for f in (0, 1)]
+        try:  # the held-out positions: tail_plan's share of each document's end (no gaps: the fit skips the document)
+            plan = tuning_split(docs, ResidualOutput().tune_tokens, 0).plan
+        except ValueError:
+            plan = [(0, 0)] * len(docs)
+        held = [sum(plan[i][0] for i in fold) for fold in folds]
+        if min(held) == 0:  # fewer than two documents, or too little text to hold any out: the memories stay empty
+            self.choice = {"step": 0.0, "tuned": False, "held_tokens": 0, "documents": len(folds[0] + folds[1]),
+                           "grid": []}  # fmt: skip
+            return
+        document = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(counts))
+        values = torch.cat(self.values)
+        entries = [model.module_memories.entry(module_name(b)) for b in spec.blocks]
+        fitted = []  # fitted[f]: each block's memory learned on fold f's rows alone, at step 1
+        for fold in folds:
+            mine = torch.isin(document, torch.tensor(fold))
+            fitted.append([e.memory.empty_like().update(torch.cat(self.keys[b])[mine], values[mine])
+                           for e, b in zip(entries, spec.blocks, strict=True)])  # fmt: skip
+        scored = [TuningSplit([docs[i] for i in fold], [(plan[i][0], 0) for i in fold]) for fold in folds]
+        own = [e.swap_memory(None) for e in entries]
 
-        def score() -> float:
-            nll, count = held_out_nll(model, split, self.window, self.batch_size)
+        def score(off: bool = False) -> float:
+            """Mean held-out NLL: each fold's documents read with the memories fitted on the other fold (off: with
+            no MLP memories)."""
+            nll, count = 0.0, 0
+            for f in (0, 1):
+                for e, memory in zip(entries, fitted[1 - f], strict=True):
+                    e.swap_memory(None if off else memory)
+                part = held_out_nll(model, scored[f], self.window, self.batch_size)
+                nll, count = nll + part[0], count + part[1]
             return nll / count
 
-        memories = [model.module_memories.entry(module_name(b)).memory for b in spec.blocks]
-        grid = [{"step": 0.0, "nll": score()}]
-        self._learn_rows(model, spec.blocks, fit, 1.0)
-        current = 1.0
-        for step in spec.step:
-            for memory in memories:
-                memory.scale_values(step / current)
-            current = step
-            grid.append({"step": step, "nll": score()})
+        try:
+            grid = [{"step": 0.0, "nll": score(off=True)}]
+            current = 1.0
+            for step in spec.step:
+                for memory in fitted[0] + fitted[1]:
+                    memory.scale_values(step / current)
+                current = step
+                grid.append({"step": step, "nll": score()})
+        finally:
+            for e, memory in zip(entries, own, strict=True):
+                e.swap_memory(memory)
         best = min(grid, key=lambda g: g["nll"])["step"]  # the first (smallest step) of equal NLLs
-        for memory in memories:
-            if best == 0:
-                memory.reset()
-            else:
-                memory.scale_values(best / current)
-        if best > 0:
-            self._learn_rows(model, spec.blocks, ~fit, best)
-        self.choice = {"step": best, "tuned": True, "fit_tokens": split.fit_tokens, "held_tokens": split.held_tokens,
+        if best > 0:  # every row at the best step: the two folds' statistics add
+            for e, first, second in zip(entries, *fitted, strict=True):
+                e.memory.merge(first.scale_values(best / current)).merge(second.scale_values(best / current))
+        self.choice = {"step": best, "tuned": True, "held_tokens": sum(held), "documents": len(folds[0] + folds[1]),
                        "grid": grid}  # fmt: skip
 
 
