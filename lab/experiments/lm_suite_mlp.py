@@ -207,7 +207,9 @@ class MlpCapture:
         document = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(counts))
         values = torch.cat(self.values)
         entries = [model.module_memories.entry(module_name(b)) for b in spec.blocks]
-        fitted = []  # fitted[f]: each block's memory learned on fold f's rows alone, at step 1
+        # fitted[f]: each block's memory learned on fold f's rows alone, at step 1. FastWeights.update takes the
+        # residual values η·g as they are; learn_module would form (f(a) + η·g) − f(a) and round it in float32.
+        fitted = []
         for fold in folds:
             mine = torch.isin(document, torch.tensor(fold))
             fitted.append([e.memory.empty_like().update(torch.cat(self.keys[b])[mine], values[mine])

@@ -435,7 +435,8 @@ class FastWeights(SummedStatistics):
         unchanged. The data's solution W* becomes factor·W* (pseudo-inverse, a fixed ridge, or GCV, whose score
         scales by factor² and so picks the same ridge; a prior is blended in as before), and a cached
         eigendecomposition of S is kept: a step chosen after learning, by trying several, costs no new one.
-        Raises ValueError on a blend memory or a factor that is not a finite number > 0, with the memory untouched."""
+        Raises TypeError for a factor that is not a real number, ValueError for one that is not finite and > 0 or on
+        a blend memory, with the memory untouched."""
         self._require_exact("scale_values")
         factor = _validate.require_nonnegative_number("factor", factor, allow_zero=False)
         spectrum = self._cache.get(("eigh", self.state_key))
