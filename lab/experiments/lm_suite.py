@@ -321,7 +321,7 @@ def run_group(domain: SuiteDomain, base: object, names: Sequence[str], settings:
                             progress=False)  # fmt: skip
             learn_s += time.perf_counter() - started
             if capture is not None and part:
-                capture.add(model, part)
+                capture.add(model, part, continues)
             tick(sum(len(x) for x in part))
             scored: list[tuple[tuple, str, object]] = []  # (what was read, setting, its perplexity) at this point
             solved: dict[str, tuple] = {}  # a cached setting's ResidualOutput -> the solve and score it was given

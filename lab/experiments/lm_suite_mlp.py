@@ -24,8 +24,10 @@ are scored by the whole model as it reads (output layer included) with the memor
 0 (no MLP memories) and at each ηᵢ. Only T scales with the step (FastWeights.scale_values), so one eigendecomposition
 per fold and block serves every candidate. The two folds' statistics then add, at the step of the lowest held-out NLL;
 0 leaves the memories empty. So a memory that only recalls its own documents, and would not help on new ones, is
-turned off. With fewer than two documents, or too little text to hold any out, the memories stay empty. A document cut
-between curve points counts as two.
+turned off. A document cut between curve points stays one (`add`'s continues), so that its pieces never fall in both
+folds. The memories stay empty with fewer than two documents, too little text to hold any out, or a fold of fewer
+rows than `faast_min_fit` asks for keys this wide (the output layer's own rule, 4 rows per key dimension: 6,144 for
+SmolLM2's MLPs).
 """
 
 from __future__ import annotations
@@ -126,9 +128,10 @@ class MlpCapture:
         self.seconds = 0.0
         self.choice: dict | None = None  # the last tuned learn's choice (`learn`)
 
-    def add(self, model: object, part: Sequence[Sequence[int]]) -> None:
+    def add(self, model: object, part: Sequence[Sequence[int]], continues: bool = False) -> None:
         """Capture `part` (token lists) in windows of `window` tokens overlapping by one, every memory of `model`
-        (the FaastModel over this base) off."""
+        (the FaastModel over this base) off. continues: the part's first list is the rest of the last one captured,
+        repeating its last token (faast.hf.tokens.split_continuing), and stays one document with it."""
         import torch
 
         from faast.hf.tokens import overlapping_windows, pad_rows
@@ -143,7 +146,11 @@ class MlpCapture:
             lambda _m, args, b=b: seen.__setitem__(b, args[0].detach())) for b in self.blocks]  # fmt: skip
         handles.append(norm.register_forward_pre_hook(lambda _m, args: seen.__setitem__("r", args[0].detach())))
         rows = [w for ids in part for w in overlapping_windows(ids, self.window)]
-        self.documents.extend(list(ids) for ids in part)
+        for i, ids in enumerate(part):
+            if i == 0 and continues and self.documents:  # its rows follow the document's: one document
+                self.documents[-1].extend(ids[1:])
+            else:
+                self.documents.append(list(ids))
         try:
             with torch.no_grad(), model.disable_faast():
                 for i in range(0, len(rows), self.batch_size):
@@ -187,7 +194,7 @@ class MlpCapture:
         import torch
 
         from faast.hf import ResidualOutput
-        from faast_lab.experiments.lm_baselines.tuning import TuningSplit, held_out_nll, tuning_split
+        from faast_lab.experiments.lm_baselines.tuning import TuningSplit, faast_min_fit, held_out_nll, tuning_split
 
         docs = self.documents
         counts = [max(0, len(ids) - 1) for ids in docs]
@@ -200,7 +207,9 @@ class MlpCapture:
         except ValueError:
             plan = [(0, 0)] * len(docs)
         held = [sum(plan[i][0] for i in fold) for fold in folds]
-        if min(held) == 0:  # fewer than two documents, or too little text to hold any out: the memories stay empty
+        width = int(self.keys[spec.blocks[0]][0].shape[-1])
+        fits = [sum(counts[i] for i in fold) for fold in folds]
+        if min(held) == 0 or min(fits) < faast_min_fit(width):  # the memories stay empty (the module docstring)
             self.choice = {"step": 0.0, "tuned": False, "held_tokens": 0, "documents": len(folds[0] + folds[1]),
                            "grid": []}  # fmt: skip
             return

@@ -79,15 +79,15 @@ def test_mlp_settings_share_a_pass_and_read_their_memories_with_their_step(tmp_p
     assert not math.isnan(merged["loko"]["median"])
 
 
-def patterned_model(docs_per_pattern: int = 4, length: int = 300) -> tuple:
-    """A tiny Llama with a module memory on block 3's down projection, its output layer learned on documents that
-    each repeat a pattern of 13 tokens (text a memory can learn), and an MlpCapture of them."""
+def patterned_model(lengths: tuple[int, ...] = (300,) * 4) -> tuple:
+    """A tiny Llama with a module memory on block 3's down projection, its output layer learned on documents (of
+    these lengths) that each repeat a pattern of 13 tokens (text a memory can learn), and an MlpCapture of them."""
     from faast.hf import FaastConfig, apply_faast
 
     torch.manual_seed(0)
     base = tiny_model("llama")
     g = torch.Generator().manual_seed(1)
-    docs = [(torch.randint(3, VOCAB, (13,), generator=g).tolist() * 30)[:length] for _ in range(docs_per_pattern)]
+    docs = [(torch.randint(3, VOCAB, (13,), generator=g).tolist() * 60)[:length] for length in lengths]
     model = apply_faast(base, FaastConfig(target_modules=[lm_suite_mlp.module_name(3)]))
     model.learn(docs, max_length=64, batch_size=4, progress=False)
     capture = lm_suite_mlp.MlpCapture(base, [3], 64, 4)
@@ -138,18 +138,42 @@ def test_a_tuned_step_is_the_argmin_on_documents_the_fit_did_not_see_and_then_le
 
 @pytest.mark.filterwarnings("ignore::faast.hf.MemoryOffWarning")
 def test_a_tuned_step_leaves_the_memories_empty_where_nothing_can_be_held_out():
-    for docs, length in ((1, 300), (2, 120)):  # one document: no second fold; 238 positions: under min_held_out
-        _, model, capture, _ = patterned_model(docs_per_pattern=docs, length=length)
+    # One document: no second fold. 238 positions: under min_held_out. A fold of 149 rows: under faast_min_fit's 256
+    # for keys 64 wide (and 150 held out).
+    for lengths in ((300,), (120, 120), (600, 150)):
+        _, model, capture, _ = patterned_model(lengths)
         capture.learn(model, lm_suite_mlp.MlpSpec((3,), (0.01, 1.0)))
-        assert capture.choice == {"step": 0.0, "tuned": False, "held_tokens": 0, "documents": docs, "grid": []}
+        assert capture.choice == {"step": 0.0, "tuned": False, "held_tokens": 0, "documents": len(lengths),
+                                  "grid": []}  # fmt: skip
         assert float(model.module_memories.entry(lm_suite_mlp.module_name(3)).memory.count) == 0
+    _, model, capture, docs = patterned_model((600, 300))  # folds of 599 and 299 rows, about 180 held out: tuned
+    capture.learn(model, lm_suite_mlp.MlpSpec((3,), (0.01, 1.0)))
+    held = sum(h for h, _ in tuning_split(docs, 2048, 0).plan)
+    assert capture.choice["tuned"] and capture.choice["held_tokens"] == held
+
+
+@pytest.mark.filterwarnings("ignore::faast.hf.MemoryOffWarning")
+def test_a_document_cut_between_parts_is_captured_as_one():
+    from faast.hf.tokens import split_continuing
+
+    base, model, whole, docs = patterned_model((300, 200, 250))
+    cut = lm_suite_mlp.MlpCapture(base, [3], 64, 4)
+    for part, continues in split_continuing(docs, [400, 750]):  # the second document is cut at 400 tokens
+        cut.add(model, part, continues)
+    assert cut.documents == whole.documents == docs
+    # Its rows: every position once (the pieces share one token), each document's in order.
+    assert sum(int(v.shape[0]) for v in cut.values) == sum(len(d) - 1 for d in docs)
+    cut.learn(model, lm_suite_mlp.MlpSpec((3,), (0.01, 1.0)))  # the row check of the tuned learn passes
+    assert cut.choice["documents"] == 3
 
 
 def test_a_tuned_setting_records_each_points_choice(tmp_path):
     bases, sources = fake_tree(tmp_path / "tree")
     settings = {"default": {}, "tuned": {"mlp": {"blocks": [3], "step": [1e-2, 1e-3]}}}
     out = tmp_path / "shards"
-    lm_suite.main([*ARGS, "--settings", json.dumps(settings), "--out", str(out)],
+    args = [("1200" if a == "800" else a) for a in ARGS]  # all 1,200 learned tokens: 3 documents, two folds of ≥ 256
+    assert args[args.index("--learn-tokens") + 1] == "1200"
+    lm_suite.main([*args, "--settings", json.dumps(settings), "--out", str(out)],
                   load_model=loader, manifest=fake_manifest(bases, sources), bases=bases)  # fmt: skip
     shard = json.loads((out / "code.json").read_text())
     row = shard["settings"]["tuned"]
