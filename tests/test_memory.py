@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -293,3 +295,16 @@ def test_import_faast_loads_the_core_only_and_the_subpackages_on_first_use():
         import faast
 
         faast.nope  # noqa: B018
+
+
+def test_a_float32_memory_warns_once_where_its_cut_is_below_float32_resolution():
+    keys, values, _ = data(4000)
+    m = memory(compute_dtype=torch.float32).update(keys, values)  # eps² = 4000^-2 ≈ 6e-8 < 1e-7
+    with pytest.warns(RuntimeWarning, match="below the ~1e-07"):
+        m.solve()
+    m.update(keys[:1], values[:1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.solve()  # once per memory
+        memory(compute_dtype=torch.float32, ridge="auto").update(keys, values).solve()  # a ridge: no cut
+        memory(compute_dtype=torch.float32).update(keys[:1000], values[:1000]).solve()  # 1e-6: resolved

@@ -17,11 +17,8 @@ import torch
 from . import _blend, _persist, ops
 from .ops import _validate
 from .ops._validate import check_solve_options
-from .ops.solve import SolveInfo, solve_fixed_ridge, solve_from_eigh
+from .ops.solve import SolveInfo, float32_cut_warning, solve_fixed_ridge, solve_from_eigh
 from .statistics import SummedStatistics
-
-# docs/numerics.md §1: statistics summed from float32 GEMMs resolve eigenvalues only down to this fraction of λmax.
-FLOAT32_EPS2_FLOOR = 1e-7
 
 _STATISTICS = ("gram", "cross", "count", "target_sqnorm")
 # Configuration that fixes the shape or meaning of the statistics: a file must match it to be loaded into a memory.
@@ -431,12 +428,9 @@ class FastWeights(SummedStatistics):
 
     @torch.no_grad()
     def scale_values(self, factor: float) -> FastWeights:
-        """Multiply every value learned so far by factor > 0: T ← factor·T and ‖Y‖² ← factor²·‖Y‖², with S and N
-        unchanged. The data's solution W* becomes factor·W* (pseudo-inverse, a fixed ridge, or GCV, whose score
-        scales by factor² and so picks the same ridge; a prior is blended in as before), and a cached
-        eigendecomposition of S is kept: a step chosen after learning, by trying several, costs no new one.
-        Raises TypeError for a factor that is not a real number, ValueError for one that is not finite and > 0 or on
-        a blend memory, with the memory untouched."""
+        """Every value learned so far times factor > 0: T ← factor·T, ‖Y‖² ← factor²·‖Y‖², S and N unchanged, so W*
+        becomes factor·W* (GCV picks the same ridge) and the cached eigendecomposition of S is kept (docs/design.md
+        §2). TypeError / ValueError for a factor that is not a finite real > 0 or a blend memory, memory untouched."""
         self._require_exact("scale_values")
         factor = _validate.require_nonnegative_number("factor", factor, allow_zero=False)
         spectrum = self._cache.get(("eigh", self.state_key))
@@ -494,23 +488,11 @@ class FastWeights(SummedStatistics):
         return weights.reshape(*batch, self.dim_key, self.dim_value), info
 
     def _warn_float32(self, options: dict) -> None:
-        if self.compute_dtype != torch.float32 or self._warned_float32 or options["ridge"] is not None:
-            return
-        if options["rtol"] is not None:
-            eps2 = options["rtol"] ** 2
-        elif options["alpha"] == "auto":
-            return
-        else:
-            eps2 = float(self.count.max()) ** (-2 * options["alpha"]) if float(self.count.max()) > 0 else 1.0
-        if eps2 < FLOAT32_EPS2_FLOOR:
+        quiet = self.compute_dtype != torch.float32 or self._warned_float32  # exact sums, or said once already
+        message = None if quiet else float32_cut_warning(options, float(self.count.max()))
+        if message is not None:
             self._warned_float32 = True
-            warnings.warn(
-                f"FastWeights(compute_dtype=float32): eps² = {eps2:.2e} is below the ~{FLOAT32_EPS2_FLOOR:g}·λmax "
-                "resolution of float32 GEMMs; rank-deficient memories (repeated rows, N < d, LayerNorm outputs) can "
-                "gain spurious directions. Use the float64 default for exact results.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def _options(self, alpha: object, rtol: object, ridge: object) -> dict:
         if alpha is None and rtol is None and ridge is None:

@@ -65,6 +65,26 @@ class SolveInfo(NamedTuple):
         return SolveInfo._make(f if f is None or isinstance(f, str) else fn(f) for f in self)
 
 
+# docs/numerics.md §1: statistics summed from float32 GEMMs resolve eigenvalues only down to this fraction of λmax.
+FLOAT32_EPS2_FLOOR = 1e-7
+
+
+def float32_cut_warning(options: dict, count: float) -> str | None:
+    """Why a solve with these options (alpha, rtol, ridge) of float32-summed statistics of `count` rows (the largest
+    in the batch) may not be exact: its cut ε² lies below FLOAT32_EPS2_FLOOR; None where it does not (a ridge, GCV)."""
+    if options["ridge"] is not None or (options["rtol"] is None and options["alpha"] == "auto"):
+        return None
+    if options["rtol"] is not None:
+        eps2 = options["rtol"] ** 2
+    else:
+        eps2 = count ** (-2 * options["alpha"]) if count > 0 else 1.0
+    if eps2 >= FLOAT32_EPS2_FLOOR:
+        return None
+    return (f"FastWeights(compute_dtype=float32): eps² = {eps2:.2e} is below the ~{FLOAT32_EPS2_FLOOR:g}·λmax "
+            "resolution of float32 GEMMs; rank-deficient memories (repeated rows, N < d, LayerNorm outputs) can gain "
+            "spurious directions. Use the float64 default for exact results.")  # fmt: skip
+
+
 def _safe_inverse(lam: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, 1.0 / torch.where(keep, lam, torch.ones_like(lam)), torch.zeros_like(lam))
 
