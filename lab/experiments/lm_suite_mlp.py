@@ -218,11 +218,12 @@ class MlpCapture:
         entries = [model.module_memories.entry(module_name(b)) for b in spec.blocks]
         # fitted[f]: each block's memory learned on fold f's rows alone, at step 1. FastWeights.update takes the
         # residual values η·g as they are; learn_module would form (f(a) + η·g) − f(a) and round it in float32.
-        fitted = []
-        for fold in folds:
-            mine = torch.isin(document, torch.tensor(fold))
-            fitted.append([e.memory.empty_like().update(torch.cat(self.keys[b])[mine], values[mine])
-                           for e, b in zip(entries, spec.blocks, strict=True)])  # fmt: skip
+        mine = [torch.isin(document, torch.tensor(fold)) for fold in folds]
+        fitted: list[list] = [[], []]
+        for e, b in zip(entries, spec.blocks, strict=True):
+            keys = torch.cat(self.keys[b])  # once per block: 32K rows of 1,536 floats
+            for f in (0, 1):
+                fitted[f].append(e.memory.empty_like().update(keys[mine[f]], values[mine[f]]))
         scored = [TuningSplit([docs[i] for i in fold], [(plan[i][0], 0) for i in fold]) for fold in folds]
         own = [e.swap_memory(None) for e in entries]
 
